@@ -1,0 +1,25 @@
+# Third-party dependencies, all from Debian packages (tools/setup-deps.sh).
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
+pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+
+find_package(Threads REQUIRED)
+find_package(tl-expected REQUIRED)
+find_package(yaml-cpp REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(FlatBuffers REQUIRED)
+find_package(RocksDB REQUIRED)
+find_package(prometheus-cpp CONFIG REQUIRED)
+
+if(KVTIER_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+  find_package(benchmark REQUIRED)
+endif()
+
+# yaml-cpp 0.7 in Debian names its target yaml-cpp; newer ones yaml-cpp::yaml-cpp.
+if(TARGET yaml-cpp::yaml-cpp)
+  set(KVTIER_YAML_TARGET yaml-cpp::yaml-cpp)
+else()
+  set(KVTIER_YAML_TARGET yaml-cpp)
+endif()

@@ -1,0 +1,32 @@
+#include "common/memory_mapping.h"
+
+#include <cerrno>
+#include <string>
+
+namespace kvtier {
+
+Result<MemoryMapping> MemoryMapping::Map(const Options& options) {
+  if (options.size_bytes == 0) {
+    return Err(InvalidArgument("MemoryMapping: size_bytes must be > 0"));
+  }
+  void* p = ::mmap(nullptr, options.size_bytes, options.prot, options.flags, options.fd,
+                   options.offset);
+  if (p == MAP_FAILED) {
+    return Err(Status::FromErrno(errno, "mmap of " + std::to_string(options.size_bytes) + " bytes"));
+  }
+  return MemoryMapping(p, options.size_bytes);
+}
+
+Result<MemoryMapping> MemoryMapping::Anonymous(size_t size_bytes) {
+  return Map(Options{.size_bytes = size_bytes});
+}
+
+void MemoryMapping::Reset() {
+  if (data_ != nullptr) {
+    ::munmap(data_, size_bytes_);  // Fails only for invalid arguments, which we never pass.
+    data_ = nullptr;
+    size_bytes_ = 0;
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs kvtier's build and test dependencies from Debian packages.
+# Idempotent: runs `apt-get update` and `apt-get install` only when a package
+# is missing. Needs root (or sudo).
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  build-essential cmake pkg-config git
+  # libraries (see ../shared/DESIGN.md, "Dependencies")
+  liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
+  libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
+    echo "setup-deps: missing ${missing[*]}; run as root or install sudo" >&2
+    exit 1
+  fi
+fi
+echo "setup-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+echo "setup-deps: done"
