@@ -41,22 +41,24 @@ class KVTIER_SCOPED_CAPABILITY MutexLock {
   Mutex* const mu_;
 };
 
-// A condition variable bound to one Mutex (which must outlive it).
+// A condition variable used with a Mutex. The mutex is passed to each wait
+// (as in Abseil) so that the thread-safety analysis can check it is held.
 class CondVar {
  public:
-  explicit CondVar(Mutex* mu) : mu_(mu) {}
+  CondVar() = default;
   CondVar(const CondVar&) = delete;
   CondVar& operator=(const CondVar&) = delete;
 
-  // REQUIRES: *mu held. Spurious wake-ups happen: wait in a loop.
-  void Wait() KVTIER_REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
+  // Atomically releases *mu, waits for a signal, reacquires *mu. Spurious
+  // wake-ups happen: wait in a loop.
+  void Wait(Mutex* mu) KVTIER_REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     cv_.wait(lock);
     lock.release();
   }
-  // REQUIRES: *mu held. Returns false on timeout.
-  bool WaitFor(std::chrono::nanoseconds timeout) KVTIER_REQUIRES(mu_) {
-    std::unique_lock<std::mutex> lock(mu_->mu_, std::adopt_lock);
+  // As Wait, for at most `timeout`. Returns false on timeout.
+  bool WaitFor(Mutex* mu, std::chrono::nanoseconds timeout) KVTIER_REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     const bool signalled = cv_.wait_for(lock, timeout) == std::cv_status::no_timeout;
     lock.release();
     return signalled;
@@ -65,7 +67,6 @@ class CondVar {
   void SignalAll() { cv_.notify_all(); }
 
  private:
-  Mutex* const mu_;
   std::condition_variable cv_;
 };
 

@@ -6,7 +6,7 @@ set -euo pipefail
 
 PACKAGES=(
   # toolchain
-  build-essential cmake pkg-config git
+  build-essential cmake pkg-config git clang
   # libraries (see ../shared/DESIGN.md, "Dependencies")
   liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev

@@ -23,6 +23,14 @@ cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_
 step "build (-j$jobs)"
 cmake --build "$build_dir" -j"$jobs"
 
+# Clang checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
+# ignores; building is enough; the tests run
+# once, on the g++ build.
+step "clang -Wthread-safety build (build/clang-tsa)"
+CC=clang CXX=clang++ cmake -S . -B build/clang-tsa -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON \
+  -DKVTIER_CUDA=OFF -DKVTIER_BUILD_TESTS=ON >/dev/null
+cmake --build build/clang-tsa -j"$jobs"
+
 step "test (ctest -j$test_jobs)"
 # shellcheck disable=SC2086
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \

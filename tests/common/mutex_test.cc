@@ -18,7 +18,7 @@ class Counter {
   // Blocks until value reaches `target`.
   void WaitFor(int target) {
     MutexLock lock(&mu_);
-    while (value_ < target) cv_.Wait();
+    while (value_ < target) cv_.Wait(&mu_);
   }
   int value() {
     MutexLock lock(&mu_);
@@ -27,7 +27,7 @@ class Counter {
 
  private:
   Mutex mu_;
-  CondVar cv_{&mu_};
+  CondVar cv_;
   int value_ KVTIER_GUARDED_BY(mu_) = 0;
 };
 
@@ -47,28 +47,31 @@ TEST(MutexTest, SerialisesIncrementsAndWakesWaiters) {
   EXPECT_EQ(counter.value(), kThreads * kPerThread);
 }
 
+bool TryLockAndUnlock(Mutex* mu) {
+  if (!mu->TryLock()) return false;
+  mu->Unlock();
+  return true;
+}
+
 TEST(MutexTest, TryLockFailsWhileHeld) {
   Mutex mu;
-  mu.Lock();
   bool acquired = true;
-  std::thread other([&] {
-    acquired = mu.TryLock();
-    if (acquired) mu.Unlock();
-  });
-  other.join();
+  {
+    MutexLock lock(&mu);
+    std::thread other([&] { acquired = TryLockAndUnlock(&mu); });
+    other.join();
+  }
   EXPECT_FALSE(acquired);
-  mu.Unlock();
-  EXPECT_TRUE(mu.TryLock());
-  mu.Unlock();
+  EXPECT_TRUE(TryLockAndUnlock(&mu));
 }
 
 TEST(CondVarTest, WaitForTimesOut) {
   Mutex mu;
-  CondVar cv(&mu);
+  CondVar cv;
   MutexLock lock(&mu);
   // Nobody signals; a spurious wake-up may report true, but not 20 in a row.
   bool signalled = true;
-  for (int i = 0; i < 20 && signalled; ++i) signalled = cv.WaitFor(std::chrono::milliseconds(1));
+  for (int i = 0; i < 20 && signalled; ++i) signalled = cv.WaitFor(&mu, std::chrono::milliseconds(1));
   EXPECT_FALSE(signalled);
 }
 
