@@ -2,15 +2,54 @@
 //
 //   kvtierd [--config FILE] [--set key=value ...] [--check-config] [--foreground]
 //
+// Without --foreground it forks into the background once its socket is
+// listening (the parent exits 0 then, or 1 if start-up failed); systemd and
+// containers use --foreground. Logs go to stderr.
+//
 // Exit codes: 0 success; 1 a runtime failure; 2 a usage or config error.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
 
 #include "config/config_loader.h"
 #include "daemon/config_summary.h"
+#include "daemon/logging.h"
+#include "daemon/server.h"
+
+namespace {
+
+// Forks; the parent waits for the child to write one byte to the pipe (ready)
+// or to close it (failed), and exits accordingly. Returns the write end in the
+// child.
+int Daemonize() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    std::perror("kvtierd: pipe");
+    std::exit(1);
+  }
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    std::perror("kvtierd: fork");
+    std::exit(1);
+  }
+  if (pid > 0) {
+    ::close(fds[1]);
+    char ready = 0;
+    const ssize_t n = ::read(fds[0], &ready, 1);
+    std::exit(n == 1 ? 0 : 1);
+  }
+  ::close(fds[0]);
+  ::setsid();
+  return fds[1];
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"kvtierd: tiered KV-cache offload daemon for LLM inference", "kvtierd"};
@@ -45,10 +84,26 @@ int main(int argc, char** argv) {
     std::printf("kvtierd: configuration OK\n");
     return 0;
   }
-  (void)foreground;
-  std::fprintf(stderr,
-               "kvtierd: the configuration is valid, but this build has no data path yet "
-               "(socket server, tiers and mover arrive with the end-to-end host path); "
-               "nothing to serve\n");
-  return 1;
+
+  const int ready_fd = foreground ? -1 : Daemonize();
+  kvtier::SetupLogging(config->log.format, config->log.level);
+  spdlog::info("kvtierd starting\n{}", kvtier::ConfigSummary(*config));
+  kvtier::Server::Options options{.config = *config, .source = source, .on_ready = [ready_fd] {
+                                    if (ready_fd >= 0) {
+                                      const char one = 1;
+                                      [[maybe_unused]] ssize_t n = ::write(ready_fd, &one, 1);
+                                      ::close(ready_fd);
+                                    }
+                                  }};
+  kvtier::Result<std::unique_ptr<kvtier::Server>> server = kvtier::Server::Create(std::move(options));
+  if (!server) {
+    spdlog::critical("start-up failed: {}", server.error().ToString());
+    return 1;
+  }
+  const kvtier::Status st = (*server)->Run();
+  if (!st.ok()) {
+    spdlog::critical("event loop failed: {}", st.ToString());
+    return 1;
+  }
+  return 0;
 }

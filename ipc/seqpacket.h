@@ -50,6 +50,8 @@ struct PeerCredentials {
 Result<PeerCredentials> GetPeerCredentials(int fd);
 
 // Sends one message with `fds` attached (borrowed; the caller keeps them).
+// An empty message is refused (kInvalidArgument): on SOCK_SEQPACKET the
+// receiver could not tell it from EOF.
 // Retries EINTR. On a non-blocking socket returns kUnavailable for EAGAIN.
 // REQUIRES: fds.size() <= kMaxFdsPerMessage.
 Status SendMessage(int fd, std::span<const uint8_t> bytes, std::span<const int> fds = {});
@@ -63,7 +65,8 @@ struct ReceivedMessage {
 
 // Receives one message of at most `max_bytes`. Retries EINTR. On a
 // non-blocking socket with nothing to read returns kUnavailable (EAGAIN).
-// ECONNRESET is returned as eof, like an orderly shutdown.
+// ECONNRESET is returned as eof, like an orderly shutdown (after any message
+// still queued). A zero-length message reads as eof.
 Result<ReceivedMessage> ReceiveMessage(int fd, size_t max_bytes);
 
 }  // namespace kvtier::ipc

@@ -1,0 +1,135 @@
+// DeviceBackend: the seam between kvtier's logic and the memory it moves.
+//
+// Two implementations: `host` (tiers/host_backend.h: arenas in process
+// memory, engine caches in memfd shared memory, copies on worker threads) and
+// `cuda` (device arenas, pinned host memory, CUDA IPC, batched kernels).
+// Everything above this interface is tested on `host`.
+//
+// Ownership: arenas and client mappings are returned as unique_ptr/shared_ptr
+// and released by destruction. A CopyBatch keeps the mapping it reads or
+// writes alive (shared_ptr) until its completion has run, so a client that
+// dies mid-copy never leaves the daemon with a dangling mapping, and its
+// memory is unmapped when the last copy touching it is done.
+//
+// Implementations are thread-safe.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/kv_cache_layout.h"
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace kvtier {
+
+// A contiguous arena owned by the backend (the hbm pool of one device, or the
+// node's pinned host pool). The bytes are valid until destruction.
+class Arena {
+ public:
+  virtual ~Arena() = default;
+  virtual uint8_t* data() const = 0;
+  virtual uint64_t size_bytes() const = 0;
+};
+
+enum class ClientMemoryKind : uint8_t { kHostMemfd = 1, kCudaIpc = 2 };
+
+// One memory region an engine registered, as received over the socket.
+struct ClientRegionHandle {
+  static constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+  ClientMemoryKind kind = ClientMemoryKind::kHostMemfd;
+  uint64_t size_bytes = 0;
+  UniqueFd memfd;                                        // kHostMemfd
+  std::array<uint8_t, kCudaIpcHandleBytes> cuda_ipc_handle{};  // kCudaIpc
+  uint64_t cuda_offset = 0;
+  int device = 0;
+};
+
+// A client's registered regions, mapped into the daemon.
+class ClientMapping {
+ public:
+  virtual ~ClientMapping() = default;
+  // Base address of each region, in registration order.
+  virtual std::span<uint8_t* const> region_bases() const = 0;
+};
+
+// One block copy between an engine block and a kvtier slot.
+struct BlockCopy {
+  uint32_t engine_block = 0;
+  uint8_t* slot = nullptr;  // block_bytes of kvtier memory (an arena slot)
+};
+
+// One copy between two kvtier slots (demotion, promotion).
+struct SlotCopy {
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  uint64_t size_bytes = 0;
+};
+
+enum class CopyDirection : uint8_t {
+  kEngineToSlot,  // store: gather engine pages into slots
+  kSlotToEngine,  // load: scatter slots into engine pages
+  kSlotToSlot,    // between tiers
+};
+
+// Loads run ahead of stores, and both ahead of background moves, so an engine
+// waiting for a load never queues behind bulk work.
+enum class CopyPriority : uint8_t { kLoad = 0, kStore = 1, kBackground = 2 };
+inline constexpr size_t kNumCopyPriorities = 3;
+
+struct CopyBatch {
+  CopyDirection direction = CopyDirection::kSlotToSlot;
+  CopyPriority priority = CopyPriority::kBackground;
+  // Engine copies: the layout and mapping (kept alive until completion).
+  std::shared_ptr<const KvCacheLayout> layout = nullptr;
+  std::shared_ptr<ClientMapping> mapping = nullptr;
+  std::vector<BlockCopy> blocks = {};
+  // Slot copies.
+  std::vector<SlotCopy> slot_copies = {};
+  // Compute the XXH3-64 of every destination slot after copying (blocks
+  // reaching host memory carry a checksum from then on).
+  bool checksum_destination = false;
+};
+
+struct CopyResult {
+  Status status = Status::Ok();
+  // With checksum_destination: one per block / slot copy, in order.
+  std::vector<uint64_t> checksums = {};
+};
+
+using CopyDone = std::function<void(CopyResult)>;
+
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
+  virtual std::string_view name() const = 0;
+
+  // The hbm pool of one device (on `host`, process memory standing in).
+  virtual Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) = 0;
+  // The node's host pool (pinned on `cuda`).
+  virtual Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) = 0;
+
+  // Maps an engine's regions. Errors: kInvalidArgument for a handle of the
+  // wrong kind for this backend, a region smaller than claimed, or (host) a
+  // memfd that is not sealed against shrinking (F_SEAL_SHRINK), since a
+  // client that truncates its memory under a copy would crash the daemon.
+  virtual Result<std::shared_ptr<ClientMapping>> MapClientMemory(
+      std::vector<ClientRegionHandle> regions) = 0;
+
+  // Runs the copies asynchronously; `done` runs exactly once, on a backend
+  // thread, after every byte is copied (or with the error that stopped it).
+  // Batches run by priority, FIFO within one priority.
+  virtual void Submit(CopyBatch batch, CopyDone done) = 0;
+
+  // Live client mappings (for Stats: a dead client's must reach zero).
+  virtual uint64_t live_mappings() const = 0;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,441 @@
+// Server's request handlers: one per message type. Each validates every count,
+// index and length it reads from the (already verified) message before use,
+// and answers with a reply or an Error; a handler that returns no bytes has
+// deferred its reply (Wait, or Load/Store with wait=true).
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "common/chain_hash.h"
+#include "daemon/server.h"
+
+namespace kvtier {
+
+namespace w = wire;
+using flatbuffers::FlatBufferBuilder;
+
+namespace {
+
+constexpr size_t kMaxRegions = 1024;
+constexpr size_t kMaxNamespacesPerSession = 64;
+constexpr size_t kMaxClientNameBytes = 128;
+constexpr size_t kMaxTokenBytes = 4096;
+
+w::Tier TierToWire(Tier t) {
+  switch (t) {
+    case Tier::kHbm: return w::Tier::Hbm;
+    case Tier::kHost: return w::Tier::Host;
+    case Tier::kDisk: return w::Tier::Disk;
+  }
+  return w::Tier::None;
+}
+
+}  // namespace
+
+void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds) {
+  const uint64_t id = msg.id();
+  if (s.tenant == nullptr && msg.body_type() != w::Body::Hello) {
+    Send(s, ipc::ErrorMessage(id, Status(StatusCode::kUnauthenticated, "send Hello first")));
+    s.close_reason = "request before Hello";
+    return;
+  }
+  if (!fds.empty() && msg.body_type() != w::Body::RegisterKvCache) {
+    // The descriptors are closed when `fds` goes; the request itself is fine.
+    spdlog::debug("session {}: ignoring {} descriptor(s) sent with a {}", s.id, fds.size(),
+                  w::EnumNameBody(msg.body_type()));
+  }
+  std::vector<uint8_t> reply;
+  switch (msg.body_type()) {
+    case w::Body::Hello:
+      reply = HandleHello(s, id, *msg.body_as_Hello());
+      break;
+    case w::Body::RegisterKvCache:
+      reply = HandleRegister(s, id, *msg.body_as_RegisterKvCache(), std::move(fds));
+      break;
+    case w::Body::Lookup:
+      reply = HandleLookup(s, id, *msg.body_as_Lookup());
+      break;
+    case w::Body::Prefetch:
+      reply = HandlePrefetch(s, id, *msg.body_as_Prefetch());
+      break;
+    case w::Body::Load:
+      reply = HandleLoadOrStore(s, id, true, msg.body_as_Load(), nullptr);
+      break;
+    case w::Body::Store:
+      reply = HandleLoadOrStore(s, id, false, nullptr, msg.body_as_Store());
+      break;
+    case w::Body::Wait:
+      reply = HandleWaitOrPoll(s, id, msg.body_as_Wait()->op(), msg.body_as_Wait()->timeout_ms());
+      break;
+    case w::Body::Poll:
+      reply = HandleWaitOrPoll(s, id, msg.body_as_Poll()->op(), std::nullopt);
+      break;
+    case w::Body::Stats:
+      reply = HandleStats(s, id);
+      break;
+    case w::Body::Evict:
+      reply = HandleEvict(s, id, *msg.body_as_Evict());
+      break;
+    case w::Body::Flush:
+      reply = ipc::ErrorMessage(
+          id, s.tenant->config.admin
+                  ? Status(StatusCode::kFailedPrecondition, "flush: there is no disk tier to flush to")
+                  : Status(StatusCode::kPermissionDenied, "flush is an admin call"));
+      break;
+    case w::Body::ListTenants:
+      reply = HandleListTenants(s, id);
+      break;
+    default:
+      ++messages_rejected_;
+      reply = ipc::ErrorMessage(id, InvalidArgument(std::string("not a request: ") +
+                                                    w::EnumNameBody(msg.body_type())));
+      break;
+  }
+  Send(s, std::move(reply));
+}
+
+std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello& m) {
+  if (s.tenant != nullptr) return ipc::ErrorMessage(id, InvalidArgument("Hello was already sent"));
+  if (m.version() != ipc::kProtocolVersion) {
+    s.close_reason = "protocol version mismatch";
+    return ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition,
+                                        "protocol version " + std::to_string(m.version()) +
+                                            " is not supported; kvtierd speaks " +
+                                            std::to_string(ipc::kProtocolVersion)));
+  }
+  if ((m.token() != nullptr && m.token()->size() > kMaxTokenBytes) ||
+      (m.client_name() != nullptr && m.client_name()->size() > kMaxClientNameBytes)) {
+    s.close_reason = "oversized Hello";
+    return ipc::ErrorMessage(id, InvalidArgument("token or client name too long"));
+  }
+  std::optional<std::string_view> token;
+  if (m.token() != nullptr && m.token()->size() > 0) token = m.token()->string_view();
+  Result<Tenant*> tenant = tenants_->Authenticate(s.peer, token);
+  if (!tenant) {
+    ++sessions_refused_;
+    spdlog::warn("session {}: refused: {}", s.id, tenant.error().message());
+    s.close_reason = "unauthenticated";
+    return ipc::ErrorMessage(id, tenant.error());
+  }
+  Tenant& t = **tenant;
+  if (t.sessions >= options_.config.limits.max_sessions_per_tenant) {
+    ++sessions_refused_;
+    s.close_reason = "too many sessions";
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
+                                        "tenant " + t.config.name + " has reached limits.max_sessions_per_tenant"));
+  }
+  s.tenant = &t;
+  ++t.sessions;
+  if (m.client_name() != nullptr) s.client_name = m.client_name()->str();
+  spdlog::info("session {}: tenant {} (pid {}{})", s.id, t.config.name, s.peer.pid,
+               s.client_name.empty() ? "" : ", " + s.client_name);
+  const Config::Limits& l = options_.config.limits;
+  FlatBufferBuilder b(512);
+  const auto secret = b.CreateVector(t.hash_secret.bytes().data(), t.hash_secret.bytes().size());
+  const auto body = w::CreateWelcome(b, ipc::kProtocolVersion, b.CreateString(t.config.name), s.id,
+                                     secret, l.max_message_bytes, l.max_keys_per_request,
+                                     l.max_inflight_ops_per_session, b.CreateString(backend_->name()));
+  return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::RegisterKvCache& m,
+                                            std::vector<UniqueFd> fds) {
+  if (s.namespaces.size() >= kMaxNamespacesPerSession) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted, "too many registered KV caches"));
+  }
+  Result<Layout> layout = ipc::LayoutFromWire(m.layout());
+  if (!layout) return ipc::ErrorMessage(id, layout.error());
+  const auto* regions = m.regions();
+  if (regions == nullptr || regions->size() == 0 || regions->size() > kMaxRegions) {
+    return ipc::ErrorMessage(id, InvalidArgument("RegisterKvCache needs 1 to " + std::to_string(kMaxRegions) +
+                                                 " regions"));
+  }
+  std::vector<ClientRegionHandle> handles;
+  std::vector<uint64_t> sizes;
+  std::vector<bool> fd_used(fds.size(), false);
+  for (size_t i = 0; i < regions->size(); ++i) {
+    const w::MemoryRegion& r = *regions->Get(static_cast<flatbuffers::uoffset_t>(i));
+    ClientRegionHandle h;
+    h.size_bytes = r.size_bytes();
+    if (r.kind() == w::MemoryKind::HostMemfd) {
+      const int idx = r.fd_index();
+      if (idx < 0 || static_cast<size_t>(idx) >= fds.size() || fd_used[static_cast<size_t>(idx)]) {
+        return ipc::ErrorMessage(id, InvalidArgument("region " + std::to_string(i) +
+                                                     ": fd_index does not name an unused descriptor"));
+      }
+      fd_used[static_cast<size_t>(idx)] = true;
+      h.kind = ClientMemoryKind::kHostMemfd;
+      h.memfd = std::move(fds[static_cast<size_t>(idx)]);
+    } else if (r.kind() == w::MemoryKind::CudaIpc) {
+      if (r.cuda_ipc_handle() == nullptr || r.cuda_ipc_handle()->size() != ClientRegionHandle::kCudaIpcHandleBytes) {
+        return ipc::ErrorMessage(id, InvalidArgument("region " + std::to_string(i) +
+                                                     ": a CUDA IPC handle is 64 bytes"));
+      }
+      h.kind = ClientMemoryKind::kCudaIpc;
+      std::copy(r.cuda_ipc_handle()->begin(), r.cuda_ipc_handle()->end(), h.cuda_ipc_handle.begin());
+      h.cuda_offset = r.cuda_offset();
+      h.device = r.device();
+    } else {
+      return ipc::ErrorMessage(id, InvalidArgument("region " + std::to_string(i) + ": unknown memory kind"));
+    }
+    sizes.push_back(h.size_bytes);
+    handles.push_back(std::move(h));
+  }
+  std::vector<Placement> placements;
+  if (m.placements() != nullptr) {
+    for (const w::Placement* p : *m.placements()) placements.push_back(ipc::PlacementFromWire(*p));
+  }
+  Result<KvCacheLayout> kv = KvCacheLayout::Create(*layout, m.num_blocks(), std::move(placements), sizes);
+  if (!kv) return ipc::ErrorMessage(id, kv.error());
+  Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles));
+  if (!mapping) return ipc::ErrorMessage(id, mapping.error());
+
+  const uint32_t ns_id = s.next_namespace_id++;
+  auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));
+  s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping)};
+  spdlog::info("session {}: registered KV cache {}: {} blocks, {}", s.id, ns_id, m.num_blocks(),
+               layout->ToString());
+  FlatBufferBuilder b(128);
+  const w::Key fp = ipc::ToWire(layout->fingerprint());
+  const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes());
+  return ipc::FinishMessage(b, id, body);
+}
+
+Result<std::vector<StoredKey>> Server::StoredKeys(const Session& s, const SessionNamespace& ns,
+                                                  const flatbuffers::Vector<const w::Key*>* keys) {
+  const size_t n = keys == nullptr ? 0 : keys->size();
+  if (n > options_.config.limits.max_keys_per_request) {
+    return Err(InvalidArgument(std::to_string(n) + " keys exceed limits.max_keys_per_request (" +
+                               std::to_string(options_.config.limits.max_keys_per_request) + ")"));
+  }
+  std::vector<StoredKey> out;
+  out.reserve(n);
+  const LayoutFingerprint& fp = ns.layout->layout().fingerprint();
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(DeriveStoredKey(s.tenant->salt, fp,
+                                  ipc::FromWire<BlockKey>(*keys->Get(static_cast<flatbuffers::uoffset_t>(i)))));
+  }
+  return out;
+}
+
+namespace {
+Result<const SessionNamespace*> FindNamespace(const Session& s, uint32_t ns_id) {
+  auto it = s.namespaces.find(ns_id);
+  if (it == s.namespaces.end()) {
+    return Err(Status(StatusCode::kNotFound, "namespace " + std::to_string(ns_id) + " is not registered"));
+  }
+  return &it->second;
+}
+}  // namespace
+
+std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Lookup& m) {
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const LookupResult r = cache_->Lookup(*keys);
+  std::vector<w::Tier> tiers;
+  for (Tier t : r.tiers) tiers.push_back(TierToWire(t));
+  FlatBufferBuilder b(64 + tiers.size());
+  const auto body = w::CreateLookupReplyDirect(b, r.hits, &tiers);
+  return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Prefetch& m) {
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const auto [resident, queued] = cache_->Prefetch(s.tenant->id, *keys);
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, resident, queued));
+}
+
+std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool load, const w::Load* l,
+                                               const w::Store* st) {
+  const uint32_t ns_id = load ? l->namespace_id() : st->namespace_id();
+  const auto* wire_keys = load ? l->keys() : st->keys();
+  const auto* block_ids = load ? l->block_ids() : st->block_ids();
+  const bool wait = load ? l->wait() : st->wait();
+  Result<const SessionNamespace*> ns = FindNamespace(s, ns_id);
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, wire_keys);
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const size_t n_ids = block_ids == nullptr ? 0 : block_ids->size();
+  if (n_ids != keys->size()) {
+    return ipc::ErrorMessage(id, InvalidArgument(std::to_string(keys->size()) + " keys but " +
+                                                 std::to_string(n_ids) + " block ids"));
+  }
+  std::vector<uint32_t> ids(n_ids);
+  const uint32_t num_blocks = (*ns)->layout->num_blocks();
+  for (size_t i = 0; i < n_ids; ++i) {
+    ids[i] = block_ids->Get(static_cast<flatbuffers::uoffset_t>(i));
+    if (ids[i] >= num_blocks) {
+      return ipc::ErrorMessage(id, Status(StatusCode::kOutOfRange,
+                                          "block id " + std::to_string(ids[i]) + " at " + std::to_string(i) +
+                                              " is not below num_blocks " + std::to_string(num_blocks)));
+    }
+  }
+  if (load) {
+    // Two keys loaded into one engine block would race on its bytes.
+    std::vector<uint32_t> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+      return ipc::ErrorMessage(id, InvalidArgument("a Load names the same engine block twice"));
+    }
+  }
+  if (s.ops.size() >= options_.config.limits.max_inflight_ops_per_session) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
+                                        "limits.max_inflight_ops_per_session reached: wait for ops first"));
+  }
+  const uint64_t op = s.next_op_id++;
+  SessionOp& o = s.ops[op];
+  if (wait) o.waiters.push_back(id);
+  ++s.pending_ops;
+  EngineTarget target{(*ns)->layout, (*ns)->mapping};
+  OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
+  if (load) {
+    cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+  } else {
+    std::optional<StoredKey> parent;
+    if (st->parent() != nullptr) {
+      parent = DeriveStoredKey(s.tenant->salt, (*ns)->layout->layout().fingerprint(),
+                               ipc::FromWire<BlockKey>(*st->parent()));
+    }
+    cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done));
+  }
+  if (wait) return {};
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op));
+}
+
+void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
+  auto sit = sessions_.find(session_id);
+  if (sit == sessions_.end()) return;  // the client is gone; nothing to tell
+  Session& s = *sit->second;
+  auto oit = s.ops.find(op_id);
+  if (oit == s.ops.end()) return;
+  SessionOp& o = oit->second;
+  o.done = true;
+  o.outcome = std::move(outcome);
+  --s.pending_ops;
+  if (o.waiters.empty()) return;  // kept for a later Wait or Poll
+  for (uint64_t request : o.waiters) Send(s, OpResultMessage(request, op_id, o));
+  s.ops.erase(oit);
+}
+
+std::vector<uint8_t> Server::OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o) {
+  FlatBufferBuilder b(128);
+  const auto message = b.CreateString(o.outcome.status.message());
+  const auto body = w::CreateOpResult(b, op, o.done, ipc::CodeToWire(o.outcome.status.code()), message,
+                                      o.outcome.blocks, o.outcome.already);
+  return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,
+                                              std::optional<uint32_t> timeout_ms) {
+  auto it = s.ops.find(op);
+  if (it == s.ops.end()) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no op " + std::to_string(op) +
+                                                                   " (unknown, or its result was taken)"));
+  }
+  if (it->second.done) {
+    std::vector<uint8_t> reply = OpResultMessage(id, op, it->second);
+    s.ops.erase(it);
+    return reply;
+  }
+  if (!timeout_ms) return OpResultMessage(id, op, it->second);  // Poll: not done yet
+  it->second.waiters.push_back(id);
+  if (*timeout_ms > 0) {
+    wait_deadlines_.emplace(std::chrono::steady_clock::now() + std::chrono::milliseconds(*timeout_ms),
+                            PendingWait{s.id, op, id});
+  }
+  return {};
+}
+
+std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
+  (void)s;
+  FlatBufferBuilder b(2048);
+  std::vector<flatbuffers::Offset<w::TierStats>> tiers;
+  for (Tier t : {Tier::kHbm, Tier::kHost}) {
+    const TierUsage u = cache_->Usage(t);
+    tiers.push_back(w::CreateTierStats(b, TierToWire(t), u.capacity_bytes, u.used_bytes, u.blocks));
+  }
+  const CacheCounters& c = cache_->counters();
+  const std::pair<const char*, uint64_t> counters[] = {
+      {"lookups", c.lookups},
+      {"lookup_keys", c.lookup_keys},
+      {"hits_hbm", c.hits[0]},
+      {"hits_host", c.hits[1]},
+      {"misses", c.misses},
+      {"stores", c.stores},
+      {"already_stored", c.already_stored},
+      {"store_rejected", c.store_rejected},
+      {"stores_discarded", c.stores_discarded},
+      {"loads", c.loads},
+      {"promotions", c.promotions},
+      {"demotions", c.demotions},
+      {"evictions_hbm", c.evictions[0]},
+      {"evictions_host", c.evictions[1]},
+      {"prefix_fallbacks", c.prefix_fallbacks},
+      {"bytes_engine_to_cache", c.bytes_engine_to_cache},
+      {"bytes_cache_to_engine", c.bytes_cache_to_engine},
+      {"bytes_hbm_to_host", c.bytes_hbm_to_host},
+      {"bytes_host_to_hbm", c.bytes_host_to_hbm},
+      {"sessions_refused", sessions_refused_},
+      {"messages_rejected", messages_rejected_},
+  };
+  std::vector<flatbuffers::Offset<w::Counter>> cs;
+  for (const auto& [name, value] : counters) cs.push_back(w::CreateCounterDirect(b, name, value));
+  uint64_t inflight = 0;
+  for (const auto& [sid, session] : sessions_) inflight += session->pending_ops;
+  const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions_.size(), cache_->leases(),
+                                              backend_->live_mappings(), inflight, &cs);
+  return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict& m) {
+  std::optional<std::vector<TenantId>> owners;
+  const std::string_view target = m.tenant() != nullptr ? m.tenant()->string_view() : "";
+  if (!target.empty() && target != s.tenant->config.name) {
+    if (!s.tenant->config.admin) {
+      return ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied,
+                                          "only an admin tenant may evict another tenant's blocks"));
+    }
+    Tenant* other = tenants_->FindByName(target);
+    if (other == nullptr) return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no such tenant"));
+    owners = std::vector<TenantId>{other->id};
+  } else if (!s.tenant->config.admin || !target.empty()) {
+    owners = std::vector<TenantId>{s.tenant->id};
+  }  // else: an admin with no tenant named evicts everyone's
+  std::optional<uint32_t> ns;
+  if (m.fingerprint() != nullptr) ns = cache_->NamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
+  std::optional<Tier> tier;
+  switch (m.tier()) {
+    case w::Tier::None: break;
+    case w::Tier::Hbm: tier = Tier::kHbm; break;
+    case w::Tier::Host: tier = Tier::kHost; break;
+    case w::Tier::Disk: tier = Tier::kDisk; break;
+  }
+  const uint64_t evicted = cache_->Evict(owners, ns, tier);
+  spdlog::info("session {}: evicted {} block(s)", s.id, evicted);
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreateEvictReply(b, evicted));
+}
+
+std::vector<uint8_t> Server::HandleListTenants(Session& s, uint64_t id) {
+  if (!s.tenant->config.admin) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied, "ListTenants is an admin call"));
+  }
+  FlatBufferBuilder b(1024);
+  std::vector<flatbuffers::Offset<w::TenantInfo>> list;
+  for (const auto& t : tenants_->tenants()) {
+    std::vector<uint64_t> used;
+    for (Tier tier : {Tier::kHbm, Tier::kHost, Tier::kDisk}) used.push_back(cache_->TenantUsedBytes(t->id, tier));
+    list.push_back(w::CreateTenantInfoDirect(b, t->config.name.c_str(), t->sessions, &used,
+                                             cache_->TenantBlocks(t->id)));
+  }
+  return ipc::FinishMessage(b, id, w::CreateTenantListDirect(b, &list));
+}
+
+}  // namespace kvtier

@@ -1,0 +1,367 @@
+#include "daemon/server.h"
+
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "daemon/logging.h"
+#include "tiers/host_backend.h"
+
+namespace kvtier {
+namespace {
+
+// epoll data for the fixed descriptors; sessions use their id (>= kFirstSessionId).
+constexpr uint64_t kListenTag = 1;
+constexpr uint64_t kSignalTag = 2;
+constexpr uint64_t kWakeTag = 3;
+constexpr uint64_t kFirstSessionId = 16;
+constexpr size_t kMaxOutbox = 4096;
+constexpr int kMaxMessagesPerWakeup = 64;
+
+Status EpollAdd(int epoll, int fd, uint32_t events, uint64_t tag) {
+  epoll_event ev{};
+  ev.events = events;
+  ev.data.u64 = tag;
+  if (::epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &ev) != 0) return Status::FromErrno(errno, "epoll_ctl ADD");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Server>> Server::Create(Options options) {
+  std::unique_ptr<Server> server(new Server(std::move(options)));
+  KVTIER_RETURN_IF_ERROR(server->Setup());
+  return server;
+}
+
+Server::Server(Options options) : options_(std::move(options)), next_session_id_(kFirstSessionId) {}
+
+Server::~Server() {
+  // Every copy must have finished before the cache (and its arenas) go.
+  sessions_.clear();
+  cache_.reset();
+  backend_.reset();
+}
+
+Status Server::Setup() {
+  const Config& c = options_.config;
+  // Signals are taken through a signalfd; block them before any thread starts
+  // so that no worker thread receives them.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGHUP);
+  if (::pthread_sigmask(SIG_BLOCK, &mask, nullptr) != 0) return Internal("pthread_sigmask failed");
+  ::signal(SIGPIPE, SIG_IGN);
+  signal_fd_ = UniqueFd(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
+  if (!signal_fd_) return Status::FromErrno(errno, "signalfd");
+
+  switch (c.device.backend) {
+    case DeviceBackendKind::kCuda:
+      return Status(StatusCode::kUnimplemented,
+                    "device.backend: the cuda backend is not part of this build yet; use host");
+    case DeviceBackendKind::kAuto:
+    case DeviceBackendKind::kHost: {
+      const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
+      KVTIER_ASSIGN_OR_RETURN(backend_, HostBackend::Create({.copy_threads = threads}));
+      break;
+    }
+  }
+  spdlog::info("device backend: {}", backend_->name());
+  if (c.tiers.disk.enabled) {
+    spdlog::warn("tiers.disk is enabled, but this build has no disk tier yet: serving hbm and host only");
+  }
+
+  KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
+  BlockCache::Options cache_options{
+      .backend = backend_.get(),
+      .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
+      .hbm_bytes = c.tiers.hbm.enabled ? c.tiers.hbm.bytes : 0,
+      .host_bytes = c.tiers.host.bytes,
+      .hbm_watermarks = {c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
+      .host_watermarks = {c.policy.watermarks.host.high, c.policy.watermarks.host.low},
+      .prefix_aware = c.policy.prefix_aware};
+  KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
+  for (const auto& t : tenants_->tenants()) cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));
+  spdlog::info("tiers: hbm {} bytes, host {} bytes", cache_->Usage(Tier::kHbm).capacity_bytes,
+               cache_->Usage(Tier::kHost).capacity_bytes);
+
+  epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_) return Status::FromErrno(errno, "epoll_create1");
+  wake_fd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake_fd_) return Status::FromErrno(errno, "eventfd");
+
+  const std::filesystem::path dir = std::filesystem::path(c.socket.path).parent_path();
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return Status::FromErrno(ec.value(), "creating socket directory " + dir.string());
+  }
+  KVTIER_ASSIGN_OR_RETURN(listen_, ipc::Listen(c.socket.path, c.socket.mode));
+  KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), listen_.get(), EPOLLIN, kListenTag));
+  KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), signal_fd_.get(), EPOLLIN, kSignalTag));
+  KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), wake_fd_.get(), EPOLLIN, kWakeTag));
+  spdlog::info("listening on {} (mode {:04o}), {} tenant(s)", c.socket.path, c.socket.mode,
+               tenants_->tenants().size());
+  return Status::Ok();
+}
+
+void Server::Stop() {
+  stop_requested_.store(true, std::memory_order_relaxed);
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void Server::Post(std::function<void()> fn) {
+  {
+    MutexLock lock(&posted_mu_);
+    posted_.push_back(std::move(fn));
+  }
+  const uint64_t one = 1;
+  // A full eventfd counter (never in practice) still leaves it readable.
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void Server::RunPosted() {
+  uint64_t count = 0;
+  [[maybe_unused]] ssize_t n = ::read(wake_fd_.get(), &count, sizeof(count));
+  std::deque<std::function<void()>> batch;
+  {
+    MutexLock lock(&posted_mu_);
+    batch.swap(posted_);
+  }
+  for (auto& fn : batch) fn();
+}
+
+int Server::NextTimeoutMs() const {
+  if (wait_deadlines_.empty()) return stopping_ ? 100 : -1;
+  const auto until = wait_deadlines_.begin()->first - std::chrono::steady_clock::now();
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(until).count();
+  return static_cast<int>(std::clamp<int64_t>(ms, 0, 60000));
+}
+
+Status Server::Run() {
+  if (options_.on_ready) options_.on_ready();
+  epoll_event events[64];
+  while (true) {
+    if (stop_requested_.load(std::memory_order_relaxed) && !stopping_) {
+      stopping_ = true;
+      spdlog::info("stopping: closing {} session(s), waiting for {} copies", sessions_.size(),
+                   cache_->inflight_copies());
+      ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
+      listen_.Reset();
+      ::unlink(options_.config.socket.path.c_str());
+      std::vector<uint64_t> ids;
+      for (const auto& [id, s] : sessions_) ids.push_back(id);
+      for (uint64_t id : ids) CloseSession(id, "daemon stopping");
+    }
+    if (stopping_ && cache_->inflight_copies() == 0) break;
+    const int n = ::epoll_wait(epoll_.get(), events, 64, NextTimeoutMs());
+    if (n < 0 && errno != EINTR) return Status::FromErrno(errno, "epoll_wait");
+    for (int i = 0; i < n; ++i) {
+      const uint64_t tag = events[i].data.u64;
+      if (tag == kListenTag) {
+        AcceptAll();
+      } else if (tag == kSignalTag) {
+        OnSignal();
+      } else if (tag == kWakeTag) {
+        RunPosted();
+      } else if (auto it = sessions_.find(tag); it != sessions_.end()) {
+        Session& s = *it->second;
+        if (events[i].events & EPOLLOUT) OnSessionWritable(s);
+        if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) OnSessionReadable(s);
+      }
+      CloseMarkedSessions();
+    }
+    ExpireWaits();
+    CloseMarkedSessions();
+  }
+  spdlog::info("stopped");
+  return Status::Ok();
+}
+
+void Server::AcceptAll() {
+  while (true) {
+    Result<UniqueFd> fd = ipc::Accept(listen_.get());
+    if (!fd) {
+      spdlog::warn("accept: {}", fd.error().ToString());
+      return;
+    }
+    if (!fd->valid()) return;
+    Result<ipc::PeerCredentials> peer = ipc::GetPeerCredentials(fd->get());
+    if (!peer) {
+      spdlog::warn("peer credentials: {}", peer.error().ToString());
+      continue;
+    }
+    auto s = std::make_unique<Session>();
+    s->id = next_session_id_++;
+    s->fd = std::move(*fd);
+    s->peer = *peer;
+    if (Status st = EpollAdd(epoll_.get(), s->fd.get(), EPOLLIN, s->id); !st.ok()) {
+      spdlog::warn("session: {}", st.ToString());
+      continue;
+    }
+    spdlog::debug("session {}: connected, pid {} uid {} gid {}", s->id, peer->pid, peer->uid, peer->gid);
+    sessions_.emplace(s->id, std::move(s));
+  }
+}
+
+void Server::OnSessionReadable(Session& s) {
+  for (int i = 0; i < kMaxMessagesPerWakeup && s.close_reason == nullptr; ++i) {
+    Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(s.fd.get(), options_.config.limits.max_message_bytes);
+    if (!m) {
+      if (m.error().code() != StatusCode::kUnavailable) s.close_reason = "receive failed";
+      return;
+    }
+    if (m->eof) {
+      s.close_reason = "client closed the connection";
+      return;
+    }
+    if (m->truncated) {
+      ++messages_rejected_;
+      Send(s, ipc::ErrorMessage(0, InvalidArgument("message larger than limits.max_message_bytes (" +
+                                                   std::to_string(options_.config.limits.max_message_bytes) +
+                                                   ") or with too many descriptors")));
+      s.close_reason = "oversized message";
+      return;
+    }
+    Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
+    if (!msg) {
+      ++messages_rejected_;
+      Send(s, ipc::ErrorMessage(0, msg.error()));
+      s.close_reason = "malformed message";
+      return;
+    }
+    Handle(s, **msg, std::move(m->fds));
+  }
+}
+
+void Server::Send(Session& s, std::vector<uint8_t> bytes) {
+  if (bytes.empty() || s.close_reason != nullptr) return;
+  if (s.outbox.empty()) {
+    const Status st = ipc::SendMessage(s.fd.get(), bytes);
+    if (st.ok()) return;
+    if (st.code() != StatusCode::kUnavailable) {
+      s.close_reason = "send failed";
+      return;
+    }
+  }
+  if (s.outbox.size() >= kMaxOutbox) {
+    s.close_reason = "client does not read its replies";
+    return;
+  }
+  s.outbox.push_back(std::move(bytes));
+  if (!s.want_write) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLOUT;
+    ev.data.u64 = s.id;
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, s.fd.get(), &ev);
+    s.want_write = true;
+  }
+}
+
+void Server::OnSessionWritable(Session& s) {
+  while (!s.outbox.empty()) {
+    const Status st = ipc::SendMessage(s.fd.get(), s.outbox.front());
+    if (st.code() == StatusCode::kUnavailable) return;
+    if (!st.ok()) {
+      s.close_reason = "send failed";
+      return;
+    }
+    s.outbox.pop_front();
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = s.id;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, s.fd.get(), &ev);
+  s.want_write = false;
+}
+
+void Server::CloseMarkedSessions() {
+  std::vector<std::pair<uint64_t, const char*>> marked;
+  for (const auto& [id, s] : sessions_) {
+    if (s->close_reason != nullptr) marked.emplace_back(id, s->close_reason);
+  }
+  for (const auto& [id, why] : marked) CloseSession(id, why);
+}
+
+void Server::CloseSession(uint64_t id, const char* why) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  Session& s = *it->second;
+  // Flush what fits (e.g. the error that explains the close).
+  while (!s.outbox.empty() && ipc::SendMessage(s.fd.get(), s.outbox.front()).ok()) s.outbox.pop_front();
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
+  if (s.tenant != nullptr) --s.tenant->sessions;
+  spdlog::info("session {} ({}{}): closed: {}; {} op(s) in flight are abandoned", id,
+               s.tenant != nullptr ? s.tenant->config.name : "unauthenticated",
+               s.client_name.empty() ? "" : ", " + s.client_name, why, s.pending_ops);
+  // Dropping the session drops `alive` (so its in-flight stores are discarded
+  // when they finish) and its namespaces; each mapping goes once the last
+  // copy that uses it is done.
+  sessions_.erase(it);
+}
+
+void Server::ExpireWaits() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!wait_deadlines_.empty() && wait_deadlines_.begin()->first <= now) {
+    const PendingWait w = wait_deadlines_.begin()->second;
+    wait_deadlines_.erase(wait_deadlines_.begin());
+    auto sit = sessions_.find(w.session);
+    if (sit == sessions_.end()) continue;
+    auto oit = sit->second->ops.find(w.op);
+    if (oit == sit->second->ops.end() || oit->second.done) continue;
+    auto& waiters = oit->second.waiters;
+    auto wit = std::find(waiters.begin(), waiters.end(), w.request);
+    if (wit == waiters.end()) continue;
+    waiters.erase(wit);
+    SessionOp timed_out;
+    timed_out.outcome.status = Status(StatusCode::kDeadlineExceeded, "op still running");
+    Send(*sit->second, OpResultMessage(w.request, w.op, timed_out));
+  }
+}
+
+void Server::OnSignal() {
+  signalfd_siginfo info{};
+  while (::read(signal_fd_.get(), &info, sizeof(info)) == sizeof(info)) {
+    if (info.ssi_signo == SIGHUP) {
+      Reload();
+    } else {
+      spdlog::info("signal {}: shutting down", info.ssi_signo);
+      stop_requested_.store(true, std::memory_order_relaxed);
+    }
+  }
+}
+
+void Server::Reload() {
+  if (!options_.source) {
+    spdlog::warn("SIGHUP: no config source to reload");
+    return;
+  }
+  Result<Config> fresh = LoadConfig(*options_.source);
+  if (!fresh) {
+    spdlog::error("SIGHUP: config not reloaded, it is invalid:\n{}", fresh.error().message());
+    return;
+  }
+  const Config& c = *fresh;
+  cache_->SetWatermarks({c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
+                        {c.policy.watermarks.host.high, c.policy.watermarks.host.low});
+  for (const std::string& what : tenants_->Reload(c)) {
+    spdlog::warn("SIGHUP: {} changed; that takes a restart", what);
+  }
+  for (const auto& t : tenants_->tenants()) cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));
+  SetLogLevel(c.log.level);
+  options_.config.policy.watermarks = c.policy.watermarks;
+  options_.config.log.level = c.log.level;
+  spdlog::info("SIGHUP: reloaded watermarks, quotas and log level ({})", LogLevelName(c.log.level));
+}
+
+}  // namespace kvtier

@@ -1,0 +1,111 @@
+// Server: kvtierd's event loop. One thread runs epoll over the listening
+// socket, every session, a signalfd (SIGTERM/SIGINT stop, SIGHUP reloads) and
+// an eventfd through which copy completions come back from the backend's
+// threads; all request handling, the BlockCache and the tenant registry live
+// on that thread, so none of them needs a lock.
+//
+// Shutdown (SIGTERM, SIGINT, or Stop()): stop accepting, close every session,
+// wait for copies in flight to finish, then return from Run().
+//
+// Run() on one thread; Stop() is thread-safe.
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/unique_fd.h"
+#include "config/config.h"
+#include "config/config_loader.h"
+#include "daemon/session.h"
+#include "daemon/tenants.h"
+#include "ipc/wire.h"
+#include "tiers/block_cache.h"
+
+namespace kvtier {
+
+class Server {
+ public:
+  struct Options {
+    Config config;
+    // Where the config came from, for SIGHUP reloads (unset: no reload).
+    std::optional<ConfigSource> source;
+    // Called once the socket is listening (e.g. to signal readiness).
+    std::function<void()> on_ready;
+  };
+
+  static Result<std::unique_ptr<Server>> Create(Options options);
+  ~Server();
+
+  Status Run();
+  void Stop();
+
+ private:
+  explicit Server(Options options);
+
+  // --- loop (server.cc)
+  Status Setup();
+  void AcceptAll();
+  void OnSessionReadable(Session& s);
+  void OnSessionWritable(Session& s);
+  void CloseSession(uint64_t id, const char* why);
+  void CloseMarkedSessions();
+  void Send(Session& s, std::vector<uint8_t> bytes);
+  void Post(std::function<void()> fn);
+  void RunPosted();
+  void OnSignal();
+  void Reload();
+  void ExpireWaits();
+  int NextTimeoutMs() const;
+
+  // --- requests (handlers.cc)
+  void Handle(Session& s, const wire::Message& msg, std::vector<UniqueFd> fds);
+  std::vector<uint8_t> HandleHello(Session& s, uint64_t id, const wire::Hello& m);
+  std::vector<uint8_t> HandleRegister(Session& s, uint64_t id, const wire::RegisterKvCache& m,
+                                      std::vector<UniqueFd> fds);
+  std::vector<uint8_t> HandleLookup(Session& s, uint64_t id, const wire::Lookup& m);
+  std::vector<uint8_t> HandlePrefetch(Session& s, uint64_t id, const wire::Prefetch& m);
+  std::vector<uint8_t> HandleLoadOrStore(Session& s, uint64_t id, bool load,
+                                         const wire::Load* l, const wire::Store* st);
+  std::vector<uint8_t> HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,
+                                        std::optional<uint32_t> timeout_ms);
+  std::vector<uint8_t> HandleStats(Session& s, uint64_t id);
+  std::vector<uint8_t> HandleEvict(Session& s, uint64_t id, const wire::Evict& m);
+  std::vector<uint8_t> HandleListTenants(Session& s, uint64_t id);
+  void OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome);
+  std::vector<uint8_t> OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o);
+  Result<std::vector<StoredKey>> StoredKeys(const Session& s, const SessionNamespace& ns,
+                                            const flatbuffers::Vector<const wire::Key*>* keys);
+
+  Options options_;
+  std::unique_ptr<DeviceBackend> backend_;
+  std::unique_ptr<BlockCache> cache_;
+  std::unique_ptr<TenantRegistry> tenants_;
+  UniqueFd epoll_;
+  UniqueFd listen_;
+  UniqueFd signal_fd_;
+  UniqueFd wake_fd_;  // eventfd: posted closures or Stop()
+  std::map<uint64_t, std::unique_ptr<Session>> sessions_;
+  uint64_t next_session_id_ = 1;
+  bool stopping_ = false;
+  uint64_t sessions_refused_ = 0;
+  uint64_t messages_rejected_ = 0;
+
+  struct PendingWait {
+    uint64_t session;
+    uint64_t op;
+    uint64_t request;
+  };
+  std::multimap<std::chrono::steady_clock::time_point, PendingWait> wait_deadlines_;
+
+  Mutex posted_mu_;
+  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(posted_mu_);
+  std::atomic<bool> stop_requested_{false};  // relaxed: the eventfd write orders it
+};
+
+}  // namespace kvtier

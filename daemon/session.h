@@ -1,0 +1,56 @@
+// Session: one client connection's state inside the daemon.
+//
+// Owned by the Server, on the event-loop thread; thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/device_backend.h"
+#include "common/unique_fd.h"
+#include "ipc/seqpacket.h"
+#include "tiers/block_cache.h"
+
+namespace kvtier {
+
+struct Tenant;
+
+// A KV cache the session registered.
+struct SessionNamespace {
+  std::shared_ptr<const KvCacheLayout> layout;
+  std::shared_ptr<ClientMapping> mapping;
+};
+
+struct SessionOp {
+  bool done = false;
+  OpOutcome outcome;
+  std::vector<uint64_t> waiters;  // request ids of Waits (and wait=true requests) to answer
+};
+
+struct Session {
+  uint64_t id = 0;
+  UniqueFd fd;
+  ipc::PeerCredentials peer;
+  Tenant* tenant = nullptr;  // set by Hello
+  std::string client_name;
+  std::map<uint32_t, SessionNamespace> namespaces;
+  uint32_t next_namespace_id = 1;
+  std::map<uint64_t, SessionOp> ops;
+  uint64_t next_op_id = 1;
+  uint32_t pending_ops = 0;  // not yet done
+  // Replies that did not fit in the socket buffer, sent on EPOLLOUT.
+  std::deque<std::vector<uint8_t>> outbox;
+  bool want_write = false;
+  // Set by a handler that must end the session; the loop closes it once the
+  // handler has returned (so no handler sees its session destroyed).
+  const char* close_reason = nullptr;
+  // Expires when the session closes: copies finishing later see that their
+  // client is gone (stores are discarded).
+  std::shared_ptr<void> alive = std::make_shared<int>(0);
+};
+
+}  // namespace kvtier

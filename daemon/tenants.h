@@ -1,0 +1,69 @@
+// TenantRegistry: who may connect, and each tenant's secrets and quotas.
+//
+// A peer is identified from its socket credentials (SO_PEERCRED uid/gid) and
+// an optional token from Hello, never from anything else it claims. Tokens
+// are compared in constant time. Each tenant has a salt (never sent) keying
+// its stored keys and a hash secret (sent in Welcome) keying its chain keys;
+// tenants of one sharing group share both, so they hit each other's blocks.
+// Secrets not named in the config are generated on first start under
+// <state_dir>/salts (mode 0700, files 0600) and reused after restarts.
+//
+// Owned by the event-loop thread; thread-compatible.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/secret.h"
+#include "common/status.h"
+#include "config/config.h"
+#include "ipc/seqpacket.h"
+#include "tiers/block_cache.h"
+
+namespace kvtier {
+
+struct Tenant {
+  TenantId id = 0;
+  TenantConfig config;
+  Secret salt;
+  Secret hash_secret;
+  uint32_t sessions = 0;  // live sessions
+};
+
+class TenantRegistry {
+ public:
+  // Loads or creates every tenant's secrets. Errors name the tenant and file.
+  static Result<std::unique_ptr<TenantRegistry>> Create(const Config& config);
+
+  // The tenant a peer is, or kUnauthenticated. With a token, the token must
+  // match a tenant (and that tenant's uid/gid, if it has them); without one,
+  // a tenant without a token whose uid/gid match. The message does not say
+  // which tenants exist.
+  Result<Tenant*> Authenticate(const ipc::PeerCredentials& peer,
+                               std::optional<std::string_view> token);
+
+  Tenant* FindByName(std::string_view name);
+  Tenant& Get(TenantId id) { return *tenants_[id]; }
+  const std::vector<std::unique_ptr<Tenant>>& tenants() const { return tenants_; }
+
+  // Applies reloadable settings (quotas) of a new config; tenants are matched
+  // by name. Returns the names of settings that need a restart to change.
+  std::vector<std::string> Reload(const Config& config);
+
+  static TenantQuota QuotaOf(const TenantConfig& t);
+
+ private:
+  TenantRegistry() = default;
+  // Keyed digest of a token, so comparisons take the same time whatever the
+  // token's length or content.
+  std::array<uint8_t, 16> TokenDigest(std::string_view token) const;
+
+  std::vector<std::unique_ptr<Tenant>> tenants_;
+  std::vector<std::optional<std::array<uint8_t, 16>>> token_digests_;  // per tenant
+  std::optional<Secret> token_key_;
+};
+
+}  // namespace kvtier

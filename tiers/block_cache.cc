@@ -1,0 +1,431 @@
+#include "tiers/block_cache.h"
+
+#include <algorithm>
+
+#include "common/check.h"
+
+namespace kvtier {
+
+struct BlockCache::TierState {
+  std::unique_ptr<SlotPool> pool;  // null: tier disabled
+  TierWatermarks marks;
+  uint64_t blocks = 0;
+  uint64_t used_bytes = 0;         // block bytes of committed and filling entries
+  uint64_t moving_out_bytes = 0;   // slot bytes of moves out of this tier in flight
+};
+
+Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
+  if (options.backend == nullptr || !options.post) {
+    return Err(InvalidArgument("BlockCache: backend and post are required"));
+  }
+  if (options.host_bytes == 0) return Err(InvalidArgument("BlockCache: host tier size is 0"));
+  std::unique_ptr<BlockCache> cache(new BlockCache(std::move(options)));
+  const Options& o = cache->options_;
+  KVTIER_ASSIGN_OR_RETURN(cache->arenas_[static_cast<size_t>(Tier::kHost)],
+                          o.backend->AllocateHostArena(o.host_bytes));
+  if (o.hbm_bytes > 0) {
+    KVTIER_ASSIGN_OR_RETURN(cache->arenas_[static_cast<size_t>(Tier::kHbm)],
+                            o.backend->AllocateDeviceArena(0, o.hbm_bytes));
+  }
+  for (size_t t = 0; t < kNumTiers; ++t) {
+    cache->tiers_[t] = std::make_unique<TierState>();
+    if (const Arena* a = cache->arenas_[t].get(); a != nullptr) {
+      cache->tiers_[t]->pool = std::make_unique<SlotPool>(a->data(), a->size_bytes());
+    }
+  }
+  cache->tier(Tier::kHbm)->marks = o.hbm_watermarks;
+  cache->tier(Tier::kHost)->marks = o.host_watermarks;
+  return cache;
+}
+
+BlockCache::BlockCache(Options options)
+    : options_(std::move(options)), self_(std::make_shared<BlockCache*>(this)) {}
+
+BlockCache::~BlockCache() {
+  // Copies in flight write into the arenas freed below.
+  KVTIER_CHECK_MSG(inflight_copies_ == 0, "BlockCache destroyed with copies in flight");
+}
+
+void BlockCache::SetQuota(TenantId tenant, const TenantQuota& quota) {
+  if (quotas_.size() <= tenant) quotas_.resize(tenant + 1);
+  quotas_[tenant] = quota;
+}
+
+void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
+  tier(Tier::kHbm)->marks = hbm;
+  tier(Tier::kHost)->marks = host;
+  MaybeDemote();
+}
+
+uint32_t BlockCache::NamespaceId(const LayoutFingerprint& fingerprint) {
+  auto [it, inserted] = namespaces_.try_emplace(fingerprint, static_cast<uint32_t>(namespaces_.size()));
+  return it->second;
+}
+
+bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
+  if (tenant >= quotas_.size()) return true;
+  const std::optional<uint64_t>& q = quotas_[tenant].bytes[static_cast<size_t>(t)];
+  return !q || TenantUsedBytes(tenant, t) + bytes <= *q;
+}
+
+uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
+  return tenant < tenant_used_.size() ? tenant_used_[tenant][static_cast<size_t>(t)] : 0;
+}
+
+uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
+  return tenant < tenant_blocks_.size() ? tenant_blocks_[tenant] : 0;
+}
+
+TierUsage BlockCache::Usage(Tier t) const {
+  const TierState* s = tier(t);
+  if (s == nullptr || !s->pool) return {};
+  return TierUsage{s->pool->capacity_bytes(), s->used_bytes, s->blocks};
+}
+
+bool BlockCache::AboveHigh(Tier t) const {
+  const TierState* s = tier(t);
+  return s->pool && static_cast<double>(s->pool->used_bytes()) >
+                        s->marks.high * static_cast<double>(s->pool->capacity_bytes());
+}
+
+bool BlockCache::AboveLow(Tier t) const {
+  const TierState* s = tier(t);
+  return s->pool && static_cast<double>(s->pool->used_bytes() - s->moving_out_bytes) >
+                        s->marks.low * static_cast<double>(s->pool->capacity_bytes());
+}
+
+void BlockCache::Charge(BlockEntry* e, int sign) {
+  const size_t t = static_cast<size_t>(e->tier);
+  if (tenant_used_.size() <= e->owner) {
+    tenant_used_.resize(e->owner + 1, {});
+    tenant_blocks_.resize(e->owner + 1, 0);
+  }
+  if (sign > 0) {
+    tiers_[t]->blocks += 1;
+    tiers_[t]->used_bytes += e->block_bytes;
+    tenant_used_[e->owner][t] += e->block_bytes;
+    tenant_blocks_[e->owner] += 1;
+  } else {
+    tiers_[t]->blocks -= 1;
+    tiers_[t]->used_bytes -= e->block_bytes;
+    tenant_used_[e->owner][t] -= e->block_bytes;
+    tenant_blocks_[e->owner] -= 1;
+  }
+}
+
+void BlockCache::Unlease(BlockEntry* e) {
+  index_.ReleaseLease(e);
+  if (e->leases == 0 && e->retired_slot != nullptr) {
+    tier(e->retired_tier)->pool->Free(e->retired_slot, e->block_bytes);
+    e->retired_slot = nullptr;
+  }
+}
+
+void BlockCache::Drop(BlockEntry* e) {
+  KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
+  if (e->state == EntryState::kReady) ++counters_.evictions[static_cast<size_t>(e->tier)];
+  Charge(e, -1);
+  tier(e->tier)->pool->Free(e->slot, e->block_bytes);
+  index_.Erase(e);
+}
+
+BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner) {
+  BlockEntry* fallback = nullptr;
+  uint32_t scanned = 0;
+  for (BlockEntry* e = index_.Coldest(t); e != nullptr && scanned < options_.eviction_scan_limit;
+       e = BlockIndex::Hotter(e), ++scanned) {
+    if (e->leases != 0 || e->state != EntryState::kReady || e->moving) continue;
+    if (block_bytes != 0 && SlotPool::StrideFor(e->block_bytes) != SlotPool::StrideFor(block_bytes)) {
+      continue;
+    }
+    if (owner && e->owner != *owner) continue;
+    if (!options_.prefix_aware || !BlockIndex::HasChildrenAtOrAbove(e, t)) return e;
+    if (fallback == nullptr) fallback = e;
+  }
+  if (fallback != nullptr) ++counters_.prefix_fallbacks;
+  return fallback;
+}
+
+uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
+  TierState* s = tier(t);
+  if (!s->pool) return nullptr;
+  while (true) {
+    if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
+    if (!may_drop) return nullptr;
+    BlockEntry* victim = PickVictim(t, bytes, std::nullopt);
+    if (victim == nullptr) return nullptr;
+    Drop(victim);
+  }
+}
+
+void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }
+
+void BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done) {
+  ++inflight_copies_;
+  options_.backend->Submit(
+      std::move(batch), [post = options_.post, self = std::weak_ptr<BlockCache*>(self_),
+                         on_done = std::move(on_done)](CopyResult result) mutable {
+        post([self, on_done = std::move(on_done), result = std::move(result)]() mutable {
+          std::shared_ptr<BlockCache*> cache = self.lock();
+          if (!cache) return;
+          --(*cache)->inflight_copies_;
+          on_done(std::move(result));
+        });
+      });
+}
+
+LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
+  LookupResult r;
+  std::vector<BlockEntry*> hit;
+  for (const StoredKey& key : keys) {
+    BlockEntry* e = index_.Find(key);
+    if (e == nullptr || e->state != EntryState::kReady) break;
+    hit.push_back(e);
+    r.tiers.push_back(e->tier);
+    ++counters_.hits[static_cast<size_t>(e->tier)];
+  }
+  r.hits = static_cast<uint32_t>(hit.size());
+  ++counters_.lookups;
+  counters_.lookup_keys += keys.size();
+  counters_.misses += keys.size() - hit.size();
+  // Deepest first, so a chain's head ends up hottest and its tail is evicted first.
+  for (auto it = hit.rbegin(); it != hit.rend(); ++it) Touch(*it);
+  return r;
+}
+
+void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
+                      std::span<const uint32_t> block_ids, EngineTarget target,
+                      std::weak_ptr<void> /*owner*/, OpDone done) {
+  KVTIER_CHECK(keys.size() == block_ids.size());
+  std::vector<BlockEntry*> leased;
+  CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
+                  .priority = CopyPriority::kLoad,
+                  .layout = target.layout,
+                  .mapping = target.mapping};
+  for (size_t i = 0; i < keys.size(); ++i) {
+    BlockEntry* e = index_.Find(keys[i]);
+    if (e == nullptr || e->state != EntryState::kReady) break;
+    index_.AddLease(e);
+    leased.push_back(e);
+    batch.blocks.push_back(BlockCopy{block_ids[i], e->slot});
+  }
+  for (auto it = leased.rbegin(); it != leased.rend(); ++it) Touch(*it);
+  if (leased.empty()) {
+    options_.post([done = std::move(done)] { done(OpOutcome{}); });
+    return;
+  }
+  const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
+  SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
+                                done = std::move(done)](CopyResult result) {
+    std::vector<BlockEntry*> promote;
+    for (BlockEntry* e : leased) {
+      Unlease(e);
+      if (e->tier == Tier::kHost) promote.push_back(e);
+    }
+    if (result.status.ok()) {
+      counters_.loads += leased.size();
+      counters_.bytes_cache_to_engine += bytes;
+      // Promote what was read from host, if hbm has room without evicting.
+      for (BlockEntry* e : promote) MaybePromote(e);
+      done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
+    } else {
+      done(OpOutcome{.status = result.status});
+    }
+  });
+}
+
+bool BlockCache::MaybePromote(BlockEntry* e) {
+  TierState* hbm = tier(Tier::kHbm);
+  if (!hbm->pool || e->tier != Tier::kHost || e->moving || e->state != EntryState::kReady) return false;
+  const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
+  if (static_cast<double>(hbm->pool->used_bytes() + stride) >
+      hbm->marks.high * static_cast<double>(hbm->pool->capacity_bytes())) {
+    return false;
+  }
+  if (!QuotaAllows(e->owner, Tier::kHbm, e->block_bytes)) return false;
+  uint8_t* dst = AllocateSlot(Tier::kHbm, e->block_bytes, /*may_drop=*/false);
+  if (dst == nullptr) return false;
+  StartMove(e, Tier::kHbm, dst);
+  return true;
+}
+
+void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
+                       std::span<const uint32_t> block_ids, std::optional<StoredKey> parent,
+                       EngineTarget target, std::weak_ptr<void> owner, OpDone done) {
+  KVTIER_CHECK(keys.size() == block_ids.size());
+  const uint32_t ns = NamespaceId(target.layout->layout().fingerprint());
+  const uint64_t bytes = target.layout->layout().block_bytes();
+  std::vector<BlockEntry*> filling;
+  uint32_t already = 0;
+  Status status;
+  CopyBatch batch{.direction = CopyDirection::kEngineToSlot,
+                  .priority = CopyPriority::kStore,
+                  .layout = target.layout,
+                  .mapping = target.mapping,
+                  .checksum_destination = true};
+  const StoredKey* prev = parent ? &*parent : nullptr;
+  for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
+    if (index_.Find(keys[i]) != nullptr) {
+      ++already;  // present, or its copy is in flight
+      continue;
+    }
+    // hbm first when it has a free slot; otherwise host, dropping its coldest
+    // unleased blocks (the tenant's own first when its quota is the limit).
+    uint8_t* slot = nullptr;
+    Tier t = Tier::kHbm;
+    if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, false);
+    if (slot == nullptr) {
+      t = Tier::kHost;
+      while (!QuotaAllows(tenant, Tier::kHost, bytes)) {
+        BlockEntry* own = PickVictim(Tier::kHost, 0, tenant);
+        if (own == nullptr) break;
+        Drop(own);
+      }
+      if (QuotaAllows(tenant, Tier::kHost, bytes)) slot = AllocateSlot(Tier::kHost, bytes, true);
+    }
+    if (slot == nullptr) {
+      const bool quota = !QuotaAllows(tenant, Tier::kHost, bytes);
+      status = Status(StatusCode::kResourceExhausted,
+                      "no room for block " + std::to_string(i) + " of the store: " +
+                          (quota ? "the tenant's host quota is full of leased blocks"
+                                 : "every evictable block is leased"));
+      counters_.store_rejected += keys.size() - i;
+      break;
+    }
+    BlockEntry* e = index_.Insert(keys[i], t, prev);
+    e->slot = slot;
+    e->block_bytes = static_cast<uint32_t>(bytes);
+    e->ns = ns;
+    e->owner = tenant;
+    e->state = EntryState::kFilling;
+    index_.AddLease(e);
+    Charge(e, +1);
+    filling.push_back(e);
+    batch.blocks.push_back(BlockCopy{block_ids[i], slot});
+  }
+  counters_.already_stored += already;
+  if (filling.empty()) {
+    options_.post([done = std::move(done), status, already] {
+      done(OpOutcome{.status = status, .blocks = 0, .already = already});
+    });
+    return;
+  }
+  SubmitCopy(std::move(batch), [this, filling = std::move(filling), owner = std::move(owner), status,
+                                already, bytes, done = std::move(done)](CopyResult result) {
+    const bool commit = result.status.ok() && !owner.expired();
+    for (size_t i = 0; i < filling.size(); ++i) {
+      BlockEntry* e = filling[i];
+      Unlease(e);
+      if (commit) {
+        e->state = EntryState::kReady;
+        e->checksum = result.checksums[i];
+        e->has_checksum = true;
+      } else {
+        Drop(e);
+      }
+    }
+    if (commit) {
+      counters_.stores += filling.size();
+      counters_.bytes_engine_to_cache += bytes * filling.size();
+    } else if (result.status.ok()) {
+      counters_.stores_discarded += filling.size();
+    }
+    done(OpOutcome{.status = result.status.ok() ? status : result.status,
+                   .blocks = commit ? static_cast<uint32_t>(filling.size()) : 0,
+                   .already = already});
+    MaybeDemote();
+  });
+}
+
+std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {
+  std::vector<BlockEntry*> present;
+  uint32_t queued = 0;
+  for (const StoredKey& key : keys) {
+    BlockEntry* e = index_.Find(key);
+    if (e == nullptr || e->state != EntryState::kReady) break;
+    present.push_back(e);
+    if (MaybePromote(e)) ++queued;
+  }
+  for (auto it = present.rbegin(); it != present.rend(); ++it) Touch(*it);
+  return {static_cast<uint32_t>(present.size()), queued};
+}
+
+void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
+  e->moving = true;
+  const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
+  tier(e->tier)->moving_out_bytes += stride;
+  CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
+                  .priority = CopyPriority::kBackground,
+                  .slot_copies = {SlotCopy{e->slot, dst, e->block_bytes}},
+                  .checksum_destination = to == Tier::kHost};
+  SubmitCopy(std::move(batch), [this, key = e->key, from = e->tier, to, dst, stride](CopyResult r) {
+    tier(from)->moving_out_bytes -= stride;
+    FinishMove(key, to, dst, std::move(r));
+  });
+}
+
+void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyResult result) {
+  // Moving entries are never dropped, so the entry is still there.
+  BlockEntry* e = index_.Find(key);
+  KVTIER_CHECK(e != nullptr && e->moving);
+  e->moving = false;
+  if (!result.status.ok()) {
+    tier(to)->pool->Free(dst, e->block_bytes);
+    return;
+  }
+  const Tier from = e->tier;
+  uint8_t* old = e->slot;
+  Charge(e, -1);
+  index_.ChangeTier(e, to);
+  e->slot = dst;
+  Charge(e, +1);
+  if (e->leases > 0) {
+    // Loads that leased the block before the move still read the old slot.
+    KVTIER_CHECK(e->retired_slot == nullptr);
+    e->retired_slot = old;
+    e->retired_tier = from;
+  } else {
+    tier(from)->pool->Free(old, e->block_bytes);
+  }
+  if (to == Tier::kHost) {
+    e->checksum = result.checksums.at(0);
+    e->has_checksum = true;
+    ++counters_.demotions;
+    counters_.bytes_hbm_to_host += e->block_bytes;
+  } else {
+    ++counters_.promotions;
+    counters_.bytes_host_to_hbm += e->block_bytes;
+  }
+  MaybeDemote();
+}
+
+void BlockCache::MaybeDemote() {
+  if (!tier(Tier::kHbm)->pool || !AboveHigh(Tier::kHbm)) return;
+  while (AboveLow(Tier::kHbm)) {
+    BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt);
+    if (v == nullptr) return;
+    if (!QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
+      Drop(v);  // the owner has no host quota left: the coldest block goes
+      continue;
+    }
+    uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/true);
+    if (dst == nullptr) return;  // host is all leased; try again after the next op
+    StartMove(v, Tier::kHost, dst);
+  }
+}
+
+uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
+                           std::optional<Tier> t) {
+  std::vector<StoredKey> victims;
+  index_.ForEach([&](BlockEntry* e) {
+    if (e->leases != 0 || e->moving || e->state != EntryState::kReady) return;
+    if (owners && std::find(owners->begin(), owners->end(), e->owner) == owners->end()) return;
+    if (ns && e->ns != *ns) return;
+    if (t && e->tier != *t) return;
+    victims.push_back(e->key);
+  });
+  for (const StoredKey& key : victims) Drop(index_.Find(key));
+  return victims.size();
+}
+
+}  // namespace kvtier

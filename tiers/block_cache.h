@@ -1,0 +1,202 @@
+// BlockCache: kvtier's index and tiers. It maps stored keys to blocks in the
+// hbm and host pools, leases blocks for loads and stores, moves them between
+// tiers (hbm -> host demotion between watermarks, host -> hbm promotion on
+// load and prefetch) and evicts by prefix-aware LRU.
+//
+// Rules (DESIGN.md, "Rules learned from the peers' bug trackers"):
+//   - Lookup never pins; Load and Store hold leases until their copy is done.
+//   - A stored block is visible only after its copy completed; a key that is
+//     present or in flight is "already stored" and not copied again.
+//   - A store that cannot fit without evicting leased blocks fails at once
+//     with kResourceExhausted.
+//   - An op whose owner is gone when its copy completes commits nothing:
+//     a dead client's stores are discarded, and its leases released.
+//
+// Threading: owned by one thread (the daemon's event loop): every method
+// must be called there. Copies run on the backend's threads; their
+// completions come back through Options::post, which must run the closure on
+// the owner thread. Thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/device_backend.h"
+#include "common/key128.h"
+#include "common/status.h"
+#include "tiers/block_index.h"
+#include "tiers/slot_pool.h"
+
+namespace kvtier {
+
+struct TierWatermarks {
+  double high = 0.90;
+  double low = 0.80;
+};
+
+struct TenantQuota {
+  // Per tier; unset = only the tier's capacity.
+  std::optional<uint64_t> bytes[kNumTiers];
+};
+
+// Where engine blocks are copied from or to.
+struct EngineTarget {
+  std::shared_ptr<const KvCacheLayout> layout;
+  std::shared_ptr<ClientMapping> mapping;
+};
+
+struct OpOutcome {
+  Status status = Status::Ok();
+  uint32_t blocks = 0;   // blocks loaded or newly stored
+  uint32_t already = 0;  // Store: keys already present or in flight
+};
+using OpDone = std::function<void(OpOutcome)>;
+
+struct LookupResult {
+  uint32_t hits = 0;        // leading keys present and ready
+  std::vector<Tier> tiers;  // tier of each hit
+};
+
+// Counters since start; read on the owner thread.
+struct CacheCounters {
+  uint64_t lookups = 0;
+  uint64_t lookup_keys = 0;
+  uint64_t hits[kNumTiers] = {};
+  uint64_t misses = 0;
+  uint64_t stores = 0;          // blocks newly stored
+  uint64_t already_stored = 0;
+  uint64_t store_rejected = 0;  // blocks refused with kResourceExhausted
+  uint64_t stores_discarded = 0;  // copies finished after their client died
+  uint64_t loads = 0;           // blocks loaded into engines
+  uint64_t promotions = 0;      // host -> hbm
+  uint64_t demotions = 0;       // hbm -> host
+  uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
+  uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
+  uint64_t bytes_engine_to_cache = 0;
+  uint64_t bytes_cache_to_engine = 0;
+  uint64_t bytes_hbm_to_host = 0;
+  uint64_t bytes_host_to_hbm = 0;
+};
+
+struct TierUsage {
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t blocks = 0;
+};
+
+class BlockCache {
+ public:
+  using Post = std::function<void(std::function<void()>)>;
+
+  struct Options {
+    DeviceBackend* backend = nullptr;  // REQUIRED; must outlive the cache
+    Post post;                         // REQUIRED; runs a closure on the owner thread
+    uint64_t hbm_bytes = 0;            // 0: no hbm tier
+    uint64_t host_bytes = 0;           // > 0
+    TierWatermarks hbm_watermarks;
+    TierWatermarks host_watermarks;
+    bool prefix_aware = true;
+    // Most LRU entries one eviction looks at for a block without cached
+    // children before taking the coldest unleased one.
+    uint32_t eviction_scan_limit = 1024;
+  };
+
+  static Result<std::unique_ptr<BlockCache>> Create(Options options);
+  ~BlockCache();
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+
+  // Tenants are small integers chosen by the caller (< 65536).
+  void SetQuota(TenantId tenant, const TenantQuota& quota);
+  void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
+
+  LookupResult Lookup(std::span<const StoredKey> keys);
+
+  // Loads the leading present blocks of `keys` into engine blocks
+  // `block_ids` (same length). `done` runs on the owner thread with the
+  // number of blocks loaded (a missing key ends the prefix; that is not an
+  // error). Blocks read from host are then promoted to hbm when there is room.
+  void Load(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
+            EngineTarget target, std::weak_ptr<void> owner, OpDone done);
+
+  // Stores engine blocks under `keys`; `parent` is the key before keys[0]
+  // (for prefix-aware eviction). Keys already present or in flight are
+  // skipped. Blocks that do not fit are refused: the op then completes with
+  // kResourceExhausted after the blocks before them are stored. `done` runs
+  // on the owner thread; if `owner` has expired by then, the copies are
+  // discarded instead of committed.
+  void Store(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
+             std::optional<StoredKey> parent, EngineTarget target, std::weak_ptr<void> owner,
+             OpDone done);
+
+  // Starts promoting the leading host-resident blocks of `keys` to hbm.
+  // Returns how many of the leading keys are present, and how many moves
+  // were queued.
+  std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
+
+  // Drops unleased, settled blocks matching the filters (nullopt = any).
+  uint64_t Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
+                 std::optional<Tier> tier);
+
+  // Namespace ids for Evict's filter: a small integer per fingerprint.
+  uint32_t NamespaceId(const LayoutFingerprint& fingerprint);
+
+  TierUsage Usage(Tier tier) const;
+  uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;
+  uint64_t TenantBlocks(TenantId tenant) const;
+  uint64_t leases() const { return index_.total_leases(); }
+  uint64_t inflight_copies() const { return inflight_copies_; }
+  const CacheCounters& counters() const { return counters_; }
+
+ private:
+  struct TierState;
+
+  explicit BlockCache(Options options);
+
+  TierState* tier(Tier t) { return tiers_[static_cast<size_t>(t)].get(); }
+  const TierState* tier(Tier t) const { return tiers_[static_cast<size_t>(t)].get(); }
+  bool QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const;
+  // A slot in tier `t` for a block of `bytes`, dropping unleased blocks of
+  // that tier (prefix-aware LRU) when `may_drop`; nullptr when impossible.
+  uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
+  // The eviction victim in tier `t` with the given block size (0 = any).
+  BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner);
+  void Drop(BlockEntry* e);
+  void Touch(BlockEntry* e);
+  void Charge(BlockEntry* e, int sign);
+  void SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
+  // Background work after anything changed: demote hbm above its watermark.
+  void MaybeDemote();
+  // Moves `e` to `dst` in tier `to` in the background.
+  void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
+  // Starts a host -> hbm move of `e` if hbm has a free slot below its high
+  // watermark and the owner's quota allows; returns whether it started.
+  bool MaybePromote(BlockEntry* e);
+  // Releases a lease, freeing a retired slot when the last one goes.
+  void Unlease(BlockEntry* e);
+  void FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyResult result);
+  bool AboveHigh(Tier t) const;
+  bool AboveLow(Tier t) const;
+
+  Options options_;
+  BlockIndex index_;
+  std::unique_ptr<Arena> arenas_[kNumTiers];
+  std::unique_ptr<TierState> tiers_[kNumTiers];
+  std::vector<TenantQuota> quotas_;
+  std::vector<std::array<uint64_t, kNumTiers>> tenant_used_;
+  std::vector<uint64_t> tenant_blocks_;
+  std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
+  uint64_t inflight_copies_ = 0;
+  CacheCounters counters_;
+  // Lets completions that arrive after destruction (none should: the daemon
+  // drains first) see that the cache is gone.
+  std::shared_ptr<BlockCache*> self_;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,106 @@
+#include "tiers/block_index.h"
+
+#include "common/check.h"
+
+namespace kvtier {
+
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kHbm: return "hbm";
+    case Tier::kHost: return "host";
+    case Tier::kDisk: return "disk";
+  }
+  return "?";
+}
+
+BlockEntry* BlockIndex::Find(const StoredKey& key) {
+  auto it = map_.find(key);
+  return it == map_.end() ? nullptr : &it->second;
+}
+
+BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey* parent) {
+  auto [it, inserted] = map_.try_emplace(key);
+  KVTIER_CHECK(inserted);
+  BlockEntry* e = &it->second;
+  e->key = key;
+  e->tier = tier;
+  LinkHot(e);
+  if (parent != nullptr) {
+    if (BlockEntry* p = Find(*parent); p != nullptr && p != e) {
+      e->parent = p;
+      e->next_sibling = p->first_child;
+      if (p->first_child != nullptr) p->first_child->prev_sibling = e;
+      p->first_child = e;
+      ++p->children_in_tier[static_cast<size_t>(tier)];
+    }
+  }
+  return e;
+}
+
+void BlockIndex::Erase(BlockEntry* e) {
+  KVTIER_CHECK(e->leases == 0);
+  Unlink(e);
+  // Detach from the parent.
+  if (BlockEntry* p = e->parent; p != nullptr) {
+    --p->children_in_tier[static_cast<size_t>(e->tier)];
+    if (e->prev_sibling != nullptr) e->prev_sibling->next_sibling = e->next_sibling;
+    else p->first_child = e->next_sibling;
+    if (e->next_sibling != nullptr) e->next_sibling->prev_sibling = e->prev_sibling;
+  }
+  // Orphan the children: they stay cached, but no longer hold this one.
+  for (BlockEntry* c = e->first_child; c != nullptr;) {
+    BlockEntry* next = c->next_sibling;
+    c->parent = c->prev_sibling = c->next_sibling = nullptr;
+    c = next;
+  }
+  const StoredKey key = e->key;  // erase() must not read the key it is destroying
+  map_.erase(key);
+}
+
+void BlockIndex::Touch(BlockEntry* e) {
+  Unlink(e);
+  LinkHot(e);
+}
+
+void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
+  Unlink(e);
+  if (e->parent != nullptr) {
+    --e->parent->children_in_tier[static_cast<size_t>(e->tier)];
+    ++e->parent->children_in_tier[static_cast<size_t>(to)];
+  }
+  e->tier = to;
+  LinkHot(e);
+}
+
+void BlockIndex::ReleaseLease(BlockEntry* e) {
+  KVTIER_CHECK(e->leases > 0 && total_leases_ > 0);
+  --e->leases;
+  --total_leases_;
+}
+
+bool BlockIndex::HasChildrenAtOrAbove(const BlockEntry* e, Tier t) {
+  for (size_t i = 0; i <= static_cast<size_t>(t); ++i) {
+    if (e->children_in_tier[i] != 0) return true;
+  }
+  return false;
+}
+
+void BlockIndex::LinkHot(BlockEntry* e) {
+  List& l = lru_[static_cast<size_t>(e->tier)];
+  e->lru_prev = l.hottest;
+  e->lru_next = nullptr;
+  if (l.hottest != nullptr) l.hottest->lru_next = e;
+  l.hottest = e;
+  if (l.coldest == nullptr) l.coldest = e;
+}
+
+void BlockIndex::Unlink(BlockEntry* e) {
+  List& l = lru_[static_cast<size_t>(e->tier)];
+  if (e->lru_prev != nullptr) e->lru_prev->lru_next = e->lru_next;
+  else l.coldest = e->lru_next;
+  if (e->lru_next != nullptr) e->lru_next->lru_prev = e->lru_prev;
+  else l.hottest = e->lru_prev;
+  e->lru_prev = e->lru_next = nullptr;
+}
+
+}  // namespace kvtier

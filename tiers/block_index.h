@@ -1,0 +1,108 @@
+// BlockIndex: stored key -> BlockEntry, with per-tier intrusive LRU lists and
+// parent/child links for prefix-aware eviction. About 150 bytes per block,
+// fixed: no allocation beyond the hash-map node.
+//
+// Entries live in an unordered_map, whose nodes never move, so the raw
+// pointers between entries (LRU neighbours, parent, children) stay valid
+// until an entry is erased; Erase unlinks it from everything first.
+//
+// Thread-compatible: owned by BlockCache's thread.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+
+#include "common/key128.h"
+
+namespace kvtier {
+
+enum class Tier : uint8_t { kHbm = 0, kHost = 1, kDisk = 2 };
+inline constexpr size_t kNumTiers = 3;
+const char* TierName(Tier tier);
+
+using TenantId = uint16_t;
+
+enum class EntryState : uint8_t {
+  kFilling,  // copy from the engine in flight; invisible to lookups
+  kReady,
+};
+
+struct BlockEntry {
+  StoredKey key;
+  uint8_t* slot = nullptr;
+  uint64_t checksum = 0;     // XXH3-64 of the block, once it reached host memory
+  uint32_t block_bytes = 0;
+  uint32_t leases = 0;
+  uint32_t ns = 0;           // BlockCache namespace id
+  TenantId owner = 0;
+  Tier tier = Tier::kHost;
+  EntryState state = EntryState::kFilling;
+  bool moving = false;       // a copy to another tier is in flight
+  bool has_checksum = false;
+  // Cached children (blocks whose parent is this one), counted by the tier
+  // they live in. A block with children in its own tier or above is evicted
+  // after them.
+  uint32_t children_in_tier[kNumTiers] = {};
+  // The slot this block lived in before its last move, freed when the last
+  // lease taken before the move is released (loads read the old slot).
+  uint8_t* retired_slot = nullptr;
+  Tier retired_tier = Tier::kHost;
+
+  // Intrusive links (owned by BlockIndex).
+  BlockEntry* lru_prev = nullptr;  // towards colder
+  BlockEntry* lru_next = nullptr;  // towards hotter
+  BlockEntry* parent = nullptr;
+  BlockEntry* first_child = nullptr;
+  BlockEntry* prev_sibling = nullptr;
+  BlockEntry* next_sibling = nullptr;
+};
+
+class BlockIndex {
+ public:
+  BlockIndex() = default;
+  BlockIndex(const BlockIndex&) = delete;
+  BlockIndex& operator=(const BlockIndex&) = delete;
+
+  BlockEntry* Find(const StoredKey& key);
+  // Inserts a new entry (REQUIRES: absent) in `tier`, hottest, linked under
+  // `parent` if that is present.
+  BlockEntry* Insert(const StoredKey& key, Tier tier, const StoredKey* parent);
+  // Unlinks and erases.
+  void Erase(BlockEntry* e);
+
+  // Moves `e` to the hot end of its tier's list.
+  void Touch(BlockEntry* e);
+  // Moves `e` to another tier's list (hot end), keeping parent counts right.
+  void ChangeTier(BlockEntry* e, Tier to);
+
+  // Coldest entry of a tier, and the next hotter one.
+  BlockEntry* Coldest(Tier t) const { return lru_[static_cast<size_t>(t)].coldest; }
+  static BlockEntry* Hotter(const BlockEntry* e) { return e->lru_next; }
+
+  void AddLease(BlockEntry* e) { ++e->leases; ++total_leases_; }
+  void ReleaseLease(BlockEntry* e);
+  uint64_t total_leases() const { return total_leases_; }
+  size_t size() const { return map_.size(); }
+
+  // True when `e` has cached children in tier `t` or any tier above it.
+  static bool HasChildrenAtOrAbove(const BlockEntry* e, Tier t);
+
+  template <typename F>
+  void ForEach(F&& f) {
+    for (auto& [key, entry] : map_) f(&entry);
+  }
+
+ private:
+  struct List {
+    BlockEntry* coldest = nullptr;
+    BlockEntry* hottest = nullptr;
+  };
+  void LinkHot(BlockEntry* e);
+  void Unlink(BlockEntry* e);
+
+  std::unordered_map<StoredKey, BlockEntry, Key128Hash> map_;
+  List lru_[kNumTiers];
+  uint64_t total_leases_ = 0;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,200 @@
+#include "tiers/host_backend.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/check.h"
+#include "common/memory_mapping.h"
+#include "kernels/copy_reference.h"
+
+namespace kvtier {
+namespace {
+
+class HostArena final : public Arena {
+ public:
+  explicit HostArena(MemoryMapping mapping) : mapping_(std::move(mapping)) {}
+  uint8_t* data() const override { return mapping_.data(); }
+  uint64_t size_bytes() const override { return mapping_.size_bytes(); }
+
+ private:
+  MemoryMapping mapping_;
+};
+
+class HostClientMapping final : public ClientMapping {
+ public:
+  HostClientMapping(std::vector<MemoryMapping> mappings,
+                    std::shared_ptr<std::atomic<uint64_t>> live)
+      : mappings_(std::move(mappings)), live_(std::move(live)) {
+    for (const MemoryMapping& m : mappings_) bases_.push_back(m.data());
+    live_->fetch_add(1, std::memory_order_relaxed);  // a statistic; no ordering needed
+  }
+  ~HostClientMapping() override { live_->fetch_sub(1, std::memory_order_relaxed); }
+  std::span<uint8_t* const> region_bases() const override { return bases_; }
+
+ private:
+  std::vector<MemoryMapping> mappings_;
+  std::vector<uint8_t*> bases_;
+  std::shared_ptr<std::atomic<uint64_t>> live_;
+};
+
+Result<std::unique_ptr<Arena>> AnonymousArena(uint64_t size_bytes, const char* what) {
+  Result<MemoryMapping> m = MemoryMapping::Anonymous(size_bytes);
+  if (!m) return Err(m.error().WithContext(std::string("allocating the ") + what + " arena"));
+  return std::unique_ptr<Arena>(new HostArena(std::move(*m)));
+}
+
+}  // namespace
+
+struct HostBackend::Batch {
+  CopyBatch copies;
+  CopyDone done;
+  std::vector<uint64_t> checksums;      // each task writes only its own range
+  std::atomic<size_t> tasks_left{0};    // acq_rel: the last task sees every write
+};
+
+Result<std::unique_ptr<HostBackend>> HostBackend::Create(const Options& options) {
+  if (options.copy_threads == 0) return Err(InvalidArgument("host backend: copy_threads must be >= 1"));
+  return std::unique_ptr<HostBackend>(new HostBackend(options));
+}
+
+HostBackend::HostBackend(const Options& options)
+    : num_threads_(options.copy_threads),
+      live_mappings_(std::make_shared<std::atomic<uint64_t>>(0)) {
+  threads_.reserve(num_threads_);
+  for (uint32_t i = 0; i < num_threads_; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+}
+
+HostBackend::~HostBackend() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  work_cv_.SignalAll();
+  for (std::thread& t : threads_) t.join();
+}
+
+Result<std::unique_ptr<Arena>> HostBackend::AllocateDeviceArena(int /*device*/, uint64_t size_bytes) {
+  return AnonymousArena(size_bytes, "hbm (host stand-in)");
+}
+
+Result<std::unique_ptr<Arena>> HostBackend::AllocateHostArena(uint64_t size_bytes) {
+  return AnonymousArena(size_bytes, "host");
+}
+
+Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(
+    std::vector<ClientRegionHandle> regions) {
+  std::vector<MemoryMapping> mappings;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const ClientRegionHandle& r = regions[i];
+    const std::string what = "region " + std::to_string(i);
+    if (r.kind != ClientMemoryKind::kHostMemfd || !r.memfd.valid()) {
+      return Err(InvalidArgument(what + ": the host backend maps memfd regions only"));
+    }
+    if (r.size_bytes == 0) return Err(InvalidArgument(what + ": size is 0"));
+    struct stat st {};
+    if (::fstat(r.memfd.get(), &st) != 0) return Err(Status::FromErrno(errno, what + ": fstat"));
+    if (static_cast<uint64_t>(st.st_size) < r.size_bytes) {
+      return Err(InvalidArgument(what + ": the memfd holds " + std::to_string(st.st_size) +
+                                 " bytes, less than the " + std::to_string(r.size_bytes) + " registered"));
+    }
+    const int seals = ::fcntl(r.memfd.get(), F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      return Err(InvalidArgument(what + ": the memfd must be sealed with F_SEAL_SHRINK "
+                                        "(kvtier::ShmKvCache does this)"));
+    }
+    Result<MemoryMapping> m = MemoryMapping::Map(MemoryMapping::Options{
+        .size_bytes = r.size_bytes, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = r.memfd.get()});
+    if (!m) return Err(m.error().WithContext(what));
+    mappings.push_back(std::move(*m));
+  }
+  return std::shared_ptr<ClientMapping>(new HostClientMapping(std::move(mappings), live_mappings_));
+}
+
+uint64_t HostBackend::live_mappings() const { return live_mappings_->load(std::memory_order_relaxed); }
+
+void HostBackend::Submit(CopyBatch batch, CopyDone done) {
+  auto b = std::make_shared<Batch>();
+  const bool engine = batch.direction != CopyDirection::kSlotToSlot;
+  const size_t n = engine ? batch.blocks.size() : batch.slot_copies.size();
+  if (batch.checksum_destination) b->checksums.assign(n, 0);
+  b->copies = std::move(batch);
+  b->done = std::move(done);
+  if (n == 0) {
+    b->done(CopyResult{});
+    return;
+  }
+  // Split into about two tasks per worker so both cores work on one large
+  // request, while small requests stay one task.
+  const size_t tasks = std::min(n, size_t{num_threads_} * 2);
+  const size_t per_task = (n + tasks - 1) / tasks;
+  const size_t num_tasks = (n + per_task - 1) / per_task;
+  b->tasks_left.store(num_tasks, std::memory_order_relaxed);
+  const auto priority = static_cast<size_t>(b->copies.priority);
+  KVTIER_CHECK(priority < kNumCopyPriorities);
+  {
+    MutexLock lock(&mu_);
+    for (size_t begin = 0; begin < n; begin += per_task) {
+      queues_[priority].push_back(Task{b, begin, std::min(n, begin + per_task)});
+    }
+  }
+  work_cv_.SignalAll();
+}
+
+void HostBackend::RunTask(const Task& task) {
+  Batch& b = *task.batch;
+  const CopyBatch& c = b.copies;
+  for (size_t i = task.begin; i < task.end; ++i) {
+    const uint8_t* written = nullptr;
+    uint64_t written_bytes = 0;
+    switch (c.direction) {
+      case CopyDirection::kEngineToSlot:
+        GatherBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
+                    c.blocks[i].slot);
+        written = c.blocks[i].slot;
+        written_bytes = c.layout->layout().block_bytes();
+        break;
+      case CopyDirection::kSlotToEngine:
+        ScatterBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
+                     c.blocks[i].slot);
+        break;
+      case CopyDirection::kSlotToSlot:
+        std::memcpy(c.slot_copies[i].dst, c.slot_copies[i].src, c.slot_copies[i].size_bytes);
+        written = c.slot_copies[i].dst;
+        written_bytes = c.slot_copies[i].size_bytes;
+        break;
+    }
+    if (c.checksum_destination && written != nullptr) {
+      b.checksums[i] = XXH3_64bits(written, written_bytes);
+    }
+  }
+  if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    b.done(CopyResult{.status = Status::Ok(), .checksums = std::move(b.checksums)});
+  }
+}
+
+void HostBackend::WorkerLoop() {
+  while (true) {
+    Task task;
+    {
+      MutexLock lock(&mu_);
+      while (true) {
+        auto queue = std::find_if(std::begin(queues_), std::end(queues_),
+                                  [](const std::deque<Task>& q) { return !q.empty(); });
+        if (queue != std::end(queues_)) {
+          task = std::move(queue->front());
+          queue->pop_front();
+          break;
+        }
+        if (stopping_) return;  // only once every queue is drained
+        work_cv_.Wait(&mu_);
+      }
+    }
+    RunTask(task);
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,60 @@
+// HostBackend: the `host` DeviceBackend. Arenas are anonymous process memory,
+// engine KV caches are memfd shared memory passed with SCM_RIGHTS and mapped
+// here, and copies run on a pool of worker threads using the CPU reference
+// gather/scatter (kernels/copy_reference.h). It is what CI and every machine
+// without a GPU run, and a real mode for CPU inference engines.
+//
+// Thread-safe. Destruction waits for queued copies to finish (each `done`
+// still runs exactly once) and then joins the workers.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "common/device_backend.h"
+#include "common/mutex.h"
+
+namespace kvtier {
+
+class HostBackend final : public DeviceBackend {
+ public:
+  struct Options {
+    uint32_t copy_threads = 2;  // >= 1
+  };
+
+  static Result<std::unique_ptr<HostBackend>> Create(const Options& options);
+  ~HostBackend() override;
+
+  std::string_view name() const override { return "host"; }
+  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override;
+  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override;
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(
+      std::vector<ClientRegionHandle> regions) override;
+  void Submit(CopyBatch batch, CopyDone done) override;
+  uint64_t live_mappings() const override;
+
+ private:
+  struct Batch;
+  struct Task {
+    std::shared_ptr<Batch> batch;
+    size_t begin = 0;  // range of copies (blocks or slot copies) in the batch
+    size_t end = 0;
+  };
+
+  explicit HostBackend(const Options& options);
+  void WorkerLoop();
+  static void RunTask(const Task& task);
+
+  Mutex mu_;
+  CondVar work_cv_;
+  std::deque<Task> queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
+  bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
+  const uint32_t num_threads_;
+  std::vector<std::thread> threads_;
+  // Shared with mappings so they can count down after the backend is gone.
+  std::shared_ptr<std::atomic<uint64_t>> live_mappings_;
+};
+
+}  // namespace kvtier
