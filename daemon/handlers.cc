@@ -395,19 +395,23 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
 }
 
 std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict& m) {
-  std::optional<std::vector<TenantId>> owners;
+  // "" = the caller's own blocks; another tenant's name, or "*" for every
+  // tenant, only for an admin.
+  std::optional<std::vector<TenantId>> owners = std::vector<TenantId>{s.tenant->id};
   const std::string_view target = m.tenant() != nullptr ? m.tenant()->string_view() : "";
   if (!target.empty() && target != s.tenant->config.name) {
     if (!s.tenant->config.admin) {
       return ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied,
                                           "only an admin tenant may evict another tenant's blocks"));
     }
-    Tenant* other = tenants_->FindByName(target);
-    if (other == nullptr) return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no such tenant"));
-    owners = std::vector<TenantId>{other->id};
-  } else if (!s.tenant->config.admin || !target.empty()) {
-    owners = std::vector<TenantId>{s.tenant->id};
-  }  // else: an admin with no tenant named evicts everyone's
+    if (target == "*") {
+      owners.reset();
+    } else {
+      Tenant* other = tenants_->FindByName(target);
+      if (other == nullptr) return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no such tenant"));
+      owners = std::vector<TenantId>{other->id};
+    }
+  }
   std::optional<uint32_t> ns;
   if (m.fingerprint() != nullptr) ns = cache_->NamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
   std::optional<Tier> tier;

@@ -245,7 +245,8 @@ void Server::OnSessionReadable(Session& s) {
 }
 
 void Server::Send(Session& s, std::vector<uint8_t> bytes) {
-  if (bytes.empty() || s.close_reason != nullptr) return;
+  // Sessions about to close still send: the reply may explain the close.
+  if (bytes.empty()) return;
   if (s.outbox.empty()) {
     const Status st = ipc::SendMessage(s.fd.get(), bytes);
     if (st.ok()) return;

@@ -1,0 +1,155 @@
+// The C API (kvtier/kvtier.h) over kvtier::Client.
+#include "kvtier/kvtier.h"
+
+#include <cstring>
+#include <string>
+
+#include "kvtier/client.h"
+
+struct kvtier_client {
+  std::unique_ptr<kvtier::Client> client;
+};
+
+struct kvtier_shm_cache {
+  kvtier::ShmKvCache cache;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+kvtier_status Fail(const kvtier::Status& status) {
+  last_error = status.ToString();
+  return static_cast<kvtier_status>(status.code());
+}
+
+kvtier_status Fail(kvtier::StatusCode code, const char* message) {
+  return Fail(kvtier::Status(code, message));
+}
+
+std::vector<kvtier::BlockKey> Keys(const uint8_t* keys, size_t n) {
+  std::vector<kvtier::BlockKey> out(n);
+  for (size_t i = 0; i < n; ++i) std::memcpy(out[i].bytes.data(), keys + 16 * i, 16);
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvtier_last_error(void) { return last_error.c_str(); }
+
+kvtier_status kvtier_connect(const char* socket_path, const char* token, const char* client_name,
+                             kvtier_client** out) {
+  if (socket_path == nullptr || out == nullptr) return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  kvtier::ClientOptions options{.socket_path = socket_path,
+                                .token = token != nullptr ? token : "",
+                                .client_name = client_name != nullptr ? client_name : ""};
+  kvtier::Result<std::unique_ptr<kvtier::Client>> c = kvtier::Client::Connect(std::move(options));
+  if (!c) return Fail(c.error());
+  *out = new kvtier_client{std::move(*c)};
+  return KVTIER_OK;
+}
+
+void kvtier_close(kvtier_client* client) { delete client; }
+
+kvtier_status kvtier_shm_cache_create(const kvtier_layout* l, uint32_t num_blocks, kvtier_shm_cache** out) {
+  if (l == nullptr || out == nullptr || l->model_id == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::LayoutSpec spec{.model_id = l->model_id,
+                          .num_layers = l->num_layers,
+                          .kv_kind = static_cast<kvtier::KvKind>(l->kv_kind),
+                          .num_kv_heads = l->num_kv_heads,
+                          .head_dim = l->head_dim,
+                          .dtype = static_cast<kvtier::DType>(l->dtype),
+                          .block_tokens = l->block_tokens,
+                          .tp_rank = l->tp_rank,
+                          .tp_size = l->tp_size,
+                          .scale_bytes_per_layer = l->scale_bytes_per_layer};
+  kvtier::Result<kvtier::Layout> layout = kvtier::Layout::Create(std::move(spec));
+  if (!layout) return Fail(layout.error());
+  kvtier::Result<kvtier::ShmKvCache> cache = kvtier::ShmKvCache::Create(*layout, num_blocks);
+  if (!cache) return Fail(cache.error());
+  *out = new kvtier_shm_cache{std::move(*cache)};
+  return KVTIER_OK;
+}
+
+void kvtier_shm_cache_destroy(kvtier_shm_cache* cache) { delete cache; }
+
+uint8_t* kvtier_shm_cache_block(kvtier_shm_cache* cache, uint32_t block_id) {
+  if (cache == nullptr || block_id >= cache->cache.num_blocks()) return nullptr;
+  return cache->cache.block(block_id).data();
+}
+
+uint64_t kvtier_shm_cache_block_bytes(const kvtier_shm_cache* cache) {
+  return cache == nullptr ? 0 : cache->cache.block_bytes();
+}
+
+kvtier_status kvtier_register_shm_cache(kvtier_client* client, const kvtier_shm_cache* cache, uint32_t* cache_id) {
+  if (client == nullptr || cache == nullptr || cache_id == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::Result<kvtier::CacheId> id = client->client->RegisterKvCache(cache->cache);
+  if (!id) return Fail(id.error());
+  *cache_id = *id;
+  return KVTIER_OK;
+}
+
+kvtier_status kvtier_compute_keys(kvtier_client* client, uint32_t cache_id, const uint32_t* tokens,
+                                  size_t num_tokens, uint8_t* keys_out, size_t max_keys, size_t* num_keys) {
+  if (client == nullptr || (tokens == nullptr && num_tokens > 0) || num_keys == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::Result<std::vector<kvtier::BlockKey>> keys =
+      client->client->ComputeKeys(cache_id, std::span<const uint32_t>(tokens, num_tokens));
+  if (!keys) return Fail(keys.error());
+  if (keys->size() > max_keys || (keys_out == nullptr && !keys->empty())) {
+    *num_keys = keys->size();
+    return Fail(kvtier::StatusCode::kOutOfRange, "keys_out has room for fewer keys than there are full blocks");
+  }
+  for (size_t i = 0; i < keys->size(); ++i) std::memcpy(keys_out + 16 * i, (*keys)[i].bytes.data(), 16);
+  *num_keys = keys->size();
+  return KVTIER_OK;
+}
+
+kvtier_status kvtier_lookup(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t num_keys,
+                            uint32_t* hits, uint8_t* tiers_out) {
+  if (client == nullptr || (keys == nullptr && num_keys > 0) || hits == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::Result<kvtier::LookupResult> r = client->client->Lookup(cache_id, Keys(keys, num_keys));
+  if (!r) return Fail(r.error());
+  *hits = r->hits;
+  if (tiers_out != nullptr) {
+    for (size_t i = 0; i < r->tiers.size(); ++i) tiers_out[i] = static_cast<uint8_t>(r->tiers[i]);
+  }
+  return KVTIER_OK;
+}
+
+kvtier_status kvtier_load(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, const uint32_t* block_ids,
+                          size_t n, uint32_t* blocks) {
+  if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || blocks == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::Result<kvtier::OpResult> r =
+      client->client->Load(cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n));
+  if (!r) return Fail(r.error());
+  *blocks = r->blocks;
+  return KVTIER_OK;
+}
+
+kvtier_status kvtier_store(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, const uint32_t* block_ids,
+                           size_t n, uint32_t* blocks, uint32_t* already) {
+  if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || blocks == nullptr) {
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  }
+  kvtier::Result<kvtier::OpResult> r =
+      client->client->Store(cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n));
+  if (!r) return Fail(r.error());
+  *blocks = r->blocks;
+  if (already != nullptr) *already = r->already;
+  return KVTIER_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,443 @@
+#include "kvtier/client.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <variant>
+
+#include "common/mutex.h"
+#include "ipc/seqpacket.h"
+#include "ipc/wire.h"
+
+namespace kvtier {
+
+namespace w = wire;
+using flatbuffers::FlatBufferBuilder;
+
+namespace {
+
+Status Unavailable(std::string message) { return Status(StatusCode::kUnavailable, std::move(message)); }
+
+BlockTier TierFromWire(w::Tier t) {
+  switch (t) {
+    case w::Tier::Hbm: return BlockTier::kHbm;
+    case w::Tier::Disk: return BlockTier::kDisk;
+    default: return BlockTier::kHost;
+  }
+}
+
+std::vector<w::Key> KeysToWire(std::span<const BlockKey> keys) {
+  std::vector<w::Key> out;
+  out.reserve(keys.size());
+  for (const BlockKey& k : keys) out.push_back(ipc::ToWire(k));
+  return out;
+}
+
+// A verified reply; `msg` points into `bytes`.
+struct Reply {
+  std::vector<uint8_t> bytes;
+  const w::Message* msg = nullptr;
+};
+
+}  // namespace
+
+uint64_t DaemonStats::Counter(std::string_view name) const {
+  for (const auto& [n, v] : counters) {
+    if (n == name) return v;
+  }
+  return 0;
+}
+
+class Client::Impl {
+ public:
+  struct Cache {
+    Layout layout;
+    uint32_t num_blocks = 0;
+    std::vector<Placement> placements;
+    std::vector<UniqueFd> fds = {};  // our own dups, for re-registration
+    std::vector<uint64_t> sizes = {};
+    uint32_t namespace_id = 0;  // on the current connection
+    std::unique_ptr<ChainHasher> hasher = nullptr;
+  };
+
+  explicit Impl(ClientOptions options) : options_(std::move(options)) {}
+
+  Status Connect() {
+    MutexLock lock(&mu_);
+    return Reconnect();
+  }
+
+  std::string tenant() const {
+    MutexLock lock(&mu_);
+    return tenant_;
+  }
+  bool connected() const {
+    MutexLock lock(&mu_);
+    return fd_.valid();
+  }
+
+  Result<CacheId> Register(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
+                           std::vector<KvRegion> regions) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    auto cache = std::make_unique<Cache>(Cache{.layout = layout, .num_blocks = num_blocks,
+                                               .placements = std::move(placements)});
+    for (const KvRegion& r : regions) {
+      UniqueFd dup(::fcntl(r.memfd, F_DUPFD_CLOEXEC, 0));
+      if (!dup) return Err(Status::FromErrno(errno, "dup of a KV cache memfd"));
+      cache->fds.push_back(std::move(dup));
+      cache->sizes.push_back(r.size_bytes);
+    }
+    KVTIER_RETURN_IF_ERROR(RegisterOne(*cache));
+    caches_.push_back(std::move(cache));
+    return static_cast<CacheId>(caches_.size());
+  }
+
+  Result<std::vector<BlockKey>> ComputeKeys(CacheId id, std::span<const uint32_t> tokens,
+                                            std::span<const ExtraKeys> extra, const std::optional<BlockKey>& parent) {
+    MutexLock lock(&mu_);
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, Find(id));
+    return c->hasher->ComputeKeys(tokens, extra, parent);
+  }
+
+  Result<BlockKey> KeyFromEngineHash(CacheId id, std::span<const uint8_t> hash) {
+    MutexLock lock(&mu_);
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, Find(id));
+    return c->hasher->KeyFromEngineHash(hash);
+  }
+
+  Result<LookupResult> Lookup(CacheId id, std::span<const BlockKey> keys) {
+    MutexLock lock(&mu_);
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+    FlatBufferBuilder b(64 + keys.size() * 16);
+    const std::vector<w::Key> wk = KeysToWire(keys);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateLookupDirect(b, c->namespace_id, &wk)),
+                                          {}, rid, w::Body::LookupReply));
+    const w::LookupReply* lr = r.msg->body_as_LookupReply();
+    LookupResult out;
+    out.hits = lr->hits();
+    if (lr->tiers() != nullptr) {
+      for (w::Tier t : *lr->tiers()) out.tiers.push_back(TierFromWire(t));
+    }
+    return out;
+  }
+
+  Result<uint32_t> Prefetch(CacheId id, std::span<const BlockKey> keys) {
+    MutexLock lock(&mu_);
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+    FlatBufferBuilder b(64 + keys.size() * 16);
+    const std::vector<w::Key> wk = KeysToWire(keys);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreatePrefetchDirect(b, c->namespace_id, &wk)),
+                                          {}, rid, w::Body::PrefetchReply));
+    return r.msg->body_as_PrefetchReply()->resident();
+  }
+
+  // Starts a Load or Store; with `wait`, returns its OpResult instead.
+  Result<std::variant<OpHandle, OpResult>> StartOp(bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
+                                                   std::span<const uint32_t> block_ids,
+                                                   const std::optional<BlockKey>& parent) {
+    MutexLock lock(&mu_);
+    if (keys.size() != block_ids.size()) {
+      return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
+                                 " block ids"));
+    }
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+    FlatBufferBuilder b(128 + keys.size() * 20);
+    const std::vector<w::Key> wk = KeysToWire(keys);
+    const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
+    const uint64_t rid = next_id_++;
+    std::vector<uint8_t> bytes;
+    if (load) {
+      bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait));
+    } else {
+      const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
+      bytes = ipc::FinishMessage(b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait));
+    }
+    if (wait) {
+      KVTIER_ASSIGN_OR_RETURN(Reply r, Call(std::move(bytes), {}, rid, w::Body::OpResult));
+      return FinishOpResult(*r.msg->body_as_OpResult());
+    }
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(std::move(bytes), {}, rid, w::Body::OpStarted));
+    return std::variant<OpHandle, OpResult>(OpHandle{r.msg->body_as_OpStarted()->op(), connection_});
+  }
+
+  Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    if (op.connection != connection_) return Err(Unavailable("kvtierd restarted; the op was lost"));
+    FlatBufferBuilder b(64);
+    const uint64_t rid = next_id_++;
+    const auto ms = static_cast<uint32_t>(std::min<int64_t>(timeout.count(), UINT32_MAX));
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid,
+                                          w::Body::OpResult));
+    return ToOpResult(*r.msg->body_as_OpResult());
+  }
+
+  Result<DaemonStats> Stats() {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(64);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateStats(b)), {}, rid, w::Body::StatsReply));
+    const w::StatsReply* s = r.msg->body_as_StatsReply();
+    DaemonStats out;
+    if (s->tiers() != nullptr) {
+      for (const w::TierStats* t : *s->tiers()) {
+        out.tiers.push_back(TierStats{TierFromWire(t->tier()), t->capacity_bytes(), t->used_bytes(), t->blocks()});
+      }
+    }
+    out.sessions = s->sessions();
+    out.leases = s->leases();
+    out.mappings = s->mappings();
+    out.inflight_ops = s->inflight_ops();
+    if (s->counters() != nullptr) {
+      for (const w::Counter* c : *s->counters()) {
+        out.counters.emplace_back(c->name() != nullptr ? c->name()->str() : "", c->value());
+      }
+    }
+    return out;
+  }
+
+  Result<uint64_t> Evict(const std::string& tenant, std::optional<BlockTier> tier) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(128);
+    const uint64_t rid = next_id_++;
+    const w::Tier wt = tier ? static_cast<w::Tier>(*tier) : w::Tier::None;
+    KVTIER_ASSIGN_OR_RETURN(
+        Reply r, Call(ipc::FinishMessage(b, rid, w::CreateEvictDirect(b, tenant.c_str(), nullptr, wt)), {}, rid,
+                      w::Body::EvictReply));
+    return r.msg->body_as_EvictReply()->evicted();
+  }
+
+  Result<std::vector<TenantStats>> ListTenants() {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(64);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateListTenants(b)), {}, rid,
+                                          w::Body::TenantList));
+    std::vector<TenantStats> out;
+    const w::TenantList* tl = r.msg->body_as_TenantList();
+    if (tl->tenants() == nullptr) return out;
+    for (const w::TenantInfo* t : *tl->tenants()) {
+      TenantStats ts;
+      ts.name = t->name() != nullptr ? t->name()->str() : "";
+      ts.sessions = t->sessions();
+      ts.blocks = t->blocks();
+      if (t->used_bytes() != nullptr) {
+        for (flatbuffers::uoffset_t i = 0; i < t->used_bytes()->size() && i < 3; ++i) ts.used_bytes[i] = t->used_bytes()->Get(i);
+      }
+      out.push_back(std::move(ts));
+    }
+    return out;
+  }
+
+ private:
+  static Result<OpResult> ToOpResult(const w::OpResult& r) {
+    if (!r.done()) return Err(Status(StatusCode::kDeadlineExceeded, "the op is still running"));
+    const Status st = ipc::StatusFromWire(r.code(), r.message());
+    if (!st.ok()) return Err(st);
+    return OpResult{r.blocks(), r.already()};
+  }
+  static Result<std::variant<OpHandle, OpResult>> FinishOpResult(const w::OpResult& r) {
+    KVTIER_ASSIGN_OR_RETURN(OpResult o, ToOpResult(r));
+    return std::variant<OpHandle, OpResult>(o);
+  }
+
+  Result<Cache*> Find(CacheId id) KVTIER_REQUIRES(mu_) {
+    if (id == 0 || id > caches_.size()) return Err(InvalidArgument("unknown cache id " + std::to_string(id)));
+    return caches_[id - 1].get();
+  }
+  Result<Cache*> ConnectedCache(CacheId id) KVTIER_REQUIRES(mu_) {
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    return Find(id);
+  }
+
+  Status EnsureConnected() KVTIER_REQUIRES(mu_) {
+    if (fd_.valid()) return Status::Ok();
+    if (std::chrono::steady_clock::now() < next_attempt_) {
+      return Unavailable("kvtierd is unavailable; reconnecting");
+    }
+    return Reconnect();
+  }
+
+  void Disconnect() KVTIER_REQUIRES(mu_) {
+    fd_.Reset();
+    next_attempt_ = std::chrono::steady_clock::now() + options_.reconnect_interval;
+  }
+
+  // Connects, says Hello and re-registers every cache.
+  Status Reconnect() KVTIER_REQUIRES(mu_) {
+    Result<UniqueFd> fd = ipc::Connect(options_.socket_path);
+    if (!fd) {
+      Disconnect();
+      return fd.error();
+    }
+    fd_ = std::move(*fd);
+    ++connection_;
+    FlatBufferBuilder b(256);
+    const uint64_t rid = next_id_++;
+    const auto hello = w::CreateHelloDirect(b, ipc::kProtocolVersion,
+                                            options_.token.empty() ? nullptr : options_.token.c_str(),
+                                            options_.client_name.c_str());
+    Result<Reply> r = Call(ipc::FinishMessage(b, rid, hello), {}, rid, w::Body::Welcome);
+    if (!r) {
+      Disconnect();
+      return r.error();
+    }
+    const w::Welcome* welcome = r->msg->body_as_Welcome();
+    std::vector<uint8_t> secret;
+    if (welcome->hash_secret() != nullptr) secret.assign(welcome->hash_secret()->begin(), welcome->hash_secret()->end());
+    Result<Secret> s = Secret::FromBytes(std::move(secret));
+    if (!s) {
+      Disconnect();
+      return s.error().WithContext("the daemon's hash secret");
+    }
+    hash_secret_ = std::move(*s);
+    tenant_ = welcome->tenant() != nullptr ? welcome->tenant()->str() : "";
+    for (auto& cache : caches_) {
+      if (Status st = RegisterOne(*cache); !st.ok()) {
+        Disconnect();
+        return st.WithContext("re-registering a KV cache after reconnecting");
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status RegisterOne(Cache& c) KVTIER_REQUIRES(mu_) {
+    FlatBufferBuilder b(1024);
+    std::vector<flatbuffers::Offset<w::MemoryRegion>> regions;
+    std::vector<int> fds;
+    for (size_t i = 0; i < c.fds.size(); ++i) {
+      regions.push_back(w::CreateMemoryRegion(b, w::MemoryKind::HostMemfd, c.sizes[i], static_cast<int>(i)));
+      fds.push_back(c.fds[i].get());
+    }
+    std::vector<w::Placement> placements;
+    for (const Placement& p : c.placements) placements.push_back(ipc::PlacementToWire(p));
+    const uint64_t rid = next_id_++;
+    const auto body = w::CreateRegisterKvCacheDirect(b, ipc::LayoutToWire(b, c.layout), c.num_blocks, &regions,
+                                                     &placements);
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, body), fds, rid, w::Body::Registered));
+    c.namespace_id = r.msg->body_as_Registered()->namespace_id();
+    c.hasher = std::make_unique<ChainHasher>(*hash_secret_, c.layout);
+    return Status::Ok();
+  }
+
+  // Sends a request and reads until its reply. A transport failure drops the
+  // connection and returns kUnavailable; an Error reply is returned as its
+  // status; a reply of another type than `expect` is kInternal.
+  Result<Reply> Call(std::vector<uint8_t> bytes, std::span<const int> fds, uint64_t id, w::Body expect)
+      KVTIER_REQUIRES(mu_) {
+    if (Status st = ipc::SendMessage(fd_.get(), bytes, fds); !st.ok()) {
+      Disconnect();
+      return Err(Unavailable("lost kvtierd: " + st.message()));
+    }
+    while (true) {
+      Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(fd_.get(), ipc::kMaxReplyBytes);
+      if (!m || m->eof || m->truncated) {
+        Disconnect();
+        return Err(Unavailable(!m ? "lost kvtierd: " + m.error().message()
+                                  : m->eof ? "kvtierd closed the connection" : "oversized reply from kvtierd"));
+      }
+      Result<const w::Message*> msg = ipc::VerifyMessage(m->bytes);
+      if (!msg) {
+        Disconnect();
+        return Err(msg.error().WithContext("reply from kvtierd"));
+      }
+      // id 0: the daemon could not read our request (it then closes).
+      if ((*msg)->id() != id && (*msg)->id() != 0) continue;  // a late reply to an abandoned call
+      if ((*msg)->body_type() == w::Body::Error) {
+        const w::Error* e = (*msg)->body_as_Error();
+        return Err(ipc::StatusFromWire(e->code(), e->message()));
+      }
+      if ((*msg)->body_type() != expect) {
+        return Err(Internal(std::string("unexpected reply ") + w::EnumNameBody((*msg)->body_type())));
+      }
+      Reply reply;
+      reply.msg = *msg;
+      reply.bytes = std::move(m->bytes);  // the heap buffer, and so msg, stay put
+      return reply;
+    }
+  }
+
+  const ClientOptions options_;
+  mutable Mutex mu_;
+  UniqueFd fd_ KVTIER_GUARDED_BY(mu_);
+  uint64_t connection_ KVTIER_GUARDED_BY(mu_) = 0;
+  uint64_t next_id_ KVTIER_GUARDED_BY(mu_) = 1;
+  std::chrono::steady_clock::time_point next_attempt_ KVTIER_GUARDED_BY(mu_);
+  std::string tenant_ KVTIER_GUARDED_BY(mu_);
+  std::optional<Secret> hash_secret_ KVTIER_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Cache>> caches_ KVTIER_GUARDED_BY(mu_);
+};
+
+Result<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  if (options.socket_path.empty()) return Err(InvalidArgument("ClientOptions.socket_path is required"));
+  auto impl = std::make_unique<Impl>(std::move(options));
+  KVTIER_RETURN_IF_ERROR(impl->Connect());
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+std::string Client::tenant() const { return impl_->tenant(); }
+bool Client::connected() const { return impl_->connected(); }
+
+Result<CacheId> Client::RegisterKvCache(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
+                                        std::vector<KvRegion> regions) {
+  return impl_->Register(layout, num_blocks, std::move(placements), std::move(regions));
+}
+
+Result<CacheId> Client::RegisterKvCache(const ShmKvCache& cache) {
+  return impl_->Register(cache.layout(), cache.num_blocks(), cache.placements(),
+                         {KvRegion{cache.fd(), cache.size_bytes()}});
+}
+
+Result<std::vector<BlockKey>> Client::ComputeKeys(CacheId cache, std::span<const uint32_t> tokens,
+                                                  std::span<const ExtraKeys> extra,
+                                                  const std::optional<BlockKey>& parent) {
+  return impl_->ComputeKeys(cache, tokens, extra, parent);
+}
+
+Result<BlockKey> Client::KeyFromEngineHash(CacheId cache, std::span<const uint8_t> hash) {
+  return impl_->KeyFromEngineHash(cache, hash);
+}
+
+Result<LookupResult> Client::Lookup(CacheId cache, std::span<const BlockKey> keys) { return impl_->Lookup(cache, keys); }
+Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys) { return impl_->Prefetch(cache, keys); }
+
+Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt));
+  return std::get<OpHandle>(v);
+}
+
+Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                    const std::optional<BlockKey>& parent) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent));
+  return std::get<OpHandle>(v);
+}
+
+Result<OpResult> Client::Wait(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Wait(op, timeout); }
+
+Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, true, cache, keys, block_ids, std::nullopt));
+  return std::get<OpResult>(v);
+}
+
+Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                               const std::optional<BlockKey>& parent) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, true, cache, keys, block_ids, parent));
+  return std::get<OpResult>(v);
+}
+
+Result<DaemonStats> Client::Stats() { return impl_->Stats(); }
+Result<uint64_t> Client::Evict(const std::string& tenant, std::optional<BlockTier> tier) {
+  return impl_->Evict(tenant, tier);
+}
+Result<std::vector<TenantStats>> Client::ListTenants() { return impl_->ListTenants(); }
+
+}  // namespace kvtier

@@ -1,0 +1,160 @@
+// kvtier::Client: the engine side of kvtier (libkvtier).
+//
+// An engine connects to the node's kvtierd, registers its KV cache once,
+// computes chain keys for its prompts, asks how much of a prompt is cached
+// (Lookup), and has the daemon copy blocks into (Load) and out of (Store) its
+// own KV cache pages:
+//
+//   auto client = kvtier::Client::Connect({.socket_path = "/run/kvtier/kvtierd.sock"});
+//   auto cache = kvtier::ShmKvCache::Create(layout, 1024);            // CPU engines
+//   auto id = (*client)->RegisterKvCache(*cache);
+//   auto keys = (*client)->ComputeKeys(*id, prompt_tokens);
+//   auto hit = (*client)->Lookup(*id, *keys);                         // no pin
+//   auto loaded = (*client)->Load(*id, first_n_keys, engine_blocks);  // blocking
+//   auto op = (*client)->StoreAsync(*id, new_keys, engine_blocks);    // then Wait(*op)
+//
+// Restarts: when the daemon goes away every call returns kUnavailable (an
+// engine treats that as a miss) and the client reconnects and re-registers
+// its caches by itself on a later call. Handles (cache ids) stay valid; ops
+// started before the restart report kUnavailable.
+//
+// Thread-safe: calls are serialised on one connection, so a blocking call or
+// Wait in one thread delays the others; use one Client per engine thread that
+// needs independent progress.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/chain_hash.h"
+#include "common/key128.h"
+#include "common/kv_cache_layout.h"
+#include "common/layout.h"
+#include "common/status.h"
+#include "kvtier/shm_kv_cache.h"
+
+namespace kvtier {
+
+struct ClientOptions {
+  std::string socket_path;          // REQUIRED
+  std::string token = {};           // when the tenant is identified by a token
+  std::string client_name = {};     // shown in the daemon's logs
+  // After losing the daemon, the shortest time between reconnect attempts.
+  std::chrono::milliseconds reconnect_interval{200};
+};
+
+// One region of engine memory for RegisterKvCache: a memfd sealed with
+// F_SEAL_SHRINK (borrowed: the client dups it, for re-registration).
+struct KvRegion {
+  int memfd = -1;
+  uint64_t size_bytes = 0;
+};
+
+using CacheId = uint32_t;
+
+enum class BlockTier : uint8_t { kHbm = 1, kHost = 2, kDisk = 3 };
+
+struct LookupResult {
+  uint32_t hits = 0;              // leading keys cached
+  std::vector<BlockTier> tiers;   // tier of each hit
+};
+
+struct OpResult {
+  uint32_t blocks = 0;   // loaded, or newly stored
+  uint32_t already = 0;  // Store: keys already present or in flight
+};
+
+struct OpHandle {
+  uint64_t op = 0;
+  uint64_t connection = 0;  // which connection started it
+};
+
+struct TierStats {
+  BlockTier tier = BlockTier::kHost;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t blocks = 0;
+};
+
+struct DaemonStats {
+  std::vector<TierStats> tiers;
+  uint64_t sessions = 0;
+  uint64_t leases = 0;
+  uint64_t mappings = 0;
+  uint64_t inflight_ops = 0;
+  std::vector<std::pair<std::string, uint64_t>> counters;
+  // The value of a counter, 0 if absent.
+  uint64_t Counter(std::string_view name) const;
+};
+
+struct TenantStats {
+  std::string name;
+  uint64_t sessions = 0;
+  uint64_t used_bytes[3] = {};  // hbm, host, disk
+  uint64_t blocks = 0;
+};
+
+class Client {
+ public:
+  // Connects and says Hello. Errors: kUnavailable when no daemon listens,
+  // kUnauthenticated when this process is no configured tenant, others as
+  // the daemon answers.
+  static Result<std::unique_ptr<Client>> Connect(ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // The tenant the daemon identified this process as.
+  std::string tenant() const;
+  bool connected() const;
+
+  // Registers engine memory described by `placements` over `regions`.
+  Result<CacheId> RegisterKvCache(const Layout& layout, uint32_t num_blocks,
+                                  std::vector<Placement> placements, std::vector<KvRegion> regions);
+  Result<CacheId> RegisterKvCache(const ShmKvCache& cache);
+
+  // Chain keys of every full block of `tokens` (docs/hashing.md), keyed by
+  // this tenant's hash secret. Works offline once connected.
+  Result<std::vector<BlockKey>> ComputeKeys(CacheId cache, std::span<const uint32_t> tokens,
+                                            std::span<const ExtraKeys> extra_keys_per_block = {},
+                                            const std::optional<BlockKey>& parent = std::nullopt);
+  // An engine's own 16- or 32-byte block hash as a key.
+  Result<BlockKey> KeyFromEngineHash(CacheId cache, std::span<const uint8_t> hash);
+
+  Result<LookupResult> Lookup(CacheId cache, std::span<const BlockKey> keys);
+  // Starts moving cached blocks of `keys` to faster tiers. Returns how many
+  // leading keys are cached.
+  Result<uint32_t> Prefetch(CacheId cache, std::span<const BlockKey> keys);
+
+  Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys,
+                             std::span<const uint32_t> block_ids);
+  Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys,
+                              std::span<const uint32_t> block_ids,
+                              const std::optional<BlockKey>& parent = std::nullopt);
+  // Waits for an op (timeout 0 = no limit). Errors: the op's own error
+  // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
+  // op keeps running; wait again), kUnavailable if the daemon restarted.
+  Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Blocking forms: one round trip.
+  Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
+  Result<OpResult> Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                         const std::optional<BlockKey>& parent = std::nullopt);
+
+  Result<DaemonStats> Stats();
+  // Drops unleased blocks: the caller's own, or (admin) another tenant's or
+  // everyone's (`tenant` = "*"). `tier`: nullopt = all tiers.
+  Result<uint64_t> Evict(const std::string& tenant = "", std::optional<BlockTier> tier = std::nullopt);
+  Result<std::vector<TenantStats>> ListTenants();
+
+ private:
+  class Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier

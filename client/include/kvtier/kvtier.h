@@ -1,0 +1,101 @@
+/* kvtier C API: libkvtier for engines written in C, Python (ctypes/cffi), Rust
+ * or Go. A thin layer over kvtier::Client (kvtier/client.h); see that header
+ * for the semantics of each call.
+ *
+ * Every function returns a kvtier_status: 0 on success, otherwise a code with
+ * the numbering of kvtier::StatusCode (KVTIER_UNAVAILABLE means the daemon is
+ * restarting: treat it as a cache miss). kvtier_last_error() gives the
+ * message of the calling thread's last failure.
+ *
+ * Keys are 16-byte arrays (docs/hashing.md). A kvtier_client is thread-safe;
+ * a kvtier_shm_cache is thread-compatible. */
+#ifndef KVTIER_KVTIER_H_
+#define KVTIER_KVTIER_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int32_t kvtier_status;
+enum {
+  KVTIER_OK = 0,
+  KVTIER_INVALID_ARGUMENT = 1,
+  KVTIER_NOT_FOUND = 2,
+  KVTIER_ALREADY_EXISTS = 3,
+  KVTIER_RESOURCE_EXHAUSTED = 4,
+  KVTIER_FAILED_PRECONDITION = 5,
+  KVTIER_OUT_OF_RANGE = 6,
+  KVTIER_PERMISSION_DENIED = 7,
+  KVTIER_UNAUTHENTICATED = 8,
+  KVTIER_UNAVAILABLE = 9,
+  KVTIER_DEADLINE_EXCEEDED = 10,
+  KVTIER_INTERNAL = 16
+};
+
+enum { KVTIER_KV = 1, KVTIER_LATENT = 2 };
+enum { KVTIER_FP16 = 1, KVTIER_BF16 = 2, KVTIER_FP32 = 3, KVTIER_FP8_E4M3 = 4, KVTIER_FP8_E5M2 = 5 };
+enum { KVTIER_TIER_HBM = 1, KVTIER_TIER_HOST = 2, KVTIER_TIER_DISK = 3 };
+
+typedef struct kvtier_layout {
+  const char* model_id;
+  uint32_t num_layers;
+  uint8_t kv_kind; /* KVTIER_KV or KVTIER_LATENT */
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint8_t dtype; /* KVTIER_FP16 ... */
+  uint32_t block_tokens;
+  uint32_t tp_rank;
+  uint32_t tp_size;
+  uint32_t scale_bytes_per_layer;
+} kvtier_layout;
+
+typedef struct kvtier_client kvtier_client;
+typedef struct kvtier_shm_cache kvtier_shm_cache;
+
+/* The calling thread's last error message ("" if none). Valid until the next
+ * failing call on this thread. */
+const char* kvtier_last_error(void);
+
+/* token and client_name may be NULL. */
+kvtier_status kvtier_connect(const char* socket_path, const char* token, const char* client_name,
+                             kvtier_client** out);
+void kvtier_close(kvtier_client* client);
+
+/* A memfd-backed KV cache for CPU engines: num_blocks contiguous blocks. */
+kvtier_status kvtier_shm_cache_create(const kvtier_layout* layout, uint32_t num_blocks,
+                                      kvtier_shm_cache** out);
+void kvtier_shm_cache_destroy(kvtier_shm_cache* cache);
+uint8_t* kvtier_shm_cache_block(kvtier_shm_cache* cache, uint32_t block_id);
+uint64_t kvtier_shm_cache_block_bytes(const kvtier_shm_cache* cache);
+
+/* Registers the cache with the daemon; *cache_id names it in later calls. */
+kvtier_status kvtier_register_shm_cache(kvtier_client* client, const kvtier_shm_cache* cache,
+                                        uint32_t* cache_id);
+
+/* Chain keys of the full blocks of tokens: writes up to max_keys keys
+ * (16 bytes each) to keys_out and their number to *num_keys. */
+kvtier_status kvtier_compute_keys(kvtier_client* client, uint32_t cache_id, const uint32_t* tokens,
+                                  size_t num_tokens, uint8_t* keys_out, size_t max_keys,
+                                  size_t* num_keys);
+
+/* *hits = number of leading keys cached; tiers_out (may be NULL, else room
+ * for num_keys) gets each hit's KVTIER_TIER_*. Never pins. */
+kvtier_status kvtier_lookup(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                            size_t num_keys, uint32_t* hits, uint8_t* tiers_out);
+
+/* Blocking load and store of keys[i] <-> engine block block_ids[i].
+ * *blocks: blocks loaded / newly stored; *already (may be NULL): keys
+ * already stored. */
+kvtier_status kvtier_load(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                          const uint32_t* block_ids, size_t n, uint32_t* blocks);
+kvtier_status kvtier_store(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                           const uint32_t* block_ids, size_t n, uint32_t* blocks, uint32_t* already);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVTIER_KVTIER_H_ */

@@ -1,0 +1,43 @@
+// Block contents derived from their key, so that any process can check that
+// the bytes it loaded are the bytes some other process stored for that key.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "common/key128.h"
+
+namespace kvtier::testing {
+
+inline uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+inline void FillFromKey(const BlockKey& key, std::span<uint8_t> out) {
+  uint64_t state = key.Low64();
+  size_t i = 0;
+  for (; i + 8 <= out.size(); i += 8) {
+    const uint64_t v = SplitMix64(state);
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  for (; i < out.size(); ++i) out[i] = static_cast<uint8_t>(SplitMix64(state));
+}
+
+inline bool MatchesKey(const BlockKey& key, std::span<const uint8_t> bytes) {
+  uint64_t state = key.Low64();
+  size_t i = 0;
+  for (; i + 8 <= bytes.size(); i += 8) {
+    const uint64_t v = SplitMix64(state);
+    if (std::memcmp(bytes.data() + i, &v, 8) != 0) return false;
+  }
+  for (; i < bytes.size(); ++i) {
+    if (bytes[i] != static_cast<uint8_t>(SplitMix64(state))) return false;
+  }
+  return true;
+}
+
+}  // namespace kvtier::testing

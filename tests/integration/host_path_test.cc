@@ -1,0 +1,575 @@
+// End-to-end tests of the host data path: a real kvtierd and real client
+// processes over its unix socket.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ipc/seqpacket.h"
+#include "ipc/wire.h"
+#include "kvtier/client.h"
+#include "tests/integration/block_content.h"
+#include "tests/integration/daemon_process.h"
+
+namespace kvtier::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kBlockTokens = 16;
+
+Layout SmallLayout() {
+  // 16 KiB blocks: 2 layers x (K, V) x 16 tokens x 2 heads x 64 dims x bf16.
+  return Layout::Create(LayoutSpec{.model_id = "kvtier/integration", .num_layers = 2,
+                                   .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 2, .head_dim = 64,
+                                   .dtype = DType::kBf16, .block_tokens = kBlockTokens, .tp_rank = 0,
+                                   .tp_size = 1, .scale_bytes_per_layer = 0})
+      .value();
+}
+
+std::vector<uint32_t> Prompt(uint32_t seed, uint32_t blocks) {
+  std::vector<uint32_t> t(blocks * kBlockTokens);
+  uint64_t state = seed;
+  for (auto& x : t) x = static_cast<uint32_t>(SplitMix64(state) % 128000);
+  return t;
+}
+
+std::vector<uint32_t> Range(uint32_t first, uint32_t n) {
+  std::vector<uint32_t> v(n);
+  for (uint32_t i = 0; i < n; ++i) v[i] = first + i;
+  return v;
+}
+
+std::unique_ptr<Client> MustConnect(const DaemonProcess& d, const std::string& token = "") {
+  Result<std::unique_ptr<Client>> c = Client::Connect(
+      {.socket_path = d.socket_path(), .token = token, .client_name = "test",
+       .reconnect_interval = std::chrono::milliseconds(20)});
+  EXPECT_TRUE(c.has_value()) << c.error() << "\n" << d.Log();
+  return c ? std::move(*c) : nullptr;
+}
+
+// Stores `keys` from engine blocks `first..` after filling them from the keys.
+void StoreFilled(Client& c, CacheId id, ShmKvCache& cache, const std::vector<BlockKey>& keys, uint32_t first) {
+  for (size_t i = 0; i < keys.size(); ++i) FillFromKey(keys[i], cache.block(first + static_cast<uint32_t>(i)));
+  Result<OpResult> r = c.Store(id, keys, Range(first, static_cast<uint32_t>(keys.size())));
+  ASSERT_TRUE(r.has_value()) << r.error();
+  EXPECT_EQ(r->blocks + r->already, keys.size());
+}
+
+// Loads into engine blocks `first..` (zeroed first); returns how many loaded
+// blocks match their keys' content.
+uint32_t LoadAndCount(Client& c, CacheId id, ShmKvCache& cache, const std::vector<BlockKey>& keys, uint32_t first) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto b = cache.block(first + static_cast<uint32_t>(i));
+    std::fill(b.begin(), b.end(), 0);
+  }
+  Result<OpResult> r = c.Load(id, keys, Range(first, static_cast<uint32_t>(keys.size())));
+  EXPECT_TRUE(r.has_value()) << r.error();
+  if (!r) return 0;
+  uint32_t good = 0;
+  for (uint32_t i = 0; i < r->blocks; ++i) good += MatchesKey(keys[i], cache.block(first + i));
+  EXPECT_EQ(good, r->blocks) << "a loaded block differs from what was stored";
+  return good;
+}
+
+// Polls Stats until `pred` holds (or 10 s pass).
+template <typename Pred>
+DaemonStats StatsWhen(Client& c, Pred pred) {
+  DaemonStats s;
+  for (int i = 0; i < 1000; ++i) {
+    Result<DaemonStats> r = c.Stats();
+    if (r) {
+      s = *r;
+      if (pred(s)) return s;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return s;
+}
+
+TEST(HostPathTest, RoundTripThroughHbmAndHostIsByteExact) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"tiers.hbm.enabled=true", "tiers.hbm.bytes=2MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 512);
+  ASSERT_TRUE(cache.has_value());
+  Result<CacheId> id = c->RegisterKvCache(*cache);
+  ASSERT_TRUE(id.has_value()) << id.error();
+
+  // 20 prompts of 20 blocks: 400 blocks, 6.25 MiB, three times the hbm tier.
+  std::vector<std::vector<BlockKey>> prompts;
+  for (uint32_t p = 0; p < 20; ++p) {
+    Result<std::vector<BlockKey>> keys = c->ComputeKeys(*id, Prompt(p, 20));
+    ASSERT_TRUE(keys.has_value());
+    ASSERT_EQ(keys->size(), 20u);
+    StoreFilled(*c, *id, *cache, *keys, 0);
+    prompts.push_back(*keys);
+  }
+  const DaemonStats after_store = StatsWhen(*c, [](const DaemonStats& s) { return s.Counter("demotions") > 0; });
+  EXPECT_GT(after_store.Counter("demotions"), 0u);
+  EXPECT_EQ(after_store.Counter("stores"), 400u);
+
+  bool saw_hbm = false, saw_host = false;
+  for (const auto& keys : prompts) {
+    Result<LookupResult> l = c->Lookup(*id, keys);
+    ASSERT_TRUE(l.has_value());
+    EXPECT_EQ(l->hits, 20u);
+    for (BlockTier t : l->tiers) (t == BlockTier::kHbm ? saw_hbm : saw_host) = true;
+    EXPECT_EQ(LoadAndCount(*c, *id, *cache, keys, 100), 20u);
+  }
+  EXPECT_TRUE(saw_hbm);
+  EXPECT_TRUE(saw_host);
+  const DaemonStats s = StatsWhen(*c, [](const DaemonStats& st) { return st.leases == 0; });
+  EXPECT_EQ(s.leases, 0u);
+  EXPECT_EQ(s.Counter("loads"), 400u);
+  EXPECT_EQ(s.Counter("bytes_cache_to_engine"), 400u * SmallLayout().block_bytes());
+}
+
+TEST(HostPathTest, EvictionDropsColdBlocksAndNeverServesWrongBytes) {
+  // 64 KiB of host tier per ... a 1 MiB host tier holds 64 blocks; store 200.
+  Result<DaemonProcess> d = DaemonProcess::Start({"tiers.host.bytes=1MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 256);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = c->RegisterKvCache(*cache).value();
+  std::vector<std::vector<BlockKey>> prompts;
+  for (uint32_t p = 0; p < 20; ++p) {
+    prompts.push_back(c->ComputeKeys(id, Prompt(1000 + p, 10)).value());
+    StoreFilled(*c, id, *cache, prompts.back(), 0);
+  }
+  const DaemonStats s = c->Stats().value();
+  EXPECT_GT(s.Counter("evictions_host"), 0u);
+  EXPECT_LE(s.tiers.at(1).used_bytes, s.tiers.at(1).capacity_bytes);
+  // The newest prompts are cached whole; whatever hits loads exact bytes.
+  EXPECT_EQ(c->Lookup(id, prompts.back()).value().hits, 10u);
+  for (const auto& keys : prompts) {
+    const uint32_t hits = c->Lookup(id, keys).value().hits;
+    if (hits > 0) {
+      std::vector<BlockKey> head(keys.begin(), keys.begin() + hits);
+      EXPECT_EQ(LoadAndCount(*c, id, *cache, head, 100), hits);
+    }
+  }
+}
+
+TEST(HostPathTest, SecondStoreIsAlreadyStoredAndLookupNeverPins) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 64);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = c->RegisterKvCache(*cache).value();
+  const std::vector<BlockKey> keys = c->ComputeKeys(id, Prompt(7, 8)).value();
+  for (size_t i = 0; i < keys.size(); ++i) FillFromKey(keys[i], cache->block(static_cast<uint32_t>(i)));
+
+  // Two stores of the same keys in flight at once: one copies, one is "already".
+  Result<OpHandle> first = c->StoreAsync(id, keys, Range(0, 8));
+  Result<OpHandle> second = c->StoreAsync(id, keys, Range(0, 8));
+  ASSERT_TRUE(first.has_value() && second.has_value());
+  const OpResult r1 = c->Wait(*first).value();
+  const OpResult r2 = c->Wait(*second).value();
+  EXPECT_EQ(r1.blocks, 8u);
+  EXPECT_EQ(r2.blocks, 0u);
+  EXPECT_EQ(r2.already, 8u);
+  const OpResult r3 = c->Store(id, keys, Range(0, 8)).value();
+  EXPECT_EQ(r3.already, 8u);
+  for (int i = 0; i < 50; ++i) ASSERT_EQ(c->Lookup(id, keys).value().hits, 8u);
+  const DaemonStats s = c->Stats().value();
+  EXPECT_EQ(s.leases, 0u);
+  EXPECT_EQ(s.Counter("stores"), 8u);
+  EXPECT_EQ(s.Counter("already_stored"), 16u);
+  // A wait on a finished op's handle a second time: its result was taken.
+  Result<OpResult> again = c->Wait(*first);
+  ASSERT_FALSE(again.has_value());
+  EXPECT_EQ(again.error().code(), StatusCode::kNotFound);
+}
+
+TEST(HostPathTest, SigkilledClientLeavesNoLeaseMappingOrHalfWrittenEntry) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"tiers.host.bytes=128MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  int progress[2];
+  ASSERT_EQ(::pipe(progress), 0);
+  constexpr uint32_t kStores = 1000;
+  const std::string socket = d->socket_path();
+  const pid_t child = ForkChild([&]() -> int {
+    ::close(progress[0]);
+    Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = socket, .client_name = "victim"});
+    if (!c) return 10;
+    Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), kStores);
+    if (!cache) return 11;
+    Result<CacheId> id = (*c)->RegisterKvCache(*cache);
+    if (!id) return 12;
+    Result<std::vector<BlockKey>> keys = (*c)->ComputeKeys(*id, Prompt(42, kStores));
+    if (!keys) return 13;
+    for (uint32_t i = 0; i < kStores; ++i) {
+      FillFromKey((*keys)[i], cache->block(i));
+      // Stores without waiting, and loads of earlier blocks, so that both are
+      // in flight when the kill comes.
+      if (!(*c)->StoreAsync(*id, std::span(*keys).subspan(i, 1), std::vector<uint32_t>{i})) return 14;
+      if (i % 10 == 9) (void)(*c)->LoadAsync(*id, std::span(*keys).subspan(i - 9, 1), std::vector<uint32_t>{i - 9});
+      const char one = 1;
+      if (::write(progress[1], &one, 1) != 1) return 15;
+    }
+    ::pause();  // wait to be killed
+    return 0;
+  });
+  ::close(progress[1]);
+  // Kill it in the middle of its stores.
+  uint32_t seen = 0;
+  char buf[64];
+  while (seen < 300) {
+    const ssize_t n = ::read(progress[0], buf, sizeof(buf));
+    ASSERT_GT(n, 0) << "the client process died early:\n" << d->Log();
+    seen += static_cast<uint32_t>(n);
+  }
+  ::kill(child, SIGKILL);
+  EXPECT_EQ(WaitChild(child), 128 + SIGKILL);
+  ::close(progress[0]);
+
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  const DaemonStats s = StatsWhen(*c, [](const DaemonStats& st) {
+    return st.sessions == 1 && st.leases == 0 && st.mappings == 0 && st.inflight_ops == 0;
+  });
+  EXPECT_EQ(s.sessions, 1u);  // ours
+  EXPECT_EQ(s.leases, 0u);
+  EXPECT_EQ(s.mappings, 0u);
+  // Every block the dead client's keys hit holds exactly its bytes.
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 16);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = c->RegisterKvCache(*cache).value();
+  const std::vector<BlockKey> keys = c->ComputeKeys(id, Prompt(42, kStores)).value();
+  uint32_t present = 0;
+  for (uint32_t i = 0; i < kStores; ++i) {
+    if (c->Lookup(id, std::span(keys).subspan(i, 1)).value().hits == 0) continue;
+    ++present;
+    EXPECT_EQ(LoadAndCount(*c, id, *cache, {keys[i]}, 0), 1u) << "block " << i;
+  }
+  EXPECT_GT(present, 0u);
+  EXPECT_LE(present, kStores);
+  EXPECT_EQ(c->Stats().value().leases, 0u);
+}
+
+std::string Tok(char c) { return std::string(24, c); }
+
+TEST(HostPathTest, TenantsAreIsolatedUnlessTheyShareAGroup) {
+  const std::string tenants = "tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') +
+                              "}, {name: c, token: " + Tok('c') + ", sharing_group: g}, {name: d, token: " +
+                              Tok('d') + ", sharing_group: g}, {name: ops, token: " + Tok('o') + ", admin: true}]";
+  Result<DaemonProcess> d = DaemonProcess::Start({tenants});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto a = MustConnect(*d, Tok('a'));
+  auto b = MustConnect(*d, Tok('b'));
+  auto c = MustConnect(*d, Tok('c'));
+  auto dd = MustConnect(*d, Tok('d'));
+  ASSERT_TRUE(a && b && c && dd);
+  EXPECT_EQ(a->tenant(), "a");
+  EXPECT_EQ(dd->tenant(), "d");
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 64);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId ia = a->RegisterKvCache(*cache).value();
+  const CacheId ib = b->RegisterKvCache(*cache).value();
+  const CacheId ic = c->RegisterKvCache(*cache).value();
+  const CacheId id = dd->RegisterKvCache(*cache).value();
+
+  const std::vector<uint32_t> system_prompt = Prompt(99, 6);
+  const std::vector<BlockKey> ka = a->ComputeKeys(ia, system_prompt).value();
+  StoreFilled(*a, ia, *cache, ka, 0);
+  EXPECT_EQ(a->Lookup(ia, ka).value().hits, 6u);
+  // b computes its own keys for the same tokens (another hash secret)...
+  const std::vector<BlockKey> kb = b->ComputeKeys(ib, system_prompt).value();
+  EXPECT_NE(kb, ka);
+  EXPECT_EQ(b->Lookup(ib, kb).value().hits, 0u);
+  // ...and even a's exact keys miss for b: stored keys are salted per tenant.
+  EXPECT_EQ(b->Lookup(ib, ka).value().hits, 0u);
+  EXPECT_EQ(b->Load(ib, ka, Range(10, 6)).value().blocks, 0u);
+
+  // c and d share a group: same chain keys, and d hits what c stored.
+  const std::vector<BlockKey> kc = c->ComputeKeys(ic, system_prompt).value();
+  EXPECT_EQ(dd->ComputeKeys(id, system_prompt).value(), kc);
+  StoreFilled(*c, ic, *cache, kc, 20);
+  EXPECT_EQ(dd->Lookup(id, kc).value().hits, 6u);
+  EXPECT_EQ(LoadAndCount(*dd, id, *cache, kc, 40), 6u);
+  EXPECT_EQ(a->Lookup(ia, kc).value().hits, 0u);
+
+  // Admin calls.
+  Result<std::vector<TenantStats>> list = a->ListTenants();
+  ASSERT_FALSE(list.has_value());
+  EXPECT_EQ(list.error().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(b->Evict("a").error().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(b->Evict().value(), 0u);  // b's own: nothing
+  EXPECT_EQ(a->Lookup(ia, ka).value().hits, 6u);
+  auto ops = MustConnect(*d, Tok('o'));
+  ASSERT_NE(ops, nullptr);
+  list = ops->ListTenants();
+  ASSERT_TRUE(list.has_value()) << list.error();
+  ASSERT_EQ(list->size(), 5u);
+  EXPECT_EQ((*list)[0].name, "a");
+  EXPECT_EQ((*list)[0].blocks, 6u);
+  EXPECT_EQ(ops->Evict("a").value(), 6u);
+  EXPECT_EQ(a->Lookup(ia, ka).value().hits, 0u);
+  EXPECT_EQ(dd->Lookup(id, kc).value().hits, 6u);
+
+  // Peers that are no tenant are refused.
+  Result<std::unique_ptr<Client>> wrong = Client::Connect({.socket_path = d->socket_path(), .token = Tok('x')});
+  ASSERT_FALSE(wrong.has_value());
+  EXPECT_EQ(wrong.error().code(), StatusCode::kUnauthenticated);
+  Result<std::unique_ptr<Client>> none = Client::Connect({.socket_path = d->socket_path()});
+  ASSERT_FALSE(none.has_value());
+  EXPECT_EQ(none.error().code(), StatusCode::kUnauthenticated);
+  EXPECT_GE(ops->Stats().value().Counter("sessions_refused"), 2u);
+}
+
+TEST(HostPathTest, PeerWhoseUidIsNotConfiguredIsRefused) {
+  // The only tenant is some other uid.
+  const uint32_t other = ::getuid() + 4242;
+  Result<DaemonProcess> d = DaemonProcess::Start({"tenants=[{name: x, uid: " + std::to_string(other) + "}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path()});
+  ASSERT_FALSE(c.has_value());
+  EXPECT_EQ(c.error().code(), StatusCode::kUnauthenticated);
+  struct stat st {};
+  ASSERT_EQ(::stat(d->socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+}
+
+// A raw protocol session, for sending what the client library never would.
+class RawSession {
+ public:
+  explicit RawSession(const std::string& path) : fd_(ipc::Connect(path).value()) {}
+  Status Send(std::span<const uint8_t> bytes, std::span<const int> fds = {}) {
+    return ipc::SendMessage(fd_.get(), bytes, fds);
+  }
+  // The next reply: its body type and, for an Error, the code; or eof.
+  struct Reply {
+    bool eof = false;
+    wire::Body body = wire::Body::NONE;
+    StatusCode code = StatusCode::kOk;
+    std::string message;
+  };
+  Reply Receive() {
+    Reply r;
+    Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(fd_.get(), 1 << 20);
+    if (!m || m->eof) {
+      r.eof = true;
+      return r;
+    }
+    Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
+    if (!msg) return r;
+    r.body = (*msg)->body_type();
+    if (r.body == wire::Body::Error) {
+      r.code = ipc::CodeFromWire((*msg)->body_as_Error()->code());
+      r.message = (*msg)->body_as_Error()->message()->str();
+    }
+    return r;
+  }
+  void Hello() {
+    flatbuffers::FlatBufferBuilder b;
+    ASSERT_TRUE(Send(ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion))).ok());
+    ASSERT_EQ(Receive().body, wire::Body::Welcome);
+  }
+
+ private:
+  UniqueFd fd_;
+};
+
+TEST(HostPathTest, MalformedAndOutOfRangeMessagesAreRefusedAndOthersUnaffected) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"limits.max_message_bytes=64KiB", "limits.max_keys_per_request=64"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto good = MustConnect(*d);
+  ASSERT_NE(good, nullptr);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 32);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = good->RegisterKvCache(*cache).value();
+  const std::vector<BlockKey> keys = good->ComputeKeys(id, Prompt(5, 4)).value();
+  StoreFilled(*good, id, *cache, keys, 0);
+
+  {  // Garbage bytes: an error, then the connection is closed.
+    RawSession raw(d->socket_path());
+    const std::vector<uint8_t> garbage = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    ASSERT_TRUE(raw.Send(garbage).ok());
+    const RawSession::Reply r = raw.Receive();
+    EXPECT_EQ(r.body, wire::Body::Error);
+    EXPECT_EQ(r.code, StatusCode::kInvalidArgument);
+    EXPECT_TRUE(raw.Receive().eof);
+  }
+  {  // Larger than limits.max_message_bytes.
+    RawSession raw(d->socket_path());
+    ASSERT_TRUE(raw.Send(std::vector<uint8_t>(128 << 10, 7)).ok());
+    const RawSession::Reply r = raw.Receive();
+    EXPECT_EQ(r.code, StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.message, HasSubstr("max_message_bytes"));
+    EXPECT_TRUE(raw.Receive().eof);
+  }
+  {  // A request before Hello.
+    RawSession raw(d->socket_path());
+    flatbuffers::FlatBufferBuilder b;
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 3, wire::CreateStats(b))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kUnauthenticated);
+    EXPECT_TRUE(raw.Receive().eof);
+  }
+  {  // A wrong protocol version.
+    RawSession raw(d->socket_path());
+    flatbuffers::FlatBufferBuilder b;
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, 99))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(raw.Receive().eof);
+  }
+  {  // Bad requests on a good session get errors and the session goes on.
+    RawSession raw(d->socket_path());
+    raw.Hello();
+    flatbuffers::FlatBufferBuilder b;
+    // Unknown namespace.
+    std::vector<wire::Key> wk = {ipc::ToWire(keys[0])};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 2, wire::CreateLookupDirect(b, 77, &wk))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kNotFound);
+    // Register: region fd index that names no descriptor, and bad placements.
+    b.Clear();
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {
+        wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes(), 3)};
+    std::vector<wire::Placement> placements;
+    for (const Placement& p : cache->placements()) placements.push_back(ipc::PlacementToWire(p));
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 3, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)))
+                    .ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    // Register with a region larger than the memfd behind it.
+    b.Clear();
+    regions = {wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes() * 2, 0)};
+    const int fd = cache->fd();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 4, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 64, &regions,
+                                                      &placements)),
+                         std::span(&fd, 1))
+                    .ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    // A good registration, then out-of-range ids, mismatched counts, too many keys.
+    b.Clear();
+    regions = {wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes(), 0)};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 5, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)),
+                         std::span(&fd, 1))
+                    .ok());
+    ASSERT_EQ(raw.Receive().body, wire::Body::Registered);
+    b.Clear();
+    std::vector<uint32_t> ids = {32};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 6, wire::CreateLoadDirect(b, 1, &wk, &ids))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kOutOfRange);
+    b.Clear();
+    ids = {1, 2};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 7, wire::CreateStoreDirect(b, 1, &wk, &ids))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    b.Clear();
+    std::vector<wire::Key> many(65, ipc::ToWire(keys[0]));
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 8, wire::CreateLookupDirect(b, 1, &many))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    b.Clear();
+    std::vector<wire::Key> two = {ipc::ToWire(keys[0]), ipc::ToWire(keys[1])};
+    ids = {3, 3};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 9, wire::CreateLoadDirect(b, 1, &two, &ids))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 10, wire::CreateWait(b, 12345, 0))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kNotFound);
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 11, wire::CreateStats(b))).ok());
+    EXPECT_EQ(raw.Receive().body, wire::Body::StatsReply);
+  }
+  // The good client never noticed.
+  EXPECT_EQ(good->Lookup(id, keys).value().hits, 4u);
+  EXPECT_EQ(LoadAndCount(*good, id, *cache, keys, 10), 4u);
+  Result<OpResult> bad = good->Load(id, keys, std::vector<uint32_t>{0, 1, 2, 40});
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_EQ(bad.error().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(good->Lookup(id, keys).value().hits, 4u);
+  EXPECT_GE(good->Stats().value().Counter("messages_rejected"), 2u);
+}
+
+TEST(HostPathTest, ClientReconnectsAndReregistersAfterDaemonRestart) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 32);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = c->RegisterKvCache(*cache).value();
+  const std::vector<BlockKey> keys = c->ComputeKeys(id, Prompt(11, 4)).value();
+  StoreFilled(*c, id, *cache, keys, 0);
+  const OpHandle before = c->LoadAsync(id, keys, Range(10, 4)).value();
+  ASSERT_TRUE(c->Wait(before).has_value());
+  const OpHandle lost = c->LoadAsync(id, keys, Range(10, 4)).value();
+
+  d->Kill();
+  Result<LookupResult> gap = c->Lookup(id, keys);
+  ASSERT_FALSE(gap.has_value());
+  EXPECT_EQ(gap.error().code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(d->Restart().ok()) << d->Log();
+
+  // Within a few reconnect intervals the same cache id works again.
+  Result<LookupResult> after = Err(Status(StatusCode::kUnavailable, ""));
+  for (int i = 0; i < 200 && !after; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    after = c->Lookup(id, keys);
+  }
+  ASSERT_TRUE(after.has_value()) << after.error();
+  EXPECT_EQ(after->hits, 0u);  // memory tiers start empty (the disk tier will keep them)
+  EXPECT_EQ(c->Wait(lost).error().code(), StatusCode::kUnavailable);
+  // The hash secret survived the restart: keys are the same.
+  EXPECT_EQ(c->ComputeKeys(id, Prompt(11, 4)).value(), keys);
+  StoreFilled(*c, id, *cache, keys, 0);
+  EXPECT_EQ(LoadAndCount(*c, id, *cache, keys, 10), 4u);
+}
+
+TEST(HostPathTest, SighupReloadsWatermarksAndLogLevel) {
+  char path[] = "/tmp/kvtier-it-config-XXXXXX.yaml";
+  const int fd = ::mkstemps(path, 5);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  std::ofstream(path) << "log:\n  level: info\n";
+  Result<DaemonProcess> d = DaemonProcess::Start({}, path);
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::ofstream(path) << "log:\n  level: debug\npolicy:\n  watermarks:\n    host: {high: 0.7, low: 0.5}\n";
+  d->Signal(SIGHUP);
+  bool reloaded = false;
+  for (int i = 0; i < 500 && !reloaded; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    reloaded = d->Log().find("SIGHUP: reloaded watermarks, quotas and log level (debug)") != std::string::npos;
+  }
+  EXPECT_TRUE(reloaded) << d->Log();
+  // An invalid file is refused and the daemon keeps running.
+  std::ofstream(path) << "log:\n  level: loud\n";
+  d->Signal(SIGHUP);
+  bool refused = false;
+  for (int i = 0; i < 500 && !refused; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    refused = d->Log().find("config not reloaded") != std::string::npos;
+  }
+  EXPECT_TRUE(refused) << d->Log();
+  EXPECT_NE(MustConnect(*d), nullptr);
+  EXPECT_EQ(WEXITSTATUS(d->Stop()), 0);
+  ::unlink(path);
+}
+
+TEST(HostPathTest, SigtermStopsCleanlyAndRemovesTheSocket) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  const int status = d->Stop();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
+  EXPECT_NE(::access(d->socket_path().c_str(), F_OK), 0);
+  EXPECT_THAT(d->Log(), HasSubstr("stopped"));
+}
+
+}  // namespace
+}  // namespace kvtier::testing
