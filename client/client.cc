@@ -1,6 +1,7 @@
 #include "kvtier/client.h"
 
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <variant>
@@ -278,6 +279,10 @@ class Client::Impl {
     }
     fd_ = std::move(*fd);
     ++connection_;
+    // Large batches (thousands of keys) exceed the default socket buffer;
+    // the kernel caps this at net.core.wmem_max, which is fine.
+    const int sndbuf = 1 << 20;
+    ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
     FlatBufferBuilder b(256);
     const uint64_t rid = next_id_++;
     const auto hello = w::CreateHelloDirect(b, ipc::kProtocolVersion,

@@ -89,8 +89,9 @@ Status ValidatePiece(const PieceShape& shape, const Placement& p, uint32_t num_b
   size_t num_dims = 0;
   if (shape.tokens > 1) dims[num_dims++] = Dim{"token", shape.tokens, p.token_stride_bytes};
   if (shape.heads > 1) dims[num_dims++] = Dim{"head", shape.heads, p.head_stride_bytes};
-  std::sort(dims.begin(), dims.begin() + num_dims,
-            [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  // Two elements at most: a swap, not std::sort (whose inlined code g++ 12
+  // at -O2 misreads as out of bounds, -Warray-bounds).
+  if (num_dims == 2 && dims[1].stride < dims[0].stride) std::swap(dims[0], dims[1]);
   // Bytes from the first row's start to the last row's end, over the
   // dimensions processed so far; after the loop, over the whole block's piece.
   uint64_t extent = shape.row_bytes;

@@ -107,8 +107,8 @@ struct Config {
   } policy;
 
   struct Limits {
-    uint64_t max_message_bytes = 4ull << 20;
-    uint32_t max_keys_per_request = 16384;
+    uint64_t max_message_bytes = 1ull << 20;
+    uint32_t max_keys_per_request = 4096;
     uint32_t max_sessions_per_tenant = 256;
     uint32_t max_inflight_ops_per_session = 1024;
   } limits;

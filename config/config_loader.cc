@@ -624,7 +624,11 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
   {
     Config::Limits& l = c->limits;
     MapReader m(ctx, r.Take("limits"), "limits");
-    m.Read("max_message_bytes", &l.max_message_bytes, ParseSizeNode);
+    m.Read("max_message_bytes", &l.max_message_bytes, [](const YAML::Node& n, uint64_t* v) -> ParseResult {
+      if (auto e = ParseSizeNode(n, v); !e.empty()) return e;
+      if (*v < 4096 || *v > (64ull << 20)) return "must be from 4KiB to 64MiB, got " + FormatSize(*v);
+      return {};
+    });
     m.Read("max_keys_per_request", &l.max_keys_per_request,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 20, v); });
     m.Read("max_sessions_per_tenant", &l.max_sessions_per_tenant,

@@ -20,6 +20,7 @@ constexpr size_t kMaxRegions = 1024;
 constexpr size_t kMaxNamespacesPerSession = 64;
 constexpr size_t kMaxClientNameBytes = 128;
 constexpr size_t kMaxTokenBytes = 4096;
+constexpr size_t kMaxWaitersPerOp = 8;
 
 w::Tier TierToWire(Tier t) {
   switch (t) {
@@ -126,6 +127,7 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
   }
   s.tenant = &t;
   ++t.sessions;
+  --unauthenticated_;
   if (m.client_name() != nullptr) s.client_name = m.client_name()->str();
   spdlog::info("session {}: tenant {} (pid {}{})", s.id, t.config.name, s.peer.pid,
                s.client_name.empty() ? "" : ", " + s.client_name);
@@ -345,6 +347,10 @@ std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t 
     return reply;
   }
   if (!timeout_ms) return OpResultMessage(id, op, it->second);  // Poll: not done yet
+  if (it->second.waiters.size() >= kMaxWaitersPerOp) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
+                                        "too many Waits on op " + std::to_string(op)));
+  }
   it->second.waiters.push_back(id);
   if (*timeout_ms > 0) {
     wait_deadlines_.emplace(std::chrono::steady_clock::now() + std::chrono::milliseconds(*timeout_ms),
@@ -413,13 +419,21 @@ std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict
     }
   }
   std::optional<uint32_t> ns;
-  if (m.fingerprint() != nullptr) ns = cache_->NamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
+  if (m.fingerprint() != nullptr) {
+    ns = cache_->FindNamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
+    if (!ns) {  // nothing was ever stored under that layout
+      FlatBufferBuilder b(64);
+      return ipc::FinishMessage(b, id, w::CreateEvictReply(b, 0));
+    }
+  }
   std::optional<Tier> tier;
   switch (m.tier()) {
     case w::Tier::None: break;
     case w::Tier::Hbm: tier = Tier::kHbm; break;
     case w::Tier::Host: tier = Tier::kHost; break;
     case w::Tier::Disk: tier = Tier::kDisk; break;
+    default:
+      return ipc::ErrorMessage(id, InvalidArgument("unknown tier " + std::to_string(static_cast<int>(m.tier()))));
   }
   const uint64_t evicted = cache_->Evict(owners, ns, tier);
   spdlog::info("session {}: evicted {} block(s)", s.id, evicted);

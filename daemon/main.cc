@@ -1,6 +1,7 @@
 // kvtierd: the kvtier daemon.
 //
 //   kvtierd [--config FILE] [--set key=value ...] [--check-config] [--foreground]
+//           [--pid-file PATH]
 //
 // Without --foreground it forks into the background once its socket is
 // listening (the parent exits 0 then, or 1 if start-up failed); systemd and
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   bool check_config = false;
   bool foreground = false;
+  std::string pid_file;
   app.add_option("-c,--config", config_file, "YAML config file (default: built-in defaults)");
   app.add_option("--set", overrides,
                  "override a config key: --set tiers.host.bytes=64GiB (repeatable; YAML values)")
@@ -64,6 +66,7 @@ int main(int argc, char** argv) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--check-config", check_config, "validate the config, print it, and exit");
   app.add_flag("-f,--foreground", foreground, "stay in the foreground (for systemd and containers)");
+  app.add_option("--pid-file", pid_file, "write the daemon's pid here once it listens; removed at exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -88,7 +91,15 @@ int main(int argc, char** argv) {
   const int ready_fd = foreground ? -1 : Daemonize();
   kvtier::SetupLogging(config->log.format, config->log.level);
   spdlog::info("kvtierd starting\n{}", kvtier::ConfigSummary(*config));
-  kvtier::Server::Options options{.config = *config, .source = source, .on_ready = [ready_fd] {
+  kvtier::Server::Options options{.config = *config, .source = source, .on_ready = [ready_fd, &pid_file] {
+                                    if (!pid_file.empty()) {
+                                      if (FILE* f = std::fopen(pid_file.c_str(), "w"); f != nullptr) {
+                                        std::fprintf(f, "%d\n", ::getpid());
+                                        std::fclose(f);
+                                      } else {
+                                        spdlog::error("cannot write pid file {}", pid_file);
+                                      }
+                                    }
                                     if (ready_fd >= 0) {
                                       const char one = 1;
                                       [[maybe_unused]] ssize_t n = ::write(ready_fd, &one, 1);
@@ -101,6 +112,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const kvtier::Status st = (*server)->Run();
+  if (!pid_file.empty()) ::unlink(pid_file.c_str());
   if (!st.ok()) {
     spdlog::critical("event loop failed: {}", st.ToString());
     return 1;

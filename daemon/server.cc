@@ -24,6 +24,11 @@ constexpr uint64_t kWakeTag = 3;
 constexpr uint64_t kFirstSessionId = 16;
 constexpr size_t kMaxOutbox = 4096;
 constexpr int kMaxMessagesPerWakeup = 64;
+// A connection must say Hello this soon, and at most this many may be
+// waiting to: idle connections cannot exhaust the daemon's descriptors.
+constexpr auto kHelloTimeout = std::chrono::seconds(10);
+constexpr size_t kMaxUnauthenticated = 256;
+constexpr auto kAcceptPause = std::chrono::milliseconds(100);
 
 Status EpollAdd(int epoll, int fd, uint32_t events, uint64_t tag) {
   epoll_event ev{};
@@ -78,6 +83,9 @@ Status Server::Setup() {
   spdlog::info("device backend: {}", backend_->name());
   if (c.tiers.disk.enabled) {
     spdlog::warn("tiers.disk is enabled, but this build has no disk tier yet: serving hbm and host only");
+  }
+  if (c.metrics.enabled) {
+    spdlog::warn("metrics.enabled, but this build has no metrics endpoint yet; use kvtierctl stats");
   }
 
   KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
@@ -142,8 +150,15 @@ void Server::RunPosted() {
 }
 
 int Server::NextTimeoutMs() const {
-  if (wait_deadlines_.empty()) return stopping_ ? 100 : -1;
-  const auto until = wait_deadlines_.begin()->first - std::chrono::steady_clock::now();
+  std::optional<std::chrono::steady_clock::time_point> next;
+  auto consider = [&](std::chrono::steady_clock::time_point t) {
+    if (!next || t < *next) next = t;
+  };
+  if (!wait_deadlines_.empty()) consider(wait_deadlines_.begin()->first);
+  if (!hello_deadlines_.empty()) consider(hello_deadlines_.front().first);
+  if (accept_paused_until_) consider(*accept_paused_until_);
+  if (!next) return stopping_ ? 100 : -1;
+  const auto until = *next - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(until).count();
   return static_cast<int>(std::clamp<int64_t>(ms, 0, 60000));
 }
@@ -182,6 +197,8 @@ Status Server::Run() {
       CloseMarkedSessions();
     }
     ExpireWaits();
+    ExpireHellos();
+    ResumeAccepting();
     CloseMarkedSessions();
   }
   spdlog::info("stopped");
@@ -192,10 +209,23 @@ void Server::AcceptAll() {
   while (true) {
     Result<UniqueFd> fd = ipc::Accept(listen_.get());
     if (!fd) {
-      spdlog::warn("accept: {}", fd.error().ToString());
+      const int err = fd.error().raw_code();
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        // The pending connection stays queued and epoll would report it again
+        // at once: stop listening for a moment instead of spinning.
+        spdlog::warn("accept: {}; pausing new connections for {} ms", fd.error().message(), kAcceptPause.count());
+        ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
+        accept_paused_until_ = std::chrono::steady_clock::now() + kAcceptPause;
+      } else {
+        spdlog::warn("accept: {}", fd.error().ToString());
+      }
       return;
     }
     if (!fd->valid()) return;
+    if (unauthenticated_ >= kMaxUnauthenticated) {
+      spdlog::warn("refusing a connection: {} connections have not said Hello yet", unauthenticated_);
+      continue;  // closing it is the refusal
+    }
     Result<ipc::PeerCredentials> peer = ipc::GetPeerCredentials(fd->get());
     if (!peer) {
       spdlog::warn("peer credentials: {}", peer.error().ToString());
@@ -210,7 +240,28 @@ void Server::AcceptAll() {
       continue;
     }
     spdlog::debug("session {}: connected, pid {} uid {} gid {}", s->id, peer->pid, peer->uid, peer->gid);
+    ++unauthenticated_;
+    hello_deadlines_.emplace_back(std::chrono::steady_clock::now() + kHelloTimeout, s->id);
     sessions_.emplace(s->id, std::move(s));
+  }
+}
+
+void Server::ResumeAccepting() {
+  if (!accept_paused_until_ || std::chrono::steady_clock::now() < *accept_paused_until_) return;
+  accept_paused_until_.reset();
+  if (listen_.valid()) {
+    if (Status st = EpollAdd(epoll_.get(), listen_.get(), EPOLLIN, kListenTag); !st.ok()) {
+      spdlog::error("resuming accept: {}", st.ToString());
+    }
+  }
+}
+
+void Server::ExpireHellos() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!hello_deadlines_.empty() && hello_deadlines_.front().first <= now) {
+    auto it = sessions_.find(hello_deadlines_.front().second);
+    hello_deadlines_.pop_front();
+    if (it != sessions_.end() && it->second->tenant == nullptr) it->second->close_reason = "no Hello in time";
   }
 }
 
@@ -302,6 +353,7 @@ void Server::CloseSession(uint64_t id, const char* why) {
   while (!s.outbox.empty() && ipc::SendMessage(s.fd.get(), s.outbox.front()).ok()) s.outbox.pop_front();
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
   if (s.tenant != nullptr) --s.tenant->sessions;
+  else --unauthenticated_;
   spdlog::info("session {} ({}{}): closed: {}; {} op(s) in flight are abandoned", id,
                s.tenant != nullptr ? s.tenant->config.name : "unauthenticated",
                s.client_name.empty() ? "" : ", " + s.client_name, why, s.pending_ops);

@@ -61,6 +61,8 @@ class Server {
   void OnSignal();
   void Reload();
   void ExpireWaits();
+  void ExpireHellos();
+  void ResumeAccepting();
   int NextTimeoutMs() const;
 
   // --- requests (handlers.cc)
@@ -102,6 +104,11 @@ class Server {
     uint64_t request;
   };
   std::multimap<std::chrono::steady_clock::time_point, PendingWait> wait_deadlines_;
+  // Sessions that must have said Hello by then (FIFO: deadlines only grow).
+  std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> hello_deadlines_;
+  size_t unauthenticated_ = 0;
+  // Out of descriptors: accepting pauses until then instead of spinning.
+  std::optional<std::chrono::steady_clock::time_point> accept_paused_until_;
 
   Mutex posted_mu_;
   std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(posted_mu_);

@@ -83,9 +83,18 @@ Result<Tenant*> TenantRegistry::Authenticate(const ipc::PeerCredentials& peer,
     }
     if (found != nullptr) return found;
   } else {
+    // The most specific match wins: uid and gid over uid or gid alone.
+    Tenant* best = nullptr;
+    int best_score = 0;
     for (const auto& t : tenants_) {
-      if (!t->config.token && (t->config.uid || t->config.gid) && creds_match(t->config)) return t.get();
+      if (t->config.token || !creds_match(t->config)) continue;
+      const int score = int{t->config.uid.has_value()} + int{t->config.gid.has_value()};
+      if (score > best_score) {
+        best = t.get();
+        best_score = score;
+      }
     }
+    if (best != nullptr) return best;
   }
   return Err(Status(StatusCode::kUnauthenticated,
                     "no tenant matches uid " + std::to_string(peer.uid) + " gid " +

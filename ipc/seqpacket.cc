@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <string_view>
 #include <utility>
 
@@ -216,10 +217,18 @@ Status SendMessage(int fd, std::span<const uint8_t> bytes, std::span<const int> 
 
 Result<ReceivedMessage> ReceiveMessage(int fd, size_t max_bytes) {
   ReceivedMessage out;
-  out.bytes.resize(max_bytes);
+  // Receive into a reusable per-thread buffer and copy out only what
+  // arrived: zero-filling a max_bytes vector (megabytes) for every small
+  // request would dominate a lookup's latency.
+  thread_local std::unique_ptr<uint8_t[]> scratch;
+  thread_local size_t scratch_bytes = 0;
+  if (scratch_bytes < max_bytes) {
+    scratch.reset(new uint8_t[max_bytes]);
+    scratch_bytes = max_bytes;
+  }
   iovec iov{};
-  iov.iov_base = out.bytes.data();
-  iov.iov_len = out.bytes.size();
+  iov.iov_base = scratch.get();
+  iov.iov_len = max_bytes;
   alignas(cmsghdr) unsigned char control[kControlBytes] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -271,7 +280,7 @@ Result<ReceivedMessage> ReceiveMessage(int fd, size_t max_bytes) {
     }
   }
 
-  out.bytes.resize(static_cast<size_t>(n));
+  out.bytes.assign(scratch.get(), scratch.get() + std::min(static_cast<size_t>(n), max_bytes));
   out.truncated = (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0;
   // MSG_TRUNC first: with max_bytes == 0 a non-empty message also reads 0 bytes.
   if (n == 0 && (msg.msg_flags & MSG_TRUNC) == 0) out.eof = true;

@@ -1,5 +1,9 @@
 #include "kernels/copy_reference.h"
 
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
+#include <xxhash.h>
+
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -8,12 +12,31 @@
 namespace kvtier {
 namespace {
 
+// Copied and hashed in pieces of this size, so that each piece is hashed
+// while it is still in cache: the checksum then costs no extra memory pass.
+constexpr uint64_t kHashChunkBytes = 256 << 10;
+
 // Calls copy(engine_bytes, slot_offset, size_bytes) for each contiguous run of
-// engine block `block_id`, in canonical slot order. Gather and scatter share
-// this walk so they cannot disagree about where a byte goes.
+// engine block `block_id`, in canonical slot order. Runs that are adjacent in
+// the engine too (a contiguous or page-first cache) are merged, so large
+// blocks move in few large copies. Gather and scatter share this walk so they
+// cannot disagree about where a byte goes.
 template <typename CopyFn>
 void ForEachRun(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,
-                CopyFn copy) {
+                CopyFn emit) {
+  uint8_t* run = nullptr;
+  uint64_t run_offset = 0;
+  uint64_t run_bytes = 0;
+  auto copy = [&](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+    if (run != nullptr && engine == run + run_bytes) {
+      run_bytes += size_bytes;
+      return;
+    }
+    if (run != nullptr) emit(run, run_offset, run_bytes);
+    run = engine;
+    run_offset = slot_offset;
+    run_bytes = size_bytes;
+  };
   KVTIER_CHECK(block_id < layout.num_blocks());
   KVTIER_CHECK(regions.region_bases.size() == layout.region_sizes_bytes().size());
   const LayoutSpec& spec = layout.layout().spec();
@@ -42,18 +65,44 @@ void ForEachRun(const KvCacheLayout& layout, const MappedRegions& regions, uint3
       }
     }
   }
+  if (run != nullptr) emit(run, run_offset, run_bytes);
   KVTIER_CHECK(slot_offset == layout.layout().block_bytes());
 }
 
 }  // namespace
 
 void GatherBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,
-                 uint8_t* slot) {
+                 uint8_t* slot, uint64_t* checksum) {
   KVTIER_CHECK(slot != nullptr);
+  if (checksum == nullptr) {
+    ForEachRun(layout, regions, block_id,
+               [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+                 std::memcpy(slot + slot_offset, engine, size_bytes);
+               });
+    return;
+  }
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
   ForEachRun(layout, regions, block_id,
-             [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
-               std::memcpy(slot + slot_offset, engine, size_bytes);
+             [slot, &state](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+               for (uint64_t done = 0; done < size_bytes; done += kHashChunkBytes) {
+                 const uint64_t n = std::min(kHashChunkBytes, size_bytes - done);
+                 std::memcpy(slot + slot_offset + done, engine + done, n);
+                 XXH3_64bits_update(&state, slot + slot_offset + done, n);
+               }
              });
+  *checksum = XXH3_64bits_digest(&state);
+}
+
+uint64_t CopyWithChecksum(uint8_t* dst, const uint8_t* src, uint64_t size_bytes) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (uint64_t done = 0; done < size_bytes; done += kHashChunkBytes) {
+    const uint64_t n = std::min(kHashChunkBytes, size_bytes - done);
+    std::memcpy(dst + done, src + done, n);
+    XXH3_64bits_update(&state, dst + done, n);
+  }
+  return XXH3_64bits_digest(&state);
 }
 
 void ScatterBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,

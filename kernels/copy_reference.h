@@ -22,13 +22,19 @@ struct MappedRegions {
 };
 
 // Copies engine block `block_id` into `slot` (layout.layout().block_bytes()
-// bytes, canonical order). REQUIRES: block_id < num_blocks, region_bases has
-// one entry per region (checked by KVTIER_CHECK: a violation is a bug).
+// bytes, canonical order). With `checksum`, also stores the XXH3-64 of the
+// slot's bytes there, hashed piece by piece while they are in cache.
+// REQUIRES: block_id < num_blocks, region_bases has one entry per region
+// (checked by KVTIER_CHECK: a violation is a bug).
 void GatherBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,
-                 uint8_t* slot);
+                 uint8_t* slot, uint64_t* checksum = nullptr);
 
 // Copies `slot` (canonical order) into engine block `block_id`.
 void ScatterBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,
                   const uint8_t* slot);
+
+// memcpy that returns the XXH3-64 of the copied bytes, hashing each piece
+// right after copying it.
+uint64_t CopyWithChecksum(uint8_t* dst, const uint8_t* src, uint64_t size_bytes);
 
 }  // namespace kvtier

@@ -62,6 +62,12 @@ uint32_t BlockCache::NamespaceId(const LayoutFingerprint& fingerprint) {
   return it->second;
 }
 
+std::optional<uint32_t> BlockCache::FindNamespaceId(const LayoutFingerprint& fingerprint) const {
+  auto it = namespaces_.find(fingerprint);
+  if (it == namespaces_.end()) return std::nullopt;
+  return it->second;
+}
+
 bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
   if (tenant >= quotas_.size()) return true;
   const std::optional<uint64_t>& q = quotas_[tenant].bytes[static_cast<size_t>(t)];

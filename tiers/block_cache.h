@@ -146,6 +146,8 @@ class BlockCache {
 
   // Namespace ids for Evict's filter: a small integer per fingerprint.
   uint32_t NamespaceId(const LayoutFingerprint& fingerprint);
+  // The id of a fingerprint that has blocks stored, without creating one.
+  std::optional<uint32_t> FindNamespaceId(const LayoutFingerprint& fingerprint) const;
 
   TierUsage Usage(Tier tier) const;
   uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;

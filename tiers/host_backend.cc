@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
@@ -95,16 +94,17 @@ Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(
       return Err(InvalidArgument(what + ": the host backend maps memfd regions only"));
     }
     if (r.size_bytes == 0) return Err(InvalidArgument(what + ": size is 0"));
+    // Seals first: a size checked before the seal could shrink in between.
+    const int seals = ::fcntl(r.memfd.get(), F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      return Err(InvalidArgument(what + ": the memfd must be sealed with F_SEAL_SHRINK "
+                                        "(kvtier::ShmKvCache does this)"));
+    }
     struct stat st {};
     if (::fstat(r.memfd.get(), &st) != 0) return Err(Status::FromErrno(errno, what + ": fstat"));
     if (static_cast<uint64_t>(st.st_size) < r.size_bytes) {
       return Err(InvalidArgument(what + ": the memfd holds " + std::to_string(st.st_size) +
                                  " bytes, less than the " + std::to_string(r.size_bytes) + " registered"));
-    }
-    const int seals = ::fcntl(r.memfd.get(), F_GET_SEALS);
-    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      return Err(InvalidArgument(what + ": the memfd must be sealed with F_SEAL_SHRINK "
-                                        "(kvtier::ShmKvCache does this)"));
     }
     Result<MemoryMapping> m = MemoryMapping::Map(MemoryMapping::Options{
         .size_bytes = r.size_bytes, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = r.memfd.get()});
@@ -148,27 +148,25 @@ void HostBackend::RunTask(const Task& task) {
   Batch& b = *task.batch;
   const CopyBatch& c = b.copies;
   for (size_t i = task.begin; i < task.end; ++i) {
-    const uint8_t* written = nullptr;
-    uint64_t written_bytes = 0;
+    uint64_t* checksum = c.checksum_destination ? &b.checksums[i] : nullptr;
     switch (c.direction) {
       case CopyDirection::kEngineToSlot:
         GatherBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
-                    c.blocks[i].slot);
-        written = c.blocks[i].slot;
-        written_bytes = c.layout->layout().block_bytes();
+                    c.blocks[i].slot, checksum);
         break;
       case CopyDirection::kSlotToEngine:
         ScatterBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
                      c.blocks[i].slot);
         break;
-      case CopyDirection::kSlotToSlot:
-        std::memcpy(c.slot_copies[i].dst, c.slot_copies[i].src, c.slot_copies[i].size_bytes);
-        written = c.slot_copies[i].dst;
-        written_bytes = c.slot_copies[i].size_bytes;
+      case CopyDirection::kSlotToSlot: {
+        const SlotCopy& sc = c.slot_copies[i];
+        if (checksum != nullptr) {
+          *checksum = CopyWithChecksum(sc.dst, sc.src, sc.size_bytes);
+        } else {
+          std::memcpy(sc.dst, sc.src, sc.size_bytes);
+        }
         break;
-    }
-    if (c.checksum_destination && written != nullptr) {
-      b.checksums[i] = XXH3_64bits(written, written_bytes);
+      }
     }
   }
   if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {

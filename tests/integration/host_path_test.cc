@@ -1,6 +1,7 @@
 // End-to-end tests of the host data path: a real kvtierd and real client
 // processes over its unix socket.
 #include <signal.h>
+#include <sys/wait.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,10 +11,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/block_pattern.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 #include "kvtier/client.h"
-#include "tests/integration/block_content.h"
 #include "tests/integration/daemon_process.h"
 
 namespace kvtier::testing {
@@ -558,6 +559,14 @@ TEST(HostPathTest, SighupReloadsWatermarksAndLogLevel) {
   EXPECT_NE(MustConnect(*d), nullptr);
   EXPECT_EQ(WEXITSTATUS(d->Stop()), 0);
   ::unlink(path);
+}
+
+TEST(HostPathTest, CApiEngineStoresAndLoads) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/bin/c_api_example " + d->socket_path();
+  const int status = std::system(cmd.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "exit " << WEXITSTATUS(status) << "\n" << d->Log();
 }
 
 TEST(HostPathTest, SigtermStopsCleanlyAndRemovesTheSocket) {

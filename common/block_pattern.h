@@ -1,5 +1,6 @@
 // Block contents derived from their key, so that any process can check that
-// the bytes it loaded are the bytes some other process stored for that key.
+// the bytes it loaded are the bytes some other process stored for that key:
+// used by tests, the quickstart demo and kvtier-bench. Thread-safe (pure).
 #pragma once
 
 #include <cstdint>
@@ -8,7 +9,7 @@
 
 #include "common/key128.h"
 
-namespace kvtier::testing {
+namespace kvtier {
 
 inline uint64_t SplitMix64(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ull);
@@ -40,4 +41,4 @@ inline bool MatchesKey(const BlockKey& key, std::span<const uint8_t> bytes) {
   return true;
 }
 
-}  // namespace kvtier::testing
+}  // namespace kvtier
