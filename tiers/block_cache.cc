@@ -30,7 +30,11 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
   for (size_t t = 0; t < kNumTiers; ++t) {
     cache->tiers_[t] = std::make_unique<TierState>();
     if (const Arena* a = cache->arenas_[t].get(); a != nullptr) {
-      cache->tiers_[t]->pool = std::make_unique<SlotPool>(a->data(), a->size_bytes());
+      // Extents of at most 1/64 of the tier, so that one block size cannot
+      // take a small tier whole before a second namespace arrives.
+      const uint64_t extent =
+          std::clamp<uint64_t>(a->size_bytes() / 64, SlotPool::kSlotAlignBytes, SlotPool::kDefaultExtentBytes);
+      cache->tiers_[t]->pool = std::make_unique<SlotPool>(a->data(), a->size_bytes(), extent);
     }
   }
   cache->tier(Tier::kHbm)->marks = o.hbm_watermarks;
@@ -243,6 +247,10 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
 bool BlockCache::MaybePromote(BlockEntry* e) {
   TierState* hbm = tier(Tier::kHbm);
   if (!hbm->pool || e->tier != Tier::kHost || e->moving || e->state != EntryState::kReady) return false;
+  // A load that leased the block before its last move still reads the old
+  // slot; an entry keeps one retired slot, so the block stays put until that
+  // lease is released (FinishMove would otherwise have two to keep).
+  if (e->retired_slot != nullptr) return false;
   const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
   if (static_cast<double>(hbm->pool->used_bytes() + stride) >
       hbm->marks.high * static_cast<double>(hbm->pool->capacity_bytes())) {
@@ -294,7 +302,8 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       status = Status(StatusCode::kResourceExhausted,
                       "no room for block " + std::to_string(i) + " of the store: " +
                           (quota ? "the tenant's host quota is full of leased blocks"
-                                 : "every evictable block is leased"));
+                                 : "every block of this size is leased, and blocks of other sizes "
+                                   "hold the rest of the tier"));
       counters_.store_rejected += keys.size() - i;
       break;
     }

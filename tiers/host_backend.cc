@@ -170,7 +170,14 @@ void HostBackend::RunTask(const Task& task) {
     }
   }
   if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    b.done(CopyResult{.status = Status::Ok(), .checksums = std::move(b.checksums)});
+    // Let go of the client's mapping and layout before `done` runs: the
+    // other tasks of the batch may still hold the Batch for a moment, and
+    // whoever learns of the completion must see the mapping released
+    // (live_mappings of a dead client reaches 0 with its last completion).
+    CopyDone done = std::move(b.done);
+    CopyResult result{.status = Status::Ok(), .checksums = std::move(b.checksums)};
+    b.copies = CopyBatch{};
+    done(std::move(result));
   }
 }
 

@@ -4,6 +4,10 @@
 // gather/scatter (kernels/copy_reference.h). It is what CI and every machine
 // without a GPU run, and a real mode for CPU inference engines.
 //
+// A batch releases its client mapping and layout before its `done` runs, so
+// a completion observer already sees the mapping's share of live_mappings()
+// gone.
+//
 // Thread-safe. Destruction waits for queued copies to finish (each `done`
 // still runs exactly once) and then joins the workers.
 #pragma once

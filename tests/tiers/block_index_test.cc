@@ -1,0 +1,338 @@
+#include "tiers/block_index.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace kvtier {
+namespace {
+
+StoredKey K(uint32_t n) {
+  StoredKey key;
+  for (size_t i = 0; i < 4; ++i)
+    key.bytes[StoredKey::kSize - 1 - i] = static_cast<uint8_t>(n >> (8 * i));
+  key.bytes[0] = 0x5a;
+  return key;
+}
+
+// The keys of a tier's LRU list, coldest first; also checks that the
+// backward links agree with the forward ones.
+std::vector<StoredKey> Order(const BlockIndex& index, Tier t) {
+  std::vector<StoredKey> keys;
+  const BlockEntry* prev = nullptr;
+  for (const BlockEntry* e = index.Coldest(t); e != nullptr; e = BlockIndex::Hotter(e)) {
+    EXPECT_EQ(e->lru_prev, prev) << "broken back link at " << e->key.ToHex();
+    EXPECT_EQ(e->tier, t);
+    keys.push_back(e->key);
+    prev = e;
+    if (keys.size() > 100000) {
+      ADD_FAILURE() << "cycle in the LRU list";
+      break;
+    }
+  }
+  return keys;
+}
+
+std::vector<StoredKey> Keys(std::initializer_list<uint32_t> ns) {
+  std::vector<StoredKey> keys;
+  for (uint32_t n : ns) keys.push_back(K(n));
+  return keys;
+}
+
+std::set<const BlockEntry*> Children(const BlockEntry* e) {
+  std::set<const BlockEntry*> children;
+  const BlockEntry* prev = nullptr;
+  for (const BlockEntry* c = e->first_child; c != nullptr; c = c->next_sibling) {
+    EXPECT_EQ(c->prev_sibling, prev);
+    EXPECT_EQ(c->parent, e);
+    children.insert(c);
+    prev = c;
+  }
+  return children;
+}
+
+TEST(BlockIndexTest, TierNames) {
+  EXPECT_STREQ(TierName(Tier::kHbm), "hbm");
+  EXPECT_STREQ(TierName(Tier::kHost), "host");
+  EXPECT_STREQ(TierName(Tier::kDisk), "disk");
+}
+
+TEST(BlockIndexTest, InsertFindErase) {
+  BlockIndex index;
+  EXPECT_EQ(index.Find(K(1)), nullptr);
+  BlockEntry* e = index.Insert(K(1), Tier::kHost, nullptr);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->key, K(1));
+  EXPECT_EQ(e->tier, Tier::kHost);
+  EXPECT_EQ(e->state, EntryState::kFilling);
+  EXPECT_EQ(index.Find(K(1)), e);
+  EXPECT_EQ(index.size(), 1u);
+  index.Erase(e);
+  EXPECT_EQ(index.Find(K(1)), nullptr);
+  EXPECT_EQ(index.size(), 0u);
+  EXPECT_EQ(index.Coldest(Tier::kHost), nullptr);
+  // The key can come back.
+  EXPECT_NE(index.Insert(K(1), Tier::kHbm, nullptr), nullptr);
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({1}));
+}
+
+TEST(BlockIndexTest, InsertIsHottestAndTouchMovesToHotEnd) {
+  BlockIndex index;
+  for (uint32_t n : {1, 2, 3, 4}) index.Insert(K(n), Tier::kHost, nullptr);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1, 2, 3, 4}));
+  index.Touch(index.Find(K(1)));  // coldest
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 3, 4, 1}));
+  index.Touch(index.Find(K(3)));  // middle
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 4, 1, 3}));
+  index.Touch(index.Find(K(3)));  // already hottest
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 4, 1, 3}));
+  EXPECT_TRUE(Order(index, Tier::kHbm).empty());
+  EXPECT_TRUE(Order(index, Tier::kDisk).empty());
+}
+
+TEST(BlockIndexTest, EraseKeepsTheListLinked) {
+  BlockIndex index;
+  for (uint32_t n : {1, 2, 3, 4, 5}) index.Insert(K(n), Tier::kHbm, nullptr);
+  index.Erase(index.Find(K(3)));  // middle
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({1, 2, 4, 5}));
+  index.Erase(index.Find(K(1)));  // coldest
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({2, 4, 5}));
+  index.Erase(index.Find(K(5)));  // hottest
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({2, 4}));
+  index.Insert(K(6), Tier::kHbm, nullptr);
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({2, 4, 6}));
+}
+
+TEST(BlockIndexTest, ChangeTierMovesListsAndParentCounts) {
+  BlockIndex index;
+  BlockEntry* p = index.Insert(K(1), Tier::kHost, nullptr);
+  BlockEntry* c = index.Insert(K(2), Tier::kHost, &p->key);
+  index.Insert(K(3), Tier::kHbm, nullptr);
+  ASSERT_EQ(c->parent, p);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 1u);
+  EXPECT_TRUE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHost));
+  EXPECT_FALSE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHbm));
+
+  index.ChangeTier(c, Tier::kHbm);
+  EXPECT_EQ(c->tier, Tier::kHbm);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1}));
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({3, 2})) << "a moved entry is hottest in its new tier";
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 0u);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHbm)], 1u);
+  // A child above the parent's tier still holds the parent.
+  EXPECT_TRUE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHost));
+  EXPECT_TRUE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHbm));
+
+  index.ChangeTier(c, Tier::kDisk);
+  EXPECT_EQ(Order(index, Tier::kDisk), Keys({2}));
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({3}));
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHbm)], 0u);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kDisk)], 1u);
+  // A child below does not.
+  EXPECT_FALSE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHost));
+  EXPECT_TRUE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kDisk));
+
+  // Moving the parent leaves its own counts alone.
+  index.ChangeTier(p, Tier::kDisk);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kDisk)], 1u);
+  EXPECT_EQ(c->parent, p);
+  EXPECT_EQ(Order(index, Tier::kDisk), Keys({2, 1}));
+  EXPECT_TRUE(Order(index, Tier::kHost).empty());
+}
+
+TEST(BlockIndexTest, InsertLinksUnderAPresentParentOnly) {
+  BlockIndex index;
+  const StoredKey absent = K(99);
+  BlockEntry* orphan = index.Insert(K(1), Tier::kHost, &absent);
+  EXPECT_EQ(orphan->parent, nullptr);
+  BlockEntry* p = index.Insert(K(2), Tier::kHost, nullptr);
+  BlockEntry* a = index.Insert(K(3), Tier::kHost, &p->key);
+  BlockEntry* b = index.Insert(K(4), Tier::kHbm, &p->key);
+  EXPECT_EQ(Children(p), (std::set<const BlockEntry*>{a, b}));
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 1u);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHbm)], 1u);
+  EXPECT_EQ(orphan->first_child, nullptr);
+}
+
+TEST(BlockIndexTest, EraseOfAChildFixesTheParent) {
+  BlockIndex index;
+  BlockEntry* p = index.Insert(K(1), Tier::kHost, nullptr);
+  BlockEntry* c1 = index.Insert(K(2), Tier::kHost, &p->key);
+  BlockEntry* c2 = index.Insert(K(3), Tier::kHbm, &p->key);
+  BlockEntry* c3 = index.Insert(K(4), Tier::kHost, &p->key);
+  ASSERT_EQ(Children(p), (std::set<const BlockEntry*>{c1, c2, c3}));
+
+  index.Erase(c2);  // whichever position it has in the sibling list
+  EXPECT_EQ(Children(p), (std::set<const BlockEntry*>{c1, c3}));
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHbm)], 0u);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 2u);
+  EXPECT_FALSE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kHbm));
+
+  index.Erase(c3);
+  EXPECT_EQ(Children(p), (std::set<const BlockEntry*>{c1}));
+  index.Erase(c1);
+  EXPECT_EQ(p->first_child, nullptr);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 0u);
+  EXPECT_FALSE(BlockIndex::HasChildrenAtOrAbove(p, Tier::kDisk));
+}
+
+TEST(BlockIndexTest, EraseOrphansTheChildren) {
+  BlockIndex index;
+  BlockEntry* g = index.Insert(K(1), Tier::kHost, nullptr);
+  BlockEntry* p = index.Insert(K(2), Tier::kHost, &g->key);
+  BlockEntry* c1 = index.Insert(K(3), Tier::kHost, &p->key);
+  BlockEntry* c2 = index.Insert(K(4), Tier::kHost, &p->key);
+  index.Erase(p);
+  EXPECT_EQ(index.Find(K(2)), nullptr);
+  for (BlockEntry* c : {c1, c2}) {
+    EXPECT_EQ(c->parent, nullptr);
+    EXPECT_EQ(c->prev_sibling, nullptr);
+    EXPECT_EQ(c->next_sibling, nullptr);
+  }
+  EXPECT_EQ(g->first_child, nullptr);
+  EXPECT_EQ(g->children_in_tier[static_cast<size_t>(Tier::kHost)], 0u);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1, 3, 4}));
+  // Orphans can be erased and moved without touching the dead parent.
+  index.ChangeTier(c1, Tier::kHbm);
+  index.Erase(c2);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1}));
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({3}));
+}
+
+TEST(BlockIndexTest, LeasesAreCounted) {
+  BlockIndex index;
+  BlockEntry* a = index.Insert(K(1), Tier::kHost, nullptr);
+  BlockEntry* b = index.Insert(K(2), Tier::kHost, nullptr);
+  index.AddLease(a);
+  index.AddLease(a);
+  index.AddLease(b);
+  EXPECT_EQ(a->leases, 2u);
+  EXPECT_EQ(index.total_leases(), 3u);
+  index.ReleaseLease(a);
+  index.ReleaseLease(b);
+  EXPECT_EQ(index.total_leases(), 1u);
+  EXPECT_EQ(b->leases, 0u);
+  index.Erase(b);
+  index.ReleaseLease(a);
+  EXPECT_EQ(index.total_leases(), 0u);
+}
+
+TEST(BlockIndexDeathTest, EraseOfALeasedEntryAborts) {
+  BlockIndex index;
+  BlockEntry* a = index.Insert(K(1), Tier::kHost, nullptr);
+  index.AddLease(a);
+  EXPECT_DEATH(index.Erase(a), "CHECK failed");
+}
+
+TEST(BlockIndexDeathTest, DoubleInsertAborts) {
+  BlockIndex index;
+  index.Insert(K(1), Tier::kHost, nullptr);
+  EXPECT_DEATH(index.Insert(K(1), Tier::kHost, nullptr), "CHECK failed");
+}
+
+TEST(BlockIndexDeathTest, ReleaseWithoutLeaseAborts) {
+  BlockIndex index;
+  BlockEntry* a = index.Insert(K(1), Tier::kHost, nullptr);
+  EXPECT_DEATH(index.ReleaseLease(a), "CHECK failed");
+}
+
+TEST(BlockIndexTest, ForEachVisitsEveryEntry) {
+  BlockIndex index;
+  for (uint32_t n = 0; n < 50; ++n) index.Insert(K(n), n % 2 ? Tier::kHost : Tier::kHbm, nullptr);
+  std::set<StoredKey> seen;
+  index.ForEach([&](BlockEntry* e) { seen.insert(e->key); });
+  EXPECT_EQ(seen.size(), 50u);
+}
+
+// Random inserts, touches, tier changes and erases against a plain model of
+// the lists and the parent links.
+TEST(BlockIndexTest, RandomOpsMatchAModel) {
+  BlockIndex index;
+  std::array<std::vector<StoredKey>, kNumTiers> lists;  // coldest first
+  std::map<StoredKey, std::optional<StoredKey>> parent_of;
+  std::map<StoredKey, Tier> tier_of;
+  std::mt19937 rng(7);
+  uint32_t next = 0;
+  auto remove_from = [](std::vector<StoredKey>& v, const StoredKey& k) {
+    v.erase(std::find(v.begin(), v.end(), k));
+  };
+  auto random_present = [&]() {
+    auto it = tier_of.begin();
+    std::advance(it, rng() % tier_of.size());
+    return it->first;
+  };
+  for (int step = 0; step < 4000; ++step) {
+    const uint32_t op = tier_of.empty() ? 0 : rng() % 4;
+    if (op == 0) {
+      const StoredKey key = K(next++);
+      const Tier t = static_cast<Tier>(rng() % kNumTiers);
+      std::optional<StoredKey> parent;
+      if (!tier_of.empty() && rng() % 4 != 0) parent = random_present();
+      index.Insert(key, t, parent ? &*parent : nullptr);
+      lists[static_cast<size_t>(t)].push_back(key);
+      parent_of[key] = parent;
+      tier_of[key] = t;
+    } else if (op == 1) {
+      const StoredKey key = random_present();
+      index.Touch(index.Find(key));
+      auto& l = lists[static_cast<size_t>(tier_of[key])];
+      remove_from(l, key);
+      l.push_back(key);
+    } else if (op == 2) {
+      const StoredKey key = random_present();
+      const Tier to = static_cast<Tier>(rng() % kNumTiers);
+      index.ChangeTier(index.Find(key), to);
+      remove_from(lists[static_cast<size_t>(tier_of[key])], key);
+      lists[static_cast<size_t>(to)].push_back(key);
+      tier_of[key] = to;
+    } else {
+      const StoredKey key = random_present();
+      index.Erase(index.Find(key));
+      remove_from(lists[static_cast<size_t>(tier_of[key])], key);
+      tier_of.erase(key);
+      parent_of.erase(key);
+      for (auto& [k, p] : parent_of) {
+        if (p == key) p.reset();
+      }
+    }
+    // Parents that were erased after a child was linked are not parents any more.
+    ASSERT_EQ(index.size(), tier_of.size());
+    for (size_t t = 0; t < kNumTiers; ++t) {
+      ASSERT_EQ(Order(index, static_cast<Tier>(t)), lists[t]) << "step " << step << " tier " << t;
+    }
+    if (step % 50 == 0 || step > 3950) {
+      for (const auto& [key, tier] : tier_of) {
+        const BlockEntry* e = index.Find(key);
+        ASSERT_NE(e, nullptr);
+        const std::optional<StoredKey>& p = parent_of[key];
+        ASSERT_EQ(e->parent != nullptr, p.has_value()) << "step " << step;
+        if (p) {
+          ASSERT_EQ(e->parent->key, *p);
+        }
+        uint32_t counts[kNumTiers] = {};
+        size_t n = 0;
+        for (const auto& [k2, p2] : parent_of) {
+          if (p2 == key) {
+            ++counts[static_cast<size_t>(tier_of[k2])];
+            ++n;
+          }
+        }
+        for (size_t t = 0; t < kNumTiers; ++t) {
+          ASSERT_EQ(e->children_in_tier[t], counts[t]) << "step " << step;
+        }
+        ASSERT_EQ(Children(e).size(), n);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,474 @@
+#include "tiers/host_backend.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <latch>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/memory_mapping.h"
+#include "common/mutex.h"
+#include "tests/tiers/tiers_test_util.h"
+
+namespace kvtier {
+namespace {
+
+using tiers_test::EngineMemory;
+using tiers_test::MakeMemfd;
+using tiers_test::MemfdHandle;
+using tiers_test::SmallSpec;
+using tiers_test::WorkerGate;
+
+std::unique_ptr<HostBackend> MakeBackend(uint32_t threads) {
+  Result<std::unique_ptr<HostBackend>> b =
+      HostBackend::Create(HostBackend::Options{.copy_threads = threads});
+  EXPECT_TRUE(b.has_value()) << b.error();
+  return std::move(*b);
+}
+
+StoredKey KeyN(uint32_t n) {
+  StoredKey key;
+  std::memcpy(key.bytes.data(), &n, sizeof(n));
+  key.bytes[15] = 0xa7;
+  return key;
+}
+
+// Waits for `n` completions and keeps what they returned. Everything a
+// completion does happens under the mutex, so once Wait() returns no worker
+// touches this object again.
+class Completions {
+ public:
+  explicit Completions(size_t n) : left_(n) {}
+  CopyDone Done(int id) {
+    return [this, id](CopyResult r) {
+      MutexLock lock(&mu_);
+      order_.push_back(id);
+      results_.push_back(std::move(r));
+      ++calls_[id];
+      if (--left_ == 0) cv_.SignalAll();
+    };
+  }
+  void Wait() {
+    MutexLock lock(&mu_);
+    while (left_ != 0) cv_.Wait(&mu_);
+  }
+  std::vector<int> order() {
+    MutexLock lock(&mu_);
+    return order_;
+  }
+  std::vector<CopyResult> results() {
+    MutexLock lock(&mu_);
+    return results_;
+  }
+  std::map<int, int> calls() {
+    MutexLock lock(&mu_);
+    return calls_;
+  }
+
+ private:
+  Mutex mu_;
+  CondVar cv_;
+  size_t left_ KVTIER_GUARDED_BY(mu_);
+  std::vector<int> order_ KVTIER_GUARDED_BY(mu_);
+  std::vector<CopyResult> results_ KVTIER_GUARDED_BY(mu_);
+  std::map<int, int> calls_ KVTIER_GUARDED_BY(mu_);
+};
+
+TEST(HostBackendTest, RejectsZeroThreads) {
+  Result<std::unique_ptr<HostBackend>> b =
+      HostBackend::Create(HostBackend::Options{.copy_threads = 0});
+  ASSERT_FALSE(b.has_value());
+  EXPECT_EQ(b.error().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(HostBackendTest, ArenasArePageAlignedAndWritable) {
+  auto backend = MakeBackend(1);
+  EXPECT_EQ(backend->name(), "host");
+  for (bool device : {false, true}) {
+    Result<std::unique_ptr<Arena>> a =
+        device ? backend->AllocateDeviceArena(0, 1 << 20) : backend->AllocateHostArena(1 << 20);
+    ASSERT_TRUE(a.has_value()) << a.error();
+    EXPECT_EQ((*a)->size_bytes(), uint64_t{1} << 20);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>((*a)->data()) % 4096, 0u);
+    std::memset((*a)->data(), 0xab, (*a)->size_bytes());
+    EXPECT_EQ((*a)->data()[(1 << 20) - 1], 0xab);
+  }
+}
+
+TEST(HostBackendTest, DoneRunsExactlyOncePerBatch) {
+  auto backend = MakeBackend(2);
+  constexpr int kBatches = 40;
+  std::vector<std::vector<uint8_t>> src(kBatches), dst(kBatches);
+  Completions c(kBatches);
+  std::mt19937 rng(3);
+  for (int i = 0; i < kBatches; ++i) {
+    // From 0 to 99 copies per batch, so batches split into 1..4 tasks.
+    const size_t copies = static_cast<size_t>(i == 0 ? 0 : rng() % 100);
+    src[i].resize(copies * 100);
+    dst[i].assign(copies * 100, 0);
+    for (auto& b : src[i]) b = static_cast<uint8_t>(rng());
+    CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
+                    .priority = static_cast<CopyPriority>(i % kNumCopyPriorities)};
+    for (size_t j = 0; j < copies; ++j) {
+      batch.slot_copies.push_back(SlotCopy{src[i].data() + j * 100, dst[i].data() + j * 100, 100});
+    }
+    backend->Submit(std::move(batch), c.Done(i));
+  }
+  c.Wait();
+  for (const auto& [id, calls] : c.calls()) EXPECT_EQ(calls, 1) << "batch " << id;
+  EXPECT_EQ(c.calls().size(), size_t{kBatches});
+  for (int i = 0; i < kBatches; ++i) EXPECT_EQ(src[i], dst[i]) << "batch " << i;
+  for (const CopyResult& r : c.results()) {
+    EXPECT_TRUE(r.status.ok());
+    EXPECT_TRUE(r.checksums.empty()) << "no checksums unless asked";
+  }
+}
+
+TEST(HostBackendTest, DestructionFinishesQueuedCopies) {
+  std::vector<uint8_t> src(1 << 16, 0x5c), dst(1 << 16, 0);
+  std::atomic<int> done{0};  // relaxed is enough: the join orders it
+  {
+    auto backend = MakeBackend(1);
+    WorkerGate gate(*backend);
+    for (int i = 0; i < 16; ++i) {
+      CopyBatch batch{
+          .direction = CopyDirection::kSlotToSlot,
+          .priority = CopyPriority::kBackground,
+          .slot_copies = {SlotCopy{src.data() + i * 4096, dst.data() + i * 4096, 4096}}};
+      backend->Submit(std::move(batch),
+                      [&done](CopyResult) { done.fetch_add(1, std::memory_order_relaxed); });
+    }
+    gate.Release();
+  }  // ~HostBackend: the queue is drained first
+  EXPECT_EQ(done.load(std::memory_order_relaxed), 16);
+  EXPECT_EQ(src, dst);
+}
+
+TEST(HostBackendTest, LoadsRunBeforeStoresBeforeBackground) {
+  auto backend = MakeBackend(1);
+  uint8_t src[64] = {}, dst[64] = {};
+  auto batch = [&](CopyPriority p) {
+    return CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                     .priority = p,
+                     .slot_copies = {SlotCopy{src, dst, sizeof(src)}}};
+  };
+  Completions c(41);
+  {
+    WorkerGate gate(*backend);  // the only worker is busy from here on
+    for (int i = 0; i < 30; ++i) backend->Submit(batch(CopyPriority::kBackground), c.Done(100 + i));
+    for (int i = 0; i < 10; ++i) backend->Submit(batch(CopyPriority::kStore), c.Done(200 + i));
+    backend->Submit(batch(CopyPriority::kLoad), c.Done(1));
+  }  // the gate opens
+  c.Wait();
+  std::vector<int> want = {1};
+  for (int i = 0; i < 10; ++i) want.push_back(200 + i);
+  for (int i = 0; i < 30; ++i) want.push_back(100 + i);
+  EXPECT_EQ(c.order(), want) << "by priority, FIFO within one";
+}
+
+TEST(HostBackendTest, SlotCopyChecksumsAreXxh3OfTheDestination) {
+  auto backend = MakeBackend(2);
+  constexpr size_t kCopies = 9;
+  std::vector<std::vector<uint8_t>> src(kCopies), dst(kCopies);
+  std::mt19937 rng(11);
+  CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
+                  .priority = CopyPriority::kBackground,
+                  .checksum_destination = true};
+  for (size_t i = 0; i < kCopies; ++i) {
+    // The last one spans several of the copy's 256 KiB hashing chunks.
+    src[i].resize(i + 1 < kCopies ? 1000 + i * 777 : (600 << 10) + 13);
+    for (auto& b : src[i]) b = static_cast<uint8_t>(rng());
+    dst[i].assign(src[i].size(), 0);
+    batch.slot_copies.push_back(SlotCopy{src[i].data(), dst[i].data(), src[i].size()});
+  }
+  Completions c(1);
+  backend->Submit(std::move(batch), c.Done(0));
+  c.Wait();
+  const std::vector<CopyResult> results = c.results();
+  ASSERT_EQ(results.size(), 1u);
+  ASSERT_TRUE(results[0].status.ok());
+  ASSERT_EQ(results[0].checksums.size(), kCopies);
+  for (size_t i = 0; i < kCopies; ++i) {
+    EXPECT_EQ(dst[i], src[i]);
+    EXPECT_EQ(results[0].checksums[i], XXH3_64bits(dst[i].data(), dst[i].size())) << i;
+  }
+}
+
+TEST(HostBackendTest, GatherAndScatterThroughAClientMapping) {
+  auto backend = MakeBackend(2);
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(), 16);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  const uint64_t bytes = engine.block_bytes();
+  for (uint32_t b = 0; b < 8; ++b) engine.Fill(b, KeyN(b));
+  std::vector<uint8_t> slots(8 * bytes, 0);
+
+  CopyBatch gather{.direction = CopyDirection::kEngineToSlot,
+                   .priority = CopyPriority::kStore,
+                   .layout = engine.layout(),
+                   .mapping = engine.mapping(),
+                   .checksum_destination = true};
+  for (uint32_t b = 0; b < 8; ++b) gather.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
+  Completions g(1);
+  backend->Submit(std::move(gather), g.Done(0));
+  g.Wait();
+  const std::vector<CopyResult> gathered = g.results();
+  ASSERT_TRUE(gathered[0].status.ok());
+  ASSERT_EQ(gathered[0].checksums.size(), 8u);
+  for (uint32_t b = 0; b < 8; ++b) {
+    // Contiguous layout: a slot is byte for byte the engine block.
+    EXPECT_EQ(std::memcmp(slots.data() + b * bytes, engine.block(b).data(), bytes), 0) << b;
+    EXPECT_EQ(gathered[0].checksums[b], XXH3_64bits(slots.data() + b * bytes, bytes)) << b;
+  }
+
+  engine.ZeroAll();
+  CopyBatch scatter{.direction = CopyDirection::kSlotToEngine,
+                    .priority = CopyPriority::kLoad,
+                    .layout = engine.layout(),
+                    .mapping = engine.mapping()};
+  for (uint32_t b = 0; b < 8; ++b)
+    scatter.blocks.push_back(BlockCopy{15 - b, slots.data() + b * bytes});
+  Completions s(1);
+  backend->Submit(std::move(scatter), s.Done(0));
+  s.Wait();
+  ASSERT_TRUE(s.results()[0].status.ok());
+  for (uint32_t b = 0; b < 8; ++b) {
+    EXPECT_TRUE(engine.Holds(15 - b, KeyN(b)));
+    EXPECT_TRUE(engine.IsZero(b));
+  }
+}
+
+// Engine blocks whose rows are strided (head-major inside each block, so
+// every 128-byte row is its own copy) and 1 MiB blocks (one run, hashed in
+// 256 KiB chunks): the gather's checksum is the XXH3-64 of the slot it wrote,
+// and a scatter of those slots gives the engine its bytes back.
+TEST(HostBackendTest, GatherChecksumsHoldForStridedAndLargeBlocks) {
+  auto backend = MakeBackend(2);
+  auto head_major = [](const LayoutSpec& spec) {
+    Result<Layout> layout = Layout::Create(spec);
+    EXPECT_TRUE(layout.has_value());
+    const uint64_t row = uint64_t{spec.head_dim} * 2;  // fp16
+    std::vector<Placement> placements;
+    for (uint32_t piece = 0; piece < 2 * spec.num_layers; ++piece) {
+      placements.push_back(Placement{.region = 0,
+                                     .offset_bytes = piece * layout->tensor_bytes(),
+                                     .block_stride_bytes = layout->block_bytes(),
+                                     .token_stride_bytes = row,
+                                     .head_stride_bytes = row * spec.block_tokens});
+    }
+    return placements;
+  };
+  LayoutSpec large = SmallSpec(4);
+  large.num_kv_heads = 8;
+  large.head_dim = 128;
+  large.block_tokens = 64;
+  struct Case {
+    std::string name;
+    LayoutSpec spec;
+    std::vector<Placement> placements;
+  };
+  const std::vector<Case> cases = {{"head-major", SmallSpec(), head_major(SmallSpec())},
+                                   {"1 MiB contiguous", large, {}}};
+  for (const Case& tc : cases) {
+    SCOPED_TRACE(tc.name);
+    Result<std::unique_ptr<EngineMemory>> engine_or =
+        EngineMemory::Create(*backend, tc.spec, 4, tc.placements);
+    ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+    EngineMemory& engine = **engine_or;
+    const uint64_t bytes = engine.block_bytes();
+    for (uint32_t b = 0; b < 4; ++b) engine.Fill(b, KeyN(100 + b));
+    std::vector<uint8_t> slots(4 * bytes, 0);
+    CopyBatch gather{.direction = CopyDirection::kEngineToSlot,
+                     .priority = CopyPriority::kStore,
+                     .layout = engine.layout(),
+                     .mapping = engine.mapping(),
+                     .checksum_destination = true};
+    for (uint32_t b = 0; b < 4; ++b)
+      gather.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
+    Completions g(1);
+    backend->Submit(std::move(gather), g.Done(0));
+    g.Wait();
+    const std::vector<CopyResult> gathered = g.results();
+    ASSERT_TRUE(gathered[0].status.ok());
+    ASSERT_EQ(gathered[0].checksums.size(), 4u);
+    for (uint32_t b = 0; b < 4; ++b) {
+      EXPECT_EQ(gathered[0].checksums[b], XXH3_64bits(slots.data() + b * bytes, bytes)) << b;
+    }
+    if (!tc.placements.empty()) {
+      EXPECT_NE(std::memcmp(slots.data(), engine.block(0).data(), bytes), 0)
+          << "head-major rows are reordered into canonical order";
+    }
+    engine.ZeroAll();
+    CopyBatch scatter{.direction = CopyDirection::kSlotToEngine,
+                      .priority = CopyPriority::kLoad,
+                      .layout = engine.layout(),
+                      .mapping = engine.mapping()};
+    for (uint32_t b = 0; b < 4; ++b)
+      scatter.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
+    Completions s(1);
+    backend->Submit(std::move(scatter), s.Done(0));
+    s.Wait();
+    for (uint32_t b = 0; b < 4; ++b) EXPECT_TRUE(engine.Holds(b, KeyN(100 + b)));
+  }
+}
+
+// The batch holds the mapping until the copy is done, and lets go of it
+// before `done` runs, so that whoever learns of the completion also sees
+// the mapping gone.
+TEST(HostBackendTest, BatchHoldsTheMappingUntilDone) {
+  auto backend = MakeBackend(1);
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(), 4);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  engine.Fill(1, KeyN(1));
+  std::vector<uint8_t> slot(engine.block_bytes(), 0);
+  EXPECT_EQ(backend->live_mappings(), 1u);
+
+  std::atomic<uint64_t> live_in_done{99};  // read after Wait(): the latch orders it
+  Completions c(1);
+  {
+    WorkerGate gate(*backend);
+    CopyBatch batch{.direction = CopyDirection::kEngineToSlot,
+                    .priority = CopyPriority::kStore,
+                    .layout = engine.layout(),
+                    .mapping = engine.mapping(),
+                    .blocks = {BlockCopy{1, slot.data()}}};
+    CopyDone done = c.Done(0);
+    backend->Submit(std::move(batch), [&, done](CopyResult r) {
+      live_in_done.store(backend->live_mappings(), std::memory_order_relaxed);
+      done(std::move(r));
+    });
+    engine.DropMapping();
+    EXPECT_EQ(backend->live_mappings(), 1u) << "the queued batch holds the mapping";
+  }
+  c.Wait();
+  EXPECT_EQ(live_in_done.load(std::memory_order_relaxed), 0u);
+  EXPECT_EQ(backend->live_mappings(), 0u);
+  EXPECT_EQ(std::memcmp(slot.data(), engine.block(1).data(), slot.size()), 0);
+}
+
+TEST(HostBackendTest, MapClientMemoryMapsASealedMemfd) {
+  auto backend = MakeBackend(1);
+  Result<UniqueFd> fd = MakeMemfd(3 * 4096, true, true);
+  ASSERT_TRUE(fd.has_value()) << fd.error();
+  Result<MemoryMapping> own =
+      MemoryMapping::Map(MemoryMapping::Options{.size_bytes = 3 * 4096,
+                                                .prot = PROT_READ | PROT_WRITE,
+                                                .flags = MAP_SHARED,
+                                                .fd = fd->get()});
+  ASSERT_TRUE(own.has_value()) << own.error();
+  std::vector<ClientRegionHandle> regions;
+  regions.push_back(MemfdHandle(std::move(*fd), 2 * 4096));  // a memfd larger than claimed is fine
+  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+  ASSERT_TRUE(m.has_value()) << m.error();
+  ASSERT_EQ((*m)->region_bases().size(), 1u);
+  // Shared memory: what the engine writes, the daemon sees, and back.
+  own->data()[100] = 0x42;
+  EXPECT_EQ((*m)->region_bases()[0][100], 0x42);
+  (*m)->region_bases()[0][8191] = 0x24;
+  EXPECT_EQ(own->data()[8191], 0x24);
+}
+
+TEST(HostBackendTest, MapClientMemoryRejectsBadRegions) {
+  auto backend = MakeBackend(1);
+  auto expect_rejected = [&](ClientRegionHandle h, const std::string& what) {
+    std::vector<ClientRegionHandle> regions;
+    regions.push_back(std::move(h));
+    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+    ASSERT_FALSE(m.has_value()) << what;
+    EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument) << what << ": " << m.error();
+  };
+  {
+    Result<UniqueFd> fd = MakeMemfd(4096, /*allow_sealing=*/true, /*seal_shrink=*/false);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    expect_rejected(MemfdHandle(std::move(*fd), 4096), "sealable but unsealed");
+  }
+  {
+    Result<UniqueFd> fd = MakeMemfd(4096, /*allow_sealing=*/false, /*seal_shrink=*/false);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    expect_rejected(MemfdHandle(std::move(*fd), 4096), "not sealable");
+  }
+  {
+    // Only F_SEAL_GROW: growing is harmless, shrinking is what hurts.
+    Result<UniqueFd> fd = MakeMemfd(4096, true, false);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    ASSERT_EQ(::fcntl(fd->get(), F_ADD_SEALS, F_SEAL_GROW), 0);
+    expect_rejected(MemfdHandle(std::move(*fd), 4096), "sealed against growing only");
+  }
+  {
+    Result<UniqueFd> fd = MakeMemfd(4096, true, true);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    expect_rejected(MemfdHandle(std::move(*fd), 8192), "smaller than claimed");
+  }
+  {
+    Result<UniqueFd> fd = MakeMemfd(4096, true, true);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    expect_rejected(MemfdHandle(std::move(*fd), 0), "zero size");
+  }
+  {
+    Result<UniqueFd> fd = MakeMemfd(4096, true, true);
+    ASSERT_TRUE(fd.has_value()) << fd.error();
+    ClientRegionHandle h = MemfdHandle(std::move(*fd), 4096);
+    h.kind = ClientMemoryKind::kCudaIpc;
+    expect_rejected(std::move(h), "CUDA IPC handle on the host backend");
+  }
+  expect_rejected(MemfdHandle(UniqueFd(), 4096), "no fd");
+  EXPECT_EQ(backend->live_mappings(), 0u);
+}
+
+TEST(HostBackendTest, OneBadRegionRejectsTheWholeRegistration) {
+  auto backend = MakeBackend(1);
+  Result<UniqueFd> good = MakeMemfd(4096, true, true);
+  Result<UniqueFd> bad = MakeMemfd(4096, true, false);
+  ASSERT_TRUE(good.has_value() && bad.has_value());
+  std::vector<ClientRegionHandle> regions;
+  regions.push_back(MemfdHandle(std::move(*good), 4096));
+  regions.push_back(MemfdHandle(std::move(*bad), 4096));
+  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+  ASSERT_FALSE(m.has_value());
+  EXPECT_NE(m.error().message().find("region 1"), std::string::npos) << m.error();
+  EXPECT_EQ(backend->live_mappings(), 0u);
+}
+
+TEST(HostBackendTest, LiveMappingsCountsMappings) {
+  auto backend = MakeBackend(1);
+  auto map = [&](uint32_t regions) {
+    std::vector<ClientRegionHandle> handles;
+    for (uint32_t i = 0; i < regions; ++i) {
+      Result<UniqueFd> fd = MakeMemfd(4096, true, true);
+      EXPECT_TRUE(fd.has_value());
+      handles.push_back(MemfdHandle(std::move(*fd), 4096));
+    }
+    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(handles));
+    EXPECT_TRUE(m.has_value());
+    return std::move(*m);
+  };
+  EXPECT_EQ(backend->live_mappings(), 0u);
+  std::shared_ptr<ClientMapping> a = map(1);
+  std::shared_ptr<ClientMapping> b = map(3);
+  EXPECT_EQ(b->region_bases().size(), 3u);
+  EXPECT_EQ(backend->live_mappings(), 2u) << "one per registration, not per region";
+  std::shared_ptr<ClientMapping> a2 = a;
+  a.reset();
+  EXPECT_EQ(backend->live_mappings(), 2u);
+  a2.reset();
+  EXPECT_EQ(backend->live_mappings(), 1u);
+  b.reset();
+  EXPECT_EQ(backend->live_mappings(), 0u);
+  // A mapping may outlive the backend.
+  std::shared_ptr<ClientMapping> late = map(1);
+  backend.reset();
+  late.reset();
+}
+
+}  // namespace
+}  // namespace kvtier
