@@ -415,17 +415,29 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
 }
 
 void BlockCache::MaybeDemote() {
-  if (!tier(Tier::kHbm)->pool || !AboveHigh(Tier::kHbm)) return;
-  while (AboveLow(Tier::kHbm)) {
-    BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt);
-    if (v == nullptr) return;
-    if (!QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
-      Drop(v);  // the owner has no host quota left: the coldest block goes
-      continue;
+  // hbm above its high watermark: demote its coldest blocks to host until it
+  // is below the low one.
+  if (tier(Tier::kHbm)->pool && AboveHigh(Tier::kHbm)) {
+    while (AboveLow(Tier::kHbm)) {
+      BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt);
+      if (v == nullptr) break;
+      if (!QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
+        Drop(v);  // the owner has no host quota left: the coldest block goes
+        continue;
+      }
+      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/true);
+      if (dst == nullptr) break;  // host is all leased; try again after the next op
+      StartMove(v, Tier::kHost, dst);
     }
-    uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/true);
-    if (dst == nullptr) return;  // host is all leased; try again after the next op
-    StartMove(v, Tier::kHost, dst);
+  }
+  // host above its high watermark: drop its coldest blocks (the last tier in
+  // this build) until it is below the low one.
+  if (AboveHigh(Tier::kHost)) {
+    while (AboveLow(Tier::kHost)) {
+      BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
+      if (v == nullptr) break;
+      Drop(v);
+    }
   }
 }
 

@@ -111,13 +111,14 @@ class HoldingBackend final : public DeviceBackend {
 
 // Every member listed, so that -Wmissing-field-initializers stays quiet.
 BlockCache::Options CacheOptions(DeviceBackend* backend, BlockCache::Post post, uint64_t hbm_bytes,
-                                 uint64_t host_bytes, bool prefix_aware = true) {
+                                 uint64_t host_bytes, bool prefix_aware = true,
+                                 TierWatermarks host_watermarks = {}) {
   return BlockCache::Options{.backend = backend,
                              .post = std::move(post),
                              .hbm_bytes = hbm_bytes,
                              .host_bytes = host_bytes,
                              .hbm_watermarks = TierWatermarks{},
-                             .host_watermarks = TierWatermarks{},
+                             .host_watermarks = host_watermarks,
                              .prefix_aware = prefix_aware,
                              .eviction_scan_limit = 1024};
 }
@@ -129,6 +130,9 @@ struct CacheConfig {
   uint32_t engine_blocks = 64;
   bool prefix_aware = true;
   bool holding_backend = false;  // put a HoldingBackend between cache and host backend
+  // By default the host tier fills up and evicts only when a slot is needed;
+  // the watermark tests set real ones.
+  TierWatermarks host_watermarks = {.high = 1.0, .low = 1.0};
 };
 
 // The cache under test runs on the test thread: `post` queues closures that
@@ -162,7 +166,8 @@ class BlockCacheTest : public ::testing::Test {
     };
     Result<std::unique_ptr<BlockCache>> cache =
         BlockCache::Create(CacheOptions(backend_, std::move(post), config.hbm_slots * kStride,
-                                        config.host_slots * kStride, config.prefix_aware));
+                                        config.host_slots * kStride, config.prefix_aware,
+                                        config.host_watermarks));
     ASSERT_TRUE(cache.has_value()) << cache.error();
     cache_ = std::move(*cache);
   }
@@ -599,6 +604,19 @@ TEST_F(BlockCacheTest, FullHostTierEvictsTheColdestBlock) {
   EXPECT_EQ(cache_->counters().evictions[kHost], 1u);
   EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 4u);
   EXPECT_EQ(cache_->Usage(Tier::kHost).used_bytes, 4 * BlockBytes());
+}
+
+TEST_F(BlockCacheTest, HostAboveItsHighWatermarkDropsColdBlocksToTheLowOne) {
+  Start({.host_slots = 10, .host_watermarks = {.high = 0.8, .low = 0.5}});
+  const std::vector<StoredKey> keys = NewKeys(9);
+  StoreEach({keys.begin(), keys.begin() + 8}, 0);  // 8 of 10 slots: at, not above, 0.8
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 8u);
+  EXPECT_EQ(cache_->counters().evictions[kHost], 0u);
+  ASSERT_TRUE(Store({keys[8]}, 8).status.ok());  // 9 of 10: above; drop to 5
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 5u);
+  EXPECT_EQ(cache_->counters().evictions[kHost], 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_FALSE(Present(keys[i])) << i << " was among the coldest";
+  for (size_t i = 4; i < 9; ++i) EXPECT_TRUE(Present(keys[i])) << i;
 }
 
 TEST_F(BlockCacheTest, PrefixAwareEvictionTakesLeavesBeforeTheirParents) {
