@@ -213,7 +213,9 @@ ParseResult ParseMode(const YAML::Node& n, uint32_t* out) {
   return {};
 }
 
-ParseResult ParseUserId(const YAML::Node& n, uint32_t* out) {
+// A numeric id, or a name that `lookup` resolves (nullopt: no such name).
+template <typename Lookup>
+ParseResult ParseIdOrName(const YAML::Node& n, uint32_t* out, const char* what, Lookup lookup) {
   std::string text;
   if (auto e = ScalarText(n, &text); !e.empty()) return e;
   uint32_t v = 0;
@@ -222,33 +224,30 @@ ParseResult ParseUserId(const YAML::Node& n, uint32_t* out) {
     *out = v;
     return {};
   }
-  struct passwd pw {};
-  struct passwd* found = nullptr;
-  std::vector<char> buf(16384);
-  if (getpwnam_r(text.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
-    return "no user named '" + text + "' (give a user name or a numeric uid)";
-  }
-  *out = found->pw_uid;
+  const std::optional<uint32_t> id = lookup(text);
+  if (!id) return std::string("no ") + what + " named '" + text + "' (give a name or a number)";
+  *out = *id;
   return {};
 }
 
+ParseResult ParseUserId(const YAML::Node& n, uint32_t* out) {
+  return ParseIdOrName(n, out, "user", [](const std::string& name) -> std::optional<uint32_t> {
+    struct passwd pw {};
+    struct passwd* found = nullptr;
+    std::vector<char> buf(16384);
+    if (getpwnam_r(name.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) return {};
+    return found->pw_uid;
+  });
+}
+
 ParseResult ParseGroupId(const YAML::Node& n, uint32_t* out) {
-  std::string text;
-  if (auto e = ScalarText(n, &text); !e.empty()) return e;
-  uint32_t v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec == std::errc() && end == text.data() + text.size() && !text.empty()) {
-    *out = v;
-    return {};
-  }
-  struct group gr {};
-  struct group* found = nullptr;
-  std::vector<char> buf(65536);
-  if (getgrnam_r(text.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
-    return "no group named '" + text + "' (give a group name or a numeric gid)";
-  }
-  *out = found->gr_gid;
-  return {};
+  return ParseIdOrName(n, out, "group", [](const std::string& name) -> std::optional<uint32_t> {
+    struct group gr {};
+    struct group* found = nullptr;
+    std::vector<char> buf(65536);
+    if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) return {};
+    return found->gr_gid;
+  });
 }
 
 // host:port or [v6]:port.
