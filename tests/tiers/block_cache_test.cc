@@ -577,6 +577,32 @@ TEST_F(BlockCacheTest, LoadFromHostPromotesAndConcurrentLoadsShareOnePromotion) 
   EXPECT_TRUE(Loaded(keys, 20, 3));
 }
 
+TEST_F(BlockCacheTest, UnrelatedLoadNeverWaitsOnAnotherRequest) {
+  Start({.hbm_slots = 10, .host_slots = 40, .copy_threads = 2});
+  const std::vector<StoredKey> keys = NewKeys(2);
+  StoreEach(keys, 0);
+  cache_->SetWatermarks(TierWatermarks{.high = 0, .low = 0}, TierWatermarks{});
+  ASSERT_TRUE(Settle());
+  cache_->SetWatermarks(TierWatermarks{}, TierWatermarks{});
+  ASSERT_EQ(Tiers(keys), std::vector<Tier>(2, Tier::kHost));
+  // One copy worker is stuck inside another request's copy, indefinitely.
+  WorkerGate stuck(*backend_);
+  // A promotion of keys[0] is queued behind it, and loads of keys[0] (being
+  // moved) and of keys[1] (unrelated) are issued: both finish while the
+  // stuck request is still stuck, reading from the host slot.
+  ASSERT_EQ(cache_->Prefetch(kTenant, std::vector<StoredKey>{keys[0]}), (std::pair<uint32_t, uint32_t>{1, 1}));
+  std::shared_ptr<Op> moving = LoadAsync({keys[0]}, 10);
+  std::shared_ptr<Op> unrelated = LoadAsync({keys[1]}, 11);
+  ASSERT_TRUE(DrainUntil([&] { return moving->done && unrelated->done; }));
+  EXPECT_EQ(moving->outcome.blocks, 1u);
+  EXPECT_EQ(unrelated->outcome.blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(10, keys[0]));
+  EXPECT_TRUE(engine_->Holds(11, keys[1]));
+  stuck.Release();
+  ASSERT_TRUE(Settle());
+  EXPECT_EQ(cache_->leases(), 0u);
+}
+
 TEST_F(BlockCacheTest, PromotionStopsAtTheHighWatermark) {
   Start({.hbm_slots = 10, .host_slots = 40});
   const std::vector<StoredKey> keys = NewKeys(10);
