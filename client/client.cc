@@ -213,6 +213,15 @@ class Client::Impl {
     return r.msg->body_as_EvictReply()->evicted();
   }
 
+  Result<uint64_t> Flush() {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(64);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateFlush(b)), {}, rid, w::Body::FlushReply));
+    return r.msg->body_as_FlushReply()->flushed();
+  }
+
   Result<std::vector<TenantStats>> ListTenants() {
     MutexLock lock(&mu_);
     KVTIER_RETURN_IF_ERROR(EnsureConnected());
@@ -444,5 +453,6 @@ Result<uint64_t> Client::Evict(const std::string& tenant, std::optional<BlockTie
   return impl_->Evict(tenant, tier);
 }
 Result<std::vector<TenantStats>> Client::ListTenants() { return impl_->ListTenants(); }
+Result<uint64_t> Client::Flush() { return impl_->Flush(); }
 
 }  // namespace kvtier

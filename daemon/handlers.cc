@@ -78,10 +78,14 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
       reply = HandleEvict(s, id, *msg.body_as_Evict());
       break;
     case w::Body::Flush:
-      reply = ipc::ErrorMessage(
-          id, s.tenant->config.admin
-                  ? Status(StatusCode::kFailedPrecondition, "flush: there is no disk tier to flush to")
-                  : Status(StatusCode::kPermissionDenied, "flush is an admin call"));
+      if (!s.tenant->config.admin) {
+        reply = ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied, "flush is an admin call"));
+      } else if (!disk_) {
+        reply = ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition, "flush: there is no disk tier"));
+      } else {
+        FlatBufferBuilder b(64);
+        reply = ipc::FinishMessage(b, id, w::CreateFlushReply(b, cache_->FlushToDisk()));
+      }
       break;
     case w::Body::ListTenants:
       reply = HandleListTenants(s, id);
@@ -363,7 +367,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   (void)s;
   FlatBufferBuilder b(2048);
   std::vector<flatbuffers::Offset<w::TierStats>> tiers;
-  for (Tier t : {Tier::kHbm, Tier::kHost}) {
+  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
     const TierUsage u = cache_->Usage(t);
     tiers.push_back(w::CreateTierStats(b, TierToWire(t), u.capacity_bytes, u.used_bytes, u.blocks));
   }
@@ -388,6 +392,19 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       {"bytes_cache_to_engine", c.bytes_cache_to_engine},
       {"bytes_hbm_to_host", c.bytes_hbm_to_host},
       {"bytes_host_to_hbm", c.bytes_host_to_hbm},
+      {"evictions_disk", c.evictions[2]},
+      {"disk_promotions", c.disk_promotions},
+      {"disk_demotions", c.disk_demotions},
+      {"disk_returns", c.disk_returns},
+      {"disk_read_failures", c.disk_read_failures},
+      {"disk_write_failures", c.disk_write_failures},
+      {"disk_not_admitted", c.disk_not_admitted},
+      {"bytes_host_to_disk", c.bytes_host_to_disk},
+      {"bytes_disk_to_host", c.bytes_disk_to_host},
+      {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},
+      {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
+      {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
+      {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
       {"sessions_refused", sessions_refused_},
       {"messages_rejected", messages_rejected_},
   };

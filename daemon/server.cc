@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "daemon/logging.h"
+#include "tiers/disk/file_device.h"
 #include "tiers/host_backend.h"
 
 namespace kvtier {
@@ -52,7 +53,38 @@ Server::~Server() {
   // Every copy must have finished before the cache (and its arenas) go.
   sessions_.clear();
   cache_.reset();
+  disk_.reset();
+  disk_devices_.clear();
+  io_engine_.reset();
   backend_.reset();
+}
+
+Status Server::SetupDisk() {
+  const Config::Tiers::Disk& d = options_.config.tiers.disk;
+  KVTIER_ASSIGN_OR_RETURN(io_engine_, IoEngine::Create({.kind = d.io_engine,
+                                                       .threads = d.io_threads,
+                                                       .queue_depth = d.queue_depth}));
+  spdlog::info("disk I/O: {} ({} thread(s), queue depth {})", io_engine_->name(), d.io_threads, d.queue_depth);
+  std::vector<BlockDevice*> devices;
+  for (const std::string& path : d.paths) {
+    std::error_code ec;
+    std::filesystem::create_directories(path, ec);
+    if (ec) return Status::FromErrno(ec.value(), "creating disk path " + path);
+    Result<std::unique_ptr<FileDevice>> dev = FileDevice::Open(
+        {.path = path + "/segment-0.kvt", .size_bytes = d.bytes, .direct_io = d.direct_io, .engine = io_engine_.get()});
+    if (!dev) return dev.error().WithContext("tiers.disk.paths: " + path);
+    devices.push_back(dev->get());
+    disk_devices_.push_back(std::move(*dev));
+  }
+  KVTIER_ASSIGN_OR_RETURN(
+      disk_, DiskTier::Open({.devices = devices,
+                             .index_path = options_.config.state_dir + "/disk-index",
+                             .region_bytes = d.region_bytes,
+                             .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
+                             .reclaim = [this](const StoredKey& key, bool commit) {
+                               return cache_->ReclaimFromDisk(key, commit);
+                             }}));
+  return Status::Ok();
 }
 
 Status Server::Setup() {
@@ -81,8 +113,12 @@ Status Server::Setup() {
     }
   }
   spdlog::info("device backend: {}", backend_->name());
-  if (c.tiers.disk.enabled) {
-    spdlog::warn("tiers.disk is enabled, but this build has no disk tier yet: serving hbm and host only");
+  if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
+  if (c.policy.write_policy == WritePolicy::kWriteThrough) {
+    spdlog::warn("policy.write_policy=write_through is not implemented yet; writing back on demotion");
+  }
+  if (c.policy.disk_admission.write_budget_bytes_per_day) {
+    spdlog::warn("policy.disk_admission.write_budget_per_day is not enforced yet");
   }
   if (c.metrics.enabled) {
     spdlog::warn("metrics.enabled, but this build has no metrics endpoint yet; use kvtierctl stats");
@@ -96,9 +132,25 @@ Status Server::Setup() {
       .host_bytes = c.tiers.host.bytes,
       .hbm_watermarks = {c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
       .host_watermarks = {c.policy.watermarks.host.high, c.policy.watermarks.host.low},
-      .prefix_aware = c.policy.prefix_aware};
+      .prefix_aware = c.policy.prefix_aware,
+      .eviction_scan_limit = 1024,
+      .disk = disk_.get(),
+      .disk_min_hits = c.policy.disk_admission.min_hits};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
-  for (const auto& t : tenants_->tenants()) cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));
+  for (const auto& t : tenants_->tenants()) {
+    cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));
+    cache_->SetTenantName(t->id, t->config.name);
+  }
+  if (disk_) {
+    const std::span<uint8_t> host = cache_->host_arena();
+    if (Status st = io_engine_->RegisterBuffers(std::span(&host, 1)); !st.ok()) {
+      spdlog::warn("disk I/O: the host pool is not registered for fixed-buffer I/O ({}); using plain I/O",
+                   st.ToString());
+    }
+    const uint64_t adopted = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+    spdlog::info("disk tier: {} bytes on {} path(s); {} blocks warm from the index", disk_->capacity_bytes(),
+                 disk_devices_.size(), adopted);
+  }
   spdlog::info("tiers: hbm {} bytes, host {} bytes", cache_->Usage(Tier::kHbm).capacity_bytes,
                cache_->Usage(Tier::kHost).capacity_bytes);
 
@@ -178,7 +230,7 @@ Status Server::Run() {
       for (const auto& [id, s] : sessions_) ids.push_back(id);
       for (uint64_t id : ids) CloseSession(id, "daemon stopping");
     }
-    if (stopping_ && cache_->inflight_copies() == 0) break;
+    if (stopping_ && cache_->inflight_copies() == 0 && (!disk_ || disk_->inflight() == 0)) break;
     const int n = ::epoll_wait(epoll_.get(), events, 64, NextTimeoutMs());
     if (n < 0 && errno != EINTR) return Status::FromErrno(errno, "epoll_wait");
     for (int i = 0; i < n; ++i) {

@@ -26,6 +26,8 @@
 #include "daemon/tenants.h"
 #include "ipc/wire.h"
 #include "tiers/block_cache.h"
+#include "tiers/disk/disk_tier.h"
+#include "tiers/disk/io_engine.h"
 
 namespace kvtier {
 
@@ -50,6 +52,7 @@ class Server {
 
   // --- loop (server.cc)
   Status Setup();
+  Status SetupDisk();
   void AcceptAll();
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
@@ -86,6 +89,11 @@ class Server {
 
   Options options_;
   std::unique_ptr<DeviceBackend> backend_;
+  // The disk tier's parts, destroyed after the cache (which uses them) and
+  // in reverse order of use: tier, devices, engine.
+  std::unique_ptr<IoEngine> io_engine_;
+  std::vector<std::unique_ptr<BlockDevice>> disk_devices_;
+  std::unique_ptr<DiskTier> disk_;
   std::unique_ptr<BlockCache> cache_;
   std::unique_ptr<TenantRegistry> tenants_;
   UniqueFd epoll_;

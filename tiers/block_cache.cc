@@ -63,7 +63,13 @@ void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
 
 uint32_t BlockCache::NamespaceId(const LayoutFingerprint& fingerprint) {
   auto [it, inserted] = namespaces_.try_emplace(fingerprint, static_cast<uint32_t>(namespaces_.size()));
+  if (inserted) namespace_fingerprints_.push_back(fingerprint);
   return it->second;
+}
+
+void BlockCache::SetTenantName(TenantId tenant, std::string name) {
+  if (tenant_names_.size() <= tenant) tenant_names_.resize(tenant + 1);
+  tenant_names_[tenant] = std::move(name);
 }
 
 std::optional<uint32_t> BlockCache::FindNamespaceId(const LayoutFingerprint& fingerprint) const {
@@ -86,8 +92,17 @@ uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
   return tenant < tenant_blocks_.size() ? tenant_blocks_[tenant] : 0;
 }
 
+std::span<uint8_t> BlockCache::host_arena() const {
+  const Arena* a = arenas_[static_cast<size_t>(Tier::kHost)].get();
+  return {a->data(), a->size_bytes()};
+}
+
 TierUsage BlockCache::Usage(Tier t) const {
   const TierState* s = tier(t);
+  if (t == Tier::kDisk) {
+    if (options_.disk == nullptr) return {};
+    return TierUsage{options_.disk->capacity_bytes(), s->used_bytes, s->blocks};
+  }
   if (s == nullptr || !s->pool) return {};
   return TierUsage{s->pool->capacity_bytes(), s->used_bytes, s->blocks};
 }
@@ -135,11 +150,26 @@ void BlockCache::Drop(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
   if (e->state == EntryState::kReady) ++counters_.evictions[static_cast<size_t>(e->tier)];
   Charge(e, -1);
-  tier(e->tier)->pool->Free(e->slot, e->block_bytes);
+  if (e->on_disk) options_.disk->Forget(e->key, e->disk);
+  if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, e->block_bytes);
   index_.Erase(e);
 }
 
-BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner) {
+bool BlockCache::BackToDisk(BlockEntry* e) {
+  if (!e->on_disk || e->tier != Tier::kHost || e->leases != 0 || e->moving || e->retired_slot != nullptr) {
+    return false;
+  }
+  uint8_t* slot = e->slot;
+  Charge(e, -1);
+  index_.ChangeTier(e, Tier::kDisk);
+  e->slot = nullptr;
+  Charge(e, +1);
+  tier(Tier::kHost)->pool->Free(slot, e->block_bytes);
+  ++counters_.disk_returns;
+  return true;
+}
+
+BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {
   BlockEntry* fallback = nullptr;
   uint32_t scanned = 0;
   for (BlockEntry* e = index_.Coldest(t); e != nullptr && scanned < options_.eviction_scan_limit;
@@ -149,6 +179,7 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
       continue;
     }
     if (owner && e->owner != *owner) continue;
+    if (clean_only && !e->on_disk) continue;
     if (!options_.prefix_aware || !BlockIndex::HasChildrenAtOrAbove(e, t)) return e;
     if (fallback == nullptr) fallback = e;
   }
@@ -162,9 +193,13 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
   while (true) {
     if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
     if (!may_drop) return nullptr;
-    BlockEntry* victim = PickVictim(t, bytes, std::nullopt);
+    // A block that still has its disk record costs nothing to let go; a
+    // dirty one would be lost, so it goes only when no clean one can.
+    BlockEntry* victim = nullptr;
+    if (t == Tier::kHost && options_.disk != nullptr) victim = PickVictim(t, bytes, std::nullopt, /*clean_only=*/true);
+    if (victim == nullptr) victim = PickVictim(t, bytes, std::nullopt);
     if (victim == nullptr) return nullptr;
-    Drop(victim);
+    if (!BackToDisk(victim)) Drop(victim);
   }
 }
 
@@ -192,6 +227,7 @@ LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
     if (e == nullptr || e->state != EntryState::kReady) break;
     hit.push_back(e);
     r.tiers.push_back(e->tier);
+    if (e->hits < UINT16_MAX) ++e->hits;
     ++counters_.hits[static_cast<size_t>(e->tier)];
   }
   r.hits = static_cast<uint32_t>(hit.size());
@@ -208,22 +244,58 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
                       std::weak_ptr<void> /*owner*/, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
   std::vector<BlockEntry*> leased;
-  CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
-                  .priority = CopyPriority::kLoad,
-                  .layout = target.layout,
-                  .mapping = target.mapping};
+  std::vector<BlockEntry*> on_disk;
   for (size_t i = 0; i < keys.size(); ++i) {
     BlockEntry* e = index_.Find(keys[i]);
     if (e == nullptr || e->state != EntryState::kReady) break;
     index_.AddLease(e);
+    if (e->hits < UINT16_MAX) ++e->hits;
     leased.push_back(e);
-    batch.blocks.push_back(BlockCopy{block_ids[i], e->slot});
+    if (e->tier == Tier::kDisk) on_disk.push_back(e);
   }
   for (auto it = leased.rbegin(); it != leased.rend(); ++it) Touch(*it);
+  std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
+  if (on_disk.empty()) {
+    CopyToEngine(std::move(leased), std::move(ids), std::move(target), std::move(done));
+    return;
+  }
+  // Bring the disk blocks up to host first (sharing reads with other loads),
+  // then copy the prefix that made it: a block that failed its checks is
+  // dropped and ends the prefix there.
+  struct Pending {
+    std::vector<BlockEntry*> leased;
+    std::vector<uint32_t> ids;
+    EngineTarget target;
+    OpDone done;
+    size_t waiting = 0;
+  };
+  auto p = std::make_shared<Pending>(Pending{std::move(leased), std::move(ids), std::move(target), std::move(done),
+                                             on_disk.size()});
+  for (BlockEntry* e : on_disk) {
+    PromoteFromDisk(e, [this, p](bool) {
+      if (--p->waiting > 0) return;
+      // Blocks still on disk failed their read; the prefix ends before the first.
+      size_t good = 0;
+      while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
+      for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i]);
+      p->leased.resize(good);
+      p->ids.resize(good);
+      CopyToEngine(std::move(p->leased), std::move(p->ids), std::move(p->target), std::move(p->done));
+    });
+  }
+}
+
+void BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
+                              EngineTarget target, OpDone done) {
   if (leased.empty()) {
     options_.post([done = std::move(done)] { done(OpOutcome{}); });
     return;
   }
+  CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
+                  .priority = CopyPriority::kLoad,
+                  .layout = target.layout,
+                  .mapping = target.mapping};
+  for (size_t i = 0; i < leased.size(); ++i) batch.blocks.push_back(BlockCopy{block_ids[i], leased[i]->slot});
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
   SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
                                 done = std::move(done)](CopyResult result) {
@@ -242,6 +314,149 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
       done(OpOutcome{.status = result.status});
     }
   });
+}
+
+void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) {
+  auto [it, first] = disk_waiters_.try_emplace(e->key);
+  if (then) it->second.push_back(std::move(then));
+  if (!first) return;  // a read of this block is already in flight: share it
+  uint8_t* dst = AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true);
+  if (dst == nullptr) {
+    // Host is all leased: the block stays on disk and this load misses it.
+    auto waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+    options_.post([waiters = std::move(waiters)] {
+      for (const auto& w : waiters) w(false);
+    });
+    return;
+  }
+  e->moving = true;
+  ++inflight_copies_;
+  options_.disk->Read(e->key, e->disk, e->block_bytes, dst,
+                      [this, key = e->key, dst](Status st) { FinishDiskRead(key, dst, std::move(st)); });
+}
+
+void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status) {
+  --inflight_copies_;
+  BlockEntry* e = index_.Find(key);  // moving entries are never dropped
+  KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
+  e->moving = false;
+  const bool ok = status.ok();
+  if (ok) {
+    Charge(e, -1);
+    index_.ChangeTier(e, Tier::kHost);
+    e->slot = dst;
+    Charge(e, +1);
+    ++counters_.disk_promotions;
+    counters_.bytes_disk_to_host += e->block_bytes;
+  } else {
+    tier(Tier::kHost)->pool->Free(dst, e->block_bytes);
+    ++counters_.disk_read_failures;
+  }
+  auto it = disk_waiters_.find(key);
+  std::vector<std::function<void(bool)>> waiters;
+  if (it != disk_waiters_.end()) {
+    waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+  }
+  for (const auto& w : waiters) w(ok);  // loads release their leases of a failed block here
+  if (!ok) {
+    e = index_.Find(key);
+    // Never served: a record that failed its checks (or its read) is dropped.
+    if (e != nullptr && e->leases == 0 && !e->moving) Drop(e);
+  }
+  MaybeDemote();
+}
+
+void BlockCache::StartDiskWrite(BlockEntry* e) {
+  e->moving = true;
+  const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
+  tier(Tier::kHost)->moving_out_bytes += stride;
+  ++inflight_copies_;
+  RecordHeader h;
+  h.key = e->key;
+  h.ns = namespace_fingerprints_.at(e->ns);
+  h.payload_bytes = e->block_bytes;
+  h.payload_checksum = e->checksum;
+  if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
+  options_.disk->Append(std::move(h), e->slot, [this, key = e->key, stride](Result<DiskLocation> where) {
+    FinishDiskWrite(key, stride, std::move(where));
+  });
+}
+
+void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<DiskLocation> where) {
+  --inflight_copies_;
+  tier(Tier::kHost)->moving_out_bytes -= stride;
+  BlockEntry* e = index_.Find(key);
+  KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kHost);
+  e->moving = false;
+  if (!where) {
+    ++counters_.disk_write_failures;  // it stays in host; the next pass may drop it
+    MaybeDemote();
+    return;
+  }
+  uint8_t* old = e->slot;
+  Charge(e, -1);
+  index_.ChangeTier(e, Tier::kDisk);
+  e->slot = nullptr;
+  e->disk = *where;
+  e->on_disk = true;
+  Charge(e, +1);
+  if (e->leases > 0) {
+    KVTIER_CHECK(e->retired_slot == nullptr);
+    e->retired_slot = old;  // loads that leased it before still read the host slot
+    e->retired_tier = Tier::kHost;
+  } else {
+    tier(Tier::kHost)->pool->Free(old, e->block_bytes);
+  }
+  ++counters_.disk_demotions;
+  counters_.bytes_host_to_disk += e->block_bytes;
+  MaybeDemote();
+}
+
+uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
+  std::sort(records.begin(), records.end(),
+            [](const DiskRecord& a, const DiskRecord& b) { return a.location.sequence < b.location.sequence; });
+  uint64_t adopted = 0;
+  for (const DiskRecord& r : records) {
+    auto owner = std::find(tenant_names_.begin(), tenant_names_.end(), r.header.owner);
+    if (owner == tenant_names_.end() || r.header.owner.empty() || index_.Find(r.header.key) != nullptr) {
+      options_.disk->Forget(r.header.key, r.location);
+      continue;
+    }
+    BlockEntry* e = index_.Insert(r.header.key, Tier::kDisk, nullptr);  // oldest first: coldest
+    e->block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
+    e->ns = NamespaceId(r.header.ns);
+    e->owner = static_cast<TenantId>(owner - tenant_names_.begin());
+    e->state = EntryState::kReady;
+    e->checksum = r.header.payload_checksum;
+    e->has_checksum = true;
+    e->disk = r.location;
+    e->on_disk = true;
+    Charge(e, +1);
+    ++adopted;
+  }
+  return adopted;
+}
+
+bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
+  // The disk tier asks only about keys whose current record is in the region.
+  BlockEntry* e = index_.Find(key);
+  if (e == nullptr || !e->on_disk) return true;
+  if (e->tier != Tier::kDisk) {
+    // Also in host: only the disk copy goes (unless a read of it is running).
+    if (e->moving) return false;
+    if (commit) e->on_disk = false;
+    return true;
+  }
+  if (e->leases > 0 || e->moving) return false;
+  if (commit) {
+    ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+    Charge(e, -1);
+    e->on_disk = false;  // the disk tier already deleted its index entry
+    index_.Erase(e);
+  }
+  return true;
 }
 
 bool BlockCache::MaybePromote(BlockEntry* e) {
@@ -359,7 +574,14 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::spa
     BlockEntry* e = index_.Find(key);
     if (e == nullptr || e->state != EntryState::kReady) break;
     present.push_back(e);
-    if (MaybePromote(e)) ++queued;
+    if (e->tier == Tier::kDisk) {
+      if (!e->moving) {
+        PromoteFromDisk(e, nullptr);
+        ++queued;
+      }
+    } else if (MaybePromote(e)) {
+      ++queued;
+    }
   }
   for (auto it = present.rbegin(); it != present.rend(); ++it) Touch(*it);
   return {static_cast<uint32_t>(present.size()), queued};
@@ -425,20 +647,43 @@ void BlockCache::MaybeDemote() {
         Drop(v);  // the owner has no host quota left: the coldest block goes
         continue;
       }
-      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/true);
-      if (dst == nullptr) break;  // host is all leased; try again after the next op
+      // With a disk tier, host blocks are on their way there: wait for room
+      // rather than drop them.
+      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/options_.disk == nullptr);
+      if (dst == nullptr) break;  // host is full or leased; try again after the next op
       StartMove(v, Tier::kHost, dst);
     }
   }
-  // host above its high watermark: drop its coldest blocks (the last tier in
-  // this build) until it is below the low one.
+  // host above its high watermark: write its coldest blocks to disk (or drop
+  // them, without a disk tier or when admission says no) until it is below
+  // the low one.
   if (AboveHigh(Tier::kHost)) {
     while (AboveLow(Tier::kHost)) {
       BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
       if (v == nullptr) break;
-      Drop(v);
+      if (BackToDisk(v)) continue;
+      if (options_.disk != nullptr && v->has_checksum && v->hits >= options_.disk_min_hits &&
+          QuotaAllows(v->owner, Tier::kDisk, v->block_bytes)) {
+        StartDiskWrite(v);
+      } else {
+        if (options_.disk != nullptr) ++counters_.disk_not_admitted;
+        Drop(v);
+      }
     }
   }
+}
+
+uint64_t BlockCache::FlushToDisk() {
+  if (options_.disk == nullptr) return 0;
+  std::vector<BlockEntry*> dirty;
+  index_.ForEach([&](BlockEntry* e) {
+    if (e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
+        e->has_checksum) {
+      dirty.push_back(e);
+    }
+  });
+  for (BlockEntry* e : dirty) StartDiskWrite(e);
+  return dirty.size();
 }
 
 uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,

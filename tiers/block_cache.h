@@ -1,7 +1,9 @@
 // BlockCache: kvtier's index and tiers. It maps stored keys to blocks in the
-// hbm and host pools, leases blocks for loads and stores, moves them between
-// tiers (hbm -> host demotion between watermarks, host -> hbm promotion on
-// load and prefetch) and evicts by prefix-aware LRU.
+// hbm and host pools and on disk, leases blocks for loads and stores, moves
+// them between tiers (demotion hbm -> host -> disk between watermarks,
+// promotion disk -> host -> hbm on load and prefetch) and evicts by
+// prefix-aware LRU. A block on disk is read into a host slot before it is
+// loaded; two loads of it share that one read.
 //
 // Rules (DESIGN.md, "Rules learned from the peers' bug trackers"):
 //   - Lookup never pins; Load and Store hold leases until their copy is done.
@@ -31,6 +33,7 @@
 #include "common/key128.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
+#include "tiers/disk/disk_tier.h"
 #include "tiers/slot_pool.h"
 
 namespace kvtier {
@@ -76,12 +79,20 @@ struct CacheCounters {
   uint64_t loads = 0;           // blocks loaded into engines
   uint64_t promotions = 0;      // host -> hbm
   uint64_t demotions = 0;       // hbm -> host
+  uint64_t disk_promotions = 0; // disk -> host
+  uint64_t disk_demotions = 0;  // host -> disk
+  uint64_t disk_read_failures = 0;   // records that failed their checks or I/O: dropped, never served
+  uint64_t disk_write_failures = 0;
+  uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
+  uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
   uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t bytes_engine_to_cache = 0;
   uint64_t bytes_cache_to_engine = 0;
   uint64_t bytes_hbm_to_host = 0;
   uint64_t bytes_host_to_hbm = 0;
+  uint64_t bytes_host_to_disk = 0;
+  uint64_t bytes_disk_to_host = 0;
 };
 
 struct TierUsage {
@@ -105,6 +116,11 @@ class BlockCache {
     // Most LRU entries one eviction looks at for a block without cached
     // children before taking the coldest unleased one.
     uint32_t eviction_scan_limit = 1024;
+    // The disk tier (borrowed; must outlive the cache), or null. With it,
+    // blocks leaving the host tier are written there instead of dropped.
+    DiskTier* disk = nullptr;
+    // Disk admission: a block is written to disk only after this many hits.
+    uint32_t disk_min_hits = 0;
   };
 
   static Result<std::unique_ptr<BlockCache>> Create(Options options);
@@ -112,8 +128,18 @@ class BlockCache {
   BlockCache(const BlockCache&) = delete;
   BlockCache& operator=(const BlockCache&) = delete;
 
-  // Tenants are small integers chosen by the caller (< 65536).
+  // Tenants are small integers chosen by the caller (< 65536); their names
+  // are written into disk records and map them back after a restart.
   void SetQuota(TenantId tenant, const TenantQuota& quota);
+  void SetTenantName(TenantId tenant, std::string name);
+
+  // After a restart: adopts the disk tier's recovered records as disk-resident
+  // blocks (oldest coldest). Records of tenants no longer configured are
+  // forgotten. Returns how many were adopted.
+  uint64_t AdoptDiskRecords(std::vector<DiskRecord> records);
+
+  // DiskTier's reclaim callback (see DiskTier::ReclaimFn).
+  bool ReclaimFromDisk(const StoredKey& key, bool commit);
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
   LookupResult Lookup(std::span<const StoredKey> keys);
@@ -140,6 +166,11 @@ class BlockCache {
   // were queued.
   std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
 
+  // Starts writing every host block that has no disk record to disk
+  // (kvtierctl flush, before a planned restart). Returns how many writes
+  // were queued; 0 without a disk tier.
+  uint64_t FlushToDisk();
+
   // Drops unleased, settled blocks matching the filters (nullopt = any).
   uint64_t Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
                  std::optional<Tier> tier);
@@ -150,6 +181,9 @@ class BlockCache {
   std::optional<uint32_t> FindNamespaceId(const LayoutFingerprint& fingerprint) const;
 
   TierUsage Usage(Tier tier) const;
+  // The host tier's memory, e.g. for registering it with io_uring as fixed
+  // buffers (disk reads and writes go straight to and from its slots).
+  std::span<uint8_t> host_arena() const;
   uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;
   uint64_t TenantBlocks(TenantId tenant) const;
   uint64_t leases() const { return index_.total_leases(); }
@@ -168,8 +202,12 @@ class BlockCache {
   // that tier (prefix-aware LRU) when `may_drop`; nullptr when impossible.
   uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
   // The eviction victim in tier `t` with the given block size (0 = any).
-  BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner);
+  // With clean_only, only blocks that still have their disk record.
+  BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
+  // A host block that still has its disk record goes back to the disk tier,
+  // no write needed. Returns whether it did.
+  bool BackToDisk(BlockEntry* e);
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
   void SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
@@ -177,6 +215,16 @@ class BlockCache {
   void MaybeDemote();
   // Moves `e` to `dst` in tier `to` in the background.
   void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
+  // host -> disk (write-back) and disk -> host (before a load, or prefetch).
+  void StartDiskWrite(BlockEntry* e);
+  void FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<DiskLocation> where);
+  // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
+  // (or failed and was dropped). Reads of one block are shared.
+  void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
+  void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status);
+  // Loads `leased` (all resident in memory tiers) into the engine.
+  void CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
+                    OpDone done);
   // Starts a host -> hbm move of `e` if hbm has a free slot below its high
   // watermark and the owner's quota allows; returns whether it started.
   bool MaybePromote(BlockEntry* e);
@@ -194,6 +242,10 @@ class BlockCache {
   std::vector<std::array<uint64_t, kNumTiers>> tenant_used_;
   std::vector<uint64_t> tenant_blocks_;
   std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
+  std::vector<LayoutFingerprint> namespace_fingerprints_;  // by id
+  std::vector<std::string> tenant_names_;
+  // Loads waiting for a block's disk read, by key.
+  std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
   uint64_t inflight_copies_ = 0;
   CacheCounters counters_;
   // Lets completions that arrive after destruction (none should: the daemon

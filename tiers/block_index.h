@@ -1,5 +1,5 @@
 // BlockIndex: stored key -> BlockEntry, with per-tier intrusive LRU lists and
-// parent/child links for prefix-aware eviction. About 150 bytes per block,
+// parent/child links for prefix-aware eviction. About 180 bytes per block,
 // fixed: no allocation beyond the hash-map node.
 //
 // Entries live in an unordered_map, whose nodes never move, so the raw
@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "common/key128.h"
+#include "tiers/disk/disk_tier.h"
 
 namespace kvtier {
 
@@ -39,6 +40,11 @@ struct BlockEntry {
   EntryState state = EntryState::kFilling;
   bool moving = false;       // a copy to another tier is in flight
   bool has_checksum = false;
+  uint16_t hits = 0;         // lookups and loads that found it (saturating), for disk admission
+  // Its disk record, while on_disk. A block read up from disk keeps its record
+  // (until the region is reclaimed), so leaving host again costs no write.
+  DiskLocation disk;
+  bool on_disk = false;
   // Cached children (blocks whose parent is this one), counted by the tier
   // they live in. A block with children in its own tier or above is evicted
   // after them.

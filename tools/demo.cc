@@ -151,7 +151,8 @@ int main(int argc, char** argv) {
   std::printf("  tier moves     demotions %lu, promotions %lu, evictions hbm %lu, host %lu\n", s->Counter("demotions"),
               s->Counter("promotions"), s->Counter("evictions_hbm"), s->Counter("evictions_host"));
   for (const auto& t : s->tiers) {
-    std::printf("  %-4s tier      %lu blocks, %.1f of %.1f MiB\n", t.tier == kvtier::BlockTier::kHbm ? "hbm" : "host",
+    const char* name = t.tier == kvtier::BlockTier::kHbm ? "hbm" : t.tier == kvtier::BlockTier::kHost ? "host" : "disk";
+    std::printf("  %-4s tier      %lu blocks, %.1f of %.1f MiB\n", name,
                 t.blocks, MiB(t.used_bytes), MiB(t.capacity_bytes));
   }
   std::printf("  leases %lu, client mappings %lu (after all clients exited)\n", s->leases, s->mappings);

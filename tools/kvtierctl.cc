@@ -3,6 +3,7 @@
 //   kvtierctl --socket PATH [--token T] stats   [--json]
 //   kvtierctl --socket PATH [--token T] tenants [--json]     (admin)
 //   kvtierctl --socket PATH [--token T] evict [--tenant NAME|*] [--tier hbm|host|disk] [--json]
+//   kvtierctl --socket PATH [--token T] flush   [--json]     (admin: host -> disk)
 //
 // Exit codes: 0 success; 1 the daemon refused or failed; 2 usage; 3 the
 // daemon is unavailable.
@@ -88,6 +89,7 @@ int main(int argc, char** argv) {
   CLI::App* stats = app.add_subcommand("stats", "tier usage, sessions, leases, mappings and counters");
   CLI::App* tenants = app.add_subcommand("tenants", "per-tenant usage (admin)");
   CLI::App* evict = app.add_subcommand("evict", "drop unleased blocks");
+  CLI::App* flush = app.add_subcommand("flush", "write every host block to the disk tier (admin)");
   std::string evict_tenant;
   std::string evict_tier;
   evict->add_option("--tenant", evict_tenant, "tenant whose blocks to drop (admin; * = all; default: yours)");
@@ -123,6 +125,11 @@ int main(int argc, char** argv) {
       }
     }
     if (json) std::printf("]\n");
+  } else if (flush->parsed()) {
+    kvtier::Result<uint64_t> n = (*client)->Flush();
+    if (!n) return Fail(n.error());
+    if (json) std::printf("{\"flushed\": %lu}\n", *n);
+    else std::printf("writing %lu block(s) to disk\n", *n);
   } else if (evict->parsed()) {
     std::optional<BlockTier> tier;
     if (evict_tier == "hbm") tier = BlockTier::kHbm;

@@ -26,6 +26,7 @@ Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, s
   }
   // Defaults for a test daemon; later --set arguments win.
   for (const std::string& s : {"socket.path=" + dir + "/kvtierd.sock", "state_dir=" + dir + "/state",
+                               "tiers.disk.paths=[" + dir + "/disk]",
                                std::string("tiers.disk.enabled=false"), std::string("metrics.enabled=false"),
                                std::string("tiers.host.bytes=64MiB")}) {
     args.push_back("--set");

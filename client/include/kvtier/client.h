@@ -150,6 +150,9 @@ class Client {
   // everyone's (`tenant` = "*"). `tier`: nullopt = all tiers.
   Result<uint64_t> Evict(const std::string& tenant = "", std::optional<BlockTier> tier = std::nullopt);
   Result<std::vector<TenantStats>> ListTenants();
+  // Admin: starts writing every host block that is not on disk yet to the
+  // disk tier. Returns how many writes were queued.
+  Result<uint64_t> Flush();
 
  private:
   class Impl;

@@ -1,0 +1,92 @@
+// The disk tier end to end: a real kvtierd with segment files and its RocksDB
+// index in a temporary directory, and real client processes.
+//   - byte-exact round trips through hbm, host and disk, with io_uring and
+//     with the thread-pool I/O path;
+// (The crash test is disk_crash_test.cc.)
+#include <signal.h>
+#include <unistd.h>
+
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "tests/integration/disk_helpers.h"
+
+namespace kvtier::testing {
+namespace {
+
+class DiskRoundTripTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DiskRoundTripTest, ThroughAllThreeTiers) {
+  std::vector<std::string> sets = DiskSets(GetParam());
+  sets.push_back("tiers.hbm.enabled=true");
+  sets.push_back("tiers.hbm.bytes=1MiB");
+  Result<DaemonProcess> d = DaemonProcess::Start(sets);
+  if (!d && d.error().message().find("io_uring") != std::string::npos) {
+    GTEST_SKIP() << "io_uring is not available here: " << d.error();
+  }
+  ASSERT_TRUE(d.has_value()) << d.error();
+  EXPECT_NE(d->Log().find("disk I/O: " + GetParam()), std::string::npos) << d->Log();
+  DiskSession s = Open(*d);
+  ASSERT_NE(s.client, nullptr);
+  std::vector<BlockKey> keys;
+  for (uint64_t p = 0; p < 40; ++p) {
+    const std::vector<BlockKey> k = s.client->ComputeKeys(s.id, Prompt(p, 16)).value();
+    keys.insert(keys.end(), k.begin(), k.end());
+  }
+  // 640 blocks of 16 KiB (10 MiB): five times the host tier. Each batch is
+  // flushed and waited for, at the pace of the disk, so nothing is dropped.
+  for (size_t i = 0; i < keys.size(); i += 32) {
+    const std::vector<BlockKey> batch(keys.begin() + i, keys.begin() + i + 32);
+    ASSERT_EQ(StoreAck(s, batch).size(), batch.size());
+    ASSERT_TRUE(SettleOutOfHost(s, std::vector<BlockKey>(keys.begin(), keys.begin() + i + 32))) << d->Log();
+  }
+  const DaemonStats st = s.client->Stats().value();
+  EXPECT_GT(st.Counter("demotions"), 0u);
+  EXPECT_GE(st.Counter("disk_demotions"), keys.size() / 2);
+  EXPECT_EQ(st.Counter("evictions_host"), 0u);
+  int exact = 0;
+  for (const BlockKey& k : keys) {
+    const int r = LoadOne(s, k);
+    ASSERT_NE(r, -1) << "wrong bytes served";
+    exact += r;
+  }
+  EXPECT_EQ(exact, static_cast<int>(keys.size())) << "the disk holds everything the memory tiers let go";
+  const DaemonStats after = s.client->Stats().value();
+  EXPECT_GT(after.Counter("disk_promotions"), 0u);
+  EXPECT_EQ(after.Counter("disk_checksum_failures"), 0u);
+  EXPECT_EQ(after.leases, 0u);
+}
+
+TEST_P(DiskRoundTripTest, BurstFasterThanTheDiskDropsColdBlocksButNeverServesWrongBytes) {
+  Result<DaemonProcess> d = DaemonProcess::Start(DiskSets(GetParam()));
+  if (!d && d.error().message().find("io_uring") != std::string::npos) {
+    GTEST_SKIP() << "io_uring is not available here: " << d.error();
+  }
+  ASSERT_TRUE(d.has_value()) << d.error();
+  DiskSession s = Open(*d);
+  ASSERT_NE(s.client, nullptr);
+  std::vector<BlockKey> keys;
+  for (uint64_t p = 100; p < 140; ++p) {
+    const std::vector<BlockKey> k = s.client->ComputeKeys(s.id, Prompt(p, 16)).value();
+    keys.insert(keys.end(), k.begin(), k.end());
+  }
+  ASSERT_EQ(StoreAck(s, keys).size(), keys.size());
+  int exact = 0;
+  for (const BlockKey& k : keys) {
+    const int r = LoadOne(s, k);
+    ASSERT_NE(r, -1) << "wrong bytes served";
+    exact += r;
+  }
+  const DaemonStats st = s.client->Stats().value();
+  EXPECT_GT(st.Counter("disk_demotions"), 0u);
+  EXPECT_GT(exact, 0);
+  EXPECT_EQ(st.Counter("disk_checksum_failures"), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, DiskRoundTripTest, ::testing::Values("io_uring", "threadpool"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace kvtier::testing

@@ -1,0 +1,331 @@
+// The disk tier under the block cache: round trips through all three tiers,
+// shared reads, corruption and injected faults (never served), region
+// reclaim, and warm restarts from the RocksDB index. Devices are the memory
+// and fault-injecting fakes (the block-device seam); everything else is real.
+#include "tiers/disk/disk_tier.h"
+
+#include <cerrno>
+#include <deque>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "common/block_pattern.h"
+#include "common/mutex.h"
+#include "tests/tiers/disk/faulty_device.h"
+#include "tests/tiers/disk/memory_device.h"
+#include "tests/tiers/tiers_test_util.h"
+#include "tiers/block_cache.h"
+#include "tiers/host_backend.h"
+
+namespace kvtier {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kRegionBytes = 64 << 10;
+constexpr TenantId kTenant = 0;
+using tiers_test::EngineMemory;
+using tiers_test::SmallSpec;
+
+class DiskTierTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kvtier-disk-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    backend_ = HostBackend::Create({.copy_threads = 2}).value();
+    Result<std::unique_ptr<EngineMemory>> engine = EngineMemory::Create(*backend_, SmallSpec(), 64);
+    ASSERT_TRUE(engine.has_value()) << engine.error();
+    engine_ = std::move(*engine);
+    memory_ = std::make_unique<MemoryDevice>(16 * kRegionBytes);
+    faulty_ = std::make_unique<FaultyDevice>(memory_.get());
+  }
+  void TearDown() override {
+    Close();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Opens the disk tier (on the faulty wrapper of the memory device) and a
+  // cache over it, adopting what the index holds.
+  void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8) {
+    BlockCache::Post post = [this](std::function<void()> f) {
+      MutexLock lock(&mu_);
+      posted_.push_back(std::move(f));
+      cv_.SignalAll();
+    };
+    Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
+        {.devices = {faulty_.get()}, .index_path = dir_ + "/index", .region_bytes = kRegionBytes, .post = post,
+         .reclaim = [this](const StoredKey& key, bool commit) { return cache_->ReclaimFromDisk(key, commit); }});
+    ASSERT_TRUE(disk.has_value()) << disk.error();
+    disk_ = std::move(*disk);
+    const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
+    BlockCache::Options o{.backend = backend_.get(),
+                          .post = post,
+                          .hbm_bytes = hbm_slots * stride,
+                          .host_bytes = host_slots * stride,
+                          .hbm_watermarks = {},
+                          .host_watermarks = {.high = 0.9, .low = 0.5},
+                          .prefix_aware = true,
+                          .eviction_scan_limit = 1024,
+                          .disk = disk_.get(),
+                          .disk_min_hits = 0};
+    cache_ = BlockCache::Create(std::move(o)).value();
+    cache_->SetTenantName(kTenant, "t0");
+    adopted_ = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+  }
+  void Close() {
+    if (cache_) {
+      EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+    }
+    cache_.reset();
+    disk_.reset();
+  }
+
+  bool Drain(const std::function<bool()>& until, std::chrono::seconds timeout = 30s) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!until()) {
+      std::deque<std::function<void()>> batch;
+      {
+        MutexLock lock(&mu_);
+        while (posted_.empty()) {
+          if (!cv_.WaitFor(&mu_, deadline - std::chrono::steady_clock::now())) return until();
+        }
+        batch.swap(posted_);
+      }
+      for (auto& f : batch) f();
+    }
+    return true;
+  }
+
+  EngineTarget Target() { return {engine_->layout(), engine_->mapping()}; }
+
+  std::vector<StoredKey> NewKeys(size_t n) {
+    std::vector<StoredKey> keys(n);
+    for (auto& k : keys) {
+      for (auto& b : k.bytes) b = static_cast<uint8_t>(rng_());
+    }
+    return keys;
+  }
+
+  OpOutcome Store(const StoredKey& key, uint32_t block) {
+    engine_->Fill(block, key);
+    OpOutcome out;
+    bool done = false;
+    cache_->Store(kTenant, std::span(&key, 1), std::span(&block, 1), std::nullopt, Target(), owner_,
+                  [&](OpOutcome o) {
+                    out = std::move(o);
+                    done = true;
+                  });
+    EXPECT_TRUE(Drain([&] { return done; }));
+    return out;
+  }
+  // Stores each key from its own engine block, letting demotions settle
+  // after each (at the pace of a disk that keeps up).
+  void StoreAll(const std::vector<StoredKey>& keys) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_TRUE(Store(keys[i], static_cast<uint32_t>(i % 32)).status.ok());
+      ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+    }
+  }
+
+  std::shared_ptr<std::pair<bool, OpOutcome>> LoadAsync(const StoredKey& key, uint32_t block) {
+    engine_->Zero(block);
+    auto r = std::make_shared<std::pair<bool, OpOutcome>>();
+    cache_->Load(kTenant, std::span(&key, 1), std::span(&block, 1), Target(), owner_, [r](OpOutcome o) {
+      r->second = std::move(o);
+      r->first = true;
+    });
+    return r;
+  }
+  // Loads into engine block 40: true if it loaded and holds the key's bytes.
+  // A load that returns other bytes fails the test outright.
+  bool LoadExact(const StoredKey& key) {
+    auto r = LoadAsync(key, 40);
+    EXPECT_TRUE(Drain([&] { return r->first; }));
+    if (r->second.blocks == 0) return false;
+    const bool exact = engine_->Holds(40, key);
+    EXPECT_TRUE(exact) << "a load returned bytes that differ from what was stored";
+    return exact;
+  }
+  std::vector<Tier> TiersOf(const std::vector<StoredKey>& keys) {
+    std::vector<Tier> t;
+    for (const StoredKey& k : keys) {
+      const LookupResult r = cache_->Lookup(std::span(&k, 1));
+      t.push_back(r.hits == 1 ? r.tiers[0] : Tier{255});
+    }
+    return t;
+  }
+  std::vector<StoredKey> OnDisk(const std::vector<StoredKey>& keys) {
+    std::vector<StoredKey> out;
+    const std::vector<Tier> t = TiersOf(keys);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (t[i] == Tier::kDisk) out.push_back(keys[i]);
+    }
+    return out;
+  }
+
+  std::string dir_;
+  std::mt19937_64 rng_{42};
+  std::unique_ptr<HostBackend> backend_;
+  std::unique_ptr<EngineMemory> engine_;
+  std::unique_ptr<MemoryDevice> memory_;
+  std::unique_ptr<FaultyDevice> faulty_;
+  std::unique_ptr<DiskTier> disk_;
+  std::unique_ptr<BlockCache> cache_;
+  std::shared_ptr<void> owner_ = std::make_shared<int>(0);
+  uint64_t adopted_ = 0;
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
+};
+
+TEST_F(DiskTierTest, RoundTripThroughAllThreeTiersIsByteExact) {
+  Open(/*hbm_slots=*/4, /*host_slots=*/8);
+  const std::vector<StoredKey> keys = NewKeys(30);
+  StoreAll(keys);
+  const CacheCounters& c = cache_->counters();
+  EXPECT_EQ(c.evictions[static_cast<size_t>(Tier::kHost)], 0u) << "host blocks go to disk, not away";
+  EXPECT_GT(c.demotions, 0u);
+  EXPECT_GT(c.disk_demotions, 0u);
+  EXPECT_GT(cache_->Usage(Tier::kDisk).blocks, 0u);
+  EXPECT_EQ(disk_->counters().writes, c.disk_demotions);
+  for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
+  EXPECT_GT(c.disk_promotions, 0u);
+  EXPECT_EQ(c.disk_read_failures, 0u);
+  EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  EXPECT_EQ(cache_->leases(), 0u);
+}
+
+TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_FALSE(disk.empty());
+  const uint64_t reads = disk_->counters().reads;
+  auto a = LoadAsync(disk[0], 41);
+  auto b = LoadAsync(disk[0], 42);
+  ASSERT_TRUE(Drain([&] { return a->first && b->first; }));
+  EXPECT_EQ(a->second.blocks, 1u);
+  EXPECT_EQ(b->second.blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(41, disk[0]));
+  EXPECT_TRUE(engine_->Holds(42, disk[0]));
+  EXPECT_EQ(disk_->counters().reads, reads + 1) << "one read for both loads";
+  EXPECT_EQ(cache_->counters().disk_promotions, 1u);
+}
+
+TEST_F(DiskTierTest, CorruptRecordIsAMissCountedAndNeverServed) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_GE(disk.size(), 2u);
+  // Flip one payload bit of the first disk block's record, behind the tier's back.
+  auto info = cache_->Lookup(std::span(&disk[0], 1));
+  ASSERT_EQ(info.hits, 1u);
+  faulty_->BitFlipOnRead(0 + RecordHeader::kBytes + 100, 3);  // the first record of region 0
+  uint32_t failures_before = static_cast<uint32_t>(cache_->counters().disk_read_failures);
+  uint32_t served = 0;
+  for (const StoredKey& k : disk) served += LoadExact(k);  // LoadExact fails the test on wrong bytes
+  EXPECT_EQ(cache_->counters().disk_read_failures, failures_before + 1u);
+  EXPECT_EQ(disk_->counters().checksum_failures, 1u);
+  EXPECT_EQ(served, disk.size() - 1);
+  // The corrupt block was dropped: it now misses instead of failing again.
+  size_t missing = 0;
+  for (const StoredKey& k : disk) missing += cache_->Lookup(std::span(&k, 1)).hits == 0;
+  EXPECT_EQ(missing, 1u);
+}
+
+TEST_F(DiskTierTest, ReadErrorIsAMissAndTheOtherTiersKeepServing) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_FALSE(disk.empty());
+  faulty_->FailNth(FaultOp::kRead, 1, EIO);
+  EXPECT_FALSE(LoadExact(disk[0]));
+  EXPECT_EQ(disk_->counters().io_errors, 1u);
+  EXPECT_EQ(cache_->counters().disk_read_failures, 1u);
+  for (const StoredKey& k : keys) {
+    if (k != disk[0]) {
+      EXPECT_TRUE(LoadExact(k));
+    }
+  }
+}
+
+TEST_F(DiskTierTest, WriteErrorsKeepTheBlockOutOfTheDiskIndex) {
+  Open();
+  faulty_->FailNth(FaultOp::kWrite, 1, ENOSPC);
+  faulty_->FailNth(FaultOp::kSync, 2, EIO);
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  EXPECT_GE(cache_->counters().disk_write_failures, 2u);
+  EXPECT_GE(disk_->counters().io_errors, 2u);
+  // Nothing that failed was indexed: after a restart, every recovered record
+  // loads exactly.
+  Close();
+  Open();
+  EXPECT_EQ(adopted_, disk_->counters().recovered_records);
+  for (const StoredKey& k : OnDisk(keys)) EXPECT_TRUE(LoadExact(k));
+}
+
+TEST_F(DiskTierTest, TornWriteIsCaughtOnRead) {
+  Open();
+  faulty_->TornWriteNth(2, 4096);  // the payload of the first record: only its first page lands
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  uint32_t served = 0;
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  for (const StoredKey& k : disk) served += LoadExact(k);
+  EXPECT_EQ(served, disk.size() - 1);
+  EXPECT_EQ(disk_->counters().checksum_failures, 1u);
+}
+
+TEST_F(DiskTierTest, RestartIsWarm) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(20);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_GT(disk.size(), 5u);
+  Close();
+  Open();
+  EXPECT_EQ(adopted_, disk.size());
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, disk.size());
+  for (const StoredKey& k : disk) EXPECT_TRUE(LoadExact(k)) << "written before the restart: a hit";
+}
+
+TEST_F(DiskTierTest, CrashLosesOnlyWhatWasNotSynced) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(20);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  Close();
+  memory_->DropUnsynced();  // power loss: nothing unsynced survives
+  Open();
+  EXPECT_EQ(adopted_, disk.size()) << "every indexed record was synced before it was indexed";
+  for (const StoredKey& k : disk) EXPECT_TRUE(LoadExact(k));
+}
+
+TEST_F(DiskTierTest, FullDiskReclaimsTheOldestRegion) {
+  Open();
+  // 16 regions of 5 records: 80 fit; store 150 so that reclaims must happen.
+  const std::vector<StoredKey> keys = NewKeys(150);
+  StoreAll(keys);
+  EXPECT_GT(disk_->counters().regions_reclaimed, 0u);
+  EXPECT_GT(cache_->counters().evictions[static_cast<size_t>(Tier::kDisk)], 0u);
+  EXPECT_LE(disk_->used_bytes(), disk_->capacity_bytes());
+  size_t hits = 0;
+  for (const StoredKey& k : keys) hits += LoadExact(k);
+  EXPECT_GT(hits, 40u);
+  // The newest blocks survived; the oldest went.
+  EXPECT_TRUE(LoadExact(keys.back()));
+  Close();
+  Open();
+  EXPECT_EQ(adopted_, cache_->Usage(Tier::kDisk).blocks);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,154 @@
+// Internals shared by the IoEngine implementations (io_engine.cc: the thread
+// pool, RunToCompletion and Create; io_uring_engine.cc: the io_uring engine):
+// the retry rules, and the bookkeeping of requests cut into chunks. Not part
+// of the tiers API; include only from those two files.
+//
+// Op and Chunk are thread-compatible: each is touched only by the scheduler
+// that owns it (an io_uring thread, or the thread pool under its mutex).
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "common/status.h"
+#include "tiers/disk/io_engine.h"
+
+namespace kvtier::io_internal {
+
+// Consecutive EINTR/EAGAIN answers tolerated for one transfer.
+inline constexpr int kMaxRetries = 100;
+// The most one system call or SQE is asked to move: an SQE's length is 32
+// bits, Linux moves at most MAX_RW_COUNT (2 GiB - 4 KiB) per call, and one
+// registered buffer may be at most 1 GiB. A multiple of 4096, so the pieces
+// of an O_DIRECT request stay aligned.
+inline constexpr uint64_t kMaxTransferBytes = uint64_t{1} << 30;
+
+inline std::string Describe(IoOp op, int fd, uint64_t offset, uint64_t length) {
+  const char* verb = op == IoOp::kRead ? "read" : op == IoOp::kWrite ? "write" : "fdatasync";
+  std::string out = verb;
+  out += " fd " + std::to_string(fd);
+  if (op != IoOp::kSync) {
+    out += " offset " + std::to_string(offset) + " length " + std::to_string(length);
+  }
+  return out;
+}
+
+// What to do after one transfer attempt that asked for `requested` (> 0)
+// bytes and got `res` (bytes moved, or -errno). RunToCompletion and the
+// io_uring completion path both use it, so the two engines cannot drift apart.
+// `what()` names the operation; it is called only to build an error, keeping
+// string work off the success path.
+struct Step {
+  enum Kind { kProgress, kRetry, kFail };
+  Kind kind = kFail;
+  uint64_t bytes = 0;  // kProgress: bytes moved
+  Status error;        // kFail
+};
+
+template <typename What>
+Step ClassifyTransfer(int64_t res, uint64_t requested, int* consecutive_retries, int max_retries,
+                      const What& what) {
+  if (res > 0) {
+    if (static_cast<uint64_t>(res) > requested) {
+      return {Step::kFail, 0,
+              Internal(what() + ": moved " + std::to_string(res) + " bytes, asked for " +
+                       std::to_string(requested))};
+    }
+    *consecutive_retries = 0;
+    return {Step::kProgress, static_cast<uint64_t>(res), Status()};
+  }
+  if (res == 0) {
+    // A silent short read would hand the caller stale bytes as data.
+    return {
+        Step::kFail, 0,
+        Status(StatusCode::kIoError, what() + ": unexpected end of file (0 bytes transferred, " +
+                                         std::to_string(requested) + " left)")};
+  }
+  const int err = static_cast<int>(-res);
+  if (err == EINTR || err == EAGAIN) {
+    if (++*consecutive_retries <= max_retries) return {Step::kRetry, 0, Status()};
+    return {Step::kFail, 0,
+            Status::FromErrno(
+                err, what() + ": still failing after " + std::to_string(max_retries) + " retries")};
+  }
+  return {Step::kFail, 0, Status::FromErrno(err, what())};
+}
+
+// One submitted request and how far it got. A request is cut into chunks
+// (writes at max_write_chunk_bytes, reads at kMaxTransferBytes, a sync is one
+// chunk of 0 bytes); several chunks of one request may be in flight at once.
+// Accessed only by its scheduler: the io_uring thread that owns it, or the
+// thread pool under its mutex.
+struct Op {
+  explicit Op(IoRequest r) : request(std::move(r)) {}
+
+  IoRequest request;
+  uint64_t started_bytes = 0;  // handed to the kernel so far
+  bool sync_started = false;
+  uint32_t in_flight = 0;  // chunks started and not yet completed
+  bool queued = true;      // still owned by its queue; else by its chunks
+  Status error;            // the first error; no chunk starts after it
+};
+
+inline bool IsRead(const Op& op) { return op.request.op == IoOp::kRead; }
+
+inline bool HasChunksToStart(const Op& op) {
+  if (!op.error.ok()) return false;
+  if (op.request.op == IoOp::kSync) return !op.sync_started;
+  return op.started_bytes < op.request.length;
+}
+
+// A piece of an Op: bytes [begin, begin + length) of its request.
+struct Chunk {
+  Op* op = nullptr;
+  uint64_t begin = 0;
+  uint64_t length = 0;
+  uint64_t moved = 0;  // io_uring: bytes of this chunk done so far
+  int retries = 0;     // io_uring: consecutive EINTR/EAGAIN
+};
+
+// REQUIRES: HasChunksToStart(*op).
+inline Chunk TakeChunk(Op* op, uint64_t max_write_chunk_bytes) {
+  Chunk chunk;
+  chunk.op = op;
+  if (op->request.op == IoOp::kSync) {
+    op->sync_started = true;
+  } else {
+    const uint64_t max = IsRead(*op) ? kMaxTransferBytes : max_write_chunk_bytes;
+    chunk.begin = op->started_bytes;
+    chunk.length = std::min(max, op->request.length - op->started_bytes);
+    op->started_bytes += chunk.length;
+  }
+  ++op->in_flight;
+  return chunk;
+}
+
+// Runs `done` once, with the full length or the first error.
+// REQUIRES: op->in_flight == 0 and no chunk left to start.
+inline void FinishOp(std::unique_ptr<Op> op) {
+  if (!op->request.done) return;
+  if (op->error.ok()) {
+    op->request.done(op->request.op == IoOp::kSync ? uint64_t{0} : op->request.length);
+  } else {
+    op->request.done(Err(std::move(op->error)));
+  }
+}
+
+inline void CancelOp(IoRequest request) {
+  if (request.done) {
+    request.done(Err(StatusCode::kCancelled,
+                     "I/O engine is shutting down: " +
+                         Describe(request.op, request.fd, request.offset, request.length)));
+  }
+}
+
+// Creates the io_uring engine. Errors: kUnimplemented, errno kept, where
+// io_uring cannot be used here (no kernel support, seccomp, sysctl, memlock);
+// the errno of eventfd otherwise. REQUIRES: options validated by Create.
+Result<std::unique_ptr<IoEngine>> CreateUringEngine(const IoEngine::Options& options);
+
+}  // namespace kvtier::io_internal
