@@ -377,6 +377,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       {"lookup_keys", c.lookup_keys},
       {"hits_hbm", c.hits[0]},
       {"hits_host", c.hits[1]},
+      {"hits_disk", c.hits[2]},
       {"misses", c.misses},
       {"stores", c.stores},
       {"already_stored", c.already_stored},

@@ -138,18 +138,24 @@ int main(int argc, char** argv) {
   auto s = (*client)->Stats();
   if (!s) return 1;
   const uint64_t keys = s->Counter("lookup_keys");
-  const uint64_t hbm = s->Counter("hits_hbm"), host = s->Counter("hits_host");
+  const uint64_t hbm = s->Counter("hits_hbm"), host = s->Counter("hits_host"), disk = s->Counter("hits_disk");
   std::printf("\nkvtierd counters:\n");
   std::printf("  lookups        %lu (%lu block keys)\n", s->Counter("lookups"), keys);
-  std::printf("  hits           hbm %lu, host %lu, misses %lu  (hit rate %.1f%%)\n", hbm, host, s->Counter("misses"),
-              keys ? 100.0 * static_cast<double>(hbm + host) / static_cast<double>(keys) : 0.0);
+  std::printf("  hits           hbm %lu, host %lu, disk %lu, misses %lu  (hit rate %.1f%%)\n", hbm, host, disk,
+              s->Counter("misses"),
+              keys ? 100.0 * static_cast<double>(hbm + host + disk) / static_cast<double>(keys) : 0.0);
   std::printf("  blocks         stored %lu, loaded %lu, already stored %lu\n", s->Counter("stores"),
               s->Counter("loads"), s->Counter("already_stored"));
-  std::printf("  moved          engine->kvtier %.1f MiB, kvtier->engine %.1f MiB, hbm->host %.1f MiB, host->hbm %.1f MiB\n",
+  std::printf("  moved          engine->kvtier %.1f MiB, kvtier->engine %.1f MiB, hbm->host %.1f MiB, host->hbm %.1f MiB,\n"
+              "                 host->disk %.1f MiB, disk->host %.1f MiB\n",
               MiB(s->Counter("bytes_engine_to_cache")), MiB(s->Counter("bytes_cache_to_engine")),
-              MiB(s->Counter("bytes_hbm_to_host")), MiB(s->Counter("bytes_host_to_hbm")));
-  std::printf("  tier moves     demotions %lu, promotions %lu, evictions hbm %lu, host %lu\n", s->Counter("demotions"),
-              s->Counter("promotions"), s->Counter("evictions_hbm"), s->Counter("evictions_host"));
+              MiB(s->Counter("bytes_hbm_to_host")), MiB(s->Counter("bytes_host_to_hbm")),
+              MiB(s->Counter("bytes_host_to_disk")), MiB(s->Counter("bytes_disk_to_host")));
+  std::printf("  tier moves     demotions hbm->host %lu, host->disk %lu; promotions host->hbm %lu, disk->host %lu\n",
+              s->Counter("demotions"), s->Counter("disk_demotions"), s->Counter("promotions"),
+              s->Counter("disk_promotions"));
+  std::printf("  evictions      hbm %lu, host %lu, disk %lu; disk checksum failures %lu\n", s->Counter("evictions_hbm"),
+              s->Counter("evictions_host"), s->Counter("evictions_disk"), s->Counter("disk_checksum_failures"));
   for (const auto& t : s->tiers) {
     const char* name = t.tier == kvtier::BlockTier::kHbm ? "hbm" : t.tier == kvtier::BlockTier::kHost ? "host" : "disk";
     std::printf("  %-4s tier      %lu blocks, %.1f of %.1f MiB\n", name,

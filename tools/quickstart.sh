@@ -18,9 +18,11 @@ cmake -S . -B build/release -DCMAKE_BUILD_TYPE=Release -DKVTIER_BUILD_TESTS=OFF
 cmake --build build/release -j"$(nproc)"
 
 # The built-in defaults, with the tiers sized for a demo: a 16 MiB hbm tier
-# (on a machine without a GPU the host backend stands a CPU arena in for it)
-# and a 64 MiB host tier, so that blocks are demoted, promoted and evicted.
-demo_sets=(--set tiers.hbm.enabled=true --set tiers.hbm.bytes=16MiB --set tiers.host.bytes=64MiB)
+# (on a machine without a GPU the host backend stands a CPU arena in for it),
+# a 32 MiB host tier and a 256 MiB disk tier under ./var/kvtier/disk, so that
+# blocks are demoted, promoted and written to disk.
+demo_sets=(--set tiers.hbm.enabled=true --set tiers.hbm.bytes=16MiB --set tiers.host.bytes=32MiB
+           --set tiers.disk.bytes=256MiB --set tiers.disk.region_bytes=16MiB)
 socket=./var/kvtier/kvtierd.sock
 log=./var/kvtier/kvtierd.log
 mkdir -p ./var/kvtier
