@@ -328,34 +328,12 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
   };
   auto op = std::make_shared<Op>();
   EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
-  BlockDevice* device = devices_[di].device;
-  rocksdb::DB* db = db_.get();
-  rocksdb::ColumnFamilyHandle* cf = blocks_cf_;
-  const std::string value = LocationValue(header, loc);
-  auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc, key = header.key,
-                 done = std::move(done)](Status st) mutable {
-    post([self, loc, key, st = std::move(st), done = std::move(done)]() mutable {
-      auto tier = self.lock();
-      if (!tier) return;
-      DiskTier& t = **tier;
-      Region& region = t.devices_[loc.device].regions[loc.region];
-      --region.inflight;
-      --t.inflight_;
-      if (!st.ok()) {
-        ++t.counters_.io_errors;
-        done(Err(std::move(st)));
-        return;
-      }
-      region.keys.push_back(key);
-      region.live_bytes += loc.record_bytes;
-      t.used_bytes_ += loc.record_bytes;
-      ++t.counters_.writes;
-      t.counters_.write_bytes += loc.record_bytes;
-      done(loc);
-    });
-  };
-  // After both writes: sync the device, then index the record (synced WAL).
-  auto written = [op, device, db, cf, key = header.key, value, finish](Result<uint64_t> w) mutable {
+  auto pending = std::make_shared<PendingAppend>(
+      PendingAppend{header.key, loc, LocationValue(header, loc), std::move(done)});
+  // Both writes done: on the owner thread, join the device's next group
+  // commit (or fail now).
+  auto written = [op, post = options_.post, self = std::weak_ptr<DiskTier*>(self_),
+                  pending](Result<uint64_t> w) mutable {
     if (!w) {
       MutexLock lock(&op->mu);
       if (op->status.ok()) op->status = w.error();
@@ -366,24 +344,74 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
       MutexLock lock(&op->mu);
       st = op->status;
     }
-    if (!st.ok()) {
-      finish(std::move(st));
-      return;
-    }
-    device->Sync([db, cf, key, value, finish](Result<uint64_t> synced) mutable {
-      if (!synced) {
-        finish(synced.error().WithContext("syncing a disk record"));
+    post([self, pending, st = std::move(st)]() mutable {
+      auto tier = self.lock();
+      if (!tier) return;
+      const uint32_t device = pending->location.device;
+      if (!st.ok()) {
+        (*tier)->FinishAppend(*pending, std::move(st));
         return;
       }
-      rocksdb::WriteOptions sync;
-      sync.sync = true;
-      const rocksdb::Status s = db->Put(sync, cf, KeySlice(key), value);
-      finish(s.ok() ? Status::Ok() : FromRocks(s, "indexing a disk record"));
+      (*tier)->devices_[pending->location.device].awaiting_sync.push_back(std::move(pending));
+      (*tier)->MaybeCommit(device);
     });
   };
+  BlockDevice* device = devices_[di].device;
   device->Write(loc.offset, std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes), written);
   device->Write(loc.offset + RecordHeader::kBytes,
                 std::span<const uint8_t>(payload, record_bytes - RecordHeader::kBytes), written);
+}
+
+void DiskTier::MaybeCommit(uint32_t device_index) {
+  Device& d = devices_[device_index];
+  if (d.commit_in_flight || d.awaiting_sync.empty()) return;
+  // One fdatasync and one synced index write for every record written since
+  // the last commit started: a group commit.
+  d.commit_in_flight = true;
+  auto batch = std::make_shared<std::vector<std::shared_ptr<PendingAppend>>>(std::move(d.awaiting_sync));
+  d.awaiting_sync.clear();
+  rocksdb::DB* db = db_.get();
+  rocksdb::ColumnFamilyHandle* cf = blocks_cf_;
+  d.device->Sync([db, cf, batch, device_index, post = options_.post,
+                  self = std::weak_ptr<DiskTier*>(self_)](Result<uint64_t> synced) mutable {
+    Status st = synced ? Status::Ok() : synced.error().WithContext("syncing disk records");
+    if (st.ok()) {
+      // On the I/O thread, so the event loop never waits for the WAL's fsync.
+      rocksdb::WriteBatch wb;
+      for (const auto& p : *batch) wb.Put(cf, KeySlice(p->key), p->value);
+      rocksdb::WriteOptions sync;
+      sync.sync = true;
+      const rocksdb::Status s = db->Write(sync, &wb);
+      if (!s.ok()) st = FromRocks(s, "indexing disk records");
+    }
+    post([self, batch, device_index, st = std::move(st)] {
+      auto tier = self.lock();
+      if (!tier) return;
+      DiskTier& t = **tier;
+      ++t.counters_.group_commits;
+      for (const auto& p : *batch) t.FinishAppend(*p, st);
+      t.devices_[device_index].commit_in_flight = false;
+      t.MaybeCommit(device_index);
+    });
+  });
+}
+
+void DiskTier::FinishAppend(PendingAppend& p, Status st) {
+  const DiskLocation& loc = p.location;
+  Region& region = devices_[loc.device].regions[loc.region];
+  --region.inflight;
+  --inflight_;
+  if (!st.ok()) {
+    ++counters_.io_errors;
+    p.done(Err(std::move(st)));
+    return;
+  }
+  region.keys.push_back(p.key);
+  region.live_bytes += loc.record_bytes;
+  used_bytes_ += loc.record_bytes;
+  ++counters_.writes;
+  counters_.write_bytes += loc.record_bytes;
+  p.done(loc);
 }
 
 void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payload_bytes, uint8_t* dst,

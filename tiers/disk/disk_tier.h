@@ -5,7 +5,9 @@
 //
 // Durability order (docs/disk-format.md):
 //   append:  header and payload written, device synced, THEN the index entry
-//            written (WriteBatch, WAL synced), THEN the block counts as stored;
+//            written (WriteBatch, WAL synced), THEN the block counts as stored.
+//            Records written while a commit runs share the next one: one
+//            fdatasync and one index batch for many records (group commit);
 //   reclaim: the index entries of a region deleted (synced) BEFORE the region
 //            is written again.
 // So after a crash the index names only records that were fully written; a
@@ -65,6 +67,7 @@ struct DiskCounters {
   uint64_t records_reclaimed = 0;
   uint64_t recovered_records = 0;
   uint64_t recovery_dropped = 0;   // index entries that could not be right
+  uint64_t group_commits = 0;      // fdatasync + index batches (writes / this = batching)
 };
 
 class DiskTier {
@@ -128,10 +131,19 @@ class DiskTier {
     uint32_t inflight = 0;       // reads and writes in flight
     std::vector<StoredKey> keys; // records appended (some may be forgotten)
   };
+  // A record written, waiting for its group commit (sync, then index).
+  struct PendingAppend {
+    StoredKey key;
+    DiskLocation location;
+    std::string value;  // its index entry
+    std::function<void(Result<DiskLocation>)> done;
+  };
   struct Device {
     BlockDevice* device = nullptr;
     std::vector<Region> regions;
     int32_t open_region = -1;
+    std::vector<std::shared_ptr<PendingAppend>> awaiting_sync = {};
+    bool commit_in_flight = false;
   };
 
   explicit DiskTier(Options options);
@@ -139,6 +151,9 @@ class DiskTier {
   // A region with room for `bytes` on some device; may reclaim one.
   Result<std::pair<uint32_t, uint32_t>> RegionFor(uint64_t bytes);
   bool Reclaim(uint32_t device, uint32_t region);
+  // Starts a group commit of the device's written records, unless one runs.
+  void MaybeCommit(uint32_t device);
+  void FinishAppend(PendingAppend& p, Status st);
   std::string LocationValue(const RecordHeader& h, const DiskLocation& l) const;
 
   Options options_;

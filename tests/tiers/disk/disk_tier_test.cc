@@ -50,7 +50,7 @@ class DiskTierTest : public ::testing::Test {
 
   // Opens the disk tier (on the faulty wrapper of the memory device) and a
   // cache over it, adopting what the index holds.
-  void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8) {
+  void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8, TierWatermarks host_marks = {.high = 0.9, .low = 0.5}) {
     BlockCache::Post post = [this](std::function<void()> f) {
       MutexLock lock(&mu_);
       posted_.push_back(std::move(f));
@@ -67,7 +67,7 @@ class DiskTierTest : public ::testing::Test {
                           .hbm_bytes = hbm_slots * stride,
                           .host_bytes = host_slots * stride,
                           .hbm_watermarks = {},
-                          .host_watermarks = {.high = 0.9, .low = 0.5},
+                          .host_watermarks = host_marks,
                           .prefix_aware = true,
                           .eviction_scan_limit = 1024,
                           .disk = disk_.get(),
@@ -197,6 +197,23 @@ TEST_F(DiskTierTest, RoundTripThroughAllThreeTiersIsByteExact) {
   EXPECT_EQ(c.disk_read_failures, 0u);
   EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
   EXPECT_EQ(cache_->leases(), 0u);
+}
+
+TEST_F(DiskTierTest, FlushWritesEveryHostBlockInGroupCommits) {
+  Open(/*hbm_slots=*/0, /*host_slots=*/16, TierWatermarks{.high = 1.0, .low = 1.0});
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, 0u);
+  EXPECT_EQ(cache_->FlushToDisk(), 12u);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(disk_->counters().writes, 12u);
+  EXPECT_LT(disk_->counters().group_commits, 12u) << "records written together share a sync";
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, 12u);
+  EXPECT_EQ(cache_->FlushToDisk(), 0u) << "nothing left to write";
+  Close();
+  Open();
+  EXPECT_EQ(adopted_, 12u);
+  for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
 }
 
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
