@@ -406,6 +406,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
       {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
       {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
+      {"disk_group_commits", disk_ ? disk_->counters().group_commits : 0},
       {"sessions_refused", sessions_refused_},
       {"messages_rejected", messages_rejected_},
   };

@@ -11,6 +11,7 @@
 // Without --socket it starts its own kvtierd (next to this binary) on a
 // temporary socket, and stops it afterwards.
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -59,7 +60,7 @@ void PrintMachine() {
 // A kvtierd of our own, when no --socket is given.
 class OwnDaemon {
  public:
-  explicit OwnDaemon(const std::string& host_bytes) {
+  explicit OwnDaemon(const std::string& host_bytes, std::vector<std::string> extra_sets = {}) {
     char tmpl[] = "/tmp/kvtier-bench-XXXXXX";
     dir_ = ::mkdtemp(tmpl);
     socket_ = dir_ + "/kvtierd.sock";
@@ -72,6 +73,10 @@ class OwnDaemon {
                                        "--set", "state_dir=" + dir_ + "/state", "--set", "tiers.disk.enabled=false",
                                        "--set", "metrics.enabled=false", "--set", "log.level=warn",
                                        "--set", "tiers.host.bytes=" + host_bytes};
+      for (const std::string& e : extra_sets) {
+        args.push_back("--set");
+        args.push_back(e);
+      }
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -88,6 +93,7 @@ class OwnDaemon {
     std::filesystem::remove_all(dir_);
   }
   const std::string& socket() const { return socket_; }
+  const std::string& dir() const { return dir_; }
 
  private:
   std::string dir_, socket_;
@@ -187,6 +193,205 @@ double RawRoundTripMicros(uint32_t reps) {
   return Median(us);
 }
 
+// A figure next to its baseline, for the table and --json.
+struct Comparison {
+  std::string name;
+  double kvtier = 0;
+  double baseline = 0;
+  std::string baseline_name;
+  std::string unit;
+  double ratio() const { return baseline > 0 ? kvtier / baseline : 0; }
+};
+
+void PrintComparisons(const std::vector<Comparison>& cs) {
+  std::printf("\n%-40s %12s %12s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio", "baseline is");
+  for (const Comparison& c : cs) {
+    std::printf("%-40s %8.0f %-3s %8.0f %-3s %7.2fx  %s\n", c.name.c_str(), c.kvtier, c.unit.c_str(), c.baseline,
+                c.unit.c_str(), c.ratio(), c.baseline_name.c_str());
+  }
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+bool WriteJson(const std::string& path, const std::vector<std::pair<std::string, std::string>>& config,
+               const std::vector<Comparison>& cs) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return false;
+  std::string cpu = "unknown";
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  utsname u{};
+  ::uname(&u);
+  std::fprintf(f, "{\"machine\": {\"cpu\": \"%s\", \"cpus\": %u, \"kernel\": \"%s\"},\n \"config\": {",
+               JsonEscape(cpu).c_str(), std::thread::hardware_concurrency(), u.release);
+  for (size_t i = 0; i < config.size(); ++i) {
+    std::fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", config[i].first.c_str(), JsonEscape(config[i].second).c_str());
+  }
+  std::fprintf(f, "},\n \"comparisons\": [");
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const Comparison& c = cs[i];
+    std::fprintf(f, "%s\n  {\"name\": \"%s\", \"kvtier\": %.3f, \"baseline\": %.3f, \"baseline_name\": \"%s\", "
+                 "\"unit\": \"%s\", \"ratio\": %.4f}",
+                 i ? "," : "", JsonEscape(c.name).c_str(), c.kvtier, c.baseline, JsonEscape(c.baseline_name).c_str(),
+                 c.unit.c_str(), c.ratio());
+  }
+  std::fprintf(f, "\n]}\n");
+  return std::fclose(f) == 0;
+}
+
+// fio's bandwidth for one job, in MB/s (1e6 bytes); 0 if fio fails.
+double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
+           uint32_t queue_depth) {
+  const std::string cmd = "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
+                          " --size=" + std::to_string(size_bytes) + " --bs=" + std::to_string(block_bytes) +
+                          " --iodepth=" + std::to_string(queue_depth) +
+                          " --ioengine=io_uring --direct=1 --numjobs=1 --output-format=json 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return 0;
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  ::pclose(p);
+  // "read": {... "bw_bytes" : N ...}, "write": {...}: the section of this job's direction.
+  const std::string section = rw == "write" ? "\"write\"" : "\"read\"";
+  const size_t at = out.find(section);
+  const size_t bw = at == std::string::npos ? std::string::npos : out.find("\"bw_bytes\"", at);
+  if (bw == std::string::npos) return 0;
+  return std::strtod(out.c_str() + out.find(':', bw) + 1, nullptr) / 1e6;
+}
+
+// One file per block, each fsynced before it counts as stored; read back
+// after dropping those files from the page cache. Returns MB/s.
+std::pair<double, double> FilePerBlock(const std::string& dir, uint32_t blocks, uint64_t block_bytes) {
+  std::filesystem::create_directories(dir);
+  std::vector<uint8_t> data(block_bytes, 0x5a);
+  const auto t0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const std::string path = dir + "/" + std::to_string(i) + ".blk";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || ::write(fd, data.data(), data.size()) != static_cast<ssize_t>(data.size()) || ::fsync(fd) != 0) {
+      if (fd >= 0) ::close(fd);
+      return {0, 0};
+    }
+    ::close(fd);
+  }
+  const double write_s = Seconds(Clock::now() - t0);
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const int fd = ::open((dir + "/" + std::to_string(i) + ".blk").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+      ::close(fd);
+    }
+  }
+  const auto r0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const int fd = ::open((dir + "/" + std::to_string(i) + ".blk").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::read(fd, data.data(), data.size()) != static_cast<ssize_t>(data.size())) {
+      if (fd >= 0) ::close(fd);
+      return {0, 0};
+    }
+    ::close(fd);
+  }
+  const double read_s = Seconds(Clock::now() - r0);
+  std::filesystem::remove_all(dir);
+  const double mb = static_cast<double>(blocks) * static_cast<double>(block_bytes) / 1e6;
+  return {mb / write_s, mb / read_s};
+}
+
+// Demotion (host -> disk) and promotion (disk -> host -> engine) of 2 MiB
+// blocks through a running kvtierd, next to fio and a file-per-block store
+// on the same file system with the same block size and queue depth.
+int Disk(kvtier::Client& client, uint32_t blocks, uint32_t queue_depth, const std::string& dir,
+         const std::string& json) {
+  const kvtier::Layout layout = Llama8BLayout();
+  const uint64_t block_bytes = layout.block_bytes();
+  const double mb = static_cast<double>(blocks) * static_cast<double>(block_bytes) / 1e6;
+  auto cache = kvtier::ShmKvCache::Create(layout, 64);
+  if (!cache) return 1;
+  const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
+  std::printf("config:   %u blocks of %.1f MiB (%.0f MB), queue depth %u, in %s\n", blocks,
+              static_cast<double>(block_bytes) / (1 << 20), mb, queue_depth, dir.c_str());
+
+  // Store everything into the host tier (no watermark demotion), then flush
+  // it to disk and time the writes.
+  std::vector<kvtier::BlockKey> keys;
+  for (uint32_t i = 0; i < blocks; i += 32) {
+    const uint32_t n = std::min(32u, blocks - i);
+    const std::vector<kvtier::BlockKey> k = client.ComputeKeys(id, Tokens(1000 + i, n * 16)).value();
+    for (uint32_t j = 0; j < n; ++j) kvtier::FillFromKey(k[j], cache->block(j));
+    auto r = client.Store(id, k, Iota(0, n));
+    if (!r || r->blocks != n) {
+      std::fprintf(stderr, "kvtier-bench: store failed\n");
+      return 1;
+    }
+    keys.insert(keys.end(), k.begin(), k.end());
+  }
+  const uint64_t before = client.Stats().value().Counter("disk_demotions");
+  const auto w0 = Clock::now();
+  auto flushed = client.Flush();
+  if (!flushed || *flushed != blocks) {
+    std::fprintf(stderr, "kvtier-bench: flush queued %lu of %u\n", flushed ? *flushed : 0, blocks);
+    return 1;
+  }
+  while (client.Stats().value().Counter("disk_demotions") < before + blocks) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  const double write_mbs = mb / Seconds(Clock::now() - w0);
+
+  // Every block is now on disk only: load them all, 32 at a time.
+  uint64_t mismatches = 0;
+  const auto r0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; i += 32) {
+    const uint32_t n = std::min(32u, blocks - i);
+    auto r = client.Load(id, std::span(keys).subspan(i, n), Iota(32, n));
+    if (!r || r->blocks != n) {
+      std::fprintf(stderr, "kvtier-bench: load returned %u of %u blocks\n", r ? r->blocks : 0, n);
+      return 1;
+    }
+    for (uint32_t j = 0; j < n; ++j) mismatches += !kvtier::MatchesKey(keys[i + j], cache->block(32 + j));
+  }
+  const double read_mbs = mb / Seconds(Clock::now() - r0);
+  const kvtier::DaemonStats st = client.Stats().value();
+
+  const std::string fio_file = dir + "/fio-baseline.dat";
+  const double fio_w = Fio(fio_file, "write", blocks * block_bytes, block_bytes, queue_depth);
+  const double fio_r = Fio(fio_file, "read", blocks * block_bytes, block_bytes, queue_depth);
+  std::filesystem::remove(fio_file);
+  const auto [fpb_w, fpb_r] = FilePerBlock(dir + "/file-per-block", blocks, block_bytes);
+
+  const std::vector<Comparison> cs = {
+      {"demotion write (host -> disk)", write_mbs, fio_w, "fio io_uring direct write", "MB/s"},
+      {"promotion read (disk -> engine)", read_mbs, fio_r, "fio io_uring direct read", "MB/s"},
+      {"durable write vs file per block", write_mbs, fpb_w, "file per block, fsync each", "MB/s"},
+      {"read vs file per block", read_mbs, fpb_r, "file per block, page cache dropped", "MB/s"},
+  };
+  PrintComparisons(cs);
+  std::printf("group commits: %lu for %u records; verified %lu of %u loaded blocks byte-exact\n",
+              st.Counter("disk_group_commits"), blocks, uint64_t{blocks} - mismatches, blocks);
+  if (fio_w == 0 || fio_r == 0) std::printf("(fio did not run: install Debian's fio package)\n");
+  if (!json.empty() &&
+      !WriteJson(json, {{"workload", "disk"}, {"blocks", std::to_string(blocks)},
+                        {"block_bytes", std::to_string(block_bytes)}, {"queue_depth", std::to_string(queue_depth)},
+                        {"dir", dir}},
+                 cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
+    return 1;
+  }
+  return mismatches == 0 ? 0 : 1;
+}
+
 int Lookup(kvtier::Client& client, uint32_t nkeys, uint32_t reps) {
   const kvtier::Layout layout = Llama8BLayout();
   auto cache = kvtier::ShmKvCache::Create(layout, nkeys);
@@ -228,6 +433,13 @@ int main(int argc, char** argv) {
   uint32_t blocks = 64, host_reps = 7;
   host->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   host->add_option("--reps", host_reps, "repetitions")->check(CLI::Range(1, 1000));
+  CLI::App* disk = app.add_subcommand("disk", "disk tier write/read vs fio and a file-per-block store");
+  uint32_t disk_blocks = 256, disk_qd = 32;
+  std::string disk_dir = "./var/kvtier-bench", json;
+  disk->add_option("--blocks", disk_blocks, "2 MiB blocks to write and read")->check(CLI::Range(32, 100000));
+  disk->add_option("--queue-depth", disk_qd, "io_uring queue depth (kvtier and fio)")->check(CLI::Range(1, 4096));
+  disk->add_option("--dir", disk_dir, "directory on the file system to measure (started daemon only)");
+  app.add_option("--json", json, "also write the comparisons as JSON to this file");
   CLI::App* lookup = app.add_subcommand("lookup", "128-key prompt lookup latency");
   uint32_t nkeys = 128, lookup_reps = 20000;
   lookup->add_option("--keys", nkeys, "keys per lookup")->check(CLI::Range(2, 16384));
@@ -237,8 +449,21 @@ int main(int argc, char** argv) {
   PrintMachine();
   std::unique_ptr<OwnDaemon> own;
   if (socket.empty()) {
-    const uint64_t host_bytes = std::max<uint64_t>(256ull << 20, uint64_t{blocks} * 4 * (2 << 20));
-    own = std::make_unique<OwnDaemon>(std::to_string(host_bytes));
+    if (disk->parsed()) {
+      std::filesystem::create_directories(disk_dir);
+      disk_dir = std::filesystem::absolute(disk_dir).string();
+      const uint64_t data = uint64_t{disk_blocks} * (2 << 20);
+      own = std::make_unique<OwnDaemon>(
+          std::to_string(data + (256ull << 20)),
+          std::vector<std::string>{
+              "tiers.disk.enabled=true", "tiers.disk.paths=[" + disk_dir + "/segments]",
+              "tiers.disk.bytes=" + std::to_string(data * 2), "tiers.disk.region_bytes=64MiB",
+              "tiers.disk.queue_depth=" + std::to_string(disk_qd), "policy.watermarks.host={high: 1.0, low: 0.99}",
+              "tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]"});
+    } else {
+      const uint64_t host_bytes = std::max<uint64_t>(256ull << 20, uint64_t{blocks} * 4 * (2 << 20));
+      own = std::make_unique<OwnDaemon>(std::to_string(host_bytes));
+    }
     socket = own->socket();
   }
   std::printf("daemon:   %s\n", own ? "started by kvtier-bench" : socket.c_str());
@@ -248,5 +473,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (host->parsed()) return Host(**client, blocks, host_reps);
+  if (disk->parsed()) return Disk(**client, disk_blocks, disk_qd, disk_dir, json);
   return Lookup(**client, nkeys, lookup_reps);
 }

@@ -10,8 +10,8 @@ PACKAGES=(
   # libraries (see ../shared/DESIGN.md, "Dependencies")
   liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
-  # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # tests and benchmarks (fio: kvtier-bench disk's baseline)
+  libgtest-dev libgmock-dev libbenchmark-dev fio
 )
 
 missing=()

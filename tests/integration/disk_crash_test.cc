@@ -16,10 +16,11 @@ namespace kvtier::testing {
 namespace {
 
 TEST(DiskCrashTest, SigkillDuringHeavyDemotionTwentyTimes) {
-  // 512 MiB of disk: more than 20 cycles write, so no region is reclaimed and
-  // every block that reached disk must still be there.
+  // 1 GiB of disk: more than the 20 cycles write (the writer stores at most
+  // 1024 blocks a cycle, 20 MiB with record headers), so no region is
+  // reclaimed and every block that reached disk must still be there.
   std::vector<std::string> sets = DiskSets("auto");
-  sets.push_back("tiers.disk.bytes=512MiB");
+  sets.push_back("tiers.disk.bytes=1GiB");
   Result<DaemonProcess> d = DaemonProcess::Start(sets);
   ASSERT_TRUE(d.has_value()) << d.error();
   std::vector<BlockKey> acked;      // acknowledged as stored
@@ -65,7 +66,7 @@ TEST(DiskCrashTest, SigkillDuringHeavyDemotionTwentyTimes) {
       if (!cache) return 1;
       auto id = (*c)->RegisterKvCache(*cache);
       if (!id) return 1;
-      for (uint64_t p = 0;; ++p) {
+      for (uint64_t p = 0; p < 64; ++p) {
         auto keys = (*c)->ComputeKeys(*id, Prompt(seed | p, 16));
         if (!keys) return 0;
         std::vector<uint32_t> ids(16);
@@ -75,6 +76,8 @@ TEST(DiskCrashTest, SigkillDuringHeavyDemotionTwentyTimes) {
         }
         if (!(*c)->Store(*id, *keys, ids)) return 0;  // the daemon is gone
       }
+      ::pause();  // done writing; wait to be killed
+      return 0;
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 150));
     d->Kill();

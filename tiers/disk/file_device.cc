@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace kvtier {
@@ -63,7 +65,16 @@ Result<std::unique_ptr<FileDevice>> FileDevice::Open(const Options& options) {
   // Two daemons appending to one segment would overwrite each other's
   // records: the lock (released with the descriptor, also on a crash) keeps
   // a second one out.
-  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+  // A daemon that was just killed can hold the lock a little longer: the
+  // kernel tears its io_uring down (and drops its file references)
+  // asynchronously. So wait a few seconds before calling it in use.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int locked = -1;
+  while ((locked = flock(fd.get(), LOCK_EX | LOCK_NB)) != 0 && errno == EWOULDBLOCK &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (locked != 0) {
     const int err = errno;
     if (err == EWOULDBLOCK) {
       return Err(Status(StatusCode::kFailedPrecondition,

@@ -282,7 +282,7 @@ TEST(FileDeviceLockTest, ASecondOpenOfTheSameSegmentIsRefused) {
                                     .engine = engine->get()};
   Result<std::unique_ptr<FileDevice>> first = FileDevice::Open(options);
   ASSERT_TRUE(first.has_value()) << first.error();
-  Result<std::unique_ptr<FileDevice>> second = FileDevice::Open(options);
+  Result<std::unique_ptr<FileDevice>> second = FileDevice::Open(options);  // waits, then gives up
   ASSERT_FALSE(second.has_value());
   EXPECT_EQ(second.error().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(second.error().message().find("in use by another kvtierd"), std::string::npos);
