@@ -696,7 +696,12 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
     if (t && e->tier != *t) return;
     victims.push_back(e->key);
   });
-  for (const StoredKey& key : victims) Drop(index_.Find(key));
+  for (const StoredKey& key : victims) {
+    BlockEntry* e = index_.Find(key);
+    // Evicting from host a block that is also on disk leaves it on disk.
+    if (t == Tier::kHost && BackToDisk(e)) continue;
+    Drop(e);
+  }
   return victims.size();
 }
 

@@ -171,7 +171,8 @@ class BlockCache {
   // were queued; 0 without a disk tier.
   uint64_t FlushToDisk();
 
-  // Drops unleased, settled blocks matching the filters (nullopt = any).
+  // Drops unleased, settled blocks matching the filters (nullopt = any). With
+  // tier = host, a block that also has its disk record stays on disk.
   uint64_t Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
                  std::optional<Tier> tier);
 
