@@ -117,9 +117,7 @@ Status Server::Setup() {
   if (c.policy.write_policy == WritePolicy::kWriteThrough) {
     spdlog::warn("policy.write_policy=write_through is not implemented yet; writing back on demotion");
   }
-  if (c.policy.disk_admission.write_budget_bytes_per_day) {
-    spdlog::warn("policy.disk_admission.write_budget_per_day is not enforced yet");
-  }
+
   if (c.metrics.enabled) {
     spdlog::warn("metrics.enabled, but this build has no metrics endpoint yet; use kvtierctl stats");
   }
@@ -135,7 +133,9 @@ Status Server::Setup() {
       .prefix_aware = c.policy.prefix_aware,
       .eviction_scan_limit = 1024,
       .disk = disk_.get(),
-      .disk_min_hits = c.policy.disk_admission.min_hits};
+      .disk_min_hits = c.policy.disk_admission.min_hits,
+      .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
+      .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {
     cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));

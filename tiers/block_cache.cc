@@ -37,6 +37,9 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
       cache->tiers_[t]->pool = std::make_unique<SlotPool>(a->data(), a->size_bytes(), extent);
     }
   }
+  if (!o.clock) cache->options_.clock = [] { return std::chrono::steady_clock::now(); };
+  cache->budget_tokens_ = static_cast<double>(o.disk_write_budget_bytes_per_day);
+  cache->budget_refilled_ = cache->options_.clock();
   cache->tier(Tier::kHbm)->marks = o.hbm_watermarks;
   cache->tier(Tier::kHost)->marks = o.host_watermarks;
   return cache;
@@ -105,6 +108,19 @@ TierUsage BlockCache::Usage(Tier t) const {
   }
   if (s == nullptr || !s->pool) return {};
   return TierUsage{s->pool->capacity_bytes(), s->used_bytes, s->blocks};
+}
+
+bool BlockCache::TakeWriteBudget(uint64_t bytes) {
+  const uint64_t per_day = options_.disk_write_budget_bytes_per_day;
+  if (per_day == 0) return true;
+  const auto now = options_.clock();
+  const double elapsed_s = std::chrono::duration<double>(now - budget_refilled_).count();
+  budget_refilled_ = now;
+  budget_tokens_ = std::min(static_cast<double>(per_day),
+                            budget_tokens_ + elapsed_s * static_cast<double>(per_day) / 86400.0);
+  if (budget_tokens_ < static_cast<double>(bytes)) return false;
+  budget_tokens_ -= static_cast<double>(bytes);
+  return true;
 }
 
 bool BlockCache::AboveHigh(Tier t) const {
@@ -662,11 +678,16 @@ void BlockCache::MaybeDemote() {
       BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
       if (v == nullptr) break;
       if (BackToDisk(v)) continue;
-      if (options_.disk != nullptr && v->has_checksum && v->hits >= options_.disk_min_hits &&
-          QuotaAllows(v->owner, Tier::kDisk, v->block_bytes)) {
+      const bool admitted = options_.disk != nullptr && v->has_checksum && v->hits >= options_.disk_min_hits &&
+                            QuotaAllows(v->owner, Tier::kDisk, v->block_bytes);
+      if (admitted && TakeWriteBudget(RecordBytes(v->block_bytes))) {
         StartDiskWrite(v);
       } else {
-        if (options_.disk != nullptr) ++counters_.disk_not_admitted;
+        if (admitted) {
+          ++counters_.disk_over_budget;
+        } else if (options_.disk != nullptr) {
+          ++counters_.disk_not_admitted;
+        }
         Drop(v);
       }
     }

@@ -20,6 +20,7 @@
 // the owner thread. Thread-compatible.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -85,6 +86,7 @@ struct CacheCounters {
   uint64_t disk_write_failures = 0;
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
+  uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
   uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t bytes_engine_to_cache = 0;
@@ -119,8 +121,14 @@ class BlockCache {
     // The disk tier (borrowed; must outlive the cache), or null. With it,
     // blocks leaving the host tier are written there instead of dropped.
     DiskTier* disk = nullptr;
-    // Disk admission: a block is written to disk only after this many hits.
+    // Disk admission: a block is written to disk only after this many hits,
+    // and only while the write budget (bytes per day, 0 = unlimited) has
+    // room: a token bucket that holds a day's budget and refills evenly, so
+    // KV offload cannot wear the flash out faster than the operator allows.
     uint32_t disk_min_hits = 0;
+    uint64_t disk_write_budget_bytes_per_day = 0;
+    // The clock the budget uses (the seam tests drive); steady_clock if unset.
+    std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
 
   static Result<std::unique_ptr<BlockCache>> Create(Options options);
@@ -233,6 +241,8 @@ class BlockCache {
   void Unlease(BlockEntry* e);
   void FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyResult result);
   bool AboveHigh(Tier t) const;
+  // Takes `bytes` from the disk write budget; false when it is spent.
+  bool TakeWriteBudget(uint64_t bytes);
   bool AboveLow(Tier t) const;
 
   Options options_;
@@ -248,6 +258,8 @@ class BlockCache {
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
   uint64_t inflight_copies_ = 0;
+  double budget_tokens_ = 0;  // bytes that may be written now
+  std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;
   // Lets completions that arrive after destruction (none should: the daemon
   // drains first) see that the cache is gone.

@@ -50,7 +50,8 @@ class DiskTierTest : public ::testing::Test {
 
   // Opens the disk tier (on the faulty wrapper of the memory device) and a
   // cache over it, adopting what the index holds.
-  void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8, TierWatermarks host_marks = {.high = 0.9, .low = 0.5}) {
+  void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8, TierWatermarks host_marks = {.high = 0.9, .low = 0.5},
+            uint64_t budget_per_day = 0) {
     BlockCache::Post post = [this](std::function<void()> f) {
       MutexLock lock(&mu_);
       posted_.push_back(std::move(f));
@@ -71,7 +72,9 @@ class DiskTierTest : public ::testing::Test {
                           .prefix_aware = true,
                           .eviction_scan_limit = 1024,
                           .disk = disk_.get(),
-                          .disk_min_hits = 0};
+                          .disk_min_hits = 0,
+                          .disk_write_budget_bytes_per_day = budget_per_day,
+                          .clock = [this] { return now_; }};
     cache_ = BlockCache::Create(std::move(o)).value();
     cache_->SetTenantName(kTenant, "t0");
     adopted_ = cache_->AdoptDiskRecords(disk_->TakeRecovered());
@@ -177,6 +180,7 @@ class DiskTierTest : public ::testing::Test {
   std::unique_ptr<BlockCache> cache_;
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
   uint64_t adopted_ = 0;
+  std::chrono::steady_clock::time_point now_{};  // the manual clock
   Mutex mu_;
   CondVar cv_;
   std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
@@ -214,6 +218,24 @@ TEST_F(DiskTierTest, FlushWritesEveryHostBlockInGroupCommits) {
   Open();
   EXPECT_EQ(adopted_, 12u);
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
+}
+
+TEST_F(DiskTierTest, WriteBudgetLimitsDemotionsPerDay) {
+  // A budget of three records a day.
+  Open(0, 8, {.high = 0.9, .low = 0.5}, 3 * RecordBytes(engine_->block_bytes()));
+  std::vector<StoredKey> keys = NewKeys(20);
+  StoreAll(keys);
+  EXPECT_EQ(cache_->counters().disk_demotions, 3u);
+  EXPECT_GT(cache_->counters().disk_over_budget, 0u);
+  EXPECT_EQ(disk_->counters().writes, 3u);
+  // Twelve hours later half a day's budget is back.
+  now_ += std::chrono::hours(12);
+  const std::vector<StoredKey> more = NewKeys(10);
+  StoreAll(more);
+  EXPECT_EQ(cache_->counters().disk_demotions, 4u);  // 1.5 records' worth: one more
+  now_ += std::chrono::hours(48);                    // the bucket holds one day at most
+  StoreAll(NewKeys(20));
+  EXPECT_EQ(cache_->counters().disk_demotions, 4u + 3u);
 }
 
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
