@@ -65,6 +65,9 @@ Status Server::SetupDisk() {
                                                        .threads = d.io_threads,
                                                        .queue_depth = d.queue_depth}));
   spdlog::info("disk I/O: {} ({} thread(s), queue depth {})", io_engine_->name(), d.io_threads, d.queue_depth);
+  if (d.io_engine == IoEngineKind::kAuto && std::string_view(io_engine_->name()) != "io_uring") {
+    spdlog::warn("disk I/O: io_uring is not available here (kernel or seccomp); using the thread pool");
+  }
   std::vector<BlockDevice*> devices;
   for (const std::string& path : d.paths) {
     std::error_code ec;

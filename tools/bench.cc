@@ -31,6 +31,7 @@
 #include "common/block_pattern.h"
 #include "ipc/seqpacket.h"
 #include "kvtier/client.h"
+#include "tiers/disk/record.h"
 
 namespace {
 
@@ -65,38 +66,58 @@ class OwnDaemon {
     dir_ = ::mkdtemp(tmpl);
     socket_ = dir_ + "/kvtierd.sock";
     const std::string exe = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "kvtierd";
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      const std::string log = dir_ + "/kvtierd.log";
-      std::freopen(log.c_str(), "w", stderr);
-      std::vector<std::string> args = {exe, "--foreground", "--set", "socket.path=" + socket_,
-                                       "--set", "state_dir=" + dir_ + "/state", "--set", "tiers.disk.enabled=false",
-                                       "--set", "metrics.enabled=false", "--set", "log.level=warn",
-                                       "--set", "tiers.host.bytes=" + host_bytes};
-      for (const std::string& e : extra_sets) {
-        args.push_back("--set");
-        args.push_back(e);
-      }
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
+    args_ = {exe, "--foreground", "--set", "socket.path=" + socket_,
+             "--set", "state_dir=" + dir_ + "/state", "--set", "tiers.disk.enabled=false",
+             "--set", "metrics.enabled=false", "--set", "log.level=warn",
+             "--set", "tiers.host.bytes=" + host_bytes};
+    for (const std::string& e : extra_sets) {
+      args_.push_back("--set");
+      args_.push_back(e);
     }
+    Spawn();
     for (int i = 0; i < 2000 && !kvtier::ipc::Connect(socket_); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
   ~OwnDaemon() {
-    ::kill(pid_, SIGTERM);
-    ::waitpid(pid_, nullptr, 0);
-    std::filesystem::remove_all(dir_);
+    Stop();
+    if (::getenv("KVTIER_KEEP_TEST_DIRS") == nullptr) std::filesystem::remove_all(dir_);
   }
   const std::string& socket() const { return socket_; }
   const std::string& dir() const { return dir_; }
+  pid_t pid() const { return pid_; }
+
+  void Stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  // Starts it again (after Stop) with the same arguments; returns at once.
+  void Spawn() {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string log = dir_ + "/kvtierd.log";
+      std::freopen(log.c_str(), "a", stderr);
+      std::vector<char*> argv;
+      for (auto& a : args_) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+  }
+  // Resident memory of the daemon, from /proc.
+  uint64_t RssBytes() const {
+    std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
+  }
 
  private:
   std::string dir_, socket_;
+  std::vector<std::string> args_;
   pid_t pid_ = -1;
 };
 
@@ -418,6 +439,109 @@ int Disk(kvtier::Client& client, uint32_t blocks, uint32_t queue_depth, const st
   return mismatches == 0 ? 0 : 1;
 }
 
+// Warm restart: index `blocks` small (4 KiB) blocks on disk, restart the
+// daemon, and time from its start to the first hit served; and the daemon's
+// memory per indexed block, next to the same daemon with an empty index.
+int Restart(uint32_t blocks, const std::string& dir, const std::string& json) {
+  const kvtier::Layout layout = kvtier::Layout::Create({.model_id = "kvtier/bench-4k", .num_layers = 1,
+                                                        .kv_kind = kvtier::KvKind::kSeparateKv, .num_kv_heads = 1,
+                                                        .head_dim = 64, .dtype = kvtier::DType::kBf16,
+                                                        .block_tokens = 16, .tp_rank = 0, .tp_size = 1,
+                                                        .scale_bytes_per_layer = 0})
+                                    .value();
+  const uint64_t disk_bytes = (uint64_t{blocks} * kvtier::RecordBytes(layout.block_bytes()) * 11 / 10 / (64 << 20) + 2) * (64 << 20);
+  const std::vector<std::string> sets = {
+      "tiers.disk.enabled=true", "tiers.disk.paths=[" + dir + "/segments]",
+      "tiers.disk.bytes=" + std::to_string(disk_bytes), "tiers.disk.region_bytes=64MiB",
+      std::string("tiers.disk.io_engine=") + (getenv("KVTIER_BENCH_ENGINE") ? getenv("KVTIER_BENCH_ENGINE") : "auto"),
+      "tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]"};
+  std::printf("config:   %u blocks of %lu bytes indexed on disk (%.1f GiB of segments) in %s\n", blocks,
+              layout.block_bytes(), static_cast<double>(disk_bytes) / (1 << 30), dir.c_str());
+  // The baseline: the same daemon with nothing indexed.
+  uint64_t empty_rss = 0;
+  {
+    OwnDaemon empty("64MiB", sets);
+    auto c = kvtier::Client::Connect({.socket_path = empty.socket(), .client_name = "kvtier-bench"});
+    if (!c) return 1;
+    empty_rss = empty.RssBytes();
+  }
+  std::filesystem::remove_all(dir + "/segments");
+  OwnDaemon d("64MiB", sets);
+  auto c = kvtier::Client::Connect({.socket_path = d.socket(), .client_name = "kvtier-bench",
+                                    .reconnect_interval = std::chrono::milliseconds(1)});
+  if (!c) return 1;
+  constexpr uint32_t kBatch = 4096;
+  auto cache = kvtier::ShmKvCache::Create(layout, kBatch + 1);
+  if (!cache) return 1;
+  const kvtier::CacheId id = (*c)->RegisterKvCache(*cache).value();
+  kvtier::BlockKey probe;
+  const auto s0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; i += kBatch) {
+    const uint32_t n = std::min(kBatch, blocks - i);
+    const std::vector<kvtier::BlockKey> keys = (*c)->ComputeKeys(id, Tokens(uint64_t{i} + 1, n * 16)).value();
+    for (uint32_t j = 0; j < n; ++j) kvtier::FillFromKey(keys[j], cache->block(j));
+    auto r = (*c)->Store(id, keys, Iota(0, n));
+    if (!r) {
+      std::fprintf(stderr, "kvtier-bench: store: %s\n", r.error().ToString().c_str());
+      return 1;
+    }
+    // At the disk's pace: the next batch only once this one is on disk.
+    (void)(*c)->Flush();
+    while (true) {
+      auto st = (*c)->Stats();
+      if (!st) return 1;
+      if (st->tiers.at(1).blocks == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    probe = keys.back();
+    if ((i / kBatch) % 32 == 0) {
+      std::printf("  %u of %u blocks on disk (%.0f s)\n", i + n, blocks, Seconds(Clock::now() - s0));
+      std::fflush(stdout);
+    }
+  }
+  // Wait until the index holds every block (flushes keep running).
+  for (uint64_t on_disk = 0;;) {
+    (void)(*c)->Flush();
+    auto st = (*c)->Stats();
+    if (!st) return 1;
+    on_disk = st->tiers.size() > 2 ? st->tiers[2].blocks : 0;
+    if (on_disk + st->Counter("evictions_host") >= blocks && st->tiers[1].blocks == 0) break;
+    if (Seconds(Clock::now() - s0) > 3600) return 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const uint64_t indexed = (*c)->Stats().value().tiers[2].blocks;
+  std::printf("  %lu blocks indexed in %.1f s\n", indexed, Seconds(Clock::now() - s0));
+
+  d.Stop();
+  const auto t0 = Clock::now();
+  d.Spawn();
+  double first_hit_s = 0;
+  while (true) {
+    auto r = (*c)->Load(id, std::span(&probe, 1), std::vector<uint32_t>{kBatch});
+    if (r && r->blocks == 1) {
+      first_hit_s = Seconds(Clock::now() - t0);
+      break;
+    }
+    if (Seconds(Clock::now() - t0) > 600) return 1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool exact = kvtier::MatchesKey(probe, cache->block(kBatch));
+  const uint64_t warm_rss = d.RssBytes();
+  const double per_block = indexed ? static_cast<double>(warm_rss - std::min(warm_rss, empty_rss)) / indexed : 0;
+  std::printf("\nwarm restart with %lu indexed blocks: first hit served %.2f s after start (%s)\n", indexed,
+              first_hit_s, exact ? "byte-exact" : "WRONG BYTES");
+  std::printf("daemon memory: %.1f MiB warm, %.1f MiB with an empty index: %.0f bytes per indexed block "
+              "(goal: 64)\n",
+              static_cast<double>(warm_rss) / (1 << 20), static_cast<double>(empty_rss) / (1 << 20), per_block);
+  if (!json.empty()) {
+    const std::vector<Comparison> cs = {
+        {"memory per indexed block", per_block, 64, "goal", "B"},
+        {"first hit after restart", first_hit_s * 1000, 0, "(no baseline)", "ms"}};
+    if (!WriteJson(json, {{"workload", "restart"}, {"blocks", std::to_string(indexed)}}, cs)) return 1;
+  }
+  return exact ? 0 : 1;
+}
+
 int Lookup(kvtier::Client& client, uint32_t nkeys, uint32_t reps) {
   const kvtier::Layout layout = Llama8BLayout();
   auto cache = kvtier::ShmKvCache::Create(layout, nkeys);
@@ -466,6 +590,11 @@ int main(int argc, char** argv) {
   disk->add_option("--queue-depth", disk_qd, "io_uring queue depth (kvtier and fio)")->check(CLI::Range(1, 4096));
   disk->add_option("--dir", disk_dir, "directory on the file system to measure (started daemon only)");
   app.add_option("--json", json, "also write the comparisons as JSON to this file");
+  CLI::App* restart = app.add_subcommand("restart", "warm restart time and memory per indexed block");
+  uint32_t restart_blocks = 1000000;
+  std::string restart_dir = "./var/kvtier-bench-restart";
+  restart->add_option("--blocks", restart_blocks, "4 KiB blocks to index")->check(CLI::Range(1000, 100000000));
+  restart->add_option("--dir", restart_dir, "directory for the segments");
   CLI::App* lookup = app.add_subcommand("lookup", "128-key prompt lookup latency");
   uint32_t nkeys = 128, lookup_reps = 20000;
   lookup->add_option("--keys", nkeys, "keys per lookup")->check(CLI::Range(2, 16384));
@@ -473,6 +602,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   PrintMachine();
+  if (restart->parsed()) {
+    std::filesystem::create_directories(restart_dir);
+    return Restart(restart_blocks, std::filesystem::absolute(restart_dir).string(), json);
+  }
   std::unique_ptr<OwnDaemon> own;
   if (socket.empty()) {
     if (disk->parsed()) {
