@@ -221,7 +221,12 @@ struct Comparison {
   double baseline = 0;
   std::string baseline_name;
   std::string unit;
-  double ratio() const { return baseline > 0 ? kvtier / baseline : 0; }
+  bool lower_is_better = false;  // bytes, latency
+  // kvtier / baseline, oriented so that higher is better for kvtier.
+  double ratio() const {
+    if (baseline <= 0 || kvtier <= 0) return 0;
+    return lower_is_better ? baseline / kvtier : kvtier / baseline;
+  }
 };
 
 void PrintComparisons(const std::vector<Comparison>& cs) {
@@ -535,8 +540,8 @@ int Restart(uint32_t blocks, const std::string& dir, const std::string& json) {
               static_cast<double>(warm_rss) / (1 << 20), static_cast<double>(empty_rss) / (1 << 20), per_block);
   if (!json.empty()) {
     const std::vector<Comparison> cs = {
-        {"memory per indexed block", per_block, 64, "goal", "B"},
-        {"first hit after restart", first_hit_s * 1000, 0, "(no baseline)", "ms"}};
+        {"memory per indexed block", per_block, 64, "goal", "B", /*lower_is_better=*/true},
+        {"first hit after restart", first_hit_s * 1000, 0, "(no baseline)", "ms", /*lower_is_better=*/true}};
     if (!WriteJson(json, {{"workload", "restart"}, {"blocks", std::to_string(indexed)}}, cs)) return 1;
   }
   return exact ? 0 : 1;
