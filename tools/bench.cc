@@ -44,15 +44,16 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-void PrintMachine() {
-  std::string cpu = "unknown";
+std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
   for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) {
-      cpu = line.substr(line.find(':') + 2);
-      break;
-    }
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   }
+  return "unknown";
+}
+
+void PrintMachine() {
+  const std::string cpu = CpuModel();
   utsname u{};
   ::uname(&u);
   std::printf("machine:  %s, %u cpus, Linux %s\n", cpu.c_str(), std::thread::hardware_concurrency(), u.release);
@@ -250,14 +251,7 @@ bool WriteJson(const std::string& path, const std::vector<std::pair<std::string,
                const std::vector<Comparison>& cs) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) return false;
-  std::string cpu = "unknown";
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) {
-      cpu = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
+  const std::string cpu = CpuModel();
   utsname u{};
   ::uname(&u);
   std::fprintf(f, "{\"machine\": {\"cpu\": \"%s\", \"cpus\": %u, \"kernel\": \"%s\"},\n \"config\": {",

@@ -88,6 +88,28 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   return true;
 }
 
+// A record's I/O is two requests (header page and payload); the last one to
+// finish carries on with the first error, if any. Thread-safe.
+struct TwoPartIo {
+  AlignedPage page = NewPage();  // the header's 4 KiB
+  std::atomic<int> pending{2};   // acq_rel: the last arrival sees both parts' effects
+  Mutex mu;
+  Status status KVTIER_GUARDED_BY(mu);
+
+  // Records one part's result; returns true (and the combined status) for
+  // the second, false for the first.
+  bool Arrive(const Result<uint64_t>& part, Status* combined) {
+    if (!part) {
+      MutexLock lock(&mu);
+      if (status.ok()) status = part.error();
+    }
+    if (pending.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
+    MutexLock lock(&mu);
+    *combined = status;
+    return true;
+  }
+};
+
 std::string RegionKey(uint32_t device, uint32_t region) {
   std::string k;
   // Big-endian, so that the regions sort by device, then region.
@@ -320,13 +342,7 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
   ++r.inflight;
   ++inflight_;
 
-  struct Op {
-    AlignedPage page = NewPage();
-    std::atomic<int> pending{2};
-    Mutex mu;
-    Status status KVTIER_GUARDED_BY(mu);
-  };
-  auto op = std::make_shared<Op>();
+  auto op = std::make_shared<TwoPartIo>();
   EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
   auto pending = std::make_shared<PendingAppend>(
       PendingAppend{header.key, loc, LocationValue(header, loc), std::move(done)});
@@ -334,16 +350,8 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
   // commit (or fail now).
   auto written = [op, post = options_.post, self = std::weak_ptr<DiskTier*>(self_),
                   pending](Result<uint64_t> w) mutable {
-    if (!w) {
-      MutexLock lock(&op->mu);
-      if (op->status.ok()) op->status = w.error();
-    }
-    if (op->pending.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     Status st;
-    {
-      MutexLock lock(&op->mu);
-      st = op->status;
-    }
+    if (!op->Arrive(w, &st)) return;
     post([self, pending, st = std::move(st)]() mutable {
       auto tier = self.lock();
       if (!tier) return;
@@ -419,13 +427,7 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   KVTIER_CHECK(loc.device < devices_.size() && loc.region < devices_[loc.device].regions.size());
   ++devices_[loc.device].regions[loc.region].inflight;
   ++inflight_;
-  struct Op {
-    AlignedPage page = NewPage();
-    std::atomic<int> pending{2};
-    Mutex mu;
-    Status status KVTIER_GUARDED_BY(mu);
-  };
-  auto op = std::make_shared<Op>();
+  auto op = std::make_shared<TwoPartIo>();
   auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc,
                  done = std::move(done)](Status st) mutable {
     post([self, loc, st = std::move(st), done = std::move(done)]() mutable {
@@ -448,16 +450,8 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
     });
   };
   auto read = [op, key, payload_bytes, dst, finish](Result<uint64_t> got) mutable {
-    if (!got) {
-      MutexLock lock(&op->mu);
-      if (op->status.ok()) op->status = got.error();
-    }
-    if (op->pending.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     Status st;
-    {
-      MutexLock lock(&op->mu);
-      st = op->status;
-    }
+    if (!op->Arrive(got, &st)) return;
     if (st.ok()) {
       // Checked here, on the I/O thread, while the bytes are fresh.
       Result<RecordHeader> h = DecodeRecordHeader(std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes));
