@@ -401,6 +401,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       {"disk_write_failures", c.disk_write_failures},
       {"disk_not_admitted", c.disk_not_admitted},
       {"disk_over_budget", c.disk_over_budget},
+      {"disk_reinsertions", c.disk_reinsertions},
       {"bytes_host_to_disk", c.bytes_host_to_disk},
       {"bytes_disk_to_host", c.bytes_disk_to_host},
       {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},

@@ -455,6 +455,10 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   return adopted;
 }
 
+// Blocks with at least this many hits are reinserted when their disk region
+// is reclaimed, instead of dropped.
+constexpr uint16_t kHotHits = 2;
+
 bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
   // The disk tier asks only about keys whose current record is in the region.
   BlockEntry* e = index_.Find(key);
@@ -466,6 +470,14 @@ bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
     return true;
   }
   if (e->leases > 0 || e->moving) return false;
+  if (!commit && e->hits >= kHotHits) {
+    // A hot block is not lost with its region: read it up to host (its
+    // region waits for that read; a colder host block makes room), from
+    // where it is written to a new region when host lets it go.
+    ++counters_.disk_reinsertions;
+    PromoteFromDisk(e, nullptr);
+    return false;
+  }
   if (commit) {
     ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
     Charge(e, -1);

@@ -87,6 +87,7 @@ struct CacheCounters {
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
   uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
+  uint64_t disk_reinsertions = 0;    // hot blocks read up to host before their region was reclaimed
   uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t bytes_engine_to_cache = 0;

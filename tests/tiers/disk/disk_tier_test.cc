@@ -238,6 +238,27 @@ TEST_F(DiskTierTest, WriteBudgetLimitsDemotionsPerDay) {
   EXPECT_EQ(cache_->counters().disk_demotions, 4u + 3u);
 }
 
+TEST_F(DiskTierTest, HotBlocksSurviveTheReclaimOfTheirRegion) {
+  Open();
+  // Five blocks reach disk first (the oldest region), and are read often.
+  const std::vector<StoredKey> hot = NewKeys(5);
+  StoreAll(hot);
+  ASSERT_TRUE(cache_->FlushToDisk() > 0 || cache_->Usage(Tier::kDisk).blocks > 0);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  for (int round = 0; round < 3; ++round) {
+    for (const StoredKey& k : hot) ASSERT_TRUE(LoadExact(k));
+  }
+  // Enough cold blocks to reclaim every region at least once.
+  const std::vector<StoredKey> cold = NewKeys(150);
+  StoreAll(cold);
+  EXPECT_GT(disk_->counters().regions_reclaimed, 0u);
+  EXPECT_GT(cache_->counters().disk_reinsertions, 0u);
+  for (const StoredKey& k : hot) EXPECT_TRUE(LoadExact(k)) << "a hot block was lost to a reclaim";
+  size_t cold_hits = 0;
+  for (size_t i = 0; i < 20; ++i) cold_hits += LoadExact(cold[i]);
+  EXPECT_LT(cold_hits, 20u) << "the oldest cold blocks went with their regions";
+}
+
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(12);
