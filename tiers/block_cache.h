@@ -201,7 +201,13 @@ class BlockCache {
   const CacheCounters& counters() const { return counters_; }
 
  private:
-  struct TierState;
+  struct TierState {
+    std::unique_ptr<SlotPool> pool;  // null: tier disabled (and always for disk)
+    TierWatermarks marks;
+    uint64_t blocks = 0;
+    uint64_t used_bytes = 0;         // block bytes of committed and filling entries
+    uint64_t moving_out_bytes = 0;   // slot bytes of moves out of this tier in flight
+  };
 
   explicit BlockCache(Options options);
 
