@@ -117,9 +117,7 @@ Status Server::Setup() {
   }
   spdlog::info("device backend: {}", backend_->name());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
-  if (c.policy.write_policy == WritePolicy::kWriteThrough) {
-    spdlog::warn("policy.write_policy=write_through is not implemented yet; writing back on demotion");
-  }
+
 
   if (c.metrics.enabled) {
     spdlog::warn("metrics.enabled, but this build has no metrics endpoint yet; use kvtierctl stats");
@@ -138,6 +136,7 @@ Status Server::Setup() {
       .disk = disk_.get(),
       .disk_min_hits = c.policy.disk_admission.min_hits,
       .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
+      .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {
@@ -224,8 +223,11 @@ Status Server::Run() {
   while (true) {
     if (stop_requested_.load(std::memory_order_relaxed) && !stopping_) {
       stopping_ = true;
-      spdlog::info("stopping: closing {} session(s), waiting for {} copies", sessions_.size(),
-                   cache_->inflight_copies());
+      // Host blocks not on disk yet are written now, so that a clean restart
+      // finds them warm (the loop below waits for those writes).
+      const uint64_t flushing = disk_ ? cache_->FlushToDisk() : 0;
+      spdlog::info("stopping: closing {} session(s), waiting for {} copies; writing {} host block(s) to disk",
+                   sessions_.size(), cache_->inflight_copies(), flushing);
       ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
       listen_.Reset();
       ::unlink(options_.config.socket.path.c_str());

@@ -389,6 +389,9 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         e->state = EntryState::kReady;
         e->checksum = result.checksums[i];
         e->has_checksum = true;
+        if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost && !e->moving) {
+          StartDiskWrite(e, /*keep_in_memory=*/true);
+        }
       } else {
         Drop(e);
       }

@@ -128,6 +128,10 @@ class BlockCache {
     // KV offload cannot wear the flash out faster than the operator allows.
     uint32_t disk_min_hits = 0;
     uint64_t disk_write_budget_bytes_per_day = 0;
+    // Write-through: every block stored into the host tier is also written to
+    // disk at once (kept in memory, clean), so a restart finds it warm.
+    // Admission and the budget do not apply to these writes.
+    bool disk_write_through = false;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
@@ -232,8 +236,10 @@ class BlockCache {
   // Moves `e` to `dst` in tier `to` in the background.
   void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
   // host -> disk (write-back) and disk -> host (before a load, or prefetch).
-  void StartDiskWrite(BlockEntry* e);
-  void FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<DiskLocation> where);
+  // keep_in_memory: write-through, the block stays where it is and becomes
+  // clean; otherwise it moves to the disk tier.
+  void StartDiskWrite(BlockEntry* e, bool keep_in_memory = false);
+  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, Result<DiskLocation> where);
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);

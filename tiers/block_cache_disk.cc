@@ -75,9 +75,10 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
   MaybeDemote();
 }
 
-void BlockCache::StartDiskWrite(BlockEntry* e) {
+void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory) {
   e->moving = true;
-  const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
+  // A write-through copy leaves nothing in host: no space is on its way out.
+  const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(e->block_bytes);
   tier(Tier::kHost)->moving_out_bytes += stride;
   ++inflight_copies_;
   RecordHeader h;
@@ -86,12 +87,14 @@ void BlockCache::StartDiskWrite(BlockEntry* e) {
   h.payload_bytes = e->block_bytes;
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
-  options_.disk->Append(std::move(h), e->slot, [this, key = e->key, stride](Result<DiskLocation> where) {
-    FinishDiskWrite(key, stride, std::move(where));
-  });
+  options_.disk->Append(std::move(h), e->slot,
+                        [this, key = e->key, stride, keep_in_memory](Result<DiskLocation> where) {
+                          FinishDiskWrite(key, stride, keep_in_memory, std::move(where));
+                        });
 }
 
-void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<DiskLocation> where) {
+void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
+                                 Result<DiskLocation> where) {
   --inflight_copies_;
   tier(Tier::kHost)->moving_out_bytes -= stride;
   BlockEntry* e = index_.Find(key);
@@ -99,6 +102,14 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<D
   e->moving = false;
   if (!where) {
     ++counters_.disk_write_failures;  // it stays in host; the next pass may drop it
+    MaybeDemote();
+    return;
+  }
+  ++counters_.disk_demotions;
+  counters_.bytes_host_to_disk += e->block_bytes;
+  if (keep_in_memory) {  // write-through: now clean, still served from memory
+    e->disk = *where;
+    e->on_disk = true;
     MaybeDemote();
     return;
   }
@@ -116,8 +127,6 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, Result<D
   } else {
     tier(Tier::kHost)->pool->Free(old, e->block_bytes);
   }
-  ++counters_.disk_demotions;
-  counters_.bytes_host_to_disk += e->block_bytes;
   MaybeDemote();
 }
 

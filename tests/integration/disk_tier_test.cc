@@ -4,6 +4,7 @@
 //     with the thread-pool I/O path;
 // (The crash test is disk_crash_test.cc.)
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <random>
@@ -83,6 +84,26 @@ TEST_P(DiskRoundTripTest, BurstFasterThanTheDiskDropsColdBlocksButNeverServesWro
   EXPECT_GT(st.Counter("disk_demotions"), 0u);
   EXPECT_GT(exact, 0);
   EXPECT_EQ(st.Counter("disk_checksum_failures"), 0u);
+}
+
+TEST(DiskRestartTest, CleanShutdownWritesHostBlocksAndTheRestartIsWarm) {
+  std::vector<std::string> sets = DiskSets("auto", "64MiB");  // everything fits in host
+  Result<DaemonProcess> d = DaemonProcess::Start(sets);
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::vector<BlockKey> keys;
+  {
+    DiskSession s = Open(*d);
+    ASSERT_NE(s.client, nullptr);
+    keys = s.client->ComputeKeys(s.id, Prompt(77, 48)).value();
+    ASSERT_EQ(StoreAck(s, keys).size(), keys.size());
+    EXPECT_EQ(s.client->Stats().value().Counter("disk_demotions"), 0u) << "nothing was written yet";
+  }
+  const int status = d->Stop();  // SIGTERM
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
+  ASSERT_TRUE(d->Restart().ok()) << d->Log();
+  DiskSession s = Open(*d);
+  ASSERT_NE(s.client, nullptr);
+  for (const BlockKey& k : keys) ASSERT_EQ(LoadOne(s, k), 1) << "a block stored before a clean stop misses";
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, DiskRoundTripTest, ::testing::Values("io_uring", "threadpool"),

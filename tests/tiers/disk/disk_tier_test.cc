@@ -51,7 +51,7 @@ class DiskTierTest : public ::testing::Test {
   // Opens the disk tier (on the faulty wrapper of the memory device) and a
   // cache over it, adopting what the index holds.
   void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8, TierWatermarks host_marks = {.high = 0.9, .low = 0.5},
-            uint64_t budget_per_day = 0) {
+            uint64_t budget_per_day = 0, bool write_through = false) {
     BlockCache::Post post = [this](std::function<void()> f) {
       MutexLock lock(&mu_);
       posted_.push_back(std::move(f));
@@ -74,6 +74,7 @@ class DiskTierTest : public ::testing::Test {
                           .disk = disk_.get(),
                           .disk_min_hits = 0,
                           .disk_write_budget_bytes_per_day = budget_per_day,
+                          .disk_write_through = write_through,
                           .clock = [this] { return now_; }};
     cache_ = BlockCache::Create(std::move(o)).value();
     cache_->SetTenantName(kTenant, "t0");
@@ -257,6 +258,19 @@ TEST_F(DiskTierTest, HotBlocksSurviveTheReclaimOfTheirRegion) {
   size_t cold_hits = 0;
   for (size_t i = 0; i < 20; ++i) cold_hits += LoadExact(cold[i]);
   EXPECT_LT(cold_hits, 20u) << "the oldest cold blocks went with their regions";
+}
+
+TEST_F(DiskTierTest, WriteThroughKeepsBlocksInMemoryAndMakesRestartsWarm) {
+  Open(0, 16, {.high = 1.0, .low = 1.0}, 0, /*write_through=*/true);
+  const std::vector<StoredKey> keys = NewKeys(6);
+  StoreAll(keys);
+  EXPECT_EQ(disk_->counters().writes, 6u);
+  EXPECT_EQ(TiersOf(keys), std::vector<Tier>(6, Tier::kHost)) << "still served from memory";
+  EXPECT_EQ(cache_->FlushToDisk(), 0u) << "every block is clean";
+  Close();
+  Open();
+  EXPECT_EQ(adopted_, 6u);
+  for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
 }
 
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
