@@ -410,12 +410,21 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
 }
 
 std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {
-  std::vector<BlockEntry*> present;
-  uint32_t queued = 0;
-  for (const StoredKey& key : keys) {
-    BlockEntry* e = index_.Find(key);
+  // The leading present keys, touched deepest first (as Lookup does) before
+  // anything moves.
+  size_t present = 0;
+  while (present < keys.size()) {
+    const BlockEntry* e = index_.Find(keys[present]);
     if (e == nullptr || e->state != EntryState::kReady) break;
-    present.push_back(e);
+    ++present;
+  }
+  for (size_t i = present; i-- > 0;) Touch(index_.Find(keys[i]));
+  // Then start the moves, finding each entry again: a promotion may take a
+  // host slot from a colder block, which may be one of these.
+  uint32_t queued = 0;
+  for (size_t i = 0; i < present; ++i) {
+    BlockEntry* e = index_.Find(keys[i]);
+    if (e == nullptr || e->state != EntryState::kReady) continue;
     if (e->tier == Tier::kDisk) {
       if (!e->moving) {
         PromoteFromDisk(e, nullptr);
@@ -425,8 +434,7 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::spa
       ++queued;
     }
   }
-  for (auto it = present.rbegin(); it != present.rend(); ++it) Touch(*it);
-  return {static_cast<uint32_t>(present.size()), queued};
+  return {static_cast<uint32_t>(present), queued};
 }
 
 void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
@@ -532,6 +540,7 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
   });
   for (const StoredKey& key : victims) {
     BlockEntry* e = index_.Find(key);
+    if (e == nullptr) continue;
     // Evicting from host a block that is also on disk leaves it on disk.
     if (t == Tier::kHost && BackToDisk(e)) continue;
     Drop(e);

@@ -202,15 +202,24 @@ bool BlockCache::TakeWriteBudget(uint64_t bytes) {
 
 uint64_t BlockCache::FlushToDisk() {
   if (options_.disk == nullptr) return 0;
-  std::vector<BlockEntry*> dirty;
+  auto dirty = [](const BlockEntry* e) {
+    return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
+           e->has_checksum;
+  };
+  std::vector<StoredKey> keys;
   index_.ForEach([&](BlockEntry* e) {
-    if (e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
-        e->has_checksum) {
-      dirty.push_back(e);
-    }
+    if (dirty(e)) keys.push_back(e->key);
   });
-  for (BlockEntry* e : dirty) StartDiskWrite(e);
-  return dirty.size();
+  // By key, not by pointer: starting one write can reclaim a region, whose
+  // hot blocks then take host slots from colder ones (maybe later ones here).
+  uint64_t started = 0;
+  for (const StoredKey& key : keys) {
+    BlockEntry* e = index_.Find(key);
+    if (e == nullptr || !dirty(e)) continue;
+    StartDiskWrite(e);
+    ++started;
+  }
+  return started;
 }
 
 }  // namespace kvtier
