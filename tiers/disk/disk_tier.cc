@@ -164,10 +164,15 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
   db_options.max_background_jobs = 2;
+  // The index is read once at start-up and then only written: small
+  // memtables keep the daemon's memory per indexed block down.
+  db_options.write_buffer_size = 8 << 20;
+  rocksdb::ColumnFamilyOptions cf_options;
+  cf_options.write_buffer_size = 8 << 20;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
-      {rocksdb::kDefaultColumnFamilyName, rocksdb::ColumnFamilyOptions()},
-      {"blocks", rocksdb::ColumnFamilyOptions()},
-      {"regions", rocksdb::ColumnFamilyOptions()}};
+      {rocksdb::kDefaultColumnFamilyName, cf_options},
+      {"blocks", cf_options},
+      {"regions", cf_options}};
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* db = nullptr;
   const rocksdb::Status s = rocksdb::DB::Open(db_options, tier->options_.index_path, cfs, &handles, &db);
@@ -225,6 +230,11 @@ Status DiskTier::Recover() {
   for (const std::string& k : bad) {
     const rocksdb::Status s = db_->Delete(rocksdb::WriteOptions(), blocks_cf_, k);
     if (!s.ok()) return FromRocks(s, "dropping a bad disk index entry");
+  }
+  // The WAL replayed at open sits in the memtables: write it out now, so
+  // that the memory holds the blocks and not a second copy of the index.
+  if (const rocksdb::Status f = db_->Flush(rocksdb::FlushOptions(), {blocks_cf_, regions_cf_}); !f.ok()) {
+    spdlog::warn("disk index: flushing the replayed log: {}", f.ToString());
   }
   counters_.recovered_records = recovered_.size();
   counters_.recovery_dropped = bad.size();
