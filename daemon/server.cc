@@ -86,6 +86,9 @@ Status Server::SetupDisk() {
                              .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
                              .reclaim = [this](const StoredKey& key, bool commit) {
                                return cache_->ReclaimFromDisk(key, commit);
+                             },
+                             .resident = [this](uint32_t device, uint32_t region) {
+                               return cache_->ResidentOnDisk(device, region);
                              }}));
   return Status::Ok();
 }

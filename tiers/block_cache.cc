@@ -114,22 +114,24 @@ bool BlockCache::AboveLow(Tier t) const {
                         s->marks.low * static_cast<double>(s->pool->capacity_bytes());
 }
 
-void BlockCache::Charge(BlockEntry* e, int sign) {
-  const size_t t = static_cast<size_t>(e->tier);
-  if (tenant_used_.size() <= e->owner) {
-    tenant_used_.resize(e->owner + 1, {});
-    tenant_blocks_.resize(e->owner + 1, 0);
+void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->block_bytes, sign); }
+
+void BlockCache::Charge(Tier tier_id, TenantId owner, uint64_t bytes, int sign) {
+  const size_t t = static_cast<size_t>(tier_id);
+  if (tenant_used_.size() <= owner) {
+    tenant_used_.resize(owner + 1, {});
+    tenant_blocks_.resize(owner + 1, 0);
   }
   if (sign > 0) {
     tiers_[t]->blocks += 1;
-    tiers_[t]->used_bytes += e->block_bytes;
-    tenant_used_[e->owner][t] += e->block_bytes;
-    tenant_blocks_[e->owner] += 1;
+    tiers_[t]->used_bytes += bytes;
+    tenant_used_[owner][t] += bytes;
+    tenant_blocks_[owner] += 1;
   } else {
     tiers_[t]->blocks -= 1;
-    tiers_[t]->used_bytes -= e->block_bytes;
-    tenant_used_[e->owner][t] -= e->block_bytes;
-    tenant_blocks_[e->owner] -= 1;
+    tiers_[t]->used_bytes -= bytes;
+    tenant_used_[owner][t] -= bytes;
+    tenant_blocks_[owner] -= 1;
   }
 }
 
@@ -139,6 +141,7 @@ void BlockCache::Unlease(BlockEntry* e) {
     tier(e->retired_tier)->pool->Free(e->retired_slot, e->block_bytes);
     e->retired_slot = nullptr;
   }
+  if (e->leases == 0) Dematerialize(e);  // a load that could not read it up
 }
 
 void BlockCache::Drop(BlockEntry* e) {
@@ -203,19 +206,25 @@ void BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_
 
 LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
   LookupResult r;
-  std::vector<BlockEntry*> hit;
+  std::vector<BlockEntry*> hit;  // to touch; blocks only on disk have no LRU place
   for (const StoredKey& key : keys) {
-    BlockEntry* e = index_.Find(key);
-    if (e == nullptr || e->state != EntryState::kReady) break;
-    hit.push_back(e);
-    r.tiers.push_back(e->tier);
-    if (e->hits < UINT16_MAX) ++e->hits;
-    ++counters_.hits[static_cast<size_t>(e->tier)];
+    if (BlockEntry* e = index_.Find(key); e != nullptr) {
+      if (e->state != EntryState::kReady) break;
+      hit.push_back(e);
+      r.tiers.push_back(e->tier);
+      if (e->hits < UINT16_MAX) ++e->hits;
+    } else if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
+      r.tiers.push_back(Tier::kDisk);
+      if (b->hits < UINT16_MAX) ++b->hits;
+    } else {
+      break;
+    }
+    ++counters_.hits[static_cast<size_t>(r.tiers.back())];
   }
-  r.hits = static_cast<uint32_t>(hit.size());
+  r.hits = static_cast<uint32_t>(r.tiers.size());
   ++counters_.lookups;
   counters_.lookup_keys += keys.size();
-  counters_.misses += keys.size() - hit.size();
+  counters_.misses += keys.size() - r.hits;
   // Deepest first, so a chain's head ends up hottest and its tail is evicted first.
   for (auto it = hit.rbegin(); it != hit.rend(); ++it) Touch(*it);
   return r;
@@ -229,6 +238,7 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   std::vector<BlockEntry*> on_disk;
   for (size_t i = 0; i < keys.size(); ++i) {
     BlockEntry* e = index_.Find(keys[i]);
+    if (e == nullptr) e = Materialize(keys[i]);
     if (e == nullptr || e->state != EntryState::kReady) break;
     index_.AddLease(e);
     if (e->hits < UINT16_MAX) ++e->hits;
@@ -415,15 +425,18 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::spa
   size_t present = 0;
   while (present < keys.size()) {
     const BlockEntry* e = index_.Find(keys[present]);
-    if (e == nullptr || e->state != EntryState::kReady) break;
+    if (e == nullptr ? disk_only_.Find(keys[present]) == nullptr : e->state != EntryState::kReady) break;
     ++present;
   }
-  for (size_t i = present; i-- > 0;) Touch(index_.Find(keys[i]));
+  for (size_t i = present; i-- > 0;) {
+    if (BlockEntry* e = index_.Find(keys[i]); e != nullptr) Touch(e);
+  }
   // Then start the moves, finding each entry again: a promotion may take a
   // host slot from a colder block, which may be one of these.
   uint32_t queued = 0;
   for (size_t i = 0; i < present; ++i) {
     BlockEntry* e = index_.Find(keys[i]);
+    if (e == nullptr) e = Materialize(keys[i]);
     if (e == nullptr || e->state != EntryState::kReady) continue;
     if (e->tier == Tier::kDisk) {
       if (!e->moving) {
@@ -531,6 +544,7 @@ void BlockCache::MaybeDemote() {
 uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
                            std::optional<Tier> t) {
   std::vector<StoredKey> victims;
+  uint64_t evicted_disk_only = 0;
   index_.ForEach([&](BlockEntry* e) {
     if (e->leases != 0 || e->moving || e->state != EntryState::kReady) return;
     if (owners && std::find(owners->begin(), owners->end(), e->owner) == owners->end()) return;
@@ -538,6 +552,23 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
     if (t && e->tier != *t) return;
     victims.push_back(e->key);
   });
+  if (options_.disk != nullptr && (!t || *t == Tier::kDisk)) {
+    std::vector<StoredKey> disk_victims;
+    disk_only_.ForEach([&](const DiskOnlyBlock& b) {
+      if (owners && std::find(owners->begin(), owners->end(), b.owner) == owners->end()) return;
+      if (ns && b.ns != *ns) return;
+      disk_victims.push_back(b.key);
+    });
+    for (const StoredKey& key : disk_victims) {
+      DiskOnlyBlock* b = disk_only_.Find(key);
+      options_.disk->Forget(key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
+                                                           b->block_bytes));
+      Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
+      ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+      disk_only_.Erase(b);
+    }
+    evicted_disk_only = disk_victims.size();
+  }
   for (const StoredKey& key : victims) {
     BlockEntry* e = index_.Find(key);
     if (e == nullptr) continue;
@@ -545,7 +576,7 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
     if (t == Tier::kHost && BackToDisk(e)) continue;
     Drop(e);
   }
-  return victims.size();
+  return victims.size() + evicted_disk_only;
 }
 
 }  // namespace kvtier

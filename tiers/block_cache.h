@@ -35,6 +35,7 @@
 #include "common/status.h"
 #include "tiers/block_index.h"
 #include "tiers/disk/disk_tier.h"
+#include "tiers/disk_only_index.h"
 #include "tiers/slot_pool.h"
 
 namespace kvtier {
@@ -151,8 +152,9 @@ class BlockCache {
   // forgotten. Returns how many were adopted.
   uint64_t AdoptDiskRecords(std::vector<DiskRecord> records);
 
-  // DiskTier's reclaim callback (see DiskTier::ReclaimFn).
+  // DiskTier's reclaim callbacks (see DiskTier::ReclaimFn and ResidentFn).
   bool ReclaimFromDisk(const StoredKey& key, bool commit);
+  std::vector<StoredKey> ResidentOnDisk(uint32_t device, uint32_t region);
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
   LookupResult Lookup(std::span<const StoredKey> keys);
@@ -230,6 +232,11 @@ class BlockCache {
   bool BackToDisk(BlockEntry* e);
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
+  void Charge(Tier t, TenantId owner, uint64_t bytes, int sign);
+  // A block only on disk is kept in disk_only_ (32 bytes), and becomes a
+  // BlockEntry while it is read, leased or in memory.
+  BlockEntry* Materialize(const StoredKey& key);
+  void Dematerialize(BlockEntry* e);
   void SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
   // Background work after anything changed: demote hbm above its watermark.
   void MaybeDemote();
@@ -243,7 +250,7 @@ class BlockCache {
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
-  void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status);
+  void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
   // Loads `leased` (all resident in memory tiers) into the engine.
   void CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
                     OpDone done);
@@ -260,6 +267,7 @@ class BlockCache {
 
   Options options_;
   BlockIndex index_;
+  DiskOnlyIndex disk_only_;
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;

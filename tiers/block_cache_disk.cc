@@ -20,7 +20,59 @@ bool BlockCache::BackToDisk(BlockEntry* e) {
   Charge(e, +1);
   tier(Tier::kHost)->pool->Free(slot, e->block_bytes);
   ++counters_.disk_returns;
+  Dematerialize(e);
   return true;
+}
+
+BlockEntry* BlockCache::Materialize(const StoredKey& key) {
+  DiskOnlyBlock* b = disk_only_.Find(key);
+  if (b == nullptr) return nullptr;
+  const DiskOnlyBlock copy = *b;
+  disk_only_.Erase(b);
+  // Same tier, owner and size: the accounting does not change.
+  BlockEntry* e = index_.Insert(key, Tier::kDisk, nullptr);
+  e->block_bytes = copy.block_bytes;
+  e->ns = copy.ns;
+  e->owner = copy.owner;
+  e->hits = copy.hits;
+  e->state = EntryState::kReady;
+  e->on_disk = true;
+  e->disk = options_.disk->LocationOf(copy.device, uint64_t{copy.offset_pages} * kRecordAlignBytes, copy.block_bytes);
+  return e;  // its checksum comes with the read (has_checksum stays false until then)
+}
+
+void BlockCache::Dematerialize(BlockEntry* e) {
+  if (e->tier != Tier::kDisk || !e->on_disk || e->state != EntryState::kReady || e->moving || e->leases != 0 ||
+      e->retired_slot != nullptr) {
+    return;
+  }
+  KVTIER_CHECK(e->disk.offset % kRecordAlignBytes == 0 && e->disk.device <= UINT8_MAX &&
+               e->disk.offset / kRecordAlignBytes <= UINT32_MAX && e->ns <= UINT16_MAX);
+  DiskOnlyBlock b;
+  b.key = e->key;
+  b.offset_pages = static_cast<uint32_t>(e->disk.offset / kRecordAlignBytes);
+  b.block_bytes = e->block_bytes;
+  b.owner = e->owner;
+  b.ns = static_cast<uint16_t>(e->ns);
+  b.hits = e->hits;
+  b.device = static_cast<uint8_t>(e->disk.device);
+  index_.Erase(e);
+  disk_only_.Insert(b);
+}
+
+std::vector<StoredKey> BlockCache::ResidentOnDisk(uint32_t device, uint32_t region) {
+  std::vector<StoredKey> keys;
+  disk_only_.ForEach([&](const DiskOnlyBlock& b) {
+    if (b.device != device) return;
+    if (options_.disk->LocationOf(b.device, uint64_t{b.offset_pages} * kRecordAlignBytes, b.block_bytes).region ==
+        region) {
+      keys.push_back(b.key);
+    }
+  });
+  index_.ForEach([&](BlockEntry* e) {
+    if (e->on_disk && e->disk.device == device && e->disk.region == region) keys.push_back(e->key);
+  });
+  return keys;
 }
 
 void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) {
@@ -39,11 +91,12 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
   }
   e->moving = true;
   ++inflight_copies_;
-  options_.disk->Read(e->key, e->disk, e->block_bytes, dst,
-                      [this, key = e->key, dst](Status st) { FinishDiskRead(key, dst, std::move(st)); });
+  options_.disk->Read(e->key, e->disk, e->block_bytes, dst, [this, key = e->key, dst](Status st, uint64_t checksum) {
+    FinishDiskRead(key, dst, std::move(st), checksum);
+  });
 }
 
-void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status) {
+void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum) {
   --inflight_copies_;
   BlockEntry* e = index_.Find(key);  // moving entries are never dropped
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
@@ -53,12 +106,18 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     Charge(e, -1);
     index_.ChangeTier(e, Tier::kHost);
     e->slot = dst;
+    e->checksum = checksum;
+    e->has_checksum = true;
     Charge(e, +1);
     ++counters_.disk_promotions;
     counters_.bytes_disk_to_host += e->block_bytes;
   } else {
     tier(Tier::kHost)->pool->Free(dst, e->block_bytes);
     ++counters_.disk_read_failures;
+    // The record is bad: it is no disk copy any more (and the block must not
+    // go back to the disk-only table when the loads below let go of it).
+    options_.disk->Forget(e->key, e->disk);
+    e->on_disk = false;
   }
   auto it = disk_waiters_.find(key);
   std::vector<std::function<void(bool)>> waiters;
@@ -126,6 +185,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
     e->retired_tier = Tier::kHost;
   } else {
     tier(Tier::kHost)->pool->Free(old, e->block_bytes);
+    Dematerialize(e);
   }
   MaybeDemote();
 }
@@ -136,20 +196,20 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   uint64_t adopted = 0;
   for (const DiskRecord& r : records) {
     auto owner = std::find(tenant_names_.begin(), tenant_names_.end(), r.header.owner);
-    if (owner == tenant_names_.end() || r.header.owner.empty() || index_.Find(r.header.key) != nullptr) {
+    if (owner == tenant_names_.end() || r.header.owner.empty() || index_.Find(r.header.key) != nullptr ||
+        disk_only_.Find(r.header.key) != nullptr || r.location.device > UINT8_MAX) {
       options_.disk->Forget(r.header.key, r.location);
       continue;
     }
-    BlockEntry* e = index_.Insert(r.header.key, Tier::kDisk, nullptr);  // oldest first: coldest
-    e->block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
-    e->ns = NamespaceId(r.header.ns);
-    e->owner = static_cast<TenantId>(owner - tenant_names_.begin());
-    e->state = EntryState::kReady;
-    e->checksum = r.header.payload_checksum;
-    e->has_checksum = true;
-    e->disk = r.location;
-    e->on_disk = true;
-    Charge(e, +1);
+    DiskOnlyBlock b;
+    b.key = r.header.key;
+    b.offset_pages = static_cast<uint32_t>(r.location.offset / kRecordAlignBytes);
+    b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
+    b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
+    b.ns = static_cast<uint16_t>(NamespaceId(r.header.ns));
+    b.device = static_cast<uint8_t>(r.location.device);
+    disk_only_.Insert(b);
+    Charge(Tier::kDisk, b.owner, b.block_bytes, +1);
     ++adopted;
   }
   return adopted;
@@ -161,6 +221,19 @@ constexpr uint16_t kHotHits = 2;
 
 bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
   // The disk tier asks only about keys whose current record is in the region.
+  if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
+    if (!commit && b->hits >= kHotHits) {
+      ++counters_.disk_reinsertions;  // as below, for a block only on disk
+      PromoteFromDisk(Materialize(key), nullptr);
+      return false;
+    }
+    if (commit) {
+      ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+      Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
+      disk_only_.Erase(b);
+    }
+    return true;
+  }
   BlockEntry* e = index_.Find(key);
   if (e == nullptr || !e->on_disk) return true;
   if (e->tier != Tier::kDisk) {

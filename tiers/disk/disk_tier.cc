@@ -142,8 +142,8 @@ std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l
 }
 
 Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
-  if (options.devices.empty() || !options.post || !options.reclaim) {
-    return Err(InvalidArgument("DiskTier: devices, post and reclaim are required"));
+  if (options.devices.empty() || !options.post || !options.reclaim || !options.resident) {
+    return Err(InvalidArgument("DiskTier: devices, post, reclaim and resident are required"));
   }
   if (options.region_bytes == 0 || options.region_bytes % kRecordAlignBytes != 0) {
     return Err(InvalidArgument("DiskTier: region_bytes must be a positive multiple of 4 KiB"));
@@ -221,7 +221,6 @@ Status DiskTier::Recover() {
     region.sequence = std::max(region.sequence, l.sequence);
     region.write_offset = std::max(region.write_offset, l.offset + l.record_bytes - uint64_t{l.region} * options_.region_bytes);
     region.live_bytes += l.record_bytes;
-    region.keys.push_back(key);
     used_bytes_ += l.record_bytes;
     next_sequence_ = std::max(next_sequence_, l.sequence + 1);
     recovered_.push_back(std::move(r));
@@ -253,16 +252,7 @@ uint64_t DiskTier::capacity_bytes() const {
 
 bool DiskTier::Reclaim(uint32_t device, uint32_t region) {
   Region& r = devices_[device].regions[region];
-  // Keys whose current index entry is in this region.
-  std::vector<StoredKey> resident;
-  for (const StoredKey& key : r.keys) {
-    std::string value;
-    if (!db_->Get(rocksdb::ReadOptions(), blocks_cf_, KeySlice(key), &value).ok()) continue;
-    DiskRecord rec;
-    if (ParseValue(key, value, &rec) && rec.location.device == device && rec.location.region == region) {
-      resident.push_back(key);
-    }
-  }
+  const std::vector<StoredKey> resident = options_.resident(device, region);
   // Two phases, so that a block the owner must keep stops the reclaim before
   // anything was dropped.
   for (const StoredKey& key : resident) {
@@ -424,7 +414,6 @@ void DiskTier::FinishAppend(PendingAppend& p, Status st) {
     p.done(Err(std::move(st)));
     return;
   }
-  region.keys.push_back(p.key);
   region.live_bytes += loc.record_bytes;
   used_bytes_ += loc.record_bytes;
   ++counters_.writes;
@@ -432,15 +421,20 @@ void DiskTier::FinishAppend(PendingAppend& p, Status st) {
   p.done(loc);
 }
 
+DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes) const {
+  return DiskLocation{device, static_cast<uint32_t>(offset / options_.region_bytes), offset,
+                      RecordBytes(payload_bytes), 0};
+}
+
 void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payload_bytes, uint8_t* dst,
-                    std::function<void(Status)> done) {
+                    std::function<void(Status, uint64_t)> done) {
   KVTIER_CHECK(loc.device < devices_.size() && loc.region < devices_[loc.device].regions.size());
   ++devices_[loc.device].regions[loc.region].inflight;
   ++inflight_;
   auto op = std::make_shared<TwoPartIo>();
   auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc,
-                 done = std::move(done)](Status st) mutable {
-    post([self, loc, st = std::move(st), done = std::move(done)]() mutable {
+                 done = std::move(done)](Status st, uint64_t checksum) mutable {
+    post([self, loc, st = std::move(st), checksum, done = std::move(done)]() mutable {
       auto tier = self.lock();
       if (!tier) return;
       DiskTier& t = **tier;
@@ -456,12 +450,13 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
         ++t.counters_.reads;
         t.counters_.read_bytes += loc.record_bytes;
       }
-      done(std::move(st));
+      done(std::move(st), checksum);
     });
   };
   auto read = [op, key, payload_bytes, dst, finish](Result<uint64_t> got) mutable {
     Status st;
     if (!op->Arrive(got, &st)) return;
+    uint64_t checksum = 0;
     if (st.ok()) {
       // Checked here, on the I/O thread, while the bytes are fresh.
       Result<RecordHeader> h = DecodeRecordHeader(std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes));
@@ -471,9 +466,11 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
         st = Status(StatusCode::kCorruption, "the record at this location is another block's");
       } else if (PayloadChecksum(std::span<const uint8_t>(dst, payload_bytes)) != h->payload_checksum) {
         st = Status(StatusCode::kCorruption, "payload checksum mismatch");
+      } else {
+        checksum = h->payload_checksum;
       }
     }
-    finish(std::move(st));
+    finish(std::move(st), checksum);
   };
   BlockDevice* device = devices_[loc.device].device;
   device->Read(loc.offset, std::span<uint8_t>(op->page.get(), RecordHeader::kBytes), read);

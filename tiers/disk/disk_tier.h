@@ -77,6 +77,9 @@ class DiskTier {
   // may this block go now (false keeps the whole region this round); then,
   // once the index deletes are durable, with commit=true: forget it.
   using ReclaimFn = std::function<bool(const StoredKey& key, bool commit)>;
+  // The keys whose current record is in (device, region): the owner knows
+  // where each of its blocks is, so the tier keeps no list of its own.
+  using ResidentFn = std::function<std::vector<StoredKey>(uint32_t device, uint32_t region)>;
 
   struct Options {
     std::vector<BlockDevice*> devices;  // REQUIRED, borrowed, one per path
@@ -84,6 +87,7 @@ class DiskTier {
     uint64_t region_bytes = 64ull << 20;
     Post post;                          // REQUIRED: runs a closure on the owner thread
     ReclaimFn reclaim;                  // REQUIRED
+    ResidentFn resident;                // REQUIRED
   };
 
   // Opens (or creates) the index and recovers the regions' state from it.
@@ -108,8 +112,13 @@ class DiskTier {
   // payload) and checks it: the header must decode and name `key`, and the
   // payload's XXH3-64 must match. Errors: kCorruption (counted) or the I/O
   // error (counted); either way the caller must not serve `dst`.
+  // `done` also gets the payload's checksum (from its verified header).
   void Read(const StoredKey& key, const DiskLocation& location, uint64_t payload_bytes, uint8_t* dst,
-            std::function<void(Status)> done);
+            std::function<void(Status, uint64_t checksum)> done);
+
+  // The full location of the record at `offset` of `device` with a payload
+  // of `payload_bytes` (sequence 0: it is not needed to read or forget it).
+  DiskLocation LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes) const;
 
   // The block left the disk tier (promoted, evicted): drops its index entry.
   // The delete need not be synced: a record that comes back after a crash
@@ -129,7 +138,6 @@ class DiskTier {
     uint64_t write_offset = 0;   // bytes used from the region's start
     uint64_t live_bytes = 0;
     uint32_t inflight = 0;       // reads and writes in flight
-    std::vector<StoredKey> keys; // records appended (some may be forgotten)
   };
   // A record written, waiting for its group commit (sync, then index).
   struct PendingAppend {

@@ -59,7 +59,8 @@ class DiskTierTest : public ::testing::Test {
     };
     Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
         {.devices = {faulty_.get()}, .index_path = dir_ + "/index", .region_bytes = kRegionBytes, .post = post,
-         .reclaim = [this](const StoredKey& key, bool commit) { return cache_->ReclaimFromDisk(key, commit); }});
+         .reclaim = [this](const StoredKey& key, bool commit) { return cache_->ReclaimFromDisk(key, commit); },
+         .resident = [this](uint32_t device, uint32_t region) { return cache_->ResidentOnDisk(device, region); }});
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
