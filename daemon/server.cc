@@ -1,5 +1,6 @@
 #include "daemon/server.h"
 
+#include <malloc.h>
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -153,6 +154,9 @@ Status Server::Setup() {
                    st.ToString());
     }
     const uint64_t adopted = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+    // The recovered records were a large transient vector: hand the freed
+    // heap back, so the daemon's memory is what the index really needs.
+    ::malloc_trim(0);
     spdlog::info("disk tier: {} bytes on {} path(s); {} blocks warm from the index", disk_->capacity_bytes(),
                  disk_devices_.size(), adopted);
   }
