@@ -10,10 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "common/io_engine_kind.h"
+
 namespace kvtier {
 
 enum class DeviceBackendKind { kAuto, kHost, kCuda };
-enum class IoEngineKind { kAuto, kIoUring, kThreadPool };
 enum class EvictionKind { kLru };
 enum class WritePolicy { kWriteBack, kWriteThrough };
 enum class LogFormat { kText, kJson };

@@ -24,7 +24,7 @@
 #include <string>
 
 #include "common/status.h"
-#include "config/config.h"
+#include "common/io_engine_kind.h"
 
 namespace kvtier {
 
