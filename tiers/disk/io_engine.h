@@ -23,8 +23,8 @@
 #include <span>
 #include <string>
 
-#include "common/status.h"
 #include "common/io_engine_kind.h"
+#include "common/status.h"
 
 namespace kvtier {
 
