@@ -1,11 +1,13 @@
 // Block contents derived from their key, so that any process can check that
 // the bytes it loaded are the bytes some other process stored for that key:
-// used by tests, the quickstart demo and kvtier-bench. Thread-safe (pure).
+// used by tests, the quickstart demo and kvtier-bench, with the synthetic
+// prompts they hash. Thread-safe (pure).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <vector>
 
 #include "common/key128.h"
 
@@ -16,6 +18,14 @@ inline uint64_t SplitMix64(uint64_t& state) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+// `n` token ids below 128000 (a typical vocabulary) from a seed: synthetic
+// prompts for tests, the demo and benchmarks.
+inline std::vector<uint32_t> PseudoTokens(uint64_t seed, size_t n) {
+  std::vector<uint32_t> tokens(n);
+  for (auto& t : tokens) t = static_cast<uint32_t>(SplitMix64(seed) % 128000);
+  return tokens;
 }
 
 inline void FillFromKey(const BlockKey& key, std::span<uint8_t> out) {

@@ -137,11 +137,7 @@ std::vector<uint32_t> Iota(uint32_t first, uint32_t n) {
   return v;
 }
 
-std::vector<uint32_t> Tokens(uint64_t seed, uint32_t n) {
-  std::vector<uint32_t> t(n);
-  for (auto& x : t) x = static_cast<uint32_t>(kvtier::SplitMix64(seed) % 128000);
-  return t;
-}
+std::vector<uint32_t> Tokens(uint64_t seed, uint32_t n) { return kvtier::PseudoTokens(seed, n); }
 
 int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps) {
   const kvtier::Layout layout = Llama8BLayout();

@@ -37,9 +37,8 @@ kvtier::Layout DemoLayout() {
 }
 
 void AppendTokens(std::vector<uint32_t>& tokens, uint64_t seed, uint32_t blocks) {
-  for (uint32_t i = 0; i < blocks * kBlockTokens; ++i) {
-    tokens.push_back(static_cast<uint32_t>(kvtier::SplitMix64(seed) % 128000));
-  }
+  const std::vector<uint32_t> more = kvtier::PseudoTokens(seed, blocks * kBlockTokens);
+  tokens.insert(tokens.end(), more.begin(), more.end());
 }
 
 struct ClientTally {

@@ -30,9 +30,7 @@ inline Layout SmallLayout() {
 }
 
 inline std::vector<uint32_t> Prompt(uint64_t seed, uint32_t blocks) {
-  std::vector<uint32_t> t(blocks * kBlockTokens);
-  for (auto& x : t) x = static_cast<uint32_t>(SplitMix64(seed) % 128000);
-  return t;
+  return PseudoTokens(seed, blocks * kBlockTokens);
 }
 
 inline std::vector<std::string> DiskSets(const std::string& engine, const std::string& extra_host = "2MiB") {

@@ -33,12 +33,7 @@ Layout SmallLayout() {
       .value();
 }
 
-std::vector<uint32_t> Prompt(uint32_t seed, uint32_t blocks) {
-  std::vector<uint32_t> t(blocks * kBlockTokens);
-  uint64_t state = seed;
-  for (auto& x : t) x = static_cast<uint32_t>(SplitMix64(state) % 128000);
-  return t;
-}
+std::vector<uint32_t> Prompt(uint32_t seed, uint32_t blocks) { return PseudoTokens(seed, blocks * kBlockTokens); }
 
 std::vector<uint32_t> Range(uint32_t first, uint32_t n) {
   std::vector<uint32_t> v(n);
