@@ -4,8 +4,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <map>
 #include <variant>
 
+#include "client/cuda_export.h"
 #include "common/mutex.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
@@ -59,7 +61,11 @@ class Client::Impl {
     std::vector<uint64_t> sizes = {};
     uint32_t namespace_id = 0;  // on the current connection
     std::unique_ptr<ChainHasher> hasher = nullptr;
+    std::unique_ptr<CudaExport> cuda = nullptr;  // a cache in GPU memory
   };
+
+  // IPC events per GPU cache: one per op in flight that a stream waits on.
+  static constexpr uint32_t kEventsPerCache = 16;
 
   explicit Impl(ClientOptions options) : options_(std::move(options)) {}
 
@@ -89,6 +95,19 @@ class Client::Impl {
       cache->fds.push_back(std::move(dup));
       cache->sizes.push_back(r.size_bytes);
     }
+    KVTIER_RETURN_IF_ERROR(RegisterOne(*cache));
+    caches_.push_back(std::move(cache));
+    return static_cast<CacheId>(caches_.size());
+  }
+
+  Result<CacheId> RegisterCuda(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
+                               std::vector<CudaKvRegion> regions) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    auto cache = std::make_unique<Cache>(Cache{.layout = layout, .num_blocks = num_blocks,
+                                               .placements = std::move(placements)});
+    KVTIER_ASSIGN_OR_RETURN(cache->cuda, CudaExport::Create(regions, kEventsPerCache));
+    for (const CudaKvRegion& r : regions) cache->sizes.push_back(r.size_bytes);
     KVTIER_RETURN_IF_ERROR(RegisterOne(*cache));
     caches_.push_back(std::move(cache));
     return static_cast<CacheId>(caches_.size());
@@ -136,32 +155,75 @@ class Client::Impl {
   }
 
   // Starts a Load or Store; with `wait`, returns its OpResult instead.
+  // With `stream` (GPU caches), the op is ordered against the engine's stream
+  // through one of the cache's events (CudaExport).
   Result<std::variant<OpHandle, OpResult>> StartOp(bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
                                                    std::span<const uint32_t> block_ids,
-                                                   const std::optional<BlockKey>& parent) {
+                                                   const std::optional<BlockKey>& parent,
+                                                   CudaStream stream = nullptr) {
     MutexLock lock(&mu_);
     if (keys.size() != block_ids.size()) {
       return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
                                  " block ids"));
     }
     KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+    if (stream != nullptr && c->cuda == nullptr) {
+      return Err(InvalidArgument("a CUDA stream was given for a cache that is not in GPU memory"));
+    }
+    // An event slot stays ours until Wait returns the op's result, so that
+    // the engine may wait on OpHandle::event until then.
+    int32_t event = -1;
+    if (stream != nullptr && !wait) {
+      if (std::optional<int32_t> slot = c->cuda->AcquireEvent()) event = *slot;
+    }
+    auto release = [&] {
+      if (event >= 0) c->cuda->ReleaseEvent(event);
+      event = -1;
+    };
+    if (event >= 0 && !load) {
+      // The store's copies wait for this record: after the engine's writes.
+      if (Status st = c->cuda->Record(event, stream); !st.ok()) {
+        release();
+        return Err(st);
+      }
+    }
     FlatBufferBuilder b(128 + keys.size() * 20);
     const std::vector<w::Key> wk = KeysToWire(keys);
     const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
     const uint64_t rid = next_id_++;
     std::vector<uint8_t> bytes;
     if (load) {
-      bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait));
+      bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event));
     } else {
       const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
-      bytes = ipc::FinishMessage(b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait));
+      bytes = ipc::FinishMessage(
+          b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait, event));
     }
     if (wait) {
       KVTIER_ASSIGN_OR_RETURN(Reply r, Call(std::move(bytes), {}, rid, w::Body::OpResult));
       return FinishOpResult(*r.msg->body_as_OpResult());
     }
-    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(std::move(bytes), {}, rid, w::Body::OpStarted));
-    return std::variant<OpHandle, OpResult>(OpHandle{r.msg->body_as_OpStarted()->op(), connection_});
+    Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpStarted);
+    if (!r) {
+      release();
+      return Err(r.error());
+    }
+    const w::OpStarted* started = r->msg->body_as_OpStarted();
+    OpHandle handle{started->op(), connection_};
+    if (event >= 0 && started->event_recorded()) {
+      if (load) {
+        if (Status st = c->cuda->StreamWait(stream, event); !st.ok()) {
+          release();
+          return Err(st);
+        }
+      }
+      handle.event = c->cuda->event(event);
+      handle.event_blocks = started->event_blocks();
+      op_events_[handle.op] = {c, event};
+    } else {
+      release();
+    }
+    return std::variant<OpHandle, OpResult>(handle);
   }
 
   Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout) {
@@ -173,6 +235,7 @@ class Client::Impl {
     const auto ms = static_cast<uint32_t>(std::min<int64_t>(timeout.count(), UINT32_MAX));
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid,
                                           w::Body::OpResult));
+    if (r.msg->body_as_OpResult()->done()) ReleaseOpEvent(op.op);
     return ToOpResult(*r.msg->body_as_OpResult());
   }
 
@@ -184,6 +247,7 @@ class Client::Impl {
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateStats(b)), {}, rid, w::Body::StatsReply));
     const w::StatsReply* s = r.msg->body_as_StatsReply();
     DaemonStats out;
+    if (s->backend() != nullptr) out.backend = s->backend()->str();
     if (s->tiers() != nullptr) {
       for (const w::TierStats* t : *s->tiers()) {
         out.tiers.push_back(TierStats{TierFromWire(t->tier()), t->capacity_bytes(), t->used_bytes(), t->blocks()});
@@ -274,7 +338,17 @@ class Client::Impl {
     return Reconnect();
   }
 
+  void ReleaseOpEvent(uint64_t op) KVTIER_REQUIRES(mu_) {
+    auto it = op_events_.find(op);
+    if (it == op_events_.end()) return;
+    it->second.first->cuda->ReleaseEvent(it->second.second);
+    op_events_.erase(it);
+  }
+
   void Disconnect() KVTIER_REQUIRES(mu_) {
+    // Ops of this connection are lost, and so are their events' uses.
+    for (auto& [op, held] : op_events_) held.first->cuda->ReleaseEvent(held.second);
+    op_events_.clear();
     fd_.Reset();
     next_attempt_ = std::chrono::steady_clock::now() + options_.reconnect_interval;
   }
@@ -329,11 +403,23 @@ class Client::Impl {
       regions.push_back(w::CreateMemoryRegion(b, w::MemoryKind::HostMemfd, c.sizes[i], static_cast<int>(i)));
       fds.push_back(c.fds[i].get());
     }
+    std::vector<w::CudaEventHandle> events;
+    if (c.cuda != nullptr) {
+      for (const CudaExport::Region& r : c.cuda->regions()) {
+        const std::vector<uint8_t> handle(r.handle.begin(), r.handle.end());
+        const std::vector<uint8_t> uuid(r.device_uuid.begin(), r.device_uuid.end());
+        regions.push_back(w::CreateMemoryRegionDirect(b, w::MemoryKind::CudaIpc, r.size_bytes, -1, &handle, r.offset,
+                                                      r.device, &uuid));
+      }
+      for (const IpcEventHandle& h : c.cuda->event_handles()) {
+        events.emplace_back(flatbuffers::span<const uint8_t, 64>(h.data(), h.size()));
+      }
+    }
     std::vector<w::Placement> placements;
     for (const Placement& p : c.placements) placements.push_back(ipc::PlacementToWire(p));
     const uint64_t rid = next_id_++;
     const auto body = w::CreateRegisterKvCacheDirect(b, ipc::LayoutToWire(b, c.layout), c.num_blocks, &regions,
-                                                     &placements);
+                                                     &placements, c.cuda != nullptr ? &events : nullptr);
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, body), fds, rid, w::Body::Registered));
     c.namespace_id = r.msg->body_as_Registered()->namespace_id();
     c.hasher = std::make_unique<ChainHasher>(*hash_secret_, c.layout);
@@ -386,6 +472,8 @@ class Client::Impl {
   std::string tenant_ KVTIER_GUARDED_BY(mu_);
   std::optional<Secret> hash_secret_ KVTIER_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Cache>> caches_ KVTIER_GUARDED_BY(mu_);
+  // Ops holding an event slot of a GPU cache, until Wait returns their result.
+  std::map<uint64_t, std::pair<Cache*, int32_t>> op_events_ KVTIER_GUARDED_BY(mu_);
 };
 
 Result<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
@@ -411,6 +499,11 @@ Result<CacheId> Client::RegisterKvCache(const ShmKvCache& cache) {
                          {KvRegion{cache.fd(), cache.size_bytes()}});
 }
 
+Result<CacheId> Client::RegisterCudaKvCache(const Layout& layout, uint32_t num_blocks,
+                                            std::vector<Placement> placements, std::vector<CudaKvRegion> regions) {
+  return impl_->RegisterCuda(layout, num_blocks, std::move(placements), std::move(regions));
+}
+
 Result<std::vector<BlockKey>> Client::ComputeKeys(CacheId cache, std::span<const uint32_t> tokens,
                                                   std::span<const ExtraKeys> extra,
                                                   const std::optional<BlockKey>& parent) {
@@ -432,6 +525,18 @@ Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                     const std::optional<BlockKey>& parent) {
   KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent));
+  return std::get<OpHandle>(v);
+}
+
+Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                   CudaStream stream) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt, stream));
+  return std::get<OpHandle>(v);
+}
+
+Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                    const std::optional<BlockKey>& parent, CudaStream stream) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, stream));
   return std::get<OpHandle>(v);
 }
 

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -48,15 +49,25 @@ struct ClientRegionHandle {
   UniqueFd memfd;                                        // kHostMemfd
   std::array<uint8_t, kCudaIpcHandleBytes> cuda_ipc_handle{};  // kCudaIpc
   uint64_t cuda_offset = 0;
-  int device = 0;
+  int device = 0;                                  // the client's ordinal
+  std::array<uint8_t, 16> device_uuid{};          // names the device across processes
+  bool has_device_uuid = false;
 };
 
-// A client's registered regions, mapped into the daemon.
+// A CUDA IPC event handle (cudaIpcEventHandle_t) an engine exported: an
+// event created with cudaEventInterprocess | cudaEventDisableTiming.
+using IpcEventHandle = std::array<uint8_t, 64>;
+
+// A client's registered regions (and, on `cuda`, its IPC events), mapped into
+// the daemon.
 class ClientMapping {
  public:
   virtual ~ClientMapping() = default;
   // Base address of each region, in registration order.
   virtual std::span<uint8_t* const> region_bases() const = 0;
+  // Events opened from the client's handles (CopyBatch::wait_event and
+  // signal_event index them).
+  virtual uint32_t num_events() const { return 0; }
 };
 
 // One block copy between an engine block and a kvtier slot.
@@ -92,9 +103,19 @@ struct CopyBatch {
   std::vector<BlockCopy> blocks = {};
   // Slot copies.
   std::vector<SlotCopy> slot_copies = {};
-  // Compute the XXH3-64 of every destination slot after copying (blocks
-  // reaching host memory carry a checksum from then on).
+  // Compute the XXH3-64 of every destination slot in host memory after
+  // copying (blocks reaching host memory carry a checksum from then on). A
+  // destination in device memory may get 0: hbm blocks are checksummed when
+  // they move to host.
   bool checksum_destination = false;
+  // `cuda` only, indexes into the mapping's events (-1: none). Before the
+  // copies, the copy stream waits for the engine's record of wait_event (so a
+  // store reads what the engine's stream wrote); after them, signal_event is
+  // recorded on the copy stream (so the engine's stream can wait for a load
+  // on the GPU). Both are queued before Submit returns: a reply sent after
+  // Submit may tell the engine to wait on the event.
+  int32_t wait_event = -1;
+  int32_t signal_event = -1;
 };
 
 struct CopyResult {
@@ -110,6 +131,9 @@ class DeviceBackend {
   virtual ~DeviceBackend() = default;
 
   virtual std::string_view name() const = 0;
+  // For logs and Stats: the devices and driver ("cuda: NVIDIA H200 (sm_90,
+  // 139.8 GiB), driver 13.0") or the copy threads.
+  virtual std::string Describe() const = 0;
 
   // The hbm pool of one device (on `host`, process memory standing in).
   virtual Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) = 0;
@@ -119,9 +143,10 @@ class DeviceBackend {
   // Maps an engine's regions. Errors: kInvalidArgument for a handle of the
   // wrong kind for this backend, a region smaller than claimed, or (host) a
   // memfd that is not sealed against shrinking (F_SEAL_SHRINK), since a
-  // client that truncates its memory under a copy would crash the daemon.
-  virtual Result<std::shared_ptr<ClientMapping>> MapClientMemory(
-      std::vector<ClientRegionHandle> regions) = 0;
+  // client that truncates its memory under a copy would crash the daemon;
+  // events on a backend without them (host).
+  virtual Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                                 std::vector<IpcEventHandle> events) = 0;
 
   // Runs the copies asynchronously; `done` runs exactly once, on a backend
   // thread, after every byte is copied (or with the error that stopped it).

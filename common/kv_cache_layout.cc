@@ -65,6 +65,43 @@ std::string PieceName(const Layout& layout, uint32_t piece) {
   return name;
 }
 
+// Bytes from the first row's start to the last row's end of one block's
+// piece; false on overflow. A dimension of one element contributes nothing,
+// whatever its stride, as in ValidatePiece.
+bool PieceExtent(const PieceShape& shape, const Placement& p, uint64_t* extent) {
+  uint64_t token_span = 0;
+  uint64_t head_span = 0;
+  return !(__builtin_mul_overflow(shape.tokens - 1, p.token_stride_bytes, &token_span) ||
+           __builtin_mul_overflow(shape.heads - 1, p.head_stride_bytes, &head_span) ||
+           __builtin_add_overflow(shape.row_bytes, token_span, extent) ||
+           __builtin_add_overflow(*extent, head_span, extent));
+}
+
+// One past the last byte of the piece of block num_blocks - 1, given the
+// extent of one block's piece; false on overflow. REQUIRES: num_blocks > 0.
+bool LastBlockEnd(const Placement& p, uint32_t num_blocks, uint64_t extent, uint64_t* end) {
+  return !(__builtin_mul_overflow(uint64_t{num_blocks} - 1, p.block_stride_bytes, end) ||
+           __builtin_add_overflow(*end, p.offset_bytes, end) ||
+           __builtin_add_overflow(*end, extent, end));
+}
+
+// The K and V (or latent) placements of every layer, in piece order, from
+// place(layer, part) with part 0 for K or the latent and 1 for V. Shared by
+// the engine helpers, none of which has a scale region.
+template <typename PlaceFn>
+std::vector<Placement> KvPlacements(const Layout& layout, std::string_view engine, PlaceFn place) {
+  const LayoutSpec& s = layout.spec();
+  KVTIER_CHECK_MSG(s.scale_bytes_per_layer == 0,
+                   std::string(engine) + "'s KV tensors hold no fp8 scale region");
+  const uint32_t parts = s.kv_kind == KvKind::kSeparateKv ? 2 : 1;
+  std::vector<Placement> placements;
+  placements.reserve(uint64_t{s.num_layers} * parts);
+  for (uint32_t layer = 0; layer < s.num_layers; ++layer) {
+    for (uint32_t part = 0; part < parts; ++part) placements.push_back(place(layer, part));
+  }
+  return placements;
+}
+
 // Checks one piece against its region; returns the error without the piece
 // name, which the caller adds. Every quantity comes from the client, so every
 // sum and product is overflow-checked.
@@ -117,9 +154,7 @@ Status ValidatePiece(const PieceShape& shape, const Placement& p, uint32_t num_b
   }
 
   uint64_t end = 0;
-  if (__builtin_mul_overflow(uint64_t{num_blocks} - 1, p.block_stride_bytes, &end) ||
-      __builtin_add_overflow(end, p.offset_bytes, &end) ||
-      __builtin_add_overflow(end, extent, &end)) {
+  if (!LastBlockEnd(p, num_blocks, extent, &end)) {
     return InvalidArgument("byte range of block " + std::to_string(num_blocks - 1) +
                            " overflows (offset_bytes " + std::to_string(p.offset_bytes) +
                            ", block_stride_bytes " + std::to_string(p.block_stride_bytes) + ")");
@@ -165,31 +200,67 @@ Result<KvCacheLayout> KvCacheLayout::Create(const Layout& layout, uint32_t num_b
   return result;
 }
 
+// Offsets below cannot overflow: Layout::Create bounded tensor_bytes (and
+// num_layers * tensor_bytes) by kMaxBlockBytes = 2^30, and num_blocks < 2^32.
+
 std::vector<Placement> KvCacheLayout::VllmNhd(const Layout& layout, uint32_t num_blocks) {
   const LayoutSpec& s = layout.spec();
-  KVTIER_CHECK_MSG(s.scale_bytes_per_layer == 0, "vLLM's KV tensors hold no fp8 scale region");
   const uint64_t row_bytes = uint64_t{s.head_dim} * DTypeSizeBytes(s.dtype);
-  const uint64_t token_stride = row_bytes * s.num_kv_heads;
   const uint64_t block_stride = layout.tensor_bytes();
-  std::vector<Placement> placements;
-  placements.reserve(uint64_t{s.num_layers} * PiecesPerLayer(layout));
-  for (uint32_t layer = 0; layer < s.num_layers; ++layer) {
-    placements.push_back(Placement{.region = layer,
-                                   .offset_bytes = 0,
-                                   .block_stride_bytes = block_stride,
-                                   .token_stride_bytes = token_stride,
-                                   .head_stride_bytes = row_bytes});
-    if (s.kv_kind == KvKind::kSeparateKv) {
-      // V is the second half of the [2, num_blocks, ...] tensor. Cannot
-      // overflow: tensor_bytes <= 2^30 and num_blocks < 2^32.
-      placements.push_back(Placement{.region = layer,
-                                     .offset_bytes = uint64_t{num_blocks} * block_stride,
-                                     .block_stride_bytes = block_stride,
-                                     .token_stride_bytes = token_stride,
-                                     .head_stride_bytes = row_bytes});
-    }
-  }
-  return placements;
+  return KvPlacements(layout, "vLLM", [&](uint32_t layer, uint32_t part) {
+    // V is the second half of the [2, num_blocks, ...] tensor.
+    return Placement{.region = layer,
+                     .offset_bytes = part * uint64_t{num_blocks} * block_stride,
+                     .block_stride_bytes = block_stride,
+                     .token_stride_bytes = row_bytes * s.num_kv_heads,
+                     .head_stride_bytes = row_bytes};
+  });
+}
+
+std::vector<Placement> KvCacheLayout::VllmHnd(const Layout& layout, uint32_t num_blocks) {
+  const LayoutSpec& s = layout.spec();
+  const uint64_t row_bytes = uint64_t{s.head_dim} * DTypeSizeBytes(s.dtype);
+  const uint64_t block_stride = layout.tensor_bytes();
+  return KvPlacements(layout, "vLLM", [&](uint32_t layer, uint32_t part) {
+    return Placement{.region = layer,
+                     .offset_bytes = part * uint64_t{num_blocks} * block_stride,
+                     .block_stride_bytes = block_stride,
+                     .token_stride_bytes = row_bytes,
+                     .head_stride_bytes = row_bytes * s.block_tokens};
+  });
+}
+
+// Every tensor starts at its region's start, whatever the number of blocks.
+std::vector<Placement> KvCacheLayout::SglangLayerFirst(const Layout& layout,
+                                                       uint32_t /*num_blocks*/) {
+  const LayoutSpec& s = layout.spec();
+  const uint64_t row_bytes = uint64_t{s.head_dim} * DTypeSizeBytes(s.dtype);
+  const uint32_t parts = s.kv_kind == KvKind::kSeparateKv ? 2 : 1;
+  return KvPlacements(layout, "SGLang", [&](uint32_t layer, uint32_t part) {
+    // Cannot overflow: num_layers <= 2^30 (each layer has at least a byte).
+    return Placement{.region = layer * parts + part,
+                     .offset_bytes = 0,
+                     .block_stride_bytes = layout.tensor_bytes(),
+                     .token_stride_bytes = row_bytes * s.num_kv_heads,
+                     .head_stride_bytes = row_bytes};
+  });
+}
+
+std::vector<Placement> KvCacheLayout::SglangPageFirst(const Layout& layout, uint32_t num_blocks) {
+  const LayoutSpec& s = layout.spec();
+  const uint64_t row_bytes = uint64_t{s.head_dim} * DTypeSizeBytes(s.dtype);
+  const uint64_t layer_stride = row_bytes * s.num_kv_heads;
+  const uint64_t token_stride = layer_stride * s.num_layers;
+  const uint64_t block_stride = token_stride * s.block_tokens;
+  return KvPlacements(layout, "SGLang", [&](uint32_t layer, uint32_t part) {
+    // V is the second half of the [2, num_tokens, ...] tensor.
+    return Placement{
+        .region = 0,
+        .offset_bytes = part * uint64_t{num_blocks} * block_stride + layer * layer_stride,
+        .block_stride_bytes = block_stride,
+        .token_stride_bytes = token_stride,
+        .head_stride_bytes = row_bytes};
+  });
 }
 
 std::vector<Placement> KvCacheLayout::Contiguous(const Layout& layout) {
@@ -219,6 +290,24 @@ std::vector<Placement> KvCacheLayout::Contiguous(const Layout& layout) {
     }
   }
   return placements;
+}
+
+std::vector<uint64_t> KvCacheLayout::MinRegionSizes(const Layout& layout, uint32_t num_blocks,
+                                                    const std::vector<Placement>& placements) {
+  KVTIER_CHECK(num_blocks > 0);
+  KVTIER_CHECK(placements.size() == uint64_t{layout.spec().num_layers} * PiecesPerLayer(layout));
+  std::vector<uint64_t> sizes;
+  for (uint32_t piece = 0; piece < placements.size(); ++piece) {
+    const Placement& p = placements[piece];
+    uint64_t extent = 0;
+    uint64_t end = 0;
+    KVTIER_CHECK_MSG(PieceExtent(ShapeOf(layout, piece), p, &extent) &&
+                         LastBlockEnd(p, num_blocks, extent, &end),
+                     PieceName(layout, piece) + ": byte range overflows");
+    if (p.region >= sizes.size()) sizes.resize(uint64_t{p.region} + 1, 0);
+    sizes[p.region] = std::max(sizes[p.region], end);
+  }
+  return sizes;
 }
 
 uint32_t KvCacheLayout::PiecesPerLayer(const Layout& layout) {

@@ -17,6 +17,9 @@ using flatbuffers::FlatBufferBuilder;
 namespace {
 
 constexpr size_t kMaxRegions = 1024;
+// IPC events one cache may register (a client needs one per op in flight
+// that an engine stream waits on).
+constexpr size_t kMaxCudaEvents = 64;
 constexpr size_t kMaxNamespacesPerSession = 64;
 constexpr size_t kMaxClientNameBytes = 128;
 constexpr size_t kMaxTokenBytes = 4096;
@@ -181,6 +184,14 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
       std::copy(r.cuda_ipc_handle()->begin(), r.cuda_ipc_handle()->end(), h.cuda_ipc_handle.begin());
       h.cuda_offset = r.cuda_offset();
       h.device = r.device();
+      if (r.device_uuid() != nullptr) {
+        if (r.device_uuid()->size() != h.device_uuid.size()) {
+          return ipc::ErrorMessage(id, InvalidArgument("region " + std::to_string(i) +
+                                                       ": a device UUID is 16 bytes"));
+        }
+        std::copy(r.device_uuid()->begin(), r.device_uuid()->end(), h.device_uuid.begin());
+        h.has_device_uuid = true;
+      }
     } else {
       return ipc::ErrorMessage(id, InvalidArgument("region " + std::to_string(i) + ": unknown memory kind"));
     }
@@ -193,7 +204,18 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   }
   Result<KvCacheLayout> kv = KvCacheLayout::Create(*layout, m.num_blocks(), std::move(placements), sizes);
   if (!kv) return ipc::ErrorMessage(id, kv.error());
-  Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles));
+  std::vector<IpcEventHandle> events;
+  if (m.cuda_events() != nullptr) {
+    if (m.cuda_events()->size() > kMaxCudaEvents) {
+      return ipc::ErrorMessage(id, InvalidArgument("at most " + std::to_string(kMaxCudaEvents) +
+                                                   " CUDA events per KV cache"));
+    }
+    for (const w::CudaEventHandle* e : *m.cuda_events()) {
+      IpcEventHandle& h = events.emplace_back();
+      std::copy(e->bytes()->begin(), e->bytes()->end(), h.begin());
+    }
+  }
+  Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles), std::move(events));
   if (!mapping) return ipc::ErrorMessage(id, mapping.error());
 
   const uint32_t ns_id = s.next_namespace_id++;
@@ -294,25 +316,32 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
                                         "limits.max_inflight_ops_per_session reached: wait for ops first"));
   }
+  const int32_t event = load ? l->event() : st->event();
+  if (event < -1 || (event >= 0 && static_cast<uint32_t>(event) >= (*ns)->mapping->num_events())) {
+    return ipc::ErrorMessage(id, InvalidArgument("event " + std::to_string(event) + " is not one of the " +
+                                                 std::to_string((*ns)->mapping->num_events()) +
+                                                 " CUDA events this cache registered"));
+  }
   const uint64_t op = s.next_op_id++;
   SessionOp& o = s.ops[op];
   if (wait) o.waiters.push_back(id);
   ++s.pending_ops;
-  EngineTarget target{(*ns)->layout, (*ns)->mapping};
+  EngineTarget target{(*ns)->layout, (*ns)->mapping, event};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
+  uint32_t queued = 0;  // blocks whose copies (and event) were queued just now
   if (load) {
-    cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+    queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
   } else {
     std::optional<StoredKey> parent;
     if (st->parent() != nullptr) {
       parent = DeriveStoredKey(s.tenant->salt, (*ns)->layout->layout().fingerprint(),
                                ipc::FromWire<BlockKey>(*st->parent()));
     }
-    cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done));
+    queued = cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done));
   }
   if (wait) return {};
   FlatBufferBuilder b(64);
-  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op));
+  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op, event >= 0 && queued > 0, queued));
 }
 
 void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
@@ -416,8 +445,9 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   for (const auto& [name, value] : counters) cs.push_back(w::CreateCounterDirect(b, name, value));
   uint64_t inflight = 0;
   for (const auto& [sid, session] : sessions_) inflight += session->pending_ops;
+  const std::string backend = backend_->Describe();
   const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions_.size(), cache_->leases(),
-                                              backend_->live_mappings(), inflight, &cs);
+                                              backend_->live_mappings(), inflight, &cs, backend.c_str());
   return ipc::FinishMessage(b, id, body);
 }
 

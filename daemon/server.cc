@@ -15,6 +15,9 @@
 #include "daemon/logging.h"
 #include "tiers/disk/file_device.h"
 #include "tiers/host_backend.h"
+#if KVTIER_HAVE_CUDA
+#include "tiers/cuda_backend.h"
+#endif
 
 namespace kvtier {
 namespace {
@@ -94,6 +97,37 @@ Status Server::SetupDisk() {
   return Status::Ok();
 }
 
+Status Server::SetupBackend() {
+  const Config& c = options_.config;
+  const std::vector<uint32_t>& hbm_devices = c.tiers.hbm.devices;
+  if (c.tiers.hbm.enabled && hbm_devices.size() > 1) {
+    return Status(StatusCode::kUnimplemented,
+                  "tiers.hbm.devices: the hbm tier uses one device per daemon in this version; list one "
+                  "(run one kvtierd per GPU group for more)");
+  }
+  hbm_device_ = hbm_devices.empty() ? 0 : static_cast<int>(hbm_devices.front());
+  if (c.device.backend != DeviceBackendKind::kHost) {
+#if KVTIER_HAVE_CUDA
+    Result<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create({});
+    if (cuda) {
+      if (hbm_devices.empty()) hbm_device_ = (*cuda)->devices().front();
+      backend_ = std::move(*cuda);
+      return Status::Ok();
+    }
+    if (c.device.backend == DeviceBackendKind::kCuda) return cuda.error().WithContext("device.backend: cuda");
+    spdlog::info("device backend: no usable GPU ({}); using host", cuda.error().ToString());
+#else
+    if (c.device.backend == DeviceBackendKind::kCuda) {
+      return Status(StatusCode::kUnimplemented,
+                    "device.backend: cuda, but this kvtierd was built without the CUDA toolkit; use host");
+    }
+#endif
+  }
+  const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
+  KVTIER_ASSIGN_OR_RETURN(backend_, HostBackend::Create({.copy_threads = threads}));
+  return Status::Ok();
+}
+
 Status Server::Setup() {
   const Config& c = options_.config;
   // Signals are taken through a signalfd; block them before any thread starts
@@ -108,18 +142,8 @@ Status Server::Setup() {
   signal_fd_ = UniqueFd(::signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC));
   if (!signal_fd_) return Status::FromErrno(errno, "signalfd");
 
-  switch (c.device.backend) {
-    case DeviceBackendKind::kCuda:
-      return Status(StatusCode::kUnimplemented,
-                    "device.backend: the cuda backend is not part of this build yet; use host");
-    case DeviceBackendKind::kAuto:
-    case DeviceBackendKind::kHost: {
-      const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
-      KVTIER_ASSIGN_OR_RETURN(backend_, HostBackend::Create({.copy_threads = threads}));
-      break;
-    }
-  }
-  spdlog::info("device backend: {}", backend_->name());
+  KVTIER_RETURN_IF_ERROR(SetupBackend());
+  spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
 
 
@@ -132,6 +156,7 @@ Status Server::Setup() {
       .backend = backend_.get(),
       .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
       .hbm_bytes = c.tiers.hbm.enabled ? c.tiers.hbm.bytes : 0,
+      .hbm_device = hbm_device_,
       .host_bytes = c.tiers.host.bytes,
       .hbm_watermarks = {c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
       .host_watermarks = {c.policy.watermarks.host.high, c.policy.watermarks.host.low},

@@ -52,6 +52,8 @@ class Server {
 
   // --- loop (server.cc)
   Status Setup();
+  // The device backend device.backend names (auto: cuda when a GPU is usable).
+  Status SetupBackend();
   Status SetupDisk();
   void AcceptAll();
   void OnSessionReadable(Session& s);
@@ -89,6 +91,7 @@ class Server {
 
   Options options_;
   std::unique_ptr<DeviceBackend> backend_;
+  int hbm_device_ = 0;  // the GPU whose memory holds the hbm tier (cuda)
   // The disk tier's parts, destroyed after the cache (which uses them) and
   // in reverse order of use: tier, devices, engine.
   std::unique_ptr<IoEngine> io_engine_;

@@ -17,7 +17,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
                           o.backend->AllocateHostArena(o.host_bytes));
   if (o.hbm_bytes > 0) {
     KVTIER_ASSIGN_OR_RETURN(cache->arenas_[static_cast<size_t>(Tier::kHbm)],
-                            o.backend->AllocateDeviceArena(0, o.hbm_bytes));
+                            o.backend->AllocateDeviceArena(o.hbm_device, o.hbm_bytes));
   }
   for (size_t t = 0; t < kNumTiers; ++t) {
     cache->tiers_[t] = std::make_unique<TierState>();
@@ -230,7 +230,7 @@ LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
   return r;
 }
 
-void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
+uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
                       std::span<const uint32_t> block_ids, EngineTarget target,
                       std::weak_ptr<void> /*owner*/, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
@@ -248,8 +248,9 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   for (auto it = leased.rbegin(); it != leased.rend(); ++it) Touch(*it);
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
+    const auto queued = static_cast<uint32_t>(leased.size());
     CopyToEngine(std::move(leased), std::move(ids), std::move(target), std::move(done));
-    return;
+    return queued;
   }
   // Bring the disk blocks up to host first (sharing reads with other loads),
   // then copy the prefix that made it: a block that failed its checks is
@@ -272,9 +273,13 @@ void BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
       for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i]);
       p->leased.resize(good);
       p->ids.resize(good);
+      // Too late for the event: the engine learned from OpStarted that it
+      // was not recorded, and waits for the op instead.
+      p->target.event = -1;
       CopyToEngine(std::move(p->leased), std::move(p->ids), std::move(p->target), std::move(p->done));
     });
   }
+  return 0;
 }
 
 void BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
@@ -286,7 +291,8 @@ void BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint3
   CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
                   .priority = CopyPriority::kLoad,
                   .layout = target.layout,
-                  .mapping = target.mapping};
+                  .mapping = target.mapping,
+                  .signal_event = target.event};
   for (size_t i = 0; i < leased.size(); ++i) batch.blocks.push_back(BlockCopy{block_ids[i], leased[i]->slot});
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
   SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
@@ -327,7 +333,7 @@ bool BlockCache::MaybePromote(BlockEntry* e) {
   return true;
 }
 
-void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
+uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                        std::span<const uint32_t> block_ids, std::optional<StoredKey> parent,
                        EngineTarget target, std::weak_ptr<void> owner, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
@@ -340,7 +346,9 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .priority = CopyPriority::kStore,
                   .layout = target.layout,
                   .mapping = target.mapping,
-                  .checksum_destination = true};
+                  .checksum_destination = true,
+                  .wait_event = target.event,
+                  .signal_event = target.event};
   const StoredKey* prev = parent ? &*parent : nullptr;
   for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
     if (index_.Find(keys[i]) != nullptr) {
@@ -387,8 +395,9 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     options_.post([done = std::move(done), status, already] {
       done(OpOutcome{.status = status, .blocks = 0, .already = already});
     });
-    return;
+    return 0;
   }
+  const auto queued = static_cast<uint32_t>(filling.size());
   SubmitCopy(std::move(batch), [this, filling = std::move(filling), owner = std::move(owner), status,
                                 already, bytes, done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
@@ -397,8 +406,10 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       Unlease(e);
       if (commit) {
         e->state = EntryState::kReady;
+        // Only host memory is checksummed by the copy (DeviceBackend); an hbm
+        // block gets its checksum when it moves to host.
         e->checksum = result.checksums[i];
-        e->has_checksum = true;
+        e->has_checksum = e->tier == Tier::kHost;
         if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost && !e->moving) {
           StartDiskWrite(e, /*keep_in_memory=*/true);
         }
@@ -417,6 +428,7 @@ void BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                    .already = already});
     MaybeDemote();
   });
+  return queued;
 }
 
 std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {

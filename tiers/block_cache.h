@@ -54,6 +54,9 @@ struct TenantQuota {
 struct EngineTarget {
   std::shared_ptr<const KvCacheLayout> layout;
   std::shared_ptr<ClientMapping> mapping;
+  // An event of the mapping (cuda), or -1. Loads record it after their copy;
+  // stores wait for it before theirs and record it after (CopyBatch).
+  int32_t event = -1;
 };
 
 struct OpOutcome {
@@ -113,6 +116,7 @@ class BlockCache {
     DeviceBackend* backend = nullptr;  // REQUIRED; must outlive the cache
     Post post;                         // REQUIRED; runs a closure on the owner thread
     uint64_t hbm_bytes = 0;            // 0: no hbm tier
+    int hbm_device = 0;                // the device whose memory holds it
     uint64_t host_bytes = 0;           // > 0
     TierWatermarks hbm_watermarks;
     TierWatermarks host_watermarks;
@@ -163,7 +167,9 @@ class BlockCache {
   // `block_ids` (same length). `done` runs on the owner thread with the
   // number of blocks loaded (a missing key ends the prefix; that is not an
   // error). Blocks read from host are then promoted to hbm when there is room.
-  void Load(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
+  // Returns how many blocks' copies were queued (with target.event) before
+  // returning: all the hits when none had to be read from disk first, else 0.
+  uint32_t Load(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
             EngineTarget target, std::weak_ptr<void> owner, OpDone done);
 
   // Stores engine blocks under `keys`; `parent` is the key before keys[0]
@@ -171,8 +177,9 @@ class BlockCache {
   // skipped. Blocks that do not fit are refused: the op then completes with
   // kResourceExhausted after the blocks before them are stored. `done` runs
   // on the owner thread; if `owner` has expired by then, the copies are
-  // discarded instead of committed.
-  void Store(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
+  // discarded instead of committed. Returns how many blocks' copies were
+  // queued (with target.event) before returning.
+  uint32_t Store(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
              std::optional<StoredKey> parent, EngineTarget target, std::weak_ptr<void> owner,
              OpDone done);
 

@@ -50,6 +50,7 @@ Result<std::unique_ptr<Arena>> AnonymousArena(uint64_t size_bytes, const char* w
 
 struct HostBackend::Batch {
   CopyBatch copies;
+  CopyPlan plan;  // engine copies: the layout resolved over the mapping
   CopyDone done;
   std::vector<uint64_t> checksums;      // each task writes only its own range
   std::atomic<size_t> tasks_left{0};    // acq_rel: the last task sees every write
@@ -84,32 +85,46 @@ Result<std::unique_ptr<Arena>> HostBackend::AllocateHostArena(uint64_t size_byte
   return AnonymousArena(size_bytes, "host");
 }
 
-Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(
-    std::vector<ClientRegionHandle> regions) {
+Result<MemoryMapping> HostBackend::MapSealedMemfd(const ClientRegionHandle& r, const std::string& what) {
+  if (r.kind != ClientMemoryKind::kHostMemfd || !r.memfd.valid()) {
+    return Err(InvalidArgument(what + ": not a memfd region"));
+  }
+  if (r.size_bytes == 0) return Err(InvalidArgument(what + ": size is 0"));
+  // Seals first: a size checked before the seal could shrink in between.
+  const int seals = ::fcntl(r.memfd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return Err(InvalidArgument(what + ": the memfd must be sealed with F_SEAL_SHRINK "
+                                      "(kvtier::ShmKvCache does this)"));
+  }
+  struct stat st {};
+  if (::fstat(r.memfd.get(), &st) != 0) return Err(Status::FromErrno(errno, what + ": fstat"));
+  if (static_cast<uint64_t>(st.st_size) < r.size_bytes) {
+    return Err(InvalidArgument(what + ": the memfd holds " + std::to_string(st.st_size) +
+                               " bytes, less than the " + std::to_string(r.size_bytes) + " registered"));
+  }
+  Result<MemoryMapping> m = MemoryMapping::Map(MemoryMapping::Options{
+      .size_bytes = r.size_bytes, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = r.memfd.get()});
+  if (!m) return Err(m.error().WithContext(what));
+  return m;
+}
+
+std::string HostBackend::Describe() const {
+  return "host: " + std::to_string(num_threads_) + " copy thread(s)";
+}
+
+Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                                    std::vector<IpcEventHandle> events) {
+  if (!events.empty()) {
+    return Err(InvalidArgument("CUDA IPC events need the cuda device backend; this daemon runs host"));
+  }
   std::vector<MemoryMapping> mappings;
   for (size_t i = 0; i < regions.size(); ++i) {
-    const ClientRegionHandle& r = regions[i];
     const std::string what = "region " + std::to_string(i);
-    if (r.kind != ClientMemoryKind::kHostMemfd || !r.memfd.valid()) {
+    if (regions[i].kind != ClientMemoryKind::kHostMemfd) {
       return Err(InvalidArgument(what + ": the host backend maps memfd regions only"));
     }
-    if (r.size_bytes == 0) return Err(InvalidArgument(what + ": size is 0"));
-    // Seals first: a size checked before the seal could shrink in between.
-    const int seals = ::fcntl(r.memfd.get(), F_GET_SEALS);
-    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      return Err(InvalidArgument(what + ": the memfd must be sealed with F_SEAL_SHRINK "
-                                        "(kvtier::ShmKvCache does this)"));
-    }
-    struct stat st {};
-    if (::fstat(r.memfd.get(), &st) != 0) return Err(Status::FromErrno(errno, what + ": fstat"));
-    if (static_cast<uint64_t>(st.st_size) < r.size_bytes) {
-      return Err(InvalidArgument(what + ": the memfd holds " + std::to_string(st.st_size) +
-                                 " bytes, less than the " + std::to_string(r.size_bytes) + " registered"));
-    }
-    Result<MemoryMapping> m = MemoryMapping::Map(MemoryMapping::Options{
-        .size_bytes = r.size_bytes, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = r.memfd.get()});
-    if (!m) return Err(m.error().WithContext(what));
-    mappings.push_back(std::move(*m));
+    KVTIER_ASSIGN_OR_RETURN(MemoryMapping m, MapSealedMemfd(regions[i], what));
+    mappings.push_back(std::move(m));
   }
   return std::shared_ptr<ClientMapping>(new HostClientMapping(std::move(mappings), live_mappings_));
 }
@@ -117,10 +132,12 @@ Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(
 uint64_t HostBackend::live_mappings() const { return live_mappings_->load(std::memory_order_relaxed); }
 
 void HostBackend::Submit(CopyBatch batch, CopyDone done) {
+  KVTIER_CHECK_MSG(batch.wait_event < 0 && batch.signal_event < 0, "the host backend has no events");
   auto b = std::make_shared<Batch>();
   const bool engine = batch.direction != CopyDirection::kSlotToSlot;
   const size_t n = engine ? batch.blocks.size() : batch.slot_copies.size();
   if (batch.checksum_destination) b->checksums.assign(n, 0);
+  if (engine) b->plan = CopyPlan::Build(*batch.layout, MappedRegions{batch.mapping->region_bases()});
   b->copies = std::move(batch);
   b->done = std::move(done);
   if (n == 0) {
@@ -151,12 +168,10 @@ void HostBackend::RunTask(const Task& task) {
     uint64_t* checksum = c.checksum_destination ? &b.checksums[i] : nullptr;
     switch (c.direction) {
       case CopyDirection::kEngineToSlot:
-        GatherBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
-                    c.blocks[i].slot, checksum);
+        GatherBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot, checksum);
         break;
       case CopyDirection::kSlotToEngine:
-        ScatterBlock(*c.layout, MappedRegions{c.mapping->region_bases()}, c.blocks[i].engine_block,
-                     c.blocks[i].slot);
+        ScatterBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot);
         break;
       case CopyDirection::kSlotToSlot: {
         const SlotCopy& sc = c.slot_copies[i];

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/device_backend.h"
+#include "common/memory_mapping.h"
 #include "common/mutex.h"
 
 namespace kvtier {
@@ -31,11 +32,17 @@ class HostBackend final : public DeviceBackend {
   static Result<std::unique_ptr<HostBackend>> Create(const Options& options);
   ~HostBackend() override;
 
+  // Maps one kHostMemfd region after checking its seal and size (see
+  // DeviceBackend::MapClientMemory); the cuda backend maps CPU engines'
+  // regions the same way. `what` prefixes errors ("region 2").
+  static Result<MemoryMapping> MapSealedMemfd(const ClientRegionHandle& region, const std::string& what);
+
   std::string_view name() const override { return "host"; }
+  std::string Describe() const override;
   Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override;
   Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override;
-  Result<std::shared_ptr<ClientMapping>> MapClientMemory(
-      std::vector<ClientRegionHandle> regions) override;
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override;
   void Submit(CopyBatch batch, CopyDone done) override;
   uint64_t live_mappings() const override;
 

@@ -55,23 +55,6 @@ std::vector<uint64_t> VllmRegionSizes(const LayoutSpec& s, uint32_t num_blocks) 
   return std::vector<uint64_t>(s.num_layers, bytes);
 }
 
-// vLLM's HND variant: per layer [2, num_blocks, heads, tokens, head_dim].
-std::vector<Placement> HndPlacements(const LayoutSpec& s, uint32_t num_blocks) {
-  const uint64_t row = uint64_t{s.head_dim} * DTypeSizeBytes(s.dtype);
-  const uint64_t block = row * s.block_tokens * s.num_kv_heads;
-  std::vector<Placement> placements;
-  for (uint32_t layer = 0; layer < s.num_layers; ++layer) {
-    for (uint64_t part = 0; part < 2; ++part) {
-      placements.push_back(Placement{.region = layer,
-                                     .offset_bytes = part * num_blocks * block,
-                                     .block_stride_bytes = block,
-                                     .token_stride_bytes = row,
-                                     .head_stride_bytes = row * s.block_tokens});
-    }
-  }
-  return placements;
-}
-
 void ExpectInvalid(const Result<KvCacheLayout>& result, const std::string& needle) {
   ASSERT_FALSE(result.has_value()) << "expected an error containing '" << needle << "'";
   EXPECT_EQ(result.error().code(), StatusCode::kInvalidArgument) << result.error();
@@ -194,7 +177,7 @@ TEST(KvCacheLayoutTest, HndAndPaddedRowsAreNotContiguous) {
   const LayoutSpec s = SmallSpec();
   const Layout layout = MakeLayout(s);
   Result<KvCacheLayout> kv =
-      KvCacheLayout::Create(layout, 4, HndPlacements(s, 4), VllmRegionSizes(s, 4));
+      KvCacheLayout::Create(layout, 4, KvCacheLayout::VllmHnd(layout, 4), VllmRegionSizes(s, 4));
   ASSERT_TRUE(kv.has_value()) << kv.error();
   for (uint32_t i = 0; i < 4; ++i) EXPECT_FALSE(kv->PieceIsContiguous(i)) << i;
 
@@ -212,8 +195,9 @@ TEST(KvCacheLayoutTest, HndAndPaddedRowsAreNotContiguous) {
   // With one head, HND and NHD are the same bytes.
   LayoutSpec one_head = s;
   one_head.num_kv_heads = 1;
+  const Layout one_head_layout = MakeLayout(one_head);
   Result<KvCacheLayout> one = KvCacheLayout::Create(
-      MakeLayout(one_head), 4, HndPlacements(one_head, 4), VllmRegionSizes(one_head, 4));
+      one_head_layout, 4, KvCacheLayout::VllmHnd(one_head_layout, 4), VllmRegionSizes(one_head, 4));
   ASSERT_TRUE(one.has_value()) << one.error();
   EXPECT_TRUE(one->PieceIsContiguous(0));
 }
@@ -395,6 +379,213 @@ TEST(KvCacheLayoutTest, RejectsOverlappingBlocks) {
   ExpectInvalid(KvCacheLayout::Create(layout, 4, placements, sizes), "57 is less than the 58");
   placements[0].block_stride_bytes = 58;
   EXPECT_TRUE(KvCacheLayout::Create(layout, 4, placements, sizes));
+}
+
+// Where the engine tensor's own index formula puts element 0 of row (t, h) of
+// `part` (0: K or the latent, 1: V) of `layer` of engine block b, written from
+// the tensor's shape and not from any placement.
+struct Loc {
+  uint32_t region = 0;
+  uint64_t offset = 0;
+};
+
+struct EngineShape {
+  // Named like the tensor dimensions they are: blocks, K/V parts (2, or 1 for
+  // a latent), layers, tokens, heads, head_dim, dtype bytes.
+  uint64_t N, P, L, T, H, D, E;
+
+  EngineShape(const LayoutSpec& s, uint32_t num_blocks)
+      : N(num_blocks),
+        P(s.kv_kind == KvKind::kSeparateKv ? 2 : 1),
+        L(s.num_layers),
+        T(s.block_tokens),
+        H(s.num_kv_heads),
+        D(s.head_dim),
+        E(DTypeSizeBytes(s.dtype)) {}
+};
+
+struct EngineLayout {
+  const char* name;
+  std::vector<Placement> (*placements)(const Layout&, uint32_t num_blocks);
+  Loc (*locate)(const EngineShape&, uint64_t layer, uint64_t part, uint64_t b, uint64_t t,
+                uint64_t h);
+  // The byte size of each engine tensor, one per region.
+  std::vector<uint64_t> (*tensor_sizes)(const EngineShape&);
+};
+
+const EngineLayout kEngineLayouts[] = {
+    {"vLLM NHD [2, N, T, H, D] per layer", KvCacheLayout::VllmNhd,
+     [](const EngineShape& x, uint64_t layer, uint64_t part, uint64_t b, uint64_t t, uint64_t h) {
+       return Loc{uint32_t(layer), ((((part * x.N + b) * x.T + t) * x.H + h) * x.D) * x.E};
+     },
+     [](const EngineShape& x) {
+       return std::vector<uint64_t>(x.L, x.P * x.N * x.T * x.H * x.D * x.E);
+     }},
+    {"vLLM HND [2, N, H, T, D] per layer", KvCacheLayout::VllmHnd,
+     [](const EngineShape& x, uint64_t layer, uint64_t part, uint64_t b, uint64_t t, uint64_t h) {
+       return Loc{uint32_t(layer), ((((part * x.N + b) * x.H + h) * x.T + t) * x.D) * x.E};
+     },
+     [](const EngineShape& x) {
+       return std::vector<uint64_t>(x.L, x.P * x.N * x.T * x.H * x.D * x.E);
+     }},
+    {"SGLang layer-first [N * T, H, D] per layer and part", KvCacheLayout::SglangLayerFirst,
+     [](const EngineShape& x, uint64_t layer, uint64_t part, uint64_t b, uint64_t t, uint64_t h) {
+       const uint64_t token = b * x.T + t;
+       return Loc{uint32_t(layer * x.P + part), ((token * x.H + h) * x.D) * x.E};
+     },
+     [](const EngineShape& x) {
+       return std::vector<uint64_t>(x.L * x.P, x.N * x.T * x.H * x.D * x.E);
+     }},
+    {"SGLang page-first [2, N * T, L, H, D]", KvCacheLayout::SglangPageFirst,
+     [](const EngineShape& x, uint64_t layer, uint64_t part, uint64_t b, uint64_t t, uint64_t h) {
+       const uint64_t token = b * x.T + t;
+       return Loc{0, ((((part * x.N * x.T + token) * x.L + layer) * x.H + h) * x.D) * x.E};
+     },
+     [](const EngineShape& x) {
+       return std::vector<uint64_t>{x.P * x.N * x.T * x.L * x.H * x.D * x.E};
+     }},
+};
+
+// Small enough to visit every row of every block; odd sizes so that swapped
+// dimensions land on different bytes.
+std::vector<LayoutSpec> EngineSpecs() {
+  LayoutSpec fp32 = SmallSpec();
+  fp32.num_layers = 3;
+  fp32.num_kv_heads = 3;
+  fp32.head_dim = 5;
+  fp32.dtype = DType::kFp32;
+  fp32.block_tokens = 2;
+  LayoutSpec one_token = SmallSpec();
+  one_token.block_tokens = 1;
+  LayoutSpec latent = LatentSpec();
+  latent.num_layers = 3;
+  latent.head_dim = 8;
+  latent.block_tokens = 5;
+  return {SmallSpec(), fp32, one_token, latent};
+}
+
+TEST(KvCacheLayoutTest, EngineHelpersPlaceRowsWhereTheEngineTensorsHaveThem) {
+  for (const EngineLayout& engine : kEngineLayouts) {
+    for (const LayoutSpec& s : EngineSpecs()) {
+      for (uint32_t num_blocks : {1u, 4u}) {
+        SCOPED_TRACE(std::string(engine.name) + ", " + MakeLayout(s).ToString() + ", " +
+                     std::to_string(num_blocks) + " blocks");
+        const Layout layout = MakeLayout(s);
+        const EngineShape x(s, num_blocks);
+        const std::vector<Placement> placements = engine.placements(layout, num_blocks);
+        ASSERT_EQ(placements.size(), x.L * x.P);
+
+        // Dense tensors: the smallest regions are the tensors themselves.
+        const std::vector<uint64_t> sizes = engine.tensor_sizes(x);
+        EXPECT_EQ(KvCacheLayout::MinRegionSizes(layout, num_blocks, placements), sizes);
+        Result<KvCacheLayout> kv = KvCacheLayout::Create(layout, num_blocks, placements, sizes);
+        ASSERT_TRUE(kv.has_value()) << kv.error();
+        for (size_t r = 0; r < sizes.size(); ++r) {
+          std::vector<uint64_t> short_sizes = sizes;
+          short_sizes[r] -= 1;
+          ExpectInvalid(KvCacheLayout::Create(layout, num_blocks, placements, short_sizes),
+                        "past the end of region " + std::to_string(r));
+        }
+
+        for (uint64_t layer = 0; layer < x.L; ++layer) {
+          for (uint64_t part = 0; part < x.P; ++part) {
+            const Placement& p = placements[layer * x.P + part];
+            for (uint64_t b = 0; b < x.N; ++b) {
+              for (uint64_t t = 0; t < x.T; ++t) {
+                for (uint64_t h = 0; h < x.H; ++h) {
+                  const Loc want = engine.locate(x, layer, part, b, t, h);
+                  const uint64_t got = p.offset_bytes + b * p.block_stride_bytes +
+                                       t * p.token_stride_bytes + h * p.head_stride_bytes;
+                  ASSERT_EQ(p.region, want.region) << layer << " " << part;
+                  ASSERT_EQ(got, want.offset) << "layer " << layer << " part " << part << " block "
+                                              << b << " token " << t << " head " << h;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(KvCacheLayoutTest, EngineHelpersOfALatentLayoutAreOneHeadTensors) {
+  const Layout layout = MakeLayout(LatentSpec());
+  // vLLM's HND and NHD are the same bytes with one head; the head stride is
+  // never used.
+  const std::vector<Placement> nhd = KvCacheLayout::VllmNhd(layout, 10);
+  const std::vector<Placement> hnd = KvCacheLayout::VllmHnd(layout, 10);
+  ASSERT_EQ(hnd.size(), nhd.size());
+  for (size_t i = 0; i < nhd.size(); ++i) {
+    EXPECT_EQ(hnd[i].region, nhd[i].region);
+    EXPECT_EQ(hnd[i].offset_bytes, nhd[i].offset_bytes);
+    EXPECT_EQ(hnd[i].block_stride_bytes, nhd[i].block_stride_bytes);
+    EXPECT_EQ(hnd[i].token_stride_bytes, nhd[i].token_stride_bytes);
+  }
+  Result<KvCacheLayout> kv =
+      KvCacheLayout::Create(layout, 10, hnd, VllmRegionSizes(LatentSpec(), 10));
+  ASSERT_TRUE(kv.has_value()) << kv.error();
+  EXPECT_TRUE(kv->PieceIsContiguous(0));
+
+  // SGLang's latent pool is one region per layer; its page-first host pool
+  // one region in which a token's 61 layers are adjacent.
+  EXPECT_EQ(KvCacheLayout::SglangLayerFirst(layout, 10).back().region, 60u);
+  const std::vector<Placement> page_first = KvCacheLayout::SglangPageFirst(layout, 10);
+  EXPECT_EQ(page_first.back().region, 0u);
+  EXPECT_EQ(page_first.back().offset_bytes, 60u * 576 * 2);
+  EXPECT_EQ(page_first.back().token_stride_bytes, 61u * 576 * 2);
+}
+
+TEST(KvCacheLayoutTest, MinRegionSizes) {
+  const Layout layout = MakeLayout(SmallSpec());  // 3 tokens, 2 heads, 8-byte rows
+  // HND with padded rows: one block spans (2 - 1) * 30 + (3 - 1) * 10 + 8 = 58
+  // bytes. Region 1 is unused, region 3 holds two pieces, the later one ending
+  // first.
+  const std::vector<Placement> placements = {
+      Placement{0, 5, 60, 10, 30},
+      Placement{2, 0, 48, 16, 8},
+      Placement{3, 1000, 48, 16, 8},
+      Placement{3, 0, 48, 16, 8},
+  };
+  EXPECT_EQ(KvCacheLayout::MinRegionSizes(layout, 4, placements),
+            (std::vector<uint64_t>{5 + 3 * 60 + 58, 0, 3 * 48 + 48, 1000 + 3 * 48 + 48}));
+  // One block: its block stride does not matter.
+  EXPECT_EQ(KvCacheLayout::MinRegionSizes(layout, 1, placements),
+            (std::vector<uint64_t>{5 + 58, 0, 48, 1000 + 48}));
+
+  // Strides of a single token or head do not count, as in Create; a scale
+  // piece is one row.
+  LayoutSpec one = SmallSpec();
+  one.block_tokens = 1;
+  one.num_kv_heads = 1;
+  one.dtype = DType::kFp8E4M3;
+  one.scale_bytes_per_layer = 3;
+  const Layout one_row = MakeLayout(one);
+  std::vector<Placement> rows(6, Placement{0, 0, 100, kMax / 4, kMax / 4});
+  rows[5] = Placement{1, 7, 11, kMax, kMax};
+  EXPECT_EQ(KvCacheLayout::MinRegionSizes(one_row, 2, rows),
+            (std::vector<uint64_t>{100 + 4, 7 + 11 + 3}));
+  EXPECT_TRUE(
+      KvCacheLayout::Create(one_row, 2, rows, KvCacheLayout::MinRegionSizes(one_row, 2, rows)));
+}
+
+TEST(KvCacheLayoutDeathTest, EngineHelpersRejectAScaleRegion) {
+  const Layout fp8 = MakeLayout(LatentFp8WithScaleSpec());
+  EXPECT_DEATH(KvCacheLayout::VllmNhd(fp8, 1), "vLLM's KV tensors hold no fp8 scale region");
+  EXPECT_DEATH(KvCacheLayout::VllmHnd(fp8, 1), "vLLM's KV tensors hold no fp8 scale region");
+  EXPECT_DEATH(KvCacheLayout::SglangLayerFirst(fp8, 1), "SGLang's KV tensors hold no fp8");
+  EXPECT_DEATH(KvCacheLayout::SglangPageFirst(fp8, 1), "SGLang's KV tensors hold no fp8");
+}
+
+TEST(KvCacheLayoutDeathTest, MinRegionSizesChecksItsArguments) {
+  const Layout layout = MakeLayout(SmallSpec());
+  std::vector<Placement> placements = KvCacheLayout::VllmNhd(layout, 4);
+  EXPECT_DEATH(KvCacheLayout::MinRegionSizes(layout, 0, placements), "num_blocks > 0");
+  placements[2].block_stride_bytes = kMax / 2;
+  EXPECT_DEATH(KvCacheLayout::MinRegionSizes(layout, 4, placements),
+               "placement 2 \\(layer 1 K\\): byte range overflows");
+  placements.pop_back();
+  EXPECT_DEATH(KvCacheLayout::MinRegionSizes(layout, 4, placements), "placements.size\\(\\)");
 }
 
 }  // namespace

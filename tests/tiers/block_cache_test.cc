@@ -42,15 +42,16 @@ class HoldingBackend final : public DeviceBackend {
   explicit HoldingBackend(DeviceBackend* inner) : inner_(inner) {}
 
   std::string_view name() const override { return inner_->name(); }
+  std::string Describe() const override { return inner_->Describe(); }
   Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
     return inner_->AllocateDeviceArena(device, size_bytes);
   }
   Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
     return inner_->AllocateHostArena(size_bytes);
   }
-  Result<std::shared_ptr<ClientMapping>> MapClientMemory(
-      std::vector<ClientRegionHandle> regions) override {
-    return inner_->MapClientMemory(std::move(regions));
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override {
+    return inner_->MapClientMemory(std::move(regions), std::move(events));
   }
   uint64_t live_mappings() const override { return inner_->live_mappings(); }
 

@@ -1,6 +1,7 @@
 #include "tiers/host_backend.h"
 
 #include <fcntl.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
@@ -368,7 +369,7 @@ TEST(HostBackendTest, MapClientMemoryMapsASealedMemfd) {
   ASSERT_TRUE(own.has_value()) << own.error();
   std::vector<ClientRegionHandle> regions;
   regions.push_back(MemfdHandle(std::move(*fd), 2 * 4096));  // a memfd larger than claimed is fine
-  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions), {});
   ASSERT_TRUE(m.has_value()) << m.error();
   ASSERT_EQ((*m)->region_bases().size(), 1u);
   // Shared memory: what the engine writes, the daemon sees, and back.
@@ -383,7 +384,7 @@ TEST(HostBackendTest, MapClientMemoryRejectsBadRegions) {
   auto expect_rejected = [&](ClientRegionHandle h, const std::string& what) {
     std::vector<ClientRegionHandle> regions;
     regions.push_back(std::move(h));
-    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions), {});
     ASSERT_FALSE(m.has_value()) << what;
     EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument) << what << ": " << m.error();
   };
@@ -425,6 +426,19 @@ TEST(HostBackendTest, MapClientMemoryRejectsBadRegions) {
   EXPECT_EQ(backend->live_mappings(), 0u);
 }
 
+TEST(HostBackendTest, CudaEventsAreRefused) {
+  auto backend = MakeBackend(1);
+  Result<UniqueFd> fd = MakeMemfd(4096, true, true);
+  ASSERT_TRUE(fd.has_value()) << fd.error();
+  std::vector<ClientRegionHandle> regions;
+  regions.push_back(MemfdHandle(std::move(*fd), 4096));
+  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions), {IpcEventHandle{}});
+  ASSERT_FALSE(m.has_value());
+  EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.error().message(), ::testing::HasSubstr("cuda device backend"));
+  EXPECT_EQ(backend->live_mappings(), 0u);
+}
+
 TEST(HostBackendTest, OneBadRegionRejectsTheWholeRegistration) {
   auto backend = MakeBackend(1);
   Result<UniqueFd> good = MakeMemfd(4096, true, true);
@@ -433,7 +447,7 @@ TEST(HostBackendTest, OneBadRegionRejectsTheWholeRegistration) {
   std::vector<ClientRegionHandle> regions;
   regions.push_back(MemfdHandle(std::move(*good), 4096));
   regions.push_back(MemfdHandle(std::move(*bad), 4096));
-  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions));
+  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions), {});
   ASSERT_FALSE(m.has_value());
   EXPECT_NE(m.error().message().find("region 1"), std::string::npos) << m.error();
   EXPECT_EQ(backend->live_mappings(), 0u);
@@ -448,7 +462,7 @@ TEST(HostBackendTest, LiveMappingsCountsMappings) {
       EXPECT_TRUE(fd.has_value());
       handles.push_back(MemfdHandle(std::move(*fd), 4096));
     }
-    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(handles));
+    Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(handles), {});
     EXPECT_TRUE(m.has_value());
     return std::move(*m);
   };

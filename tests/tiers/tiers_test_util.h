@@ -144,7 +144,7 @@ class EngineMemory {
     std::vector<ClientRegionHandle> regions;
     regions.push_back(MemfdHandle(std::move(fd), size));
     KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<ClientMapping> mapping,
-                            backend.MapClientMemory(std::move(regions)));
+                            backend.MapClientMemory(std::move(regions), {}));
     return std::unique_ptr<EngineMemory>(new EngineMemory(
         std::make_shared<const KvCacheLayout>(std::move(kv)), std::move(mapping), std::move(own)));
   }

@@ -55,6 +55,19 @@ struct KvRegion {
   uint64_t size_bytes = 0;
 };
 
+// One region of GPU memory for RegisterCudaKvCache: a device pointer (an
+// engine KV tensor; it may lie inside a larger allocation, as PyTorch's
+// caching allocator makes them) and its size.
+struct CudaKvRegion {
+  void* device_ptr = nullptr;
+  uint64_t size_bytes = 0;
+};
+
+// An engine's cudaStream_t / cudaEvent_t, opaque so that this header needs no
+// CUDA include.
+using CudaStream = void*;
+using CudaEvent = void*;
+
 using CacheId = uint32_t;
 
 enum class BlockTier : uint8_t { kHbm = 1, kHost = 2, kDisk = 3 };
@@ -72,6 +85,12 @@ struct OpResult {
 struct OpHandle {
   uint64_t op = 0;
   uint64_t connection = 0;  // which connection started it
+  // GPU caches, ops given a stream: a CUDA event the daemon recorded on its
+  // copy stream after the copies of `event_blocks` blocks. Null when the
+  // copies could not be queued at once (blocks read from disk first, or every
+  // event busy): then Wait. Valid until Wait has returned the op's result.
+  CudaEvent event = nullptr;
+  uint32_t event_blocks = 0;
 };
 
 struct TierStats {
@@ -82,6 +101,7 @@ struct TierStats {
 };
 
 struct DaemonStats {
+  std::string backend;  // the device backend, its devices and driver
   std::vector<TierStats> tiers;
   uint64_t sessions = 0;
   uint64_t leases = 0;
@@ -117,6 +137,13 @@ class Client {
   Result<CacheId> RegisterKvCache(const Layout& layout, uint32_t num_blocks,
                                   std::vector<Placement> placements, std::vector<KvRegion> regions);
   Result<CacheId> RegisterKvCache(const ShmKvCache& cache);
+  // Registers a KV cache in GPU memory (e.g. vLLM's per-layer tensors): each
+  // region is exported as a CUDA IPC handle, and a pool of interprocess
+  // events is created for GPU-side completion. Errors: kInvalidArgument for
+  // memory that is not on one GPU; kUnimplemented when libkvtier was built
+  // without CUDA, or the daemon runs the host backend.
+  Result<CacheId> RegisterCudaKvCache(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
+                                      std::vector<CudaKvRegion> regions);
 
   // Chain keys of every full block of `tokens` (docs/hashing.md), keyed by
   // this tenant's hash secret. Works offline once connected.
@@ -136,6 +163,18 @@ class Client {
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys,
                               std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent = std::nullopt);
+  // GPU caches: as LoadAsync, and when the daemon could queue the copies at
+  // once (OpHandle::event set), `stream` is made to wait for them on the GPU
+  // before this returns, so the engine's next kernels on it read the loaded
+  // blocks with no Wait; event_blocks says how many leading blocks that is.
+  Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                             CudaStream stream);
+  // GPU caches: as StoreAsync, and the copies first wait, on the GPU, for
+  // everything queued on `stream` so far (the engine's writes of these
+  // blocks). OpHandle::event, when set, completes after the copies: wait on
+  // it before overwriting the blocks.
+  Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                              const std::optional<BlockKey>& parent, CudaStream stream);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
   // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
   // op keeps running; wait again), kUnavailable if the daemon restarted.

@@ -1,0 +1,21 @@
+// CudaExport without the CUDA toolkit: libkvtier still builds and serves CPU
+// engines; GPU registration says why it cannot work.
+#include "client/cuda_export.h"
+
+namespace kvtier {
+namespace {
+Status NoCuda() {
+  return Status(StatusCode::kUnimplemented, "libkvtier was built without CUDA; GPU KV caches need a CUDA build");
+}
+}  // namespace
+
+Result<std::unique_ptr<CudaExport>> CudaExport::Create(std::span<const CudaKvRegion>, uint32_t) {
+  return Err(NoCuda());
+}
+CudaExport::~CudaExport() = default;
+std::optional<int32_t> CudaExport::AcquireEvent() { return std::nullopt; }
+void CudaExport::ReleaseEvent(int32_t) {}
+Status CudaExport::Record(int32_t, CudaStream) const { return NoCuda(); }
+Status CudaExport::StreamWait(CudaStream, int32_t) const { return NoCuda(); }
+
+}  // namespace kvtier

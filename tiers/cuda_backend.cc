@@ -1,0 +1,546 @@
+#include "tiers/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include "common/check.h"
+#include "common/memory_mapping.h"
+#include "common/mutex.h"
+#include "kernels/copy_reference.h"
+#include "kernels/cuda/copy_kernels.h"
+#include "kernels/cuda/cuda_util.h"
+#include "tiers/host_backend.h"
+
+namespace kvtier {
+
+// The wire carries CUDA's handles as opaque byte arrays of these sizes.
+static_assert(sizeof(cudaIpcMemHandle_t) == ClientRegionHandle::kCudaIpcHandleBytes);
+static_assert(sizeof(cudaIpcEventHandle_t) == std::tuple_size_v<IpcEventHandle>);
+
+namespace {
+
+using cuda::CudaStatus;
+using cuda::ScopedDevice;
+using IpcMemKey = std::array<uint8_t, ClientRegionHandle::kCudaIpcHandleBytes>;
+
+// One stream and the thread that completes its batches, in stream order.
+struct Lane {
+  struct Pending {
+    cudaEvent_t event = nullptr;  // recorded after the batch's work; null if nothing was queued
+    Status status;                // an error while queueing
+    bool on_cpu = false;          // host memory on both sides: copied here, by the CPU reference
+    CopyBatch batch;
+    CopyDone done;
+    // With checksum_destination: each destination, or null where it is device memory.
+    std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
+  };
+
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  Mutex mu;
+  CondVar cv;
+  std::deque<Pending> queue KVTIER_GUARDED_BY(mu);
+  bool stopping KVTIER_GUARDED_BY(mu) = false;
+  std::thread thread;
+};
+
+}  // namespace
+
+struct CudaBackend::State {
+  std::vector<int> devices;
+  std::vector<std::array<uint8_t, 16>> uuids;  // of each device, in order
+  std::string description;
+  std::vector<std::unique_ptr<Lane>> lanes;  // devices.size() x kNumCopyPriorities
+  std::atomic<uint64_t> live_mappings{0};
+
+  struct Range {
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    int device = 0;
+  };
+  struct OpenedMemory {
+    uint8_t* base = nullptr;
+    uint64_t size_bytes = 0;
+    uint32_t refs = 0;
+  };
+  struct OpenedEvent {
+    cudaEvent_t event = nullptr;
+    uint32_t refs = 0;
+  };
+  Mutex mu;
+  std::vector<Range> device_arenas KVTIER_GUARDED_BY(mu);
+  std::map<IpcMemKey, OpenedMemory> opened_memory KVTIER_GUARDED_BY(mu);
+  std::map<IpcEventHandle, OpenedEvent> opened_events KVTIER_GUARDED_BY(mu);
+
+  Lane& LaneFor(int device, CopyPriority priority) {
+    const auto d = std::find(devices.begin(), devices.end(), device);
+    KVTIER_CHECK(d != devices.end());
+    return *lanes[static_cast<size_t>(d - devices.begin()) * kNumCopyPriorities + static_cast<size_t>(priority)];
+  }
+
+  // The device whose hbm arena holds `p`, if any (else it is host memory).
+  std::optional<int> DeviceOf(const void* p) {
+    const auto a = reinterpret_cast<uint64_t>(p);
+    MutexLock lock(&mu);
+    for (const Range& r : device_arenas) {
+      if (a >= r.begin && a < r.end) return r.device;
+    }
+    return std::nullopt;
+  }
+
+  // Opens an IPC memory handle on `device`, or shares the one already open.
+  Result<OpenedMemory> OpenMemory(const IpcMemKey& key, int device) {
+    MutexLock lock(&mu);
+    if (auto it = opened_memory.find(key); it != opened_memory.end()) {
+      ++it->second.refs;
+      return it->second;
+    }
+    ScopedDevice scope(device);
+    KVTIER_RETURN_IF_ERROR(scope.status());
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, key.data(), sizeof(handle));
+    void* base = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+                                "cudaIpcOpenMemHandle");
+    Result<cuda::AllocationRange> range = cuda::AllocationOf(base);
+    if (!range || range->base != reinterpret_cast<uint64_t>(base)) {
+      (void)cudaIpcCloseMemHandle(base);
+      if (!range) return Err(range.error().WithContext("sizing an opened IPC allocation"));
+      return Err(Internal("an opened IPC allocation does not start at its mapping"));
+    }
+    OpenedMemory opened{static_cast<uint8_t*>(base), range->size_bytes, 1};
+    opened_memory.emplace(key, opened);
+    return opened;
+  }
+
+  void ReleaseMemory(const IpcMemKey& key) {
+    MutexLock lock(&mu);
+    auto it = opened_memory.find(key);
+    KVTIER_CHECK(it != opened_memory.end() && it->second.refs > 0);
+    if (--it->second.refs > 0) return;
+    (void)cudaIpcCloseMemHandle(it->second.base);
+    opened_memory.erase(it);
+  }
+
+  Result<cudaEvent_t> OpenEvent(const IpcEventHandle& key, int device) {
+    MutexLock lock(&mu);
+    if (auto it = opened_events.find(key); it != opened_events.end()) {
+      ++it->second.refs;
+      return it->second.event;
+    }
+    ScopedDevice scope(device);
+    KVTIER_RETURN_IF_ERROR(scope.status());
+    cudaIpcEventHandle_t handle;
+    std::memcpy(&handle, key.data(), sizeof(handle));
+    cudaEvent_t event = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&event, handle), "cudaIpcOpenEventHandle");
+    opened_events.emplace(key, OpenedEvent{event, 1});
+    return event;
+  }
+
+  void ReleaseEvent(const IpcEventHandle& key) {
+    MutexLock lock(&mu);
+    auto it = opened_events.find(key);
+    KVTIER_CHECK(it != opened_events.end() && it->second.refs > 0);
+    if (--it->second.refs > 0) return;
+    (void)cudaEventDestroy(it->second.event);
+    opened_events.erase(it);
+  }
+};
+
+namespace {
+
+class DeviceArena final : public Arena {
+ public:
+  DeviceArena(cuda::DeviceBuffer buffer, std::shared_ptr<CudaBackend::State> state)
+      : buffer_(std::move(buffer)), state_(std::move(state)) {}
+  ~DeviceArena() override {
+    MutexLock lock(&state_->mu);
+    std::erase_if(state_->device_arenas, [this](const auto& r) { return r.begin == Begin(); });
+  }
+  uint8_t* data() const override { return buffer_.data(); }
+  uint64_t size_bytes() const override { return buffer_.size_bytes(); }
+  uint64_t Begin() const { return reinterpret_cast<uint64_t>(buffer_.data()); }
+
+ private:
+  cuda::DeviceBuffer buffer_;
+  std::shared_ptr<CudaBackend::State> state_;
+};
+
+class PinnedArena final : public Arena {
+ public:
+  PinnedArena(uint8_t* data, uint64_t size_bytes) : data_(data), size_bytes_(size_bytes) {}
+  ~PinnedArena() override { (void)cudaFreeHost(data_); }
+  uint8_t* data() const override { return data_; }
+  uint64_t size_bytes() const override { return size_bytes_; }
+
+ private:
+  uint8_t* data_;
+  uint64_t size_bytes_;
+};
+
+}  // namespace
+
+// A client's registration: its IPC allocations (or registered memfds) and
+// events, and the copy plans uploaded for its layouts.
+class CudaClientMapping final : public ClientMapping {
+ public:
+  explicit CudaClientMapping(std::shared_ptr<CudaBackend::State> state) : state_(std::move(state)) {
+    state_->live_mappings.fetch_add(1, std::memory_order_relaxed);  // a statistic
+  }
+
+  ~CudaClientMapping() override {
+    plans_.clear();
+    for (const IpcEventHandle& e : event_keys_) state_->ReleaseEvent(e);
+    for (const IpcMemKey& k : memory_keys_) state_->ReleaseMemory(k);
+    for (const MemoryMapping& m : memfds_) (void)cudaHostUnregister(m.data());
+    state_->live_mappings.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  std::span<uint8_t* const> region_bases() const override { return bases_; }
+  uint32_t num_events() const override { return static_cast<uint32_t>(events_.size()); }
+
+  // Builds the mapping. Errors as CudaBackend::MapClientMemory.
+  Status Open(std::vector<ClientRegionHandle> regions, std::vector<IpcEventHandle> events) {
+    const CudaBackend::State& s = *state_;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      ClientRegionHandle& r = regions[i];
+      const std::string what = "region " + std::to_string(i);
+      if (r.size_bytes == 0) return InvalidArgument(what + ": size is 0");
+      if (i > 0 && (r.kind == ClientMemoryKind::kCudaIpc) != on_device_) {
+        return InvalidArgument(what + ": one cache's regions must be all device memory or all memfds");
+      }
+      if (r.kind == ClientMemoryKind::kHostMemfd) {
+        KVTIER_ASSIGN_OR_RETURN(MemoryMapping m, HostBackend::MapSealedMemfd(r, what));
+        // Registered (mapped, every device) so that a kernel can copy between
+        // the CPU engine's memory and the hbm tier.
+        ScopedDevice scope(s.devices.front());
+        KVTIER_RETURN_IF_ERROR(scope.status());
+        KVTIER_CUDA_RETURN_IF_ERROR(
+            cudaHostRegister(m.data(), m.size_bytes(), cudaHostRegisterMapped | cudaHostRegisterPortable),
+            what + ": cudaHostRegister");
+        void* on_device = nullptr;
+        const cudaError_t err = cudaHostGetDevicePointer(&on_device, m.data(), 0);
+        if (err != cudaSuccess || on_device != m.data()) {
+          (void)cudaHostUnregister(m.data());
+          return err != cudaSuccess ? CudaStatus(err, what + ": cudaHostGetDevicePointer")
+                                    : Status(StatusCode::kFailedPrecondition,
+                                             what + ": registered memory has another device address");
+        }
+        bases_.push_back(m.data());
+        memfds_.push_back(std::move(m));
+        continue;
+      }
+      if (r.kind != ClientMemoryKind::kCudaIpc) return InvalidArgument(what + ": unknown memory kind");
+      if (r.has_device_uuid) {
+        // The client's ordinal depends on its CUDA_VISIBLE_DEVICES; the UUID does not.
+        const auto u = std::find(s.uuids.begin(), s.uuids.end(), r.device_uuid);
+        if (u == s.uuids.end()) return InvalidArgument(what + ": its GPU (by UUID) is not one this daemon uses");
+        r.device = s.devices[static_cast<size_t>(u - s.uuids.begin())];
+      }
+      if (std::find(s.devices.begin(), s.devices.end(), r.device) == s.devices.end()) {
+        return InvalidArgument(what + ": device " + std::to_string(r.device) + " is not one this daemon uses");
+      }
+      if (on_device_ && r.device != device_) {
+        return InvalidArgument(what + ": all regions of one cache must be on one device");
+      }
+      on_device_ = true;
+      device_ = r.device;
+      KVTIER_ASSIGN_OR_RETURN(const CudaBackend::State::OpenedMemory opened,
+                              state_->OpenMemory(r.cuda_ipc_handle, r.device));
+      memory_keys_.push_back(r.cuda_ipc_handle);
+      uint64_t end = 0;
+      if (__builtin_add_overflow(r.cuda_offset, r.size_bytes, &end) || end > opened.size_bytes) {
+        return InvalidArgument(what + ": offset " + std::to_string(r.cuda_offset) + " + size " +
+                               std::to_string(r.size_bytes) + " is beyond the exported allocation's " +
+                               std::to_string(opened.size_bytes) + " bytes");
+      }
+      bases_.push_back(opened.base + r.cuda_offset);
+    }
+    if (!on_device_) device_ = s.devices.front();
+    if (!events.empty() && !on_device_) {
+      return InvalidArgument("CUDA IPC events need a cache in device memory, not memfds");
+    }
+    for (const IpcEventHandle& e : events) {
+      KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, state_->OpenEvent(e, device_));
+      event_keys_.push_back(e);
+      events_.push_back(event);
+    }
+    return Status::Ok();
+  }
+
+  int device() const { return device_; }
+  bool on_device() const { return on_device_; }
+  cudaEvent_t event(int32_t i) const {
+    KVTIER_CHECK(i >= 0 && static_cast<size_t>(i) < events_.size());
+    return events_[static_cast<size_t>(i)];
+  }
+
+  // The copy plan of `layout` over this mapping, in device memory (uploaded
+  // on first use; a registration has one layout, so this is a tiny list).
+  Result<cuda::DevicePieces> PlanFor(const std::shared_ptr<const KvCacheLayout>& layout) {
+    MutexLock lock(&mu_);
+    for (const auto& [l, plan] : plans_) {
+      if (l == layout) return plan.pieces();
+    }
+    KVTIER_ASSIGN_OR_RETURN(cuda::DevicePlan plan,
+                            cuda::DevicePlan::Upload(CopyPlan::Build(*layout, MappedRegions{bases_}), device_));
+    plans_.emplace_back(layout, std::move(plan));
+    return plans_.back().second.pieces();
+  }
+
+ private:
+  std::shared_ptr<CudaBackend::State> state_;
+  bool on_device_ = false;
+  int device_ = -1;
+  std::vector<uint8_t*> bases_;
+  std::vector<IpcMemKey> memory_keys_;
+  std::vector<MemoryMapping> memfds_;
+  std::vector<IpcEventHandle> event_keys_;
+  std::vector<cudaEvent_t> events_;
+  Mutex mu_;
+  std::vector<std::pair<std::shared_ptr<const KvCacheLayout>, cuda::DevicePlan>> plans_ KVTIER_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// Runs a batch whose memory is all on the host with the CPU reference.
+CopyResult CopyOnCpu(const CopyBatch& c) {
+  CopyResult r;
+  const bool engine = c.direction != CopyDirection::kSlotToSlot;
+  if (engine) {
+    const CopyPlan plan = CopyPlan::Build(*c.layout, MappedRegions{c.mapping->region_bases()});
+    for (const BlockCopy& b : c.blocks) {
+      if (c.direction == CopyDirection::kSlotToEngine) {
+        ScatterBlock(plan, b.engine_block, b.slot);
+      } else if (c.checksum_destination) {
+        GatherBlock(plan, b.engine_block, b.slot, &r.checksums.emplace_back());
+      } else {
+        GatherBlock(plan, b.engine_block, b.slot);
+      }
+    }
+    return r;
+  }
+  for (const SlotCopy& sc : c.slot_copies) {
+    if (c.checksum_destination) {
+      r.checksums.push_back(CopyWithChecksum(sc.dst, sc.src, sc.size_bytes));
+    } else {
+      std::memcpy(sc.dst, sc.src, sc.size_bytes);
+    }
+  }
+  return r;
+}
+
+void CompleteLoop(Lane* lane) {
+  while (true) {
+    Lane::Pending p;
+    {
+      MutexLock lock(&lane->mu);
+      while (lane->queue.empty() && !lane->stopping) lane->cv.Wait(&lane->mu);
+      if (lane->queue.empty()) return;  // stopping, and drained
+      p = std::move(lane->queue.front());
+      lane->queue.pop_front();
+    }
+    CopyResult result{.status = p.status};
+    if (p.event != nullptr) {
+      if (const cudaError_t err = cudaEventSynchronize(p.event); err != cudaSuccess && result.status.ok()) {
+        result.status = CudaStatus(err, "copy batch");
+      }
+      (void)cudaEventDestroy(p.event);
+    }
+    if (result.status.ok()) {
+      if (p.on_cpu) {
+        result = CopyOnCpu(p.batch);
+      } else if (p.batch.checksum_destination) {
+        for (const auto& [dst, size] : p.checksum_of) result.checksums.push_back(dst ? ChecksumOf(dst, size) : 0);
+      }
+    }
+    // Let go of the client's mapping before `done`, as the host backend does.
+    p.batch = CopyBatch{};
+    p.done(std::move(result));
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
+  KVTIER_ASSIGN_OR_RETURN(const int count, cuda::DeviceCount());
+  auto state = std::make_shared<State>();
+  state->devices = options.devices;
+  if (state->devices.empty()) {
+    for (int d = 0; d < count; ++d) state->devices.push_back(d);
+  }
+  state->description = "cuda:";
+  for (int d : state->devices) {
+    if (d < 0 || d >= count) {
+      return Err(InvalidArgument("device " + std::to_string(d) + " does not exist (" + std::to_string(count) +
+                                 " visible)"));
+    }
+    KVTIER_ASSIGN_OR_RETURN(const std::string about, cuda::DescribeDevice(d));
+    cudaDeviceProp prop{};
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, d), "cudaGetDeviceProperties");
+    std::memcpy(state->uuids.emplace_back().data(), prop.uuid.bytes, 16);
+    state->description += " [" + std::to_string(d) + "] " + about + ";";
+  }
+  state->description += " driver " + cuda::DriverVersion();
+  auto backend = std::unique_ptr<CudaBackend>(new CudaBackend(state));
+  for (int d : state->devices) {
+    ScopedDevice scope(d);
+    KVTIER_RETURN_IF_ERROR(scope.status());
+    int least = 0;
+    int greatest = 0;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                                "cudaDeviceGetStreamPriorityRange");
+    for (size_t p = 0; p < kNumCopyPriorities; ++p) {
+      // Loads get the greatest priority, background moves the least.
+      const int priority = p == 0 ? greatest : p == kNumCopyPriorities - 1 ? least : (least + greatest) / 2;
+      auto lane = std::make_unique<Lane>();
+      lane->device = d;
+      KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&lane->stream, cudaStreamNonBlocking, priority),
+                                  "cudaStreamCreateWithPriority");
+      lane->thread = std::thread(CompleteLoop, lane.get());
+      state->lanes.push_back(std::move(lane));
+    }
+  }
+  return backend;
+}
+
+CudaBackend::CudaBackend(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+CudaBackend::~CudaBackend() {
+  for (const std::unique_ptr<Lane>& lane : state_->lanes) {
+    {
+      MutexLock lock(&lane->mu);
+      lane->stopping = true;
+    }
+    lane->cv.SignalAll();
+  }
+  for (const std::unique_ptr<Lane>& lane : state_->lanes) {
+    if (lane->thread.joinable()) lane->thread.join();
+    if (lane->stream != nullptr) (void)cudaStreamDestroy(lane->stream);
+  }
+  state_->lanes.clear();
+}
+
+std::string CudaBackend::Describe() const { return state_->description; }
+const std::vector<int>& CudaBackend::devices() const { return state_->devices; }
+uint64_t CudaBackend::live_mappings() const { return state_->live_mappings.load(std::memory_order_relaxed); }
+
+Result<std::unique_ptr<Arena>> CudaBackend::AllocateDeviceArena(int device, uint64_t size_bytes) {
+  if (std::find(state_->devices.begin(), state_->devices.end(), device) == state_->devices.end()) {
+    return Err(InvalidArgument("hbm on device " + std::to_string(device) + ", which this daemon does not use"));
+  }
+  KVTIER_ASSIGN_OR_RETURN(cuda::DeviceBuffer buffer, cuda::DeviceBuffer::Allocate(device, size_bytes));
+  auto arena = std::make_unique<DeviceArena>(std::move(buffer), state_);
+  MutexLock lock(&state_->mu);
+  state_->device_arenas.push_back(State::Range{arena->Begin(), arena->Begin() + size_bytes, device});
+  return std::unique_ptr<Arena>(std::move(arena));
+}
+
+Result<std::unique_ptr<Arena>> CudaBackend::AllocateHostArena(uint64_t size_bytes) {
+  ScopedDevice scope(state_->devices.front());
+  KVTIER_RETURN_IF_ERROR(scope.status());
+  void* p = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, size_bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                              "cudaHostAlloc of the " + std::to_string(size_bytes) + "-byte host pool");
+  auto arena = std::make_unique<PinnedArena>(static_cast<uint8_t*>(p), size_bytes);
+  // Kernels use the host address as is: that needs unified addressing.
+  void* on_device = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&on_device, p, 0), "cudaHostGetDevicePointer");
+  if (on_device != p) {
+    return Err(Status(StatusCode::kFailedPrecondition,
+                      "pinned host memory is mapped at a different device address (no unified addressing)"));
+  }
+  return std::unique_ptr<Arena>(std::move(arena));
+}
+
+Result<std::shared_ptr<ClientMapping>> CudaBackend::MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                                    std::vector<IpcEventHandle> events) {
+  auto mapping = std::make_shared<CudaClientMapping>(state_);
+  KVTIER_RETURN_IF_ERROR(mapping->Open(std::move(regions), std::move(events)));
+  return std::shared_ptr<ClientMapping>(std::move(mapping));
+}
+
+void CudaBackend::Submit(CopyBatch batch, CopyDone done) {
+  State& s = *state_;
+  const bool engine = batch.direction != CopyDirection::kSlotToSlot;
+  auto* mapping = engine ? dynamic_cast<CudaClientMapping*>(batch.mapping.get()) : nullptr;
+  KVTIER_CHECK_MSG(!engine || mapping != nullptr, "a batch with a mapping the cuda backend did not make");
+
+  Lane::Pending p;
+  p.done = std::move(done);
+  // Where the work runs: the engine's device, else the device of an hbm slot
+  // involved; memory all on the host is copied by the CPU.
+  int device = s.devices.front();
+  bool device_memory = engine && mapping->on_device();
+  if (engine) device = mapping->device();
+  auto note = [&](const void* ptr, const uint8_t* dst, uint64_t size) {
+    const std::optional<int> d = s.DeviceOf(ptr);
+    if (d) {
+      device_memory = true;
+      if (!engine || !mapping->on_device()) device = *d;
+    }
+    if (batch.checksum_destination && dst != nullptr) {
+      p.checksum_of.emplace_back(s.DeviceOf(dst) ? nullptr : dst, size);
+    }
+  };
+  const uint64_t block_bytes = engine ? batch.layout->layout().block_bytes() : 0;
+  for (const BlockCopy& b : batch.blocks) {
+    note(b.slot, batch.direction == CopyDirection::kEngineToSlot ? b.slot : nullptr, block_bytes);
+  }
+  for (const SlotCopy& c : batch.slot_copies) {
+    note(c.src, nullptr, 0);
+    note(c.dst, c.dst, c.size_bytes);
+  }
+  p.on_cpu = !device_memory;
+  KVTIER_CHECK_MSG(!p.on_cpu || (batch.wait_event < 0 && batch.signal_event < 0),
+                   "events on a batch in host memory");
+
+  Lane& lane = s.LaneFor(device, batch.priority);
+  MutexLock lock(&lane.mu);  // queue order must be stream order
+  auto enqueue = [&]() -> Status {
+    if (p.on_cpu) return Status::Ok();
+    ScopedDevice scope(device);
+    KVTIER_RETURN_IF_ERROR(scope.status());
+    if (batch.wait_event >= 0) {
+      KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, mapping->event(batch.wait_event), 0),
+                                  "cudaStreamWaitEvent on the client's event");
+    }
+    if (engine) {
+      KVTIER_ASSIGN_OR_RETURN(const cuda::DevicePieces plan, mapping->PlanFor(batch.layout));
+      const cudaError_t err = batch.direction == CopyDirection::kEngineToSlot
+                                  ? cuda::LaunchGather(plan, batch.blocks, lane.stream)
+                                  : cuda::LaunchScatter(plan, batch.blocks, lane.stream);
+      KVTIER_CUDA_RETURN_IF_ERROR(err, "launching the gather/scatter kernel");
+    }
+    for (const SlotCopy& c : batch.slot_copies) {
+      KVTIER_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(c.dst, c.src, c.size_bytes, cudaMemcpyDefault, lane.stream),
+                                  "cudaMemcpyAsync between tiers");
+    }
+    if (batch.signal_event >= 0) {
+      KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(mapping->event(batch.signal_event), lane.stream),
+                                  "cudaEventRecord of the client's event");
+    }
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming | cudaEventBlockingSync),
+                                "cudaEventCreate");
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(p.event, lane.stream), "cudaEventRecord");
+    return Status::Ok();
+  };
+  p.status = enqueue();
+  if (!p.status.ok() && p.event != nullptr) {
+    (void)cudaEventDestroy(p.event);
+    p.event = nullptr;
+  }
+  p.batch = std::move(batch);
+  lane.queue.push_back(std::move(p));
+  lane.cv.Signal();
+}
+
+}  // namespace kvtier

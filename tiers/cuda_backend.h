@@ -1,0 +1,75 @@
+// CudaBackend: the `cuda` DeviceBackend (DESIGN.md, "Device backends").
+//
+//   - hbm: one cudaMalloc arena per device, cut into slots above this layer.
+//   - host: one cudaHostAlloc'd (pinned, mapped, portable) arena per node,
+//     shared by every client; kernels read and write it directly, and io_uring
+//     registers it as fixed buffers.
+//   - client memory: engine KV caches arrive as CUDA IPC memory handles
+//     (allocation + offset, since PyTorch sub-allocates) and are opened once
+//     per allocation, reference counted across registrations (CUDA refuses a
+//     second open of one handle in a process); CPU engines' memfd regions are
+//     mapped and cudaHostRegister'ed. Every opened range is checked against
+//     the allocation's real size, so a client cannot make the daemon touch
+//     memory outside what it exported.
+//   - events: a client's CUDA IPC events, opened with its registration. A
+//     batch may wait for one before its copies (a store reads what the
+//     engine's stream wrote) and record one after them (the engine's stream
+//     waits for a load on the GPU, not on a socket round trip).
+//   - copies: three streams per device (loads, stores, background moves; CUDA
+//     stream priorities in that order), batched gather/scatter kernels
+//     (kernels/cuda/copy_kernels.h) for engine copies, cudaMemcpyAsync (the
+//     copy engines, leaving SMs to the engine) for moves between tiers.
+//     Submit queues the work before it returns; one completion thread per
+//     stream waits for each batch's event in order, computes the checksums of
+//     destinations in host memory and runs `done`.
+//
+// Mappings hold their IPC handles open until the last copy using them has
+// completed and the mapping is released (a dead client's GPU memory is not
+// kept mapped). Errors keep the cudaError_t (Status::raw_code, source kCuda).
+//
+// Thread-safe. Destruction waits for every queued batch.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/device_backend.h"
+
+namespace kvtier {
+
+class CudaBackend final : public DeviceBackend {
+ public:
+  struct Options {
+    // CUDA device ordinals to use; empty: every visible device.
+    std::vector<int> devices;
+  };
+
+  // Errors: kUnavailable when there is no driver or no device (the message
+  // says which), kInvalidArgument for a device that does not exist.
+  static Result<std::unique_ptr<CudaBackend>> Create(const Options& options);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string_view name() const override { return "cuda"; }
+  std::string Describe() const override;
+  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override;
+  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override;
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override;
+  void Submit(CopyBatch batch, CopyDone done) override;
+  uint64_t live_mappings() const override;
+
+  const std::vector<int>& devices() const;
+
+  // Shared by the backend, its arenas and its mappings (which may outlive
+  // it); defined in cuda_backend.cc.
+  struct State;
+
+ private:
+  explicit CudaBackend(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;  // shared with arenas and mappings that outlive the backend
+};
+
+}  // namespace kvtier
