@@ -1,6 +1,7 @@
 #include "tiers/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstring>
@@ -174,16 +175,40 @@ class DeviceArena final : public Arena {
   std::shared_ptr<CudaBackend::State> state_;
 };
 
+// Anonymous memory registered with CUDA (pinned, mapped for every device),
+// not cudaHostAlloc'd: ordinary pages are what O_DIRECT and io_uring's fixed
+// buffers can pin too, so the disk tier reads and writes the same slots.
 class PinnedArena final : public Arena {
  public:
-  PinnedArena(uint8_t* data, uint64_t size_bytes) : data_(data), size_bytes_(size_bytes) {}
-  ~PinnedArena() override { (void)cudaFreeHost(data_); }
-  uint8_t* data() const override { return data_; }
-  uint64_t size_bytes() const override { return size_bytes_; }
+  explicit PinnedArena(MemoryMapping mapping) : mapping_(std::move(mapping)) {}
+  ~PinnedArena() override {
+    if (registered_) (void)cudaHostUnregister(mapping_.data());
+  }
+  Status Register() {
+    // Transparent huge pages where the kernel allows: fewer pages to pin and
+    // map. Only advice; 4 KiB pages work too.
+    (void)::madvise(mapping_.data(), mapping_.size_bytes(), MADV_HUGEPAGE);
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaHostRegister(mapping_.data(), mapping_.size_bytes(),
+                                                 cudaHostRegisterMapped | cudaHostRegisterPortable),
+                                "cudaHostRegister of the " + std::to_string(mapping_.size_bytes()) +
+                                    "-byte host pool");
+    registered_ = true;
+    // Kernels use the host address as is: that needs unified addressing.
+    void* on_device = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&on_device, mapping_.data(), 0),
+                                "cudaHostGetDevicePointer");
+    if (on_device != mapping_.data()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "pinned host memory is mapped at a different device address (no unified addressing)");
+    }
+    return Status::Ok();
+  }
+  uint8_t* data() const override { return mapping_.data(); }
+  uint64_t size_bytes() const override { return mapping_.size_bytes(); }
 
  private:
-  uint8_t* data_;
-  uint64_t size_bytes_;
+  MemoryMapping mapping_;
+  bool registered_ = false;
 };
 
 }  // namespace
@@ -447,17 +472,10 @@ Result<std::unique_ptr<Arena>> CudaBackend::AllocateDeviceArena(int device, uint
 Result<std::unique_ptr<Arena>> CudaBackend::AllocateHostArena(uint64_t size_bytes) {
   ScopedDevice scope(state_->devices.front());
   KVTIER_RETURN_IF_ERROR(scope.status());
-  void* p = nullptr;
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, size_bytes, cudaHostAllocPortable | cudaHostAllocMapped),
-                              "cudaHostAlloc of the " + std::to_string(size_bytes) + "-byte host pool");
-  auto arena = std::make_unique<PinnedArena>(static_cast<uint8_t*>(p), size_bytes);
-  // Kernels use the host address as is: that needs unified addressing.
-  void* on_device = nullptr;
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&on_device, p, 0), "cudaHostGetDevicePointer");
-  if (on_device != p) {
-    return Err(Status(StatusCode::kFailedPrecondition,
-                      "pinned host memory is mapped at a different device address (no unified addressing)"));
-  }
+  Result<MemoryMapping> m = MemoryMapping::Anonymous(size_bytes);
+  if (!m) return Err(m.error().WithContext("allocating the host pool"));
+  auto arena = std::make_unique<PinnedArena>(std::move(*m));
+  KVTIER_RETURN_IF_ERROR(arena->Register());
   return std::unique_ptr<Arena>(std::move(arena));
 }
 

@@ -1,9 +1,11 @@
 // CudaBackend: the `cuda` DeviceBackend (DESIGN.md, "Device backends").
 //
 //   - hbm: one cudaMalloc arena per device, cut into slots above this layer.
-//   - host: one cudaHostAlloc'd (pinned, mapped, portable) arena per node,
-//     shared by every client; kernels read and write it directly, and io_uring
-//     registers it as fixed buffers.
+//   - host: one arena per node, shared by every client: anonymous memory
+//     registered with cudaHostRegister (pinned, mapped, portable), so that
+//     kernels read and write it directly and O_DIRECT and io_uring's fixed
+//     buffers can use the same pages (the driver's own cudaHostAlloc
+//     mappings need not allow that).
 //   - client memory: engine KV caches arrive as CUDA IPC memory handles
 //     (allocation + offset, since PyTorch sub-allocates) and are opened once
 //     per allocation, reference counted across registrations (CUDA refuses a

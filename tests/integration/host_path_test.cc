@@ -350,6 +350,7 @@ class RawSession {
     wire::Body body = wire::Body::NONE;
     StatusCode code = StatusCode::kOk;
     std::string message;
+    bool event_recorded = false;  // OpStarted
   };
   Reply Receive() {
     Reply r;
@@ -365,6 +366,7 @@ class RawSession {
       r.code = ipc::CodeFromWire((*msg)->body_as_Error()->code());
       r.message = (*msg)->body_as_Error()->message()->str();
     }
+    if (r.body == wire::Body::OpStarted) r.event_recorded = (*msg)->body_as_OpStarted()->event_recorded();
     return r;
   }
   void Hello() {
@@ -489,6 +491,114 @@ TEST(HostPathTest, MalformedAndOutOfRangeMessagesAreRefusedAndOthersUnaffected) 
   EXPECT_EQ(bad.error().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(good->Lookup(id, keys).value().hits, 4u);
   EXPECT_GE(good->Stats().value().Counter("messages_rejected"), 2u);
+}
+
+// The CUDA parts of the protocol on a host daemon: every one is refused with
+// a clear error, and the session goes on.
+TEST(HostPathTest, CudaRequestsOnAHostDaemonAreRefusedClearly) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"device.backend=host"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto good = MustConnect(*d);
+  ASSERT_NE(good, nullptr);
+  EXPECT_THAT(good->Stats().value().backend, HasSubstr("host"));
+  Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 32);
+  ASSERT_TRUE(cache.has_value());
+  const CacheId id = good->RegisterKvCache(*cache).value();
+  const std::vector<BlockKey> keys = good->ComputeKeys(id, Prompt(6, 4)).value();
+  StoreFilled(*good, id, *cache, keys, 0);
+
+  // Client side: a stream for a memfd cache, and device memory without a GPU
+  // (or, in a build without CUDA, at all).
+  int fake_stream = 0;
+  const std::vector<uint32_t> ids = {10, 11, 12, 13};
+  Result<OpHandle> streamed = good->LoadAsync(id, keys, ids, &fake_stream);
+  ASSERT_FALSE(streamed.has_value());
+  EXPECT_EQ(streamed.error().code(), StatusCode::kInvalidArgument) << streamed.error();
+  std::vector<uint8_t> not_device(4096);
+  Result<CacheId> gpu = good->RegisterCudaKvCache(SmallLayout(), 1, KvCacheLayout::Contiguous(SmallLayout()),
+                                                  {CudaKvRegion{not_device.data(), not_device.size()}});
+  ASSERT_FALSE(gpu.has_value());
+  EXPECT_NE(gpu.error().code(), StatusCode::kOk) << gpu.error();
+
+  RawSession raw(d->socket_path());
+  raw.Hello();
+  flatbuffers::FlatBufferBuilder b;
+  std::vector<wire::Placement> placements;
+  for (const Placement& p : cache->placements()) placements.push_back(ipc::PlacementToWire(p));
+  const int fd = cache->fd();
+  {  // IPC events with a memfd cache: the host backend has none.
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {
+        wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes(), 0)};
+    std::vector<wire::CudaEventHandle> events(2);
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 2, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements, &events)),
+                         std::span(&fd, 1))
+                    .ok());
+    const RawSession::Reply r = raw.Receive();
+    EXPECT_EQ(r.code, StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.message, HasSubstr("cuda device backend"));
+  }
+  {  // A CUDA IPC region: the host backend maps memfds only.
+    b.Clear();
+    const std::vector<uint8_t> handle(64, 1);
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {wire::CreateMemoryRegionDirect(
+        b, wire::MemoryKind::CudaIpc, cache->size_bytes(), -1, &handle, 0, 0)};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 3, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)))
+                    .ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+  }
+  {  // A short CUDA IPC handle, and a short device UUID.
+    b.Clear();
+    const std::vector<uint8_t> short_handle(63, 1);
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {wire::CreateMemoryRegionDirect(
+        b, wire::MemoryKind::CudaIpc, cache->size_bytes(), -1, &short_handle, 0, 0)};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 4, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)))
+                    .ok());
+    EXPECT_THAT(raw.Receive().message, HasSubstr("64 bytes"));
+    b.Clear();
+    const std::vector<uint8_t> handle(64, 1);
+    const std::vector<uint8_t> uuid(15, 2);
+    regions = {wire::CreateMemoryRegionDirect(b, wire::MemoryKind::CudaIpc, cache->size_bytes(), -1, &handle, 0, 0,
+                                              &uuid)};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 5, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)))
+                    .ok());
+    EXPECT_THAT(raw.Receive().message, HasSubstr("16 bytes"));
+  }
+  {  // A good memfd registration, then Load and Store naming events it does not have.
+    b.Clear();
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {
+        wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes(), 0)};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 6, wire::CreateRegisterKvCacheDirect(
+                                                      b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                      &placements)),
+                         std::span(&fd, 1))
+                    .ok());
+    ASSERT_EQ(raw.Receive().body, wire::Body::Registered);
+    std::vector<wire::Key> wk = {ipc::ToWire(keys[0])};
+    std::vector<uint32_t> one = {20};
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 7, wire::CreateLoadDirect(b, 1, &wk, &one, false, 0))).ok());
+    RawSession::Reply r = raw.Receive();
+    EXPECT_EQ(r.code, StatusCode::kInvalidArgument);
+    EXPECT_THAT(r.message, HasSubstr("CUDA events"));
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 8, wire::CreateStoreDirect(b, 1, &wk, &one, nullptr, false, -7))).ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    // Without an event the same load works, and OpStarted says no event was recorded.
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 9, wire::CreateLoadDirect(b, 1, &wk, &one, false, -1))).ok());
+    r = raw.Receive();
+    EXPECT_EQ(r.body, wire::Body::OpStarted);
+    EXPECT_FALSE(r.event_recorded);
+  }
+  EXPECT_EQ(LoadAndCount(*good, id, *cache, keys, 10), 4u);
 }
 
 TEST(HostPathTest, ClientReconnectsAndReregistersAfterDaemonRestart) {

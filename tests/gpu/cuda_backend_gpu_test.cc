@@ -1,0 +1,157 @@
+// The cuda device backend on a real GPU, in one process: arenas, moves
+// between the hbm and host tiers with host checksums, and a CPU engine's
+// memfd cache copied to and from both tiers (a kernel for hbm, the CPU
+// reference for host), with mappings counted up and down.
+#include "tiers/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+#include <vector>
+
+#include "kernels/copy_reference.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/tiers/tiers_test_util.h"
+
+namespace kvtier {
+namespace {
+
+using tiers_test::EngineMemory;
+
+CopyResult RunBatch(DeviceBackend& backend, CopyBatch batch) {
+  std::promise<CopyResult> done;
+  std::future<CopyResult> result = done.get_future();
+  backend.Submit(std::move(batch), [&done](CopyResult r) { done.set_value(std::move(r)); });
+  return result.get();
+}
+
+class CudaBackendGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KVTIER_SKIP_WITHOUT_GPU();
+    Result<std::unique_ptr<CudaBackend>> b = CudaBackend::Create({});
+    ASSERT_TRUE(b.has_value()) << b.error();
+    backend_ = std::move(*b);
+    Result<std::unique_ptr<Arena>> hbm = backend_->AllocateDeviceArena(backend_->devices().front(), 16 << 20);
+    ASSERT_TRUE(hbm.has_value()) << hbm.error();
+    hbm_ = std::move(*hbm);
+    Result<std::unique_ptr<Arena>> host = backend_->AllocateHostArena(16 << 20);
+    ASSERT_TRUE(host.has_value()) << host.error();
+    host_ = std::move(*host);
+  }
+
+  std::unique_ptr<CudaBackend> backend_;
+  std::unique_ptr<Arena> hbm_;
+  std::unique_ptr<Arena> host_;
+};
+
+TEST_F(CudaBackendGpuTest, DescribesItsDevicesAndDriver) {
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, backend_->devices().front()), cudaSuccess);
+  EXPECT_THAT(backend_->Describe(), ::testing::HasSubstr(prop.name));
+  EXPECT_THAT(backend_->Describe(), ::testing::HasSubstr("driver"));
+  EXPECT_EQ(backend_->name(), "cuda");
+}
+
+TEST_F(CudaBackendGpuTest, MovesBetweenTiersAndChecksumsHostDestinations) {
+  constexpr uint64_t kBytes = 3 << 20;
+  uint8_t* a = host_->data();
+  uint8_t* b = host_->data() + (4 << 20);
+  uint8_t* dev = hbm_->data();
+  for (uint64_t i = 0; i < kBytes; ++i) a[i] = static_cast<uint8_t>(i * 7 + 3);
+  std::memset(b, 0, kBytes);
+
+  CopyResult up = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                                           .slot_copies = {SlotCopy{a, dev, kBytes}},
+                                           .checksum_destination = true});
+  ASSERT_TRUE(up.status.ok()) << up.status;
+  ASSERT_EQ(up.checksums.size(), 1u);
+  EXPECT_EQ(up.checksums[0], 0u) << "a destination in hbm is not checksummed";
+
+  CopyResult down = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                                             .slot_copies = {SlotCopy{dev, b, kBytes}},
+                                             .checksum_destination = true});
+  ASSERT_TRUE(down.status.ok()) << down.status;
+  EXPECT_EQ(std::memcmp(a, b, kBytes), 0);
+  ASSERT_EQ(down.checksums.size(), 1u);
+  EXPECT_EQ(down.checksums[0], ChecksumOf(b, kBytes));
+}
+
+TEST_F(CudaBackendGpuTest, CpuEngineCacheCopiesThroughHbmAndHost) {
+  Result<std::unique_ptr<EngineMemory>> engine =
+      EngineMemory::Create(*backend_, tiers_test::SmallSpec(3), 8, {});
+  ASSERT_TRUE(engine.has_value()) << engine.error();
+  EXPECT_EQ(backend_->live_mappings(), 1u);
+  EngineMemory& e = **engine;
+  e.ZeroAll();
+  const StoredKey k1 = StoredKey::FromHex("0102030405060708090a0b0c0d0e0f10").value();
+  const StoredKey k2 = StoredKey::FromHex("f102030405060708090a0b0c0d0e0f1f").value();
+  e.Fill(1, k1);
+  e.Fill(2, k2);
+  uint8_t* hbm_slot = hbm_->data() + (1 << 20);
+  uint8_t* host_slot = host_->data() + (8 << 20);
+
+  // Gather: block 1 into hbm (a kernel over registered host memory), block 2
+  // into host (the CPU reference, with its checksum).
+  CopyResult g1 = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kEngineToSlot,
+                                           .priority = CopyPriority::kStore,
+                                           .layout = e.layout(),
+                                           .mapping = e.mapping(),
+                                           .blocks = {BlockCopy{1, hbm_slot}}});
+  ASSERT_TRUE(g1.status.ok()) << g1.status;
+  CopyResult g2 = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kEngineToSlot,
+                                           .priority = CopyPriority::kStore,
+                                           .layout = e.layout(),
+                                           .mapping = e.mapping(),
+                                           .blocks = {BlockCopy{2, host_slot}},
+                                           .checksum_destination = true});
+  ASSERT_TRUE(g2.status.ok()) << g2.status;
+  ASSERT_EQ(g2.checksums.size(), 1u);
+  EXPECT_EQ(g2.checksums[0], ChecksumOf(host_slot, e.block_bytes()));
+
+  // Scatter both into other engine blocks and check every byte.
+  CopyResult s = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToEngine,
+                                          .priority = CopyPriority::kLoad,
+                                          .layout = e.layout(),
+                                          .mapping = e.mapping(),
+                                          .blocks = {BlockCopy{5, hbm_slot}}});
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  s = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToEngine,
+                               .priority = CopyPriority::kLoad,
+                               .layout = e.layout(),
+                               .mapping = e.mapping(),
+                               .blocks = {BlockCopy{6, host_slot}}});
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  EXPECT_TRUE(e.Holds(5, k1));
+  EXPECT_TRUE(e.Holds(6, k2));
+  EXPECT_TRUE(e.IsZero(7));
+
+  e.DropMapping();
+  EXPECT_EQ(backend_->live_mappings(), 0u);
+}
+
+TEST_F(CudaBackendGpuTest, RefusesEventsForHostMemoryAndUnknownDevices) {
+  Result<UniqueFd> fd = tiers_test::MakeMemfd(4096, true, true);
+  ASSERT_TRUE(fd.has_value()) << fd.error();
+  std::vector<ClientRegionHandle> regions;
+  regions.push_back(tiers_test::MemfdHandle(std::move(*fd), 4096));
+  Result<std::shared_ptr<ClientMapping>> m = backend_->MapClientMemory(std::move(regions), {IpcEventHandle{}});
+  ASSERT_FALSE(m.has_value());
+  EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument) << m.error();
+
+  ClientRegionHandle ipc;
+  ipc.kind = ClientMemoryKind::kCudaIpc;
+  ipc.size_bytes = 4096;
+  ipc.device = 1000;
+  std::vector<ClientRegionHandle> bad;
+  bad.push_back(std::move(ipc));
+  m = backend_->MapClientMemory(std::move(bad), {});
+  ASSERT_FALSE(m.has_value());
+  EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument) << m.error();
+  EXPECT_EQ(backend_->live_mappings(), 0u);
+}
+
+}  // namespace
+}  // namespace kvtier

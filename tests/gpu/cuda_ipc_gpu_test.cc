@@ -1,0 +1,116 @@
+// CUDA IPC between real processes: a real kvtierd on the cuda backend and
+// gpu_client engine processes (tests/gpu/gpu_client.cc) that register KV
+// caches in GPU memory. Blocks stored by one process load, byte-exact, into
+// another, ordered on the engine's stream through IPC events; a client killed
+// while it holds IPC mappings leaves none behind.
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvtier/client.h"
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/integration/daemon_process.h"
+
+namespace kvtier {
+namespace {
+
+using testing::DaemonProcess;
+
+constexpr uint32_t kBlocks = 32;  // 256 KiB each
+
+pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t seed) {
+  const std::string binary = std::string(KVTIER_BINARY_DIR) + "/bin/gpu_client";
+  const std::string seed_arg = std::to_string(seed);
+  const std::string blocks_arg = std::to_string(kBlocks);
+  // exec at once: a forked child must not touch the parent's CUDA state.
+  return testing::ForkChild([&] {
+    ::execl(binary.c_str(), binary.c_str(), mode.c_str(), socket.c_str(), seed_arg.c_str(), blocks_arg.c_str(),
+            static_cast<char*>(nullptr));
+    return 127;
+  });
+}
+
+int RunClient(const std::string& mode, const std::string& socket, uint64_t seed) {
+  return testing::WaitChild(StartClient(mode, socket, seed));
+}
+
+// Polls Stats until `pred` holds (or 10 s pass); returns the last stats.
+template <typename Pred>
+DaemonStats WaitForStats(Client& client, Pred pred) {
+  DaemonStats last;
+  for (int i = 0; i < 200; ++i) {
+    Result<DaemonStats> s = client.Stats();
+    if (s) {
+      last = *s;
+      if (pred(last)) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return last;
+}
+
+class CudaIpcGpuTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    KVTIER_SKIP_WITHOUT_GPU();
+    // With the hbm tier, loads copy device to device; without it, from the
+    // pinned host tier straight into the engine's GPU memory.
+    const bool hbm = GetParam();
+    Result<DaemonProcess> d = DaemonProcess::Start({"device.backend=cuda", "tiers.hbm.enabled=" + std::string(hbm ? "true" : "false"),
+                                                    "tiers.hbm.bytes=64MiB", "tiers.host.bytes=64MiB",
+                                                    "tiers.disk.enabled=false"});
+    ASSERT_TRUE(d.has_value()) << d.error();
+    daemon_.emplace(std::move(*d));
+    Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = daemon_->socket_path()});
+    ASSERT_TRUE(c.has_value()) << c.error();
+    admin_ = std::move(*c);
+  }
+
+  std::optional<DaemonProcess> daemon_;
+  std::unique_ptr<Client> admin_;
+};
+
+TEST_P(CudaIpcGpuTest, BlocksStoredByOneProcessLoadIntoAnother) {
+  Result<DaemonStats> before = admin_->Stats();
+  ASSERT_TRUE(before.has_value()) << before.error();
+  EXPECT_NE(before->backend.find("cuda"), std::string::npos) << before->backend;
+
+  ASSERT_EQ(RunClient("store", daemon_->socket_path(), 1), 0) << daemon_->Log();
+  ASSERT_EQ(RunClient("load", daemon_->socket_path(), 1), 0) << daemon_->Log();
+
+  const DaemonStats after = WaitForStats(*admin_, [](const DaemonStats& s) { return s.mappings == 0; });
+  EXPECT_EQ(after.mappings, 0u) << "the clients exited; their IPC mappings must be closed";
+  EXPECT_EQ(after.leases, 0u);
+  EXPECT_EQ(after.Counter("stores"), kBlocks);
+  EXPECT_EQ(after.Counter("loads"), kBlocks);
+}
+
+TEST_P(CudaIpcGpuTest, KilledClientLeavesNoMappings) {
+  const pid_t holder = StartClient("hold", daemon_->socket_path(), 2);
+  const DaemonStats held = WaitForStats(*admin_, [](const DaemonStats& s) { return s.Counter("loads") > 0; });
+  ASSERT_GE(held.mappings, 1u) << daemon_->Log();
+  ASSERT_GT(held.Counter("loads"), 0u) << "the holder never got to its load loop";
+
+  ASSERT_EQ(::kill(holder, SIGKILL), 0);
+  EXPECT_EQ(testing::WaitChild(holder), 128 + SIGKILL);
+  const DaemonStats after =
+      WaitForStats(*admin_, [](const DaemonStats& s) { return s.mappings == 0 && s.sessions == 1 && s.leases == 0; });
+  EXPECT_EQ(after.mappings, 0u) << "a dead client's GPU memory is still mapped";
+  EXPECT_EQ(after.sessions, 1u);
+  EXPECT_EQ(after.leases, 0u);
+
+  // The daemon still serves: another process loads what the dead one stored.
+  EXPECT_EQ(RunClient("load", daemon_->socket_path(), 2), 0) << daemon_->Log();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, CudaIpcGpuTest, ::testing::Values(true, false),
+                         [](const auto& param_info) { return param_info.param ? std::string("Hbm") : std::string("HostOnly"); });
+
+}  // namespace
+}  // namespace kvtier

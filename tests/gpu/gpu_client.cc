@@ -1,0 +1,168 @@
+// gpu_client: a real engine process for the `gpu` tests. It keeps a vLLM-like
+// KV cache (per-layer [2, num_blocks, tokens, heads, head_dim] bf16 tensors)
+// in GPU memory, sub-allocated from one cudaMalloc as PyTorch's caching
+// allocator does, registers it with kvtierd through CUDA IPC, and stores or
+// loads blocks ordered against its own CUDA stream.
+//
+//   gpu_client store SOCKET SEED BLOCKS   fill BLOCKS blocks from their keys, store them
+//   gpu_client load  SOCKET SEED BLOCKS   load them into other engine blocks; the
+//                                         check runs on the stream right after
+//                                         LoadAsync, before any Wait
+//   gpu_client hold  SOCKET SEED BLOCKS   store, then load in a loop until killed
+//
+// Exit codes: 0 ok, 2 usage, 3 no GPU, 10+ a failed step (printed).
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/block_pattern.h"
+#include "kernels/copy_reference.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kvtier/client.h"
+
+namespace kvtier {
+namespace {
+
+constexpr uint64_t kAllocatorHeadBytes = 4096;  // tensors start inside the allocation
+
+int Fail(int code, const std::string& what) {
+  std::fprintf(stderr, "gpu_client: %s\n", what.c_str());
+  return code;
+}
+
+#define CUDA_OR_FAIL(expr)                                                  \
+  do {                                                                      \
+    if (const cudaError_t cuda_err_ = (expr); cuda_err_ != cudaSuccess) {   \
+      return Fail(20, #expr ": " + std::string(cudaGetErrorName(cuda_err_))); \
+    }                                                                       \
+  } while (0)
+
+struct Engine {
+  Layout layout;
+  uint32_t num_blocks = 0;
+  std::vector<Placement> placements;
+  std::vector<uint64_t> sizes;
+  void* allocation = nullptr;
+  std::vector<uint8_t*> device_bases;
+  // A host image of the regions, for filling and checking with the CPU reference.
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<uint8_t*> host_bases;
+};
+
+int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint32_t blocks) {
+  if (Result<int> n = cuda::DeviceCount(); !n) return Fail(3, "no CUDA device: " + n.error().ToString());
+  Result<Layout> layout = Layout::Create(LayoutSpec{.model_id = "test/gpu-ipc",
+                                                    .num_layers = 4,
+                                                    .kv_kind = KvKind::kSeparateKv,
+                                                    .num_kv_heads = 8,
+                                                    .head_dim = 128,
+                                                    .dtype = DType::kBf16,
+                                                    .block_tokens = 16});
+  if (!layout) return Fail(10, layout.error().ToString());
+  Engine e{.layout = *layout, .num_blocks = 2 * blocks, .placements = {}, .sizes = {}, .device_bases = {},
+           .host = {}, .host_bases = {}};
+  e.placements = KvCacheLayout::VllmNhd(e.layout, e.num_blocks);
+  e.sizes = KvCacheLayout::MinRegionSizes(e.layout, e.num_blocks, e.placements);
+  uint64_t total = kAllocatorHeadBytes;
+  for (uint64_t s : e.sizes) total += s;
+  CUDA_OR_FAIL(cudaMalloc(&e.allocation, total));
+  CUDA_OR_FAIL(cudaMemset(e.allocation, 0xEE, total));
+  uint64_t offset = kAllocatorHeadBytes;
+  for (uint64_t s : e.sizes) {
+    e.device_bases.push_back(static_cast<uint8_t*>(e.allocation) + offset);
+    e.host.emplace_back(s, 0xEE);
+    e.host_bases.push_back(e.host.back().data());
+    offset += s;
+  }
+  Result<KvCacheLayout> kv = KvCacheLayout::Create(e.layout, e.num_blocks, e.placements, e.sizes);
+  if (!kv) return Fail(10, kv.error().ToString());
+  const CopyPlan host_plan = CopyPlan::Build(*kv, MappedRegions{e.host_bases});
+
+  Result<std::unique_ptr<Client>> client =
+      Client::Connect({.socket_path = socket, .client_name = "gpu_client-" + mode});
+  if (!client) return Fail(11, client.error().ToString());
+  std::vector<CudaKvRegion> regions;
+  for (size_t i = 0; i < e.sizes.size(); ++i) regions.push_back(CudaKvRegion{e.device_bases[i], e.sizes[i]});
+  Result<CacheId> cache = (*client)->RegisterCudaKvCache(e.layout, e.num_blocks, e.placements, regions);
+  if (!cache) return Fail(12, "RegisterCudaKvCache: " + cache.error().ToString());
+  Result<std::vector<BlockKey>> keys =
+      (*client)->ComputeKeys(*cache, PseudoTokens(seed, uint64_t{blocks} * e.layout.spec().block_tokens));
+  if (!keys || keys->size() != blocks) return Fail(13, "ComputeKeys");
+  cudaStream_t stream = nullptr;
+  CUDA_OR_FAIL(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const uint64_t block_bytes = e.layout.block_bytes();
+  std::vector<uint8_t> slot(block_bytes);
+
+  auto store = [&]() -> int {
+    std::vector<uint32_t> ids;
+    for (uint32_t i = 0; i < blocks; ++i) {
+      FillFromKey((*keys)[i], slot);
+      ScatterBlock(host_plan, i, slot.data());
+      ids.push_back(i);
+    }
+    // Written on the engine's stream, not synchronised: the store must wait
+    // for these copies on the GPU (its event), or it reads 0xEE.
+    for (size_t r = 0; r < e.host.size(); ++r) {
+      CUDA_OR_FAIL(cudaMemcpyAsync(e.device_bases[r], e.host[r].data(), e.sizes[r], cudaMemcpyHostToDevice, stream));
+    }
+    Result<OpHandle> op = (*client)->StoreAsync(*cache, *keys, ids, std::nullopt, stream);
+    if (!op) return Fail(14, "StoreAsync: " + op.error().ToString());
+    if (op->event == nullptr) return Fail(15, "the store's copies were not ordered on the GPU (no event)");
+    Result<OpResult> r = (*client)->Wait(*op);
+    if (!r || r->blocks + r->already != blocks) return Fail(16, "store Wait: " + (r ? std::to_string(r->blocks) : r.error().ToString()));
+    return 0;
+  };
+
+  auto load = [&]() -> int {
+    Result<LookupResult> hit = (*client)->Lookup(*cache, *keys);
+    if (!hit || hit->hits != blocks) return Fail(17, "Lookup: " + (hit ? std::to_string(hit->hits) : hit.error().ToString()));
+    // Into the other half of the cache, reversed.
+    std::vector<uint32_t> ids;
+    for (uint32_t i = 0; i < blocks; ++i) ids.push_back(e.num_blocks - 1 - i);
+    Result<OpHandle> op = (*client)->LoadAsync(*cache, *keys, ids, stream);
+    if (!op) return Fail(18, "LoadAsync: " + op.error().ToString());
+    if (op->event == nullptr || op->event_blocks != blocks) return Fail(19, "the load was not queued with an event");
+    // Read back on the same stream with no Wait: the stream waits for the
+    // daemon's copies on the GPU.
+    for (size_t r = 0; r < e.host.size(); ++r) {
+      CUDA_OR_FAIL(cudaMemcpyAsync(e.host[r].data(), e.device_bases[r], e.sizes[r], cudaMemcpyDeviceToHost, stream));
+    }
+    CUDA_OR_FAIL(cudaStreamSynchronize(stream));
+    for (uint32_t i = 0; i < blocks; ++i) {
+      GatherBlock(host_plan, ids[i], slot.data());
+      if (!MatchesKey((*keys)[i], slot)) return Fail(21, "loaded block " + std::to_string(i) + " differs from its key");
+    }
+    Result<OpResult> r = (*client)->Wait(*op);
+    if (!r || r->blocks != blocks) return Fail(22, "load Wait");
+    return 0;
+  };
+
+  if (mode == "store") return store();
+  if (mode == "load") return load();
+  if (mode == "hold") {
+    if (int rc = store(); rc != 0) return rc;
+    std::printf("ready\n");
+    std::fflush(stdout);
+    while (true) {
+      if (int rc = load(); rc != 0) return rc;
+    }
+  }
+  return Fail(2, "unknown mode " + mode);
+}
+
+}  // namespace
+}  // namespace kvtier
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: gpu_client store|load|hold SOCKET SEED BLOCKS\n");
+    return 2;
+  }
+  return kvtier::Run(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10),
+                     static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)));
+}
