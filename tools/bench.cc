@@ -7,13 +7,15 @@
 //       KV cache, next to a single-thread memcpy of the same bytes
 //   kvtier-bench lookup [--keys 128] [--reps 20000] [--socket PATH]
 //       round-trip latency of one 128-key prompt lookup
+//   kvtier-bench gpu    [--device 0] [--blocks 256] [--layout vllm-nhd] ...
+//       the CUDA gather/scatter kernels (H2D, D2H, D2D) next to one
+//       contiguous cudaMemcpy of the same bytes (tools/bench_gpu.h); no daemon
 //
-// Without --socket it starts its own kvtierd (next to this binary) on a
-// temporary socket, and stops it afterwards.
+// Without --socket the daemon workloads start their own kvtierd (next to this
+// binary) on a temporary socket, and stop it afterwards.
 #include <signal.h>
 #include <fcntl.h>
 #include <sys/socket.h>
-#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,32 +34,17 @@
 #include "ipc/seqpacket.h"
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
+#include "tools/bench_gpu.h"
+#include "tools/bench_report.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
-
-void PrintMachine() {
-  const std::string cpu = CpuModel();
-  utsname u{};
-  ::uname(&u);
-  std::printf("machine:  %s, %u cpus, Linux %s\n", cpu.c_str(), std::thread::hardware_concurrency(), u.release);
-}
+using kvtier::bench::Clock;
+using kvtier::bench::Comparison;
+using kvtier::bench::Median;
+using kvtier::bench::PrintComparisons;
+using kvtier::bench::Seconds;
+using kvtier::bench::WriteJson;
 
 // A kvtierd of our own, when no --socket is given.
 class OwnDaemon {
@@ -209,62 +196,6 @@ double RawRoundTripMicros(uint32_t reps) {
   ::close(sv[0]);
   ::waitpid(pid, nullptr, 0);
   return Median(us);
-}
-
-// A figure next to its baseline, for the table and --json.
-struct Comparison {
-  std::string name;
-  double kvtier = 0;
-  double baseline = 0;
-  std::string baseline_name;
-  std::string unit;
-  bool lower_is_better = false;  // bytes, latency
-  // kvtier / baseline, oriented so that higher is better for kvtier.
-  double ratio() const {
-    if (baseline <= 0 || kvtier <= 0) return 0;
-    return lower_is_better ? baseline / kvtier : kvtier / baseline;
-  }
-};
-
-void PrintComparisons(const std::vector<Comparison>& cs) {
-  std::printf("\n%-40s %12s %12s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio", "baseline is");
-  for (const Comparison& c : cs) {
-    std::printf("%-40s %8.0f %-3s %8.0f %-3s %7.2fx  %s\n", c.name.c_str(), c.kvtier, c.unit.c_str(), c.baseline,
-                c.unit.c_str(), c.ratio(), c.baseline_name.c_str());
-  }
-}
-
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out;
-}
-
-bool WriteJson(const std::string& path, const std::vector<std::pair<std::string, std::string>>& config,
-               const std::vector<Comparison>& cs) {
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) return false;
-  const std::string cpu = CpuModel();
-  utsname u{};
-  ::uname(&u);
-  std::fprintf(f, "{\"machine\": {\"cpu\": \"%s\", \"cpus\": %u, \"kernel\": \"%s\"},\n \"config\": {",
-               JsonEscape(cpu).c_str(), std::thread::hardware_concurrency(), u.release);
-  for (size_t i = 0; i < config.size(); ++i) {
-    std::fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", config[i].first.c_str(), JsonEscape(config[i].second).c_str());
-  }
-  std::fprintf(f, "},\n \"comparisons\": [");
-  for (size_t i = 0; i < cs.size(); ++i) {
-    const Comparison& c = cs[i];
-    std::fprintf(f, "%s\n  {\"name\": \"%s\", \"kvtier\": %.3f, \"baseline\": %.3f, \"baseline_name\": \"%s\", "
-                 "\"unit\": \"%s\", \"ratio\": %.4f}",
-                 i ? "," : "", JsonEscape(c.name).c_str(), c.kvtier, c.baseline, JsonEscape(c.baseline_name).c_str(),
-                 c.unit.c_str(), c.ratio());
-  }
-  std::fprintf(f, "\n]}\n");
-  return std::fclose(f) == 0;
 }
 
 // fio's bandwidth for one job, in MB/s (1e6 bytes); 0 if fio fails.
@@ -594,9 +525,27 @@ int main(int argc, char** argv) {
   uint32_t nkeys = 128, lookup_reps = 20000;
   lookup->add_option("--keys", nkeys, "keys per lookup")->check(CLI::Range(2, 16384));
   lookup->add_option("--reps", lookup_reps, "lookups")->check(CLI::Range(1, 10000000));
+  CLI::App* gpu = app.add_subcommand("gpu", "paged gather/scatter H2D, D2H, D2D vs contiguous cudaMemcpy");
+  kvtier::bench::GpuOptions gpu_options;
+  gpu->add_option("--device", gpu_options.device, "CUDA device index")->check(CLI::NonNegativeNumber);
+  gpu->add_option("--block-bytes", gpu_options.block_bytes,
+                  "bytes per block, a multiple of 128 KiB (one token of the 32-layer model)")
+      ->check(CLI::Range(uint64_t{128} << 10, uint64_t{1} << 30));
+  gpu->add_option("--blocks", gpu_options.blocks, "blocks copied per measurement")->check(CLI::Range(1, 65536));
+  gpu->add_option("--cache-blocks", gpu_options.cache_blocks,
+                  "blocks in the engine cache, the copied ones scattered over it (default: 2x --blocks)")
+      ->check(CLI::Range(1, 1 << 20));
+  gpu->add_option("--reps", gpu_options.reps, "timed repetitions (median reported; +1 warm-up)")
+      ->check(CLI::Range(1, 1000));
+  gpu->add_option("--layout", gpu_options.layout, "engine cache layout")
+      ->check(CLI::IsMember({"vllm-nhd", "vllm-hnd", "sglang-layer-first", "sglang-page-first", "contiguous"}));
   CLI11_PARSE(app, argc, argv);
 
-  PrintMachine();
+  if (gpu->parsed()) {
+    gpu_options.json = json;
+    return kvtier::bench::Gpu(gpu_options);
+  }
+  kvtier::bench::PrintMachine();
   if (restart->parsed()) {
     std::filesystem::create_directories(restart_dir);
     return Restart(restart_blocks, std::filesystem::absolute(restart_dir).string(), json);
