@@ -155,11 +155,12 @@ class Client::Impl {
   }
 
   // Starts a Load or Store; with `wait`, returns its OpResult instead.
-  // With `stream` (GPU caches), the op is ordered against the engine's stream
-  // through one of the cache's events (CudaExport).
+  // `ordered` (GPU caches): the op is ordered against the engine's `stream`
+  // (which may be 0, the legacy default stream) through one of the cache's
+  // events (CudaExport).
   Result<std::variant<OpHandle, OpResult>> StartOp(bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
                                                    std::span<const uint32_t> block_ids,
-                                                   const std::optional<BlockKey>& parent,
+                                                   const std::optional<BlockKey>& parent, bool ordered = false,
                                                    CudaStream stream = nullptr) {
     MutexLock lock(&mu_);
     if (keys.size() != block_ids.size()) {
@@ -167,22 +168,25 @@ class Client::Impl {
                                  " block ids"));
     }
     KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
-    if (stream != nullptr && c->cuda == nullptr) {
+    if (ordered && c->cuda == nullptr) {
       return Err(InvalidArgument("a CUDA stream was given for a cache that is not in GPU memory"));
     }
-    // An event slot stays ours until Wait returns the op's result, so that
-    // the engine may wait on OpHandle::event until then.
+    // An event slot stays ours until Wait returns the op's result: the
+    // engine may wait on a load's OpHandle::event until then, and the daemon
+    // watches a store's record until its copies start.
     int32_t event = -1;
-    if (stream != nullptr && !wait) {
+    if (ordered) {
       if (std::optional<int32_t> slot = c->cuda->AcquireEvent()) event = *slot;
     }
     auto release = [&] {
       if (event >= 0) c->cuda->ReleaseEvent(event);
       event = -1;
     };
-    if (event >= 0 && !load) {
-      // The store's copies wait for this record: after the engine's writes.
-      if (Status st = c->cuda->Record(event, stream); !st.ok()) {
+    if (ordered && !load) {
+      // The store's copies must read what the engine's stream wrote: they
+      // wait for this record, or, with every event busy, for the stream here.
+      const Status st = event >= 0 ? c->cuda->Record(event, stream) : c->cuda->Synchronize(stream);
+      if (!st.ok()) {
         release();
         return Err(st);
       }
@@ -200,8 +204,10 @@ class Client::Impl {
           b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait, event));
     }
     if (wait) {
-      KVTIER_ASSIGN_OR_RETURN(Reply r, Call(std::move(bytes), {}, rid, w::Body::OpResult));
-      return FinishOpResult(*r.msg->body_as_OpResult());
+      Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
+      release();  // the op is over (or, on error, never started)
+      if (!r) return Err(r.error());
+      return FinishOpResult(*r->msg->body_as_OpResult());
     }
     Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpStarted);
     if (!r) {
@@ -210,24 +216,40 @@ class Client::Impl {
     }
     const w::OpStarted* started = r->msg->body_as_OpStarted();
     OpHandle handle{started->op(), connection_};
-    if (event >= 0 && started->event_recorded()) {
-      if (load) {
-        if (Status st = c->cuda->StreamWait(stream, event); !st.ok()) {
-          release();
-          return Err(st);
-        }
+    if (load && event >= 0 && started->event_recorded()) {
+      if (Status st = c->cuda->StreamWait(stream, event); !st.ok()) {
+        release();
+        return Err(st);
       }
       handle.event = c->cuda->event(event);
       handle.event_blocks = started->event_blocks();
+    }
+    if (load && handle.event == nullptr) {
+      release();  // the daemon never records it for this op
+    } else if (event >= 0) {
       op_events_[handle.op] = {c, event};
-    } else {
-      release();
     }
     return std::variant<OpHandle, OpResult>(handle);
   }
 
+  // Ops holding a GPU cache's event may still have the daemon record or
+  // watch it: collect them (for a bounded time) before the events go.
+  ~Impl() {
+    MutexLock lock(&mu_);
+    std::vector<uint64_t> ops;
+    for (const auto& [op, held] : op_events_) ops.push_back(op);
+    for (uint64_t op : ops) {
+      if (!fd_.valid()) break;
+      (void)WaitLocked(OpHandle{op, connection_}, std::chrono::seconds(5));
+    }
+  }
+
   Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout) {
     MutexLock lock(&mu_);
+    return WaitLocked(op, timeout);
+  }
+
+  Result<OpResult> WaitLocked(const OpHandle& op, std::chrono::milliseconds timeout) KVTIER_REQUIRES(mu_) {
     KVTIER_RETURN_IF_ERROR(EnsureConnected());
     if (op.connection != connection_) return Err(Unavailable("kvtierd restarted; the op was lost"));
     FlatBufferBuilder b(64);
@@ -530,13 +552,13 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
 
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                    CudaStream stream) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt, stream));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt, true, stream));
   return std::get<OpHandle>(v);
 }
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                     const std::optional<BlockKey>& parent, CudaStream stream) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, stream));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream));
   return std::get<OpHandle>(v);
 }
 

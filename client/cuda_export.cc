@@ -88,4 +88,10 @@ Status CudaExport::StreamWait(CudaStream stream, int32_t slot) const {
   return Status::Ok();
 }
 
+Status CudaExport::Synchronize(CudaStream stream) const {
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+                              "cudaStreamSynchronize of the engine's stream");
+  return Status::Ok();
+}
+
 }  // namespace kvtier

@@ -53,6 +53,8 @@ class CudaExport {
   // cudaEventRecord(event(slot), stream) / cudaStreamWaitEvent(stream, event(slot)).
   Status Record(int32_t slot, CudaStream stream) const;
   Status StreamWait(CudaStream stream, int32_t slot) const;
+  // cudaStreamSynchronize(stream): orders a store when every event is busy.
+  Status Synchronize(CudaStream stream) const;
 
  private:
   CudaExport() = default;

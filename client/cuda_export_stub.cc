@@ -17,5 +17,6 @@ std::optional<int32_t> CudaExport::AcquireEvent() { return std::nullopt; }
 void CudaExport::ReleaseEvent(int32_t) {}
 Status CudaExport::Record(int32_t, CudaStream) const { return NoCuda(); }
 Status CudaExport::StreamWait(CudaStream, int32_t) const { return NoCuda(); }
+Status CudaExport::Synchronize(CudaStream) const { return NoCuda(); }
 
 }  // namespace kvtier

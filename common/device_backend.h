@@ -108,12 +108,13 @@ struct CopyBatch {
   // destination in device memory may get 0: hbm blocks are checksummed when
   // they move to host.
   bool checksum_destination = false;
-  // `cuda` only, indexes into the mapping's events (-1: none). Before the
-  // copies, the copy stream waits for the engine's record of wait_event (so a
-  // store reads what the engine's stream wrote); after them, signal_event is
-  // recorded on the copy stream (so the engine's stream can wait for a load
-  // on the GPU). Both are queued before Submit returns: a reply sent after
-  // Submit may tell the engine to wait on the event.
+  // `cuda` only, indexes into the mapping's events (-1: none). The copies
+  // start only once the engine's last record of wait_event has completed (a
+  // store reads what the engine's stream wrote; the backend watches it from
+  // the host, so one engine's slow stream never holds up another's copies).
+  // signal_event is recorded on the copy stream after the copies, before
+  // Submit returns, so that a reply sent after Submit may tell the engine's
+  // stream to wait for a load on the GPU. A batch has one or the other.
   int32_t wait_event = -1;
   int32_t signal_event = -1;
 };
@@ -150,8 +151,10 @@ class DeviceBackend {
 
   // Runs the copies asynchronously; `done` runs exactly once, on a backend
   // thread, after every byte is copied (or with the error that stopped it).
-  // Batches run by priority, FIFO within one priority.
-  virtual void Submit(CopyBatch batch, CopyDone done) = 0;
+  // Batches run by priority, FIFO within one priority. Returns false when the
+  // batch failed before its copies (and signal_event) were queued; `done`
+  // then reports why. True says signal_event, if any, has been recorded.
+  virtual bool Submit(CopyBatch batch, CopyDone done) = 0;
 
   // Live client mappings (for Stats: a dead client's must reach zero).
   virtual uint64_t live_mappings() const = 0;

@@ -328,7 +328,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   ++s.pending_ops;
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
-  uint32_t queued = 0;  // blocks whose copies (and event) were queued just now
+  uint32_t queued = 0;  // blocks whose copies were queued just now
   if (load) {
     queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
   } else {
@@ -341,7 +341,9 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   }
   if (wait) return {};
   FlatBufferBuilder b(64);
-  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op, event >= 0 && queued > 0, queued));
+  // Only a load records its event (a store waits for the engine's record).
+  const bool recorded = load && event >= 0 && queued > 0;
+  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op, recorded, recorded ? queued : 0));
 }
 
 void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {

@@ -190,9 +190,9 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
 
 void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }
 
-void BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done) {
+bool BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done) {
   ++inflight_copies_;
-  options_.backend->Submit(
+  return options_.backend->Submit(
       std::move(batch), [post = options_.post, self = std::weak_ptr<BlockCache*>(self_),
                          on_done = std::move(on_done)](CopyResult result) mutable {
         post([self, on_done = std::move(on_done), result = std::move(result)]() mutable {
@@ -248,9 +248,8 @@ uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   for (auto it = leased.rbegin(); it != leased.rend(); ++it) Touch(*it);
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
-    const auto queued = static_cast<uint32_t>(leased.size());
-    CopyToEngine(std::move(leased), std::move(ids), std::move(target), std::move(done));
-    return queued;
+    const auto n = static_cast<uint32_t>(leased.size());
+    return CopyToEngine(std::move(leased), std::move(ids), std::move(target), std::move(done)) ? n : 0;
   }
   // Bring the disk blocks up to host first (sharing reads with other loads),
   // then copy the prefix that made it: a block that failed its checks is
@@ -282,11 +281,11 @@ uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   return 0;
 }
 
-void BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
+bool BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
                               EngineTarget target, OpDone done) {
   if (leased.empty()) {
     options_.post([done = std::move(done)] { done(OpOutcome{}); });
-    return;
+    return false;
   }
   CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
                   .priority = CopyPriority::kLoad,
@@ -295,8 +294,8 @@ void BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint3
                   .signal_event = target.event};
   for (size_t i = 0; i < leased.size(); ++i) batch.blocks.push_back(BlockCopy{block_ids[i], leased[i]->slot});
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
-  SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
-                                done = std::move(done)](CopyResult result) {
+  return SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
+                                       done = std::move(done)](CopyResult result) {
     std::vector<BlockEntry*> promote;
     for (BlockEntry* e : leased) {
       Unlease(e);
@@ -347,8 +346,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .checksum_destination = true,
-                  .wait_event = target.event,
-                  .signal_event = target.event};
+                  .wait_event = target.event};
   const StoredKey* prev = parent ? &*parent : nullptr;
   for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
     if (index_.Find(keys[i]) != nullptr) {
@@ -397,8 +395,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     });
     return 0;
   }
-  const auto queued = static_cast<uint32_t>(filling.size());
-  SubmitCopy(std::move(batch), [this, filling = std::move(filling), owner = std::move(owner), status,
+  const auto n = static_cast<uint32_t>(filling.size());
+  const bool queued = SubmitCopy(std::move(batch), [this, filling = std::move(filling), owner = std::move(owner), status,
                                 already, bytes, done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
     for (size_t i = 0; i < filling.size(); ++i) {
@@ -428,7 +426,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                    .already = already});
     MaybeDemote();
   });
-  return queued;
+  return queued ? n : 0;
 }
 
 std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {

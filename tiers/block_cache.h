@@ -55,7 +55,7 @@ struct EngineTarget {
   std::shared_ptr<const KvCacheLayout> layout;
   std::shared_ptr<ClientMapping> mapping;
   // An event of the mapping (cuda), or -1. Loads record it after their copy;
-  // stores wait for it before theirs and record it after (CopyBatch).
+  // stores wait for the engine's record of it before theirs (CopyBatch).
   int32_t event = -1;
 };
 
@@ -167,8 +167,9 @@ class BlockCache {
   // `block_ids` (same length). `done` runs on the owner thread with the
   // number of blocks loaded (a missing key ends the prefix; that is not an
   // error). Blocks read from host are then promoted to hbm when there is room.
-  // Returns how many blocks' copies were queued (with target.event) before
-  // returning: all the hits when none had to be read from disk first, else 0.
+  // Returns how many blocks' copies were queued, with target.event recorded
+  // after them, before returning: all the hits when none had to be read from
+  // disk first, else 0.
   uint32_t Load(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
             EngineTarget target, std::weak_ptr<void> owner, OpDone done);
 
@@ -177,8 +178,8 @@ class BlockCache {
   // skipped. Blocks that do not fit are refused: the op then completes with
   // kResourceExhausted after the blocks before them are stored. `done` runs
   // on the owner thread; if `owner` has expired by then, the copies are
-  // discarded instead of committed. Returns how many blocks' copies were
-  // queued (with target.event) before returning.
+  // discarded instead of committed. The copies wait for the engine's record
+  // of target.event. Returns how many blocks' copies were started.
   uint32_t Store(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
              std::optional<StoredKey> parent, EngineTarget target, std::weak_ptr<void> owner,
              OpDone done);
@@ -244,7 +245,9 @@ class BlockCache {
   // BlockEntry while it is read, leased or in memory.
   BlockEntry* Materialize(const StoredKey& key);
   void Dematerialize(BlockEntry* e);
-  void SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
+  // Returns DeviceBackend::Submit's answer: whether the copies (and their
+  // signal event) were queued.
+  bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
   // Background work after anything changed: demote hbm above its watermark.
   void MaybeDemote();
   // Moves `e` to `dst` in tier `to` in the background.
@@ -258,8 +261,9 @@ class BlockCache {
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
   void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
-  // Loads `leased` (all resident in memory tiers) into the engine.
-  void CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
+  // Loads `leased` (all resident in memory tiers) into the engine. Returns
+  // whether copies were queued (with target.event).
+  bool CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
                     OpDone done);
   // Starts a host -> hbm move of `e` if hbm has a free slot below its high
   // watermark and the owner's quota allows; returns whether it started.

@@ -14,9 +14,12 @@
 //     the allocation's real size, so a client cannot make the daemon touch
 //     memory outside what it exported.
 //   - events: a client's CUDA IPC events, opened with its registration. A
-//     batch may wait for one before its copies (a store reads what the
-//     engine's stream wrote) and record one after them (the engine's stream
-//     waits for a load on the GPU, not on a socket round trip).
+//     load records one after its copies (the engine's stream waits for it on
+//     the GPU, not on a socket round trip). A store waits for the engine's
+//     record of one (what the engine's stream wrote) on a watcher thread
+//     that polls it from the host, never in a shared copy stream, so that a
+//     slow or dead engine cannot hold up other engines' copies; a record that
+//     does not complete within kStoreEventTimeout fails that store.
 //   - copies: three streams per device (loads, stores, background moves; CUDA
 //     stream priorities in that order), batched gather/scatter kernels
 //     (kernels/cuda/copy_kernels.h) for engine copies, cudaMemcpyAsync (the
@@ -24,16 +27,24 @@
 //     Submit queues the work before it returns; one completion thread per
 //     stream waits for each batch's event in order, computes the checksums of
 //     destinations in host memory and runs `done`.
+//   - several GPUs: kernels run on the engine's GPU; peer access is enabled
+//     between every pair of devices that allows it at start-up, and a copy
+//     between an engine and the hbm tier of a GPU it cannot reach fails
+//     cleanly (kFailedPrecondition) rather than faulting the context.
 //
 // Mappings hold their IPC handles open until the last copy using them has
 // completed and the mapping is released (a dead client's GPU memory is not
-// kept mapped). Errors keep the cudaError_t (Status::raw_code, source kCuda).
+// kept mapped). Their teardown (closing handles, unregistering memory), which
+// may wait for the device, runs on a reaper thread, never on the caller's.
+// Errors keep the cudaError_t (Status::raw_code, source kCuda).
 //
 // Thread-safe. Destruction waits for every queued batch.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/device_backend.h"
@@ -60,10 +71,13 @@ class CudaBackend final : public DeviceBackend {
   Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override;
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override;
-  void Submit(CopyBatch batch, CopyDone done) override;
+  bool Submit(CopyBatch batch, CopyDone done) override;
   uint64_t live_mappings() const override;
 
   const std::vector<int>& devices() const;
+
+  // How long a store waits for the engine's record of its event.
+  static constexpr std::chrono::seconds kStoreEventTimeout{60};
 
   // Shared by the backend, its arenas and its mappings (which may outlive
   // it); defined in cuda_backend.cc.
@@ -72,6 +86,8 @@ class CudaBackend final : public DeviceBackend {
  private:
   explicit CudaBackend(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;  // shared with arenas and mappings that outlive the backend
+  std::thread watcher_;           // starts stores once their engine's event completed
+  std::thread reaper_;            // tears down released mappings
 };
 
 }  // namespace kvtier

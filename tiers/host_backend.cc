@@ -131,7 +131,7 @@ Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(std::vector<
 
 uint64_t HostBackend::live_mappings() const { return live_mappings_->load(std::memory_order_relaxed); }
 
-void HostBackend::Submit(CopyBatch batch, CopyDone done) {
+bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   KVTIER_CHECK_MSG(batch.wait_event < 0 && batch.signal_event < 0, "the host backend has no events");
   auto b = std::make_shared<Batch>();
   const bool engine = batch.direction != CopyDirection::kSlotToSlot;
@@ -142,7 +142,7 @@ void HostBackend::Submit(CopyBatch batch, CopyDone done) {
   b->done = std::move(done);
   if (n == 0) {
     b->done(CopyResult{});
-    return;
+    return true;
   }
   // Split into about two tasks per worker so both cores work on one large
   // request, while small requests stay one task.
@@ -159,6 +159,7 @@ void HostBackend::Submit(CopyBatch batch, CopyDone done) {
     }
   }
   work_cv_.SignalAll();
+  return true;
 }
 
 void HostBackend::RunTask(const Task& task) {

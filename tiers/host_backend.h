@@ -43,7 +43,7 @@ class HostBackend final : public DeviceBackend {
   Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override;
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override;
-  void Submit(CopyBatch batch, CopyDone done) override;
+  bool Submit(CopyBatch batch, CopyDone done) override;
   uint64_t live_mappings() const override;
 
  private:

@@ -105,7 +105,8 @@ main() {
   step "gpu tests (ctest -L gpu)"
   ctest_log=$out_dir/ctest-gpu.log
   rc=0
-  ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 120 --no-tests=error 2>&1 |
+  # A GPU test that cannot find a GPU fails here instead of skipping.
+  KVTIER_REQUIRE_GPU=1 ctest --test-dir "$build_dir" -L gpu --output-on-failure --timeout 120 --no-tests=error 2>&1 |
     tee "$ctest_log" || rc=$?
   if [ "$rc" -ne 0 ]; then
     failures+=("gpu tests failed (ctest exit $rc)")

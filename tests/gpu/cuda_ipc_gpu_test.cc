@@ -22,7 +22,7 @@ namespace {
 
 using testing::DaemonProcess;
 
-constexpr uint32_t kBlocks = 32;  // 256 KiB each
+constexpr uint32_t kBlocks = 128;  // 256 KiB each: 32 MiB per load, long enough to race
 
 pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t seed) {
   const std::string binary = std::string(KVTIER_BINARY_DIR) + "/bin/gpu_client";
@@ -63,7 +63,7 @@ class CudaIpcGpuTest : public ::testing::TestWithParam<bool> {
     // pinned host tier straight into the engine's GPU memory.
     const bool hbm = GetParam();
     Result<DaemonProcess> d = DaemonProcess::Start({"device.backend=cuda", "tiers.hbm.enabled=" + std::string(hbm ? "true" : "false"),
-                                                    "tiers.hbm.bytes=64MiB", "tiers.host.bytes=64MiB",
+                                                    "tiers.hbm.bytes=256MiB", "tiers.host.bytes=256MiB",
                                                     "tiers.disk.enabled=false"});
     ASSERT_TRUE(d.has_value()) << d.error();
     daemon_.emplace(std::move(*d));

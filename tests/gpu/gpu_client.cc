@@ -4,11 +4,15 @@
 // allocator does, registers it with kvtierd through CUDA IPC, and stores or
 // loads blocks ordered against its own CUDA stream.
 //
-//   gpu_client store SOCKET SEED BLOCKS   fill BLOCKS blocks from their keys, store them
+//   gpu_client store SOCKET SEED BLOCKS   fill BLOCKS blocks from their keys and store
+//                                         them; the writes are queued behind 100 ms
+//                                         of other work on the engine's stream, so a
+//                                         store that did not wait for them stores junk
 //   gpu_client load  SOCKET SEED BLOCKS   load them into other engine blocks; the
-//                                         check runs on the stream right after
+//                                         check is queued on the stream right after
 //                                         LoadAsync, before any Wait
-//   gpu_client hold  SOCKET SEED BLOCKS   store, then load in a loop until killed
+//   gpu_client hold  SOCKET SEED BLOCKS   store, then load and store again (the same
+//                                         events, recorded by both sides) until killed
 //
 // Exit codes: 0 ok, 2 usage, 3 no GPU, 10+ a failed step (printed).
 #include <cuda_runtime_api.h>
@@ -24,6 +28,7 @@
 #include "kernels/copy_reference.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kvtier/client.h"
+#include "tests/gpu/spin_kernel.h"
 
 namespace kvtier {
 namespace {
@@ -49,8 +54,8 @@ struct Engine {
   std::vector<uint64_t> sizes;
   void* allocation = nullptr;
   std::vector<uint8_t*> device_bases;
-  // A host image of the regions, for filling and checking with the CPU reference.
-  std::vector<std::vector<uint8_t>> host;
+  // A pinned host image of the regions, for filling and checking with the
+  // CPU reference (pinned, so that copies to and from it are asynchronous).
   std::vector<uint8_t*> host_bases;
 };
 
@@ -65,7 +70,7 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
                                                     .block_tokens = 16});
   if (!layout) return Fail(10, layout.error().ToString());
   Engine e{.layout = *layout, .num_blocks = 2 * blocks, .placements = {}, .sizes = {}, .device_bases = {},
-           .host = {}, .host_bases = {}};
+           .host_bases = {}};
   e.placements = KvCacheLayout::VllmNhd(e.layout, e.num_blocks);
   e.sizes = KvCacheLayout::MinRegionSizes(e.layout, e.num_blocks, e.placements);
   uint64_t total = kAllocatorHeadBytes;
@@ -75,8 +80,10 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
   uint64_t offset = kAllocatorHeadBytes;
   for (uint64_t s : e.sizes) {
     e.device_bases.push_back(static_cast<uint8_t*>(e.allocation) + offset);
-    e.host.emplace_back(s, 0xEE);
-    e.host_bases.push_back(e.host.back().data());
+    void* h = nullptr;
+    CUDA_OR_FAIL(cudaMallocHost(&h, s));
+    std::memset(h, 0xEE, s);
+    e.host_bases.push_back(static_cast<uint8_t*>(h));
     offset += s;
   }
   Result<KvCacheLayout> kv = KvCacheLayout::Create(e.layout, e.num_blocks, e.placements, e.sizes);
@@ -98,58 +105,63 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
   const uint64_t block_bytes = e.layout.block_bytes();
   std::vector<uint8_t> slot(block_bytes);
 
-  auto store = [&]() -> int {
+  auto store = [&](const std::vector<BlockKey>& ks) -> int {
     std::vector<uint32_t> ids;
     for (uint32_t i = 0; i < blocks; ++i) {
-      FillFromKey((*keys)[i], slot);
+      FillFromKey(ks[i], slot);
       ScatterBlock(host_plan, i, slot.data());
       ids.push_back(i);
     }
-    // Written on the engine's stream, not synchronised: the store must wait
-    // for these copies on the GPU (its event), or it reads 0xEE.
-    for (size_t r = 0; r < e.host.size(); ++r) {
-      CUDA_OR_FAIL(cudaMemcpyAsync(e.device_bases[r], e.host[r].data(), e.sizes[r], cudaMemcpyHostToDevice, stream));
+    // Written on the engine's stream behind 100 ms of other work, not
+    // synchronised: the store must wait for these copies (its event), or it
+    // reads what the blocks held before.
+    CUDA_OR_FAIL(gpu_testing::LaunchSpin(stream, 100'000'000));
+    for (size_t r = 0; r < e.sizes.size(); ++r) {
+      CUDA_OR_FAIL(cudaMemcpyAsync(e.device_bases[r], e.host_bases[r], e.sizes[r], cudaMemcpyHostToDevice, stream));
     }
-    Result<OpHandle> op = (*client)->StoreAsync(*cache, *keys, ids, std::nullopt, stream);
+    Result<OpHandle> op = (*client)->StoreAsync(*cache, ks, ids, std::nullopt, stream);
     if (!op) return Fail(14, "StoreAsync: " + op.error().ToString());
-    if (op->event == nullptr) return Fail(15, "the store's copies were not ordered on the GPU (no event)");
     Result<OpResult> r = (*client)->Wait(*op);
     if (!r || r->blocks + r->already != blocks) return Fail(16, "store Wait: " + (r ? std::to_string(r->blocks) : r.error().ToString()));
     return 0;
   };
 
-  auto load = [&]() -> int {
-    Result<LookupResult> hit = (*client)->Lookup(*cache, *keys);
+  auto load = [&](const std::vector<BlockKey>& ks) -> int {
+    Result<LookupResult> hit = (*client)->Lookup(*cache, ks);
     if (!hit || hit->hits != blocks) return Fail(17, "Lookup: " + (hit ? std::to_string(hit->hits) : hit.error().ToString()));
     // Into the other half of the cache, reversed.
     std::vector<uint32_t> ids;
     for (uint32_t i = 0; i < blocks; ++i) ids.push_back(e.num_blocks - 1 - i);
-    Result<OpHandle> op = (*client)->LoadAsync(*cache, *keys, ids, stream);
+    Result<OpHandle> op = (*client)->LoadAsync(*cache, ks, ids, stream);
     if (!op) return Fail(18, "LoadAsync: " + op.error().ToString());
     if (op->event == nullptr || op->event_blocks != blocks) return Fail(19, "the load was not queued with an event");
     // Read back on the same stream with no Wait: the stream waits for the
     // daemon's copies on the GPU.
-    for (size_t r = 0; r < e.host.size(); ++r) {
-      CUDA_OR_FAIL(cudaMemcpyAsync(e.host[r].data(), e.device_bases[r], e.sizes[r], cudaMemcpyDeviceToHost, stream));
+    for (size_t r = 0; r < e.sizes.size(); ++r) {
+      CUDA_OR_FAIL(cudaMemcpyAsync(e.host_bases[r], e.device_bases[r], e.sizes[r], cudaMemcpyDeviceToHost, stream));
     }
     CUDA_OR_FAIL(cudaStreamSynchronize(stream));
     for (uint32_t i = 0; i < blocks; ++i) {
       GatherBlock(host_plan, ids[i], slot.data());
-      if (!MatchesKey((*keys)[i], slot)) return Fail(21, "loaded block " + std::to_string(i) + " differs from its key");
+      if (!MatchesKey(ks[i], slot)) return Fail(21, "loaded block " + std::to_string(i) + " differs from its key");
     }
     Result<OpResult> r = (*client)->Wait(*op);
     if (!r || r->blocks != blocks) return Fail(22, "load Wait");
     return 0;
   };
 
-  if (mode == "store") return store();
-  if (mode == "load") return load();
+  if (mode == "store") return store(*keys);
+  if (mode == "load") return load(*keys);
   if (mode == "hold") {
-    if (int rc = store(); rc != 0) return rc;
-    std::printf("ready\n");
-    std::fflush(stdout);
-    while (true) {
-      if (int rc = load(); rc != 0) return rc;
+    if (int rc = store(*keys); rc != 0) return rc;
+    for (uint64_t round = 1;; ++round) {
+      if (int rc = load(*keys); rc != 0) return rc;
+      // New keys each round, so that every store copies.
+      Result<std::vector<BlockKey>> more = (*client)->ComputeKeys(
+          *cache, PseudoTokens(seed * 1000 + round, uint64_t{blocks} * e.layout.spec().block_tokens));
+      if (!more) return Fail(13, "ComputeKeys");
+      if (int rc = store(*more); rc != 0) return rc;
+      if (int rc = load(*more); rc != 0) return rc;
     }
   }
   return Fail(2, "unknown mode " + mode);

@@ -9,17 +9,24 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_util.h"
 
-// Skips the current test when there is no usable CUDA device.
-#define KVTIER_SKIP_WITHOUT_GPU()                                                            \
-  do {                                                                                       \
-    if (::kvtier::Result<int> kvtier_gpus_ = ::kvtier::cuda::DeviceCount(); !kvtier_gpus_) { \
-      GTEST_SKIP() << "needs a CUDA GPU, and none is usable here: " << kvtier_gpus_.error(); \
-    }                                                                                        \
+// Skips the current test when there is no usable CUDA device, or fails it
+// when KVTIER_REQUIRE_GPU=1 (tools/gpu-check.sh sets it: on a GPU machine, a
+// driver too old for the toolkit must not pass as a skip).
+#define KVTIER_SKIP_WITHOUT_GPU()                                                              \
+  do {                                                                                         \
+    if (::kvtier::Result<int> kvtier_gpus_ = ::kvtier::cuda::DeviceCount(); !kvtier_gpus_) {   \
+      const char* kvtier_require_ = std::getenv("KVTIER_REQUIRE_GPU");                         \
+      if (kvtier_require_ != nullptr && std::string(kvtier_require_) == "1") {                 \
+        FAIL() << "KVTIER_REQUIRE_GPU=1, but no GPU is usable: " << kvtier_gpus_.error();     \
+      }                                                                                        \
+      GTEST_SKIP() << "needs a CUDA GPU, and none is usable here: " << kvtier_gpus_.error();   \
+    }                                                                                          \
   } while (0)
 
 // Fails the current test (fatally) on a CUDA error.

@@ -55,9 +55,9 @@ class HoldingBackend final : public DeviceBackend {
   }
   uint64_t live_mappings() const override { return inner_->live_mappings(); }
 
-  void Submit(CopyBatch batch, CopyDone done) override {
+  bool Submit(CopyBatch batch, CopyDone done) override {
     const bool hold = batch.direction == CopyDirection::kSlotToEngine && hold_loads_.load();
-    inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
+    return inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
       if (!hold) {
         done(std::move(r));
         return;

@@ -85,10 +85,11 @@ struct OpResult {
 struct OpHandle {
   uint64_t op = 0;
   uint64_t connection = 0;  // which connection started it
-  // GPU caches, ops given a stream: a CUDA event the daemon recorded on its
+  // GPU caches, loads given a stream: a CUDA event the daemon recorded on its
   // copy stream after the copies of `event_blocks` blocks. Null when the
   // copies could not be queued at once (blocks read from disk first, or every
-  // event busy): then Wait. Valid until Wait has returned the op's result.
+  // event busy), and for stores: then Wait. Valid until Wait has returned the
+  // op's result.
   CudaEvent event = nullptr;
   uint32_t event_blocks = 0;
 };
@@ -167,12 +168,15 @@ class Client {
   // once (OpHandle::event set), `stream` is made to wait for them on the GPU
   // before this returns, so the engine's next kernels on it read the loaded
   // blocks with no Wait; event_blocks says how many leading blocks that is.
+  // `stream` may be 0 (the legacy default stream). Wait for every op anyway:
+  // that collects its result and frees its event.
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                              CudaStream stream);
-  // GPU caches: as StoreAsync, and the copies first wait, on the GPU, for
-  // everything queued on `stream` so far (the engine's writes of these
-  // blocks). OpHandle::event, when set, completes after the copies: wait on
-  // it before overwriting the blocks.
+  // GPU caches: as StoreAsync, and the copies read what was queued on
+  // `stream` before this call (the engine's writes of these blocks): the
+  // daemon starts them once an event recorded here completes (or, with every
+  // event busy, this call synchronises `stream`). OpHandle::event stays null:
+  // Wait for the store before overwriting the blocks.
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent, CudaStream stream);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
