@@ -182,6 +182,7 @@ class Client::Impl {
       if (event >= 0) c->cuda->ReleaseEvent(event);
       event = -1;
     };
+    uint32_t completion = 0;  // the value the store's completion slot gets (the event's slot)
     if (ordered && !load) {
       // The store's copies must read what the engine's stream wrote: they
       // wait for this record, or, with every event busy, for the stream here.
@@ -190,6 +191,7 @@ class Client::Impl {
         release();
         return Err(st);
       }
+      if (event >= 0) completion = c->cuda->NextCompletionValue(event);
     }
     FlatBufferBuilder b(128 + keys.size() * 20);
     const std::vector<w::Key> wk = KeysToWire(keys);
@@ -200,8 +202,8 @@ class Client::Impl {
       bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event));
     } else {
       const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
-      bytes = ipc::FinishMessage(
-          b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait, event));
+      bytes = ipc::FinishMessage(b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr,
+                                                              wait, event, event, completion));
     }
     if (wait) {
       Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
@@ -224,10 +226,15 @@ class Client::Impl {
       handle.event = c->cuda->event(event);
       handle.event_blocks = started->event_blocks();
     }
+    if (!load && event >= 0) {
+      // Completes when the daemon writes the value: the store is over.
+      Result<CudaEvent> done = c->cuda->CompletionEvent(event, completion);
+      if (done) handle.event = *done;  // else no GPU-side completion: Wait
+    }
     if (load && handle.event == nullptr) {
       release();  // the daemon never records it for this op
     } else if (event >= 0) {
-      op_events_[handle.op] = {c, event};
+      op_events_[handle.op] = HeldEvent{c, event, completion};
     }
     return std::variant<OpHandle, OpResult>(handle);
   }
@@ -363,13 +370,18 @@ class Client::Impl {
   void ReleaseOpEvent(uint64_t op) KVTIER_REQUIRES(mu_) {
     auto it = op_events_.find(op);
     if (it == op_events_.end()) return;
-    it->second.first->cuda->ReleaseEvent(it->second.second);
+    it->second.cache->cuda->ReleaseEvent(it->second.slot);
     op_events_.erase(it);
   }
 
   void Disconnect() KVTIER_REQUIRES(mu_) {
-    // Ops of this connection are lost, and so are their events' uses.
-    for (auto& [op, held] : op_events_) held.first->cuda->ReleaseEvent(held.second);
+    // Ops of this connection are lost, and so are their events' uses. No
+    // daemon will write their stores' completions now: write them here, so
+    // that no engine stream waits forever.
+    for (auto& [op, held] : op_events_) {
+      if (held.completion != 0) held.cache->cuda->Complete(held.slot, held.completion);
+      held.cache->cuda->ReleaseEvent(held.slot);
+    }
     op_events_.clear();
     fd_.Reset();
     next_attempt_ = std::chrono::steady_clock::now() + options_.reconnect_interval;
@@ -436,12 +448,14 @@ class Client::Impl {
       for (const IpcEventHandle& h : c.cuda->event_handles()) {
         events.emplace_back(flatbuffers::span<const uint8_t, 64>(h.data(), h.size()));
       }
+      fds.push_back(c.cuda->completion_fd());
     }
     std::vector<w::Placement> placements;
     for (const Placement& p : c.placements) placements.push_back(ipc::PlacementToWire(p));
     const uint64_t rid = next_id_++;
     const auto body = w::CreateRegisterKvCacheDirect(b, ipc::LayoutToWire(b, c.layout), c.num_blocks, &regions,
-                                                     &placements, c.cuda != nullptr ? &events : nullptr);
+                                                     &placements, c.cuda != nullptr ? &events : nullptr,
+                                                     c.cuda != nullptr ? static_cast<int>(fds.size()) - 1 : -1);
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, body), fds, rid, w::Body::Registered));
     c.namespace_id = r.msg->body_as_Registered()->namespace_id();
     c.hasher = std::make_unique<ChainHasher>(*hash_secret_, c.layout);
@@ -495,7 +509,12 @@ class Client::Impl {
   std::optional<Secret> hash_secret_ KVTIER_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Cache>> caches_ KVTIER_GUARDED_BY(mu_);
   // Ops holding an event slot of a GPU cache, until Wait returns their result.
-  std::map<uint64_t, std::pair<Cache*, int32_t>> op_events_ KVTIER_GUARDED_BY(mu_);
+  struct HeldEvent {
+    Cache* cache = nullptr;
+    int32_t slot = -1;
+    uint32_t completion = 0;  // a store's completion value, or 0
+  };
+  std::map<uint64_t, HeldEvent> op_events_ KVTIER_GUARDED_BY(mu_);
 };
 
 Result<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {

@@ -2,6 +2,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
 
 #include "kernels/cuda/cuda_util.h"
@@ -56,10 +61,69 @@ Result<std::unique_ptr<CudaExport>> CudaExport::Create(std::span<const CudaKvReg
     std::memcpy(e->event_handles_.emplace_back().data(), &handle, sizeof(handle));
   }
   e->busy_.assign(num_events, false);
+  KVTIER_RETURN_IF_ERROR(e->CreateCompletionPage());
   return e;
 }
 
+Status CudaExport::CreateCompletionPage() {
+  constexpr size_t kPageBytes = 4096;  // CompletionPage::kBytes in the daemon
+  completion_fd_ = UniqueFd(::memfd_create("kvtier-completions", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!completion_fd_) return Status::FromErrno(errno, "memfd_create of the completion page");
+  if (::ftruncate(completion_fd_.get(), kPageBytes) != 0) return Status::FromErrno(errno, "ftruncate");
+  if (::fcntl(completion_fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return Status::FromErrno(errno, "sealing the completion page");
+  }
+  KVTIER_ASSIGN_OR_RETURN(completion_page_, MemoryMapping::Map(MemoryMapping::Options{
+                                                .size_bytes = kPageBytes,
+                                                .prot = PROT_READ | PROT_WRITE,
+                                                .flags = MAP_SHARED,
+                                                .fd = completion_fd_.get()}));
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostRegister(completion_page_.data(), kPageBytes, cudaHostRegisterMapped),
+                              "cudaHostRegister of the completion page");
+  completion_registered_ = true;
+  for (size_t i = 0; i < events_.size(); ++i) {
+    cudaStream_t stream = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    completion_streams_.push_back(stream);
+    cudaEvent_t ev = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    completion_events_.push_back(ev);
+  }
+  completion_values_.assign(events_.size(), 0);
+  return Status::Ok();
+}
+
+uint32_t CudaExport::NextCompletionValue(int32_t slot) {
+  uint32_t& v = completion_values_[static_cast<size_t>(slot)];
+  if (++v == 0) ++v;  // 0 is the page's initial value
+  return v;
+}
+
+Result<CudaEvent> CudaExport::CompletionEvent(int32_t slot, uint32_t value) {
+  void* device_ptr = nullptr;
+  uint8_t* host = completion_page_.data() + sizeof(uint32_t) * static_cast<size_t>(slot);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_ptr, host, 0), "cudaHostGetDevicePointer");
+  auto stream = static_cast<cudaStream_t>(completion_streams_[static_cast<size_t>(slot)]);
+  KVTIER_RETURN_IF_ERROR(cuda::StreamWaitValue32(stream, device_ptr, value));
+  auto ev = static_cast<cudaEvent_t>(completion_events_[static_cast<size_t>(slot)]);
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev, stream), "cudaEventRecord of a store's completion");
+  return CudaEvent{ev};
+}
+
+void CudaExport::Complete(int32_t slot, uint32_t value) {
+  auto* page = reinterpret_cast<uint32_t*>(completion_page_.data());
+  std::atomic_ref<uint32_t>(page[slot]).store(value, std::memory_order_release);
+}
+
 CudaExport::~CudaExport() {
+  // Release every wait first (values only grow), then tear down.
+  for (size_t i = 0; i < completion_values_.size(); ++i) Complete(static_cast<int32_t>(i), completion_values_[i]);
+  for (CudaStream stream : completion_streams_) {
+    (void)cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+    (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+  }
+  for (CudaEvent ev : completion_events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(ev));
+  if (completion_registered_) (void)cudaHostUnregister(completion_page_.data());
   for (CudaEvent ev : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(ev));
 }
 

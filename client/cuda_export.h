@@ -2,9 +2,15 @@
 // region as a CUDA IPC memory handle of the allocation that holds it (plus the
 // offset: PyTorch's caching allocator sub-allocates tensors), names the
 // device by UUID (ordinals differ between processes with different
-// CUDA_VISIBLE_DEVICES), and owns a pool of interprocess events that the
-// daemon records after a load's copies, so that an engine stream waits for
-// them on the GPU.
+// CUDA_VISIBLE_DEVICES), and owns a pool of interprocess events: the daemon
+// records one after a load's copies (an engine stream waits for it on the
+// GPU), and watches one that the engine recorded after writing the blocks of
+// a store. Store completion comes back through a completion page, a memfd
+// page shared with the daemon and registered with CUDA: the daemon writes a
+// slot's value when the store is over, and a private stream that waits for
+// that value (cuStreamWaitValue32) records an ordinary event the engine can
+// wait on. If the daemon goes away, the client writes the values itself, so
+// no engine stream waits forever.
 //
 // Built with the real CUDA runtime when libkvtier has CUDA (cuda_export.cc),
 // else every call reports kUnimplemented (cuda_export_stub.cc).
@@ -20,6 +26,8 @@
 #include <vector>
 
 #include "common/device_backend.h"
+#include "common/memory_mapping.h"
+#include "common/unique_fd.h"
 #include "common/status.h"
 #include "kvtier/client.h"
 
@@ -56,12 +64,32 @@ class CudaExport {
   // cudaStreamSynchronize(stream): orders a store when every event is busy.
   Status Synchronize(CudaStream stream) const;
 
+  // The completion page's memfd, sent with every registration.
+  int completion_fd() const { return completion_fd_.get(); }
+  // The next value slot `slot`'s store will complete with (never 0).
+  uint32_t NextCompletionValue(int32_t slot);
+  // An event that completes once the daemon has written `value` into `slot`.
+  Result<CudaEvent> CompletionEvent(int32_t slot, uint32_t value);
+  // Writes `value` into `slot` as the daemon would (the daemon is gone).
+  void Complete(int32_t slot, uint32_t value);
+
  private:
   CudaExport() = default;
+  Status CreateCompletionPage();
+
   std::vector<Region> regions_;
-  std::vector<CudaEvent> events_;  // cudaEvent_t
+  std::vector<CudaEvent> events_;  // cudaEvent_t, interprocess
   std::vector<IpcEventHandle> event_handles_;
   std::vector<bool> busy_;
+  UniqueFd completion_fd_;
+  MemoryMapping completion_page_;
+  bool completion_registered_ = false;
+  // Per slot: a stream that waits for the slot's value and then records the
+  // slot's completion event (one stream each, so that stores complete
+  // independently of each other).
+  std::vector<CudaStream> completion_streams_;
+  std::vector<CudaEvent> completion_events_;
+  std::vector<uint32_t> completion_values_;  // last value handed out per slot
 };
 
 }  // namespace kvtier

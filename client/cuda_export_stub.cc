@@ -18,5 +18,8 @@ void CudaExport::ReleaseEvent(int32_t) {}
 Status CudaExport::Record(int32_t, CudaStream) const { return NoCuda(); }
 Status CudaExport::StreamWait(CudaStream, int32_t) const { return NoCuda(); }
 Status CudaExport::Synchronize(CudaStream) const { return NoCuda(); }
+uint32_t CudaExport::NextCompletionValue(int32_t) { return 0; }
+Result<CudaEvent> CudaExport::CompletionEvent(int32_t, uint32_t) { return Err(NoCuda()); }
+void CudaExport::Complete(int32_t, uint32_t) {}
 
 }  // namespace kvtier

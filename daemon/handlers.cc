@@ -8,6 +8,7 @@
 
 #include "common/chain_hash.h"
 #include "daemon/server.h"
+#include "tiers/host_backend.h"
 
 namespace kvtier {
 
@@ -215,12 +216,26 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
       std::copy(e->bytes()->begin(), e->bytes()->end(), h.begin());
     }
   }
+  std::shared_ptr<CompletionPage> completions;
+  if (const int idx = m.completion_fd_index(); idx >= 0) {
+    if (static_cast<size_t>(idx) >= fds.size() || fd_used[static_cast<size_t>(idx)]) {
+      return ipc::ErrorMessage(id, InvalidArgument("completion_fd_index does not name an unused descriptor"));
+    }
+    fd_used[static_cast<size_t>(idx)] = true;
+    ClientRegionHandle page;
+    page.kind = ClientMemoryKind::kHostMemfd;
+    page.size_bytes = CompletionPage::kBytes;
+    page.memfd = std::move(fds[static_cast<size_t>(idx)]);
+    Result<MemoryMapping> mapped = HostBackend::MapSealedMemfd(page, "the completion page");
+    if (!mapped) return ipc::ErrorMessage(id, mapped.error());
+    completions = std::make_shared<CompletionPage>(std::move(*mapped));
+  }
   Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles), std::move(events));
   if (!mapping) return ipc::ErrorMessage(id, mapping.error());
 
   const uint32_t ns_id = s.next_namespace_id++;
   auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));
-  s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping)};
+  s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping), std::move(completions)};
   spdlog::info("session {}: registered KV cache {}: {} blocks, {}", s.id, ns_id, m.num_blocks(),
                layout->ToString());
   FlatBufferBuilder b(128);
@@ -322,9 +337,21 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  std::to_string((*ns)->mapping->num_events()) +
                                                  " CUDA events this cache registered"));
   }
+  const int32_t completion_slot = load ? -1 : st->completion_slot();
+  if (completion_slot != -1 && ((*ns)->completions == nullptr || completion_slot < 0 ||
+                                static_cast<uint32_t>(completion_slot) >= CompletionPage::kSlots)) {
+    return ipc::ErrorMessage(id, InvalidArgument("completion_slot " + std::to_string(completion_slot) +
+                                                 " needs a completion page and a slot below " +
+                                                 std::to_string(CompletionPage::kSlots)));
+  }
   const uint64_t op = s.next_op_id++;
   SessionOp& o = s.ops[op];
   if (wait) o.waiters.push_back(id);
+  if (completion_slot >= 0) {
+    o.completions = (*ns)->completions;
+    o.completion_slot = static_cast<uint32_t>(completion_slot);
+    o.completion_value = st->completion_value();
+  }
   ++s.pending_ops;
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
@@ -355,6 +382,9 @@ void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
   SessionOp& o = oit->second;
   o.done = true;
   o.outcome = std::move(outcome);
+  // Over, whether it succeeded or not: an engine stream waiting for the value
+  // must never hang on a failed store.
+  if (o.completions) o.completions->Write(o.completion_slot, o.completion_value);
   --s.pending_ops;
   if (o.waiters.empty()) return;  // kept for a later Wait or Poll
   for (uint64_t request : o.waiters) Send(s, OpResultMessage(request, op_id, o));

@@ -3,6 +3,7 @@
 // Owned by the Server, on the event-loop thread; thread-compatible.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "common/device_backend.h"
+#include "common/memory_mapping.h"
 #include "common/unique_fd.h"
 #include "ipc/seqpacket.h"
 #include "tiers/block_cache.h"
@@ -20,15 +22,36 @@ namespace kvtier {
 struct Tenant;
 
 // A KV cache the session registered.
+// The page a client registered for store completions (protocol.md, "GPU
+// ordering"): kSlots little-endian u32 values the daemon writes.
+class CompletionPage {
+ public:
+  static constexpr size_t kBytes = 4096;
+  static constexpr uint32_t kSlots = kBytes / sizeof(uint32_t);
+  explicit CompletionPage(MemoryMapping mapping) : mapping_(std::move(mapping)) {}
+  // Release: an engine that sees the value sees the stored block's copy done.
+  void Write(uint32_t slot, uint32_t value) {
+    std::atomic_ref<uint32_t>(reinterpret_cast<uint32_t*>(mapping_.data())[slot]).store(value, std::memory_order_release);
+  }
+
+ private:
+  MemoryMapping mapping_;
+};
+
 struct SessionNamespace {
   std::shared_ptr<const KvCacheLayout> layout;
   std::shared_ptr<ClientMapping> mapping;
+  std::shared_ptr<CompletionPage> completions = nullptr;  // optional
 };
 
 struct SessionOp {
   bool done = false;
   OpOutcome outcome;
   std::vector<uint64_t> waiters;  // request ids of Waits (and wait=true requests) to answer
+  // A store's completion write, made when it is over.
+  std::shared_ptr<CompletionPage> completions = nullptr;
+  uint32_t completion_slot = 0;
+  uint32_t completion_value = 0;
 };
 
 struct Session {

@@ -115,18 +115,23 @@ Result<DevicePlan> DevicePlan::Upload(const CopyPlan& plan, int device) {
   return d;
 }
 
+namespace {
+// A driver entry point by name, at the ABI of CUDA 12.0; null if absent.
+void* DriverEntryPoint(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+}  // namespace
+
 Result<AllocationRange> AllocationOf(const void* ptr) {
   using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static GetAddressRange get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<GetAddressRange>(fn);
-  }();
+  static const auto get_range = reinterpret_cast<GetAddressRange>(DriverEntryPoint("cuMemGetAddressRange"));
   if (get_range == nullptr) {
     return Err(Status(StatusCode::kUnavailable, "the CUDA driver has no cuMemGetAddressRange"));
   }
@@ -139,6 +144,20 @@ Result<AllocationRange> AllocationOf(const void* ptr) {
                       ErrorSource::kCuda, static_cast<int>(r)));
   }
   return AllocationRange{static_cast<uint64_t>(base), static_cast<uint64_t>(size)};
+}
+
+
+Status StreamWaitValue32(cudaStream_t stream, const void* device_addr, uint32_t value) {
+  using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  static const auto wait = reinterpret_cast<WaitValue32>(DriverEntryPoint("cuStreamWaitValue32"));
+  if (wait == nullptr) return Status(StatusCode::kUnavailable, "the CUDA driver has no cuStreamWaitValue32");
+  if (const CUresult r = wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(device_addr), value,
+                              CU_STREAM_WAIT_VALUE_GEQ);
+      r != CUDA_SUCCESS) {
+    return Status(StatusCode::kInternal, "cuStreamWaitValue32 (CUresult " + std::to_string(static_cast<int>(r)) + ")",
+                  ErrorSource::kCuda, static_cast<int>(r));
+  }
+  return Status::Ok();
 }
 
 Result<std::string> DescribeDevice(int device) {

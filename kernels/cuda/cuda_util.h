@@ -94,6 +94,11 @@ struct AllocationRange {
 };
 Result<AllocationRange> AllocationOf(const void* ptr);
 
+// cuStreamWaitValue32(stream, device_addr, value, CU_STREAM_WAIT_VALUE_GEQ)
+// through the runtime's driver entry point: `stream` waits until the u32 at
+// `device_addr` (mapped host memory) reaches `value` (wrapping compare).
+Status StreamWaitValue32(cudaStream_t stream, const void* device_addr, uint32_t value);
+
 // "NVIDIA H200 (sm_90, 139.8 GiB)" for a device, and the driver's version.
 Result<std::string> DescribeDevice(int device);
 std::string DriverVersion();

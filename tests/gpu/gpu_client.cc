@@ -18,6 +18,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -121,7 +122,11 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
     }
     Result<OpHandle> op = (*client)->StoreAsync(*cache, ks, ids, std::nullopt, stream);
     if (!op) return Fail(14, "StoreAsync: " + op.error().ToString());
-    Result<OpResult> r = (*client)->Wait(*op);
+    // Its completion event fires once the store is over, so the result is
+    // ready by then.
+    if (op->event == nullptr) return Fail(15, "no completion event for a store with free events");
+    CUDA_OR_FAIL(cudaEventSynchronize(static_cast<cudaEvent_t>(op->event)));
+    Result<OpResult> r = (*client)->Wait(*op, std::chrono::milliseconds(2000));
     if (!r || r->blocks + r->already != blocks) return Fail(16, "store Wait: " + (r ? std::to_string(r->blocks) : r.error().ToString()));
     return 0;
   };

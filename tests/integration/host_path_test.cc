@@ -1,10 +1,14 @@
 // End-to-end tests of the host data path: a real kvtierd and real client
 // processes over its unix socket.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <fstream>
 #include <thread>
 
@@ -12,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "common/block_pattern.h"
+#include "common/memory_mapping.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 #include "kvtier/client.h"
@@ -493,6 +498,15 @@ TEST(HostPathTest, MalformedAndOutOfRangeMessagesAreRefusedAndOthersUnaffected) 
   EXPECT_GE(good->Stats().value().Counter("messages_rejected"), 2u);
 }
 
+// A memfd of `size` bytes sealed against shrinking, as a client sends one.
+Result<UniqueFd> MakeSealedMemfd(uint64_t size) {
+  UniqueFd fd(::memfd_create("kvtier-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) return Err(Status::FromErrno(errno, "memfd_create"));
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return Err(Status::FromErrno(errno, "ftruncate"));
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) != 0) return Err(Status::FromErrno(errno, "F_ADD_SEALS"));
+  return fd;
+}
+
 // The CUDA parts of the protocol on a host daemon: every one is refused with
 // a clear error, and the session goes on.
 TEST(HostPathTest, CudaRequestsOnAHostDaemonAreRefusedClearly) {
@@ -597,6 +611,43 @@ TEST(HostPathTest, CudaRequestsOnAHostDaemonAreRefusedClearly) {
     r = raw.Receive();
     EXPECT_EQ(r.body, wire::Body::OpStarted);
     EXPECT_FALSE(r.event_recorded);
+  }
+  {  // A completion page: the daemon writes a store's value into its slot when it is over.
+    Result<UniqueFd> page_fd = MakeSealedMemfd(4096);
+    ASSERT_TRUE(page_fd.has_value()) << page_fd.error();
+    Result<MemoryMapping> page = MemoryMapping::Map(MemoryMapping::Options{
+        .size_bytes = 4096, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = page_fd->get()});
+    ASSERT_TRUE(page.has_value()) << page.error();
+    b.Clear();
+    std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {
+        wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache->size_bytes(), 0)};
+    const std::array<int, 2> fds = {fd, page_fd->get()};
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 10, wire::CreateRegisterKvCacheDirect(
+                                                       b, ipc::LayoutToWire(b, SmallLayout()), 32, &regions,
+                                                       &placements, nullptr, 1)),
+                         fds)
+                    .ok());
+    ASSERT_EQ(raw.Receive().body, wire::Body::Registered);  // namespace 2
+    const std::vector<BlockKey> more = good->ComputeKeys(id, Prompt(61, 1)).value();
+    std::vector<wire::Key> wk = {ipc::ToWire(more[0])};
+    std::vector<uint32_t> one = {3};
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 11, wire::CreateStoreDirect(b, 2, &wk, &one, nullptr, true, -1, 5,
+                                                                             77)))
+                    .ok());
+    EXPECT_EQ(raw.Receive().body, wire::Body::OpResult);
+    EXPECT_EQ(std::atomic_ref<uint32_t>(reinterpret_cast<uint32_t*>(page->data())[5]).load(), 77u);
+    // A slot past the page, and a slot on a cache with no page.
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 12, wire::CreateStoreDirect(b, 2, &wk, &one, nullptr, true, -1,
+                                                                             1024, 1)))
+                    .ok());
+    EXPECT_EQ(raw.Receive().code, StatusCode::kInvalidArgument);
+    b.Clear();
+    ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 13, wire::CreateStoreDirect(b, 1, &wk, &one, nullptr, true, -1, 0,
+                                                                             1)))
+                    .ok());
+    EXPECT_THAT(raw.Receive().message, HasSubstr("completion page"));
   }
   EXPECT_EQ(LoadAndCount(*good, id, *cache, keys, 10), 4u);
 }

@@ -85,11 +85,11 @@ struct OpResult {
 struct OpHandle {
   uint64_t op = 0;
   uint64_t connection = 0;  // which connection started it
-  // GPU caches, loads given a stream: a CUDA event the daemon recorded on its
-  // copy stream after the copies of `event_blocks` blocks. Null when the
-  // copies could not be queued at once (blocks read from disk first, or every
-  // event busy), and for stores: then Wait. Valid until Wait has returned the
-  // op's result.
+  // GPU caches, ops given a stream: a CUDA event an engine stream can wait
+  // on. Load: recorded on the daemon's copy stream after the copies of
+  // `event_blocks` blocks. Store: completes once the store is over. Null when
+  // that cannot be promised (a load's blocks read from disk first, every
+  // event busy): then Wait. Valid until Wait has returned the op's result.
   CudaEvent event = nullptr;
   uint32_t event_blocks = 0;
 };
@@ -175,8 +175,9 @@ class Client {
   // GPU caches: as StoreAsync, and the copies read what was queued on
   // `stream` before this call (the engine's writes of these blocks): the
   // daemon starts them once an event recorded here completes (or, with every
-  // event busy, this call synchronises `stream`). OpHandle::event stays null:
-  // Wait for the store before overwriting the blocks.
+  // event busy, this call synchronises `stream`). OpHandle::event, when set,
+  // completes once the store is over (done or failed): a stream that waits
+  // on it may overwrite the blocks. When it is null, Wait instead.
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent, CudaStream stream);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
