@@ -95,9 +95,7 @@ class Client::Impl {
       cache->fds.push_back(std::move(dup));
       cache->sizes.push_back(r.size_bytes);
     }
-    KVTIER_RETURN_IF_ERROR(RegisterOne(*cache));
-    caches_.push_back(std::move(cache));
-    return static_cast<CacheId>(caches_.size());
+    return Add(std::move(cache));
   }
 
   Result<CacheId> RegisterCuda(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
@@ -108,6 +106,11 @@ class Client::Impl {
                                                .placements = std::move(placements)});
     KVTIER_ASSIGN_OR_RETURN(cache->cuda, CudaExport::Create(regions, kEventsPerCache));
     for (const CudaKvRegion& r : regions) cache->sizes.push_back(r.size_bytes);
+    return Add(std::move(cache));
+  }
+
+  // Registers a new cache on this connection and keeps it for reconnects.
+  Result<CacheId> Add(std::unique_ptr<Cache> cache) KVTIER_REQUIRES(mu_) {
     KVTIER_RETURN_IF_ERROR(RegisterOne(*cache));
     caches_.push_back(std::move(cache));
     return static_cast<CacheId>(caches_.size());

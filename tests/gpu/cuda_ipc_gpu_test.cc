@@ -16,6 +16,7 @@
 #include "kvtier/client.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/stats_when.h"
 
 namespace kvtier {
 namespace {
@@ -38,21 +39,6 @@ pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t s
 
 int RunClient(const std::string& mode, const std::string& socket, uint64_t seed) {
   return testing::WaitChild(StartClient(mode, socket, seed));
-}
-
-// Polls Stats until `pred` holds (or 10 s pass); returns the last stats.
-template <typename Pred>
-DaemonStats WaitForStats(Client& client, Pred pred) {
-  DaemonStats last;
-  for (int i = 0; i < 200; ++i) {
-    Result<DaemonStats> s = client.Stats();
-    if (s) {
-      last = *s;
-      if (pred(last)) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return last;
 }
 
 class CudaIpcGpuTest : public ::testing::TestWithParam<bool> {
@@ -84,7 +70,7 @@ TEST_P(CudaIpcGpuTest, BlocksStoredByOneProcessLoadIntoAnother) {
   ASSERT_EQ(RunClient("store", daemon_->socket_path(), 1), 0) << daemon_->Log();
   ASSERT_EQ(RunClient("load", daemon_->socket_path(), 1), 0) << daemon_->Log();
 
-  const DaemonStats after = WaitForStats(*admin_, [](const DaemonStats& s) { return s.mappings == 0; });
+  const DaemonStats after = testing::StatsWhen(*admin_, [](const DaemonStats& s) { return s.mappings == 0; });
   EXPECT_EQ(after.mappings, 0u) << "the clients exited; their IPC mappings must be closed";
   EXPECT_EQ(after.leases, 0u);
   EXPECT_EQ(after.Counter("stores"), kBlocks);
@@ -93,14 +79,14 @@ TEST_P(CudaIpcGpuTest, BlocksStoredByOneProcessLoadIntoAnother) {
 
 TEST_P(CudaIpcGpuTest, KilledClientLeavesNoMappings) {
   const pid_t holder = StartClient("hold", daemon_->socket_path(), 2);
-  const DaemonStats held = WaitForStats(*admin_, [](const DaemonStats& s) { return s.Counter("loads") > 0; });
+  const DaemonStats held = testing::StatsWhen(*admin_, [](const DaemonStats& s) { return s.Counter("loads") > 0; });
   ASSERT_GE(held.mappings, 1u) << daemon_->Log();
   ASSERT_GT(held.Counter("loads"), 0u) << "the holder never got to its load loop";
 
   ASSERT_EQ(::kill(holder, SIGKILL), 0);
   EXPECT_EQ(testing::WaitChild(holder), 128 + SIGKILL);
   const DaemonStats after =
-      WaitForStats(*admin_, [](const DaemonStats& s) { return s.mappings == 0 && s.sessions == 1 && s.leases == 0; });
+      testing::StatsWhen(*admin_, [](const DaemonStats& s) { return s.mappings == 0 && s.sessions == 1 && s.leases == 0; });
   EXPECT_EQ(after.mappings, 0u) << "a dead client's GPU memory is still mapped";
   EXPECT_EQ(after.sessions, 1u);
   EXPECT_EQ(after.leases, 0u);

@@ -21,6 +21,7 @@
 #include "ipc/wire.h"
 #include "kvtier/client.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/stats_when.h"
 
 namespace kvtier::testing {
 namespace {
@@ -76,21 +77,6 @@ uint32_t LoadAndCount(Client& c, CacheId id, ShmKvCache& cache, const std::vecto
   for (uint32_t i = 0; i < r->blocks; ++i) good += MatchesKey(keys[i], cache.block(first + i));
   EXPECT_EQ(good, r->blocks) << "a loaded block differs from what was stored";
   return good;
-}
-
-// Polls Stats until `pred` holds (or 10 s pass).
-template <typename Pred>
-DaemonStats StatsWhen(Client& c, Pred pred) {
-  DaemonStats s;
-  for (int i = 0; i < 1000; ++i) {
-    Result<DaemonStats> r = c.Stats();
-    if (r) {
-      s = *r;
-      if (pred(s)) return s;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return s;
 }
 
 TEST(HostPathTest, RoundTripThroughHbmAndHostIsByteExact) {
