@@ -280,6 +280,7 @@ class Client::Impl {
     const w::StatsReply* s = r.msg->body_as_StatsReply();
     DaemonStats out;
     if (s->backend() != nullptr) out.backend = s->backend()->str();
+    if (s->metrics() != nullptr) out.metrics = s->metrics()->str();
     if (s->tiers() != nullptr) {
       for (const w::TierStats* t : *s->tiers()) {
         out.tiers.push_back(TierStats{TierFromWire(t->tier()), t->capacity_bytes(), t->used_bytes(), t->blocks()});

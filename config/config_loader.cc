@@ -250,7 +250,7 @@ ParseResult ParseGroupId(const YAML::Node& n, uint32_t* out) {
   });
 }
 
-// host:port or [v6]:port.
+// host:port or [v6]:port; port 0 asks the kernel for a free one (tests).
 ParseResult ParseListen(const YAML::Node& n, std::string* out) {
   if (auto e = ParseNonEmpty(n, out); !e.empty()) return e;
   const size_t colon = out->rfind(':');
@@ -260,7 +260,7 @@ ParseResult ParseListen(const YAML::Node& n, std::string* out) {
       colon == std::string::npos ? "" : std::string_view(*out).substr(colon + 1);
   const auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
   if (host.empty() || ec != std::errc() || end != port_text.data() + port_text.size() ||
-      port == 0 || port > 65535) {
+      port > 65535) {
     return "expected host:port such as 127.0.0.1:9464 or [::1]:9464, got '" + *out + "'";
   }
   return {};

@@ -3,6 +3,7 @@
 // and answers with a reply or an Error; a handler that returns no bytes has
 // deferred its reply (Wait, or Load/Store with wait=true).
 #include <algorithm>
+#include <future>
 
 #include <spdlog/spdlog.h>
 
@@ -272,11 +273,15 @@ Result<const SessionNamespace*> FindNamespace(const Session& s, uint32_t ns_id) 
 }  // namespace
 
 std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Lookup& m) {
+  const auto start = std::chrono::steady_clock::now();
   Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
   const LookupResult r = cache_->Lookup(*keys);
+  ++s.tenant->lookups;
+  s.tenant->hits += r.hits;
+  lookup_latency_.RecordSince(start);
   std::vector<w::Tier> tiers;
   for (Tier t : r.tiers) tiers.push_back(TierToWire(t));
   FlatBufferBuilder b(64 + tiers.size());
@@ -346,6 +351,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   }
   const uint64_t op = s.next_op_id++;
   SessionOp& o = s.ops[op];
+  o.load = load;
   if (wait) o.waiters.push_back(id);
   if (completion_slot >= 0) {
     o.completions = (*ns)->completions;
@@ -382,6 +388,7 @@ void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
   SessionOp& o = oit->second;
   o.done = true;
   o.outcome = std::move(outcome);
+  (o.load ? load_latency_ : store_latency_).RecordSince(o.started);
   // Over, whether it succeeded or not: an engine stream waiting for the value
   // must never hang on a failed store.
   if (o.completions) o.completions->Write(o.completion_slot, o.completion_value);
@@ -478,8 +485,10 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   uint64_t inflight = 0;
   for (const auto& [sid, session] : sessions_) inflight += session->pending_ops;
   const std::string backend = backend_->Describe();
+  const std::string metrics = metrics_ ? metrics_->address() : "";
   const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions_.size(), cache_->leases(),
-                                              backend_->live_mappings(), inflight, &cs, backend.c_str());
+                                              backend_->live_mappings(), inflight, &cs, backend.c_str(),
+                                              metrics.c_str());
   return ipc::FinishMessage(b, id, body);
 }
 
@@ -537,6 +546,51 @@ std::vector<uint8_t> Server::HandleListTenants(Session& s, uint64_t id) {
                                              cache_->TenantBlocks(t->id)));
   }
   return ipc::FinishMessage(b, id, w::CreateTenantListDirect(b, &list));
+}
+
+}  // namespace kvtier
+
+namespace kvtier {
+
+MetricsSnapshot Server::Snapshot() const {
+  MetricsSnapshot m;
+  m.backend = backend_->Describe();
+  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
+    m.tiers.push_back({std::string(TierName(t)), cache_->Usage(t)});
+  }
+  m.cache = cache_->counters();
+  if (disk_) m.disk = disk_->counters();
+  m.sessions = sessions_.size();
+  m.leases = cache_->leases();
+  m.mappings = backend_->live_mappings();
+  for (const auto& [sid, session] : sessions_) m.inflight_ops += session->pending_ops;
+  m.sessions_refused = sessions_refused_;
+  m.messages_rejected = messages_rejected_;
+  m.lookup_latency = lookup_latency_;
+  m.load_latency = load_latency_;
+  m.store_latency = store_latency_;
+  for (const auto& t : tenants_->tenants()) {
+    MetricsSnapshot::TenantRow row{.name = t->config.name,
+                                   .blocks = cache_->TenantBlocks(t->id),
+                                   .sessions = t->sessions,
+                                   .lookups = t->lookups,
+                                   .hits = t->hits};
+    for (Tier tier : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
+      row.used_bytes[static_cast<size_t>(tier)] = cache_->TenantUsedBytes(t->id, tier);
+    }
+    m.tenants.push_back(std::move(row));
+  }
+  return m;
+}
+
+std::optional<MetricsSnapshot> Server::SnapshotFromLoop() {
+  // Shared: a reply that comes after the wait gave up must not write into a
+  // promise that is gone.
+  auto promise = std::make_shared<std::promise<MetricsSnapshot>>();
+  std::future<MetricsSnapshot> result = promise->get_future();
+  Post([this, promise] { promise->set_value(Snapshot()); });
+  if (result.wait_for(std::chrono::seconds(2)) != std::future_status::ready) return std::nullopt;
+  return result.get();
 }
 
 }  // namespace kvtier

@@ -54,6 +54,8 @@ Result<std::unique_ptr<Server>> Server::Create(Options options) {
 Server::Server(Options options) : options_(std::move(options)), next_session_id_(kFirstSessionId) {}
 
 Server::~Server() {
+  // No scrape may ask the loop for figures from here on.
+  metrics_.reset();
   // Every copy must have finished before the cache (and its arenas) go.
   sessions_.clear();
   cache_.reset();
@@ -147,10 +149,6 @@ Status Server::Setup() {
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
 
 
-  if (c.metrics.enabled) {
-    spdlog::warn("metrics.enabled, but this build has no metrics endpoint yet; use kvtierctl stats");
-  }
-
   KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
   BlockCache::Options cache_options{
       .backend = backend_.get(),
@@ -193,6 +191,12 @@ Status Server::Setup() {
   wake_fd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake_fd_) return Status::FromErrno(errno, "eventfd");
 
+  // Metrics before the socket: a daemon that accepts clients serves metrics.
+  if (c.metrics.enabled) {
+    KVTIER_ASSIGN_OR_RETURN(metrics_,
+                            MetricsExporter::Start(c.metrics.listen, [this] { return SnapshotFromLoop(); }));
+    spdlog::info("metrics on http://{}/metrics", metrics_->address());
+  }
   const std::filesystem::path dir = std::filesystem::path(c.socket.path).parent_path();
   if (!dir.empty()) {
     std::error_code ec;

@@ -22,6 +22,7 @@
 #include "common/unique_fd.h"
 #include "config/config.h"
 #include "config/config_loader.h"
+#include "daemon/metrics.h"
 #include "daemon/session.h"
 #include "daemon/tenants.h"
 #include "ipc/wire.h"
@@ -84,6 +85,10 @@ class Server {
   std::vector<uint8_t> HandleStats(Session& s, uint64_t id);
   std::vector<uint8_t> HandleEvict(Session& s, uint64_t id, const wire::Evict& m);
   std::vector<uint8_t> HandleListTenants(Session& s, uint64_t id);
+  // --- metrics (handlers.cc): a copy of the figures, made on the loop; and
+  // the exporter's way to get one from its own thread (nullopt after 2 s).
+  MetricsSnapshot Snapshot() const;
+  std::optional<MetricsSnapshot> SnapshotFromLoop();
   void OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome);
   std::vector<uint8_t> OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o);
   Result<std::vector<StoredKey>> StoredKeys(const Session& s, const SessionNamespace& ns,
@@ -108,6 +113,10 @@ class Server {
   bool stopping_ = false;
   uint64_t sessions_refused_ = 0;
   uint64_t messages_rejected_ = 0;
+  LatencyHistogram lookup_latency_;
+  LatencyHistogram load_latency_;
+  LatencyHistogram store_latency_;
+  std::unique_ptr<MetricsExporter> metrics_;  // null when metrics.enabled is false
 
   struct PendingWait {
     uint64_t session;

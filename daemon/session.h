@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -45,6 +46,8 @@ struct SessionNamespace {
 };
 
 struct SessionOp {
+  bool load = false;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   bool done = false;
   OpOutcome outcome;
   std::vector<uint64_t> waiters;  // request ids of Waits (and wait=true requests) to answer

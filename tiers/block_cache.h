@@ -32,6 +32,7 @@
 
 #include "common/device_backend.h"
 #include "common/key128.h"
+#include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
 #include "tiers/disk/disk_tier.h"
@@ -100,6 +101,9 @@ struct CacheCounters {
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
   uint64_t bytes_disk_to_host = 0;
+  // From the disk tier's Read/Append to its answer (durable, for a write).
+  LatencyHistogram disk_read_latency;
+  LatencyHistogram disk_write_latency;
 };
 
 struct TierUsage {

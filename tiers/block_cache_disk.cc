@@ -91,9 +91,11 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
   }
   e->moving = true;
   ++inflight_copies_;
-  options_.disk->Read(e->key, e->disk, e->block_bytes, dst, [this, key = e->key, dst](Status st, uint64_t checksum) {
-    FinishDiskRead(key, dst, std::move(st), checksum);
-  });
+  options_.disk->Read(e->key, e->disk, e->block_bytes, dst,
+                      [this, key = e->key, dst, start = std::chrono::steady_clock::now()](Status st, uint64_t checksum) {
+                        counters_.disk_read_latency.RecordSince(start);
+                        FinishDiskRead(key, dst, std::move(st), checksum);
+                      });
 }
 
 void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum) {
@@ -147,7 +149,9 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory) {
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
   options_.disk->Append(std::move(h), e->slot,
-                        [this, key = e->key, stride, keep_in_memory](Result<DiskLocation> where) {
+                        [this, key = e->key, stride, keep_in_memory,
+                         start = std::chrono::steady_clock::now()](Result<DiskLocation> where) {
+                          counters_.disk_write_latency.RecordSince(start);
                           FinishDiskWrite(key, stride, keep_in_memory, std::move(where));
                         });
 }

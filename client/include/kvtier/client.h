@@ -103,6 +103,7 @@ struct TierStats {
 
 struct DaemonStats {
   std::string backend;  // the device backend, its devices and driver
+  std::string metrics;  // where /metrics is served ("host:port"), or empty
   std::vector<TierStats> tiers;
   uint64_t sessions = 0;
   uint64_t leases = 0;

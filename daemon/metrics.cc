@@ -1,0 +1,191 @@
+#include "daemon/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/exposer.h>
+#include <prometheus/metric_family.h>
+
+#include <exception>
+
+namespace kvtier {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+using Labels = std::vector<ClientMetric::Label>;
+
+// Builds families one metric at a time.
+class Families {
+ public:
+  // A family with its first metric; later calls with the same name add to it.
+  void Add(const std::string& name, const std::string& help, MetricType type, Labels labels, double value) {
+    ClientMetric m;
+    m.label = std::move(labels);
+    switch (type) {
+      case MetricType::Counter: m.counter.value = value; break;
+      case MetricType::Gauge: m.gauge.value = value; break;
+      default: m.untyped.value = value; break;
+    }
+    Family(name, help, type).metric.push_back(std::move(m));
+  }
+  void Counter(const std::string& name, const std::string& help, double value, Labels labels = {}) {
+    Add(name, help, MetricType::Counter, std::move(labels), value);
+  }
+  void Gauge(const std::string& name, const std::string& help, double value, Labels labels = {}) {
+    Add(name, help, MetricType::Gauge, std::move(labels), value);
+  }
+  void Histogram(const std::string& name, const std::string& help, const LatencyHistogram& h) {
+    ClientMetric m;
+    m.histogram.sample_count = h.count();
+    m.histogram.sample_sum = h.sum_seconds();
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < LatencyHistogram::kBoundsSeconds.size(); ++i) {
+      cumulative += h.bucket(i);
+      m.histogram.bucket.push_back({cumulative, LatencyHistogram::kBoundsSeconds[i]});
+    }
+    m.histogram.bucket.push_back({h.count(), std::numeric_limits<double>::infinity()});
+    Family(name, help, MetricType::Histogram).metric.push_back(std::move(m));
+  }
+  std::vector<MetricFamily> Take() { return std::move(families_); }
+
+ private:
+  MetricFamily& Family(const std::string& name, const std::string& help, MetricType type) {
+    for (MetricFamily& f : families_) {
+      if (f.name == name) return f;
+    }
+    families_.push_back(MetricFamily{name, help, type, {}});
+    return families_.back();
+  }
+  std::vector<MetricFamily> families_;
+};
+
+Labels L(std::initializer_list<std::pair<const char*, std::string>> kv) {
+  Labels out;
+  for (const auto& [k, v] : kv) out.push_back({k, v});
+  return out;
+}
+
+}  // namespace
+
+std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
+  Families f;
+  const CacheCounters& c = s.cache;
+  f.Gauge("kvtier_build_info", "kvtierd's device backend (value 1).", 1, L({{"backend", s.backend}}));
+  for (const MetricsSnapshot::TierRow& t : s.tiers) {
+    f.Gauge("kvtier_tier_capacity_bytes", "Bytes a tier can hold.", static_cast<double>(t.usage.capacity_bytes),
+            L({{"tier", t.tier}}));
+    f.Gauge("kvtier_tier_used_bytes", "Bytes of blocks in a tier.", static_cast<double>(t.usage.used_bytes),
+            L({{"tier", t.tier}}));
+    f.Gauge("kvtier_tier_blocks", "Blocks in a tier.", static_cast<double>(t.usage.blocks), L({{"tier", t.tier}}));
+  }
+  f.Counter("kvtier_lookups_total", "Lookup requests.", static_cast<double>(c.lookups));
+  f.Counter("kvtier_lookup_keys_total", "Keys asked about by lookups.", static_cast<double>(c.lookup_keys));
+  const char* tiers[] = {"hbm", "host", "disk"};
+  for (size_t t = 0; t < 3; ++t) {
+    f.Counter("kvtier_hits_total", "Keys found by lookups, by the tier that held them.",
+              static_cast<double>(c.hits[t]), L({{"tier", tiers[t]}}));
+  }
+  f.Counter("kvtier_misses_total", "Keys of lookups not found (after the first miss of a prompt).",
+            static_cast<double>(c.misses));
+  f.Counter("kvtier_stores_total", "Blocks newly stored.", static_cast<double>(c.stores));
+  f.Counter("kvtier_stores_already_total", "Blocks a store found present or in flight.",
+            static_cast<double>(c.already_stored));
+  f.Counter("kvtier_stores_rejected_total", "Blocks refused by stores for lack of room.",
+            static_cast<double>(c.store_rejected));
+  f.Counter("kvtier_stores_discarded_total", "Stored blocks dropped because their client died first.",
+            static_cast<double>(c.stores_discarded));
+  f.Counter("kvtier_loads_total", "Blocks loaded into engines.", static_cast<double>(c.loads));
+  for (size_t t = 0; t < 3; ++t) {
+    f.Counter("kvtier_evictions_total", "Blocks dropped from a tier.", static_cast<double>(c.evictions[t]),
+              L({{"tier", tiers[t]}}));
+  }
+  const std::string help_moves = "Blocks moved between tiers, by source and destination.";
+  f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.demotions), L({{"from", "hbm"}, {"to", "host"}}));
+  f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.promotions), L({{"from", "host"}, {"to", "hbm"}}));
+  f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.disk_demotions),
+            L({{"from", "host"}, {"to", "disk"}}));
+  f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.disk_promotions),
+            L({{"from", "disk"}, {"to", "host"}}));
+  const std::string help_bytes = "Bytes copied, by direction.";
+  const std::pair<const char*, uint64_t> bytes[] = {
+      {"engine_to_cache", c.bytes_engine_to_cache}, {"cache_to_engine", c.bytes_cache_to_engine},
+      {"hbm_to_host", c.bytes_hbm_to_host},         {"host_to_hbm", c.bytes_host_to_hbm},
+      {"host_to_disk", c.bytes_host_to_disk},       {"disk_to_host", c.bytes_disk_to_host}};
+  for (const auto& [direction, value] : bytes) {
+    f.Counter("kvtier_bytes_moved_total", help_bytes, static_cast<double>(value), L({{"direction", direction}}));
+  }
+  f.Histogram("kvtier_lookup_duration_seconds", "Time to answer a lookup, in the daemon.", s.lookup_latency);
+  f.Histogram("kvtier_load_duration_seconds", "Time from a load's request to its completion.", s.load_latency);
+  f.Histogram("kvtier_store_duration_seconds", "Time from a store's request to its completion.", s.store_latency);
+  f.Histogram("kvtier_disk_read_duration_seconds", "Time to read and check one block from disk.",
+              c.disk_read_latency);
+  f.Histogram("kvtier_disk_write_duration_seconds", "Time to write one block to disk until it is durable.",
+              c.disk_write_latency);
+  f.Counter("kvtier_disk_io_errors_total", "Disk reads and writes that failed.", static_cast<double>(s.disk.io_errors));
+  f.Counter("kvtier_checksum_failures_total", "Disk records that failed their checks on read (never served).",
+            static_cast<double>(s.disk.checksum_failures));
+  f.Counter("kvtier_disk_write_failures_total", "Blocks that could not be written to disk.",
+            static_cast<double>(c.disk_write_failures));
+  f.Counter("kvtier_disk_not_admitted_total", "Demotions to disk refused by the admission policy.",
+            static_cast<double>(c.disk_not_admitted + c.disk_over_budget));
+  f.Counter("kvtier_disk_regions_reclaimed_total", "Disk regions reclaimed.",
+            static_cast<double>(s.disk.regions_reclaimed));
+  f.Gauge("kvtier_sessions", "Connected clients.", static_cast<double>(s.sessions));
+  f.Gauge("kvtier_leases", "Blocks pinned by loads and stores in flight.", static_cast<double>(s.leases));
+  f.Gauge("kvtier_client_mappings", "Engine KV caches mapped into the daemon.", static_cast<double>(s.mappings));
+  f.Gauge("kvtier_inflight_ops", "Loads and stores not finished.", static_cast<double>(s.inflight_ops));
+  f.Counter("kvtier_sessions_refused_total", "Connections refused (unknown peer, limits).",
+            static_cast<double>(s.sessions_refused));
+  f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
+            static_cast<double>(s.messages_rejected));
+  for (const MetricsSnapshot::TenantRow& t : s.tenants) {
+    for (size_t i = 0; i < 3; ++i) {
+      f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.", static_cast<double>(t.used_bytes[i]),
+              L({{"tenant", t.name}, {"tier", tiers[i]}}));
+    }
+    f.Gauge("kvtier_tenant_blocks", "Blocks a tenant holds.", static_cast<double>(t.blocks), L({{"tenant", t.name}}));
+    f.Gauge("kvtier_tenant_sessions", "A tenant's connected clients.", static_cast<double>(t.sessions),
+            L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(t.lookups),
+              L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_hits_total", "Keys a tenant's lookups found.", static_cast<double>(t.hits),
+              L({{"tenant", t.name}}));
+  }
+  return f.Take();
+}
+
+class MetricsExporter::Collector final : public prometheus::Collectable {
+ public:
+  explicit Collector(SnapshotFn snapshot) : snapshot_(std::move(snapshot)) {}
+  std::vector<MetricFamily> Collect() const override {
+    std::optional<MetricsSnapshot> s = snapshot_();
+    if (!s) return {};
+    return ToFamilies(*s);
+  }
+
+ private:
+  SnapshotFn snapshot_;
+};
+
+Result<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const std::string& listen, SnapshotFn snapshot) {
+  std::unique_ptr<MetricsExporter> e(new MetricsExporter());
+  try {
+    // One HTTP thread: scrapes are rare, and each waits for the event loop.
+    e->exposer_ = std::make_unique<prometheus::Exposer>(listen, 1);
+  } catch (const std::exception& ex) {
+    return Err(Status(StatusCode::kUnavailable, "metrics.listen " + listen + ": cannot listen (" + ex.what() + ")"));
+  }
+  e->collector_ = std::make_shared<Collector>(std::move(snapshot));
+  e->exposer_->RegisterCollectable(e->collector_);
+  const std::vector<int> ports = e->exposer_->GetListeningPorts();
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  e->address_ = host + ":" + (ports.empty() ? listen.substr(listen.rfind(':') + 1) : std::to_string(ports.front()));
+  return e;
+}
+
+MetricsExporter::~MetricsExporter() {
+  // Stop serving before the collector (and the loop it asks) goes away.
+  exposer_.reset();
+}
+
+}  // namespace kvtier

@@ -1,0 +1,88 @@
+// Prometheus metrics (DESIGN.md, "Observability"): the daemon's figures as
+// kvtier_* families on metrics.listen (/metrics).
+//
+// The figures live on the event loop (BlockCache, tenants, sessions), which
+// takes no locks. So a scrape does not read them in place: the exporter's
+// HTTP thread asks the loop for a MetricsSnapshot (a plain copy, made by
+// Server between two requests) and renders that. Only this file and
+// metrics.cc include prometheus-cpp.
+//
+// MetricsExporter is created and destroyed by the Server; its snapshot
+// function is called on the exporter's own threads. ToFamilies is pure.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/latency_histogram.h"
+#include "common/status.h"
+#include "tiers/block_cache.h"
+#include "tiers/disk/disk_tier.h"
+
+namespace prometheus {
+class Exposer;
+struct MetricFamily;
+}  // namespace prometheus
+
+namespace kvtier {
+
+// Everything /metrics shows, copied on the event loop.
+struct MetricsSnapshot {
+  struct TierRow {
+    std::string tier;  // hbm, host, disk
+    TierUsage usage;
+  };
+  struct TenantRow {
+    std::string name;
+    uint64_t used_bytes[3] = {};  // hbm, host, disk
+    uint64_t blocks = 0;
+    uint64_t sessions = 0;
+    uint64_t lookups = 0;
+    uint64_t hits = 0;  // leading keys found, over all its lookups
+  };
+  std::string backend;
+  std::vector<TierRow> tiers;
+  CacheCounters cache;
+  DiskCounters disk;
+  uint64_t sessions = 0;
+  uint64_t leases = 0;
+  uint64_t mappings = 0;
+  uint64_t inflight_ops = 0;
+  uint64_t sessions_refused = 0;
+  uint64_t messages_rejected = 0;
+  LatencyHistogram lookup_latency;  // request handling
+  LatencyHistogram load_latency;    // op start to completion
+  LatencyHistogram store_latency;
+  std::vector<TenantRow> tenants;
+};
+
+// The kvtier_* families for one snapshot.
+std::vector<prometheus::MetricFamily> ToFamilies(const MetricsSnapshot& s);
+
+class MetricsExporter {
+ public:
+  // Returns nullopt when no snapshot could be had in time (the loop is busy
+  // or stopping): the scrape then gets no kvtier_* families.
+  using SnapshotFn = std::function<std::optional<MetricsSnapshot>()>;
+
+  // Listens on `listen` ("host:port"; port 0 picks one). Errors: kUnavailable
+  // when the address cannot be bound (in use, no such interface).
+  static Result<std::unique_ptr<MetricsExporter>> Start(const std::string& listen, SnapshotFn snapshot);
+  ~MetricsExporter();
+
+  // "127.0.0.1:9464": where it really listens (the port, if 0 was asked).
+  const std::string& address() const { return address_; }
+
+ private:
+  class Collector;
+  MetricsExporter() = default;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<Collector> collector_;
+  std::string address_;
+};
+
+}  // namespace kvtier
