@@ -298,16 +298,54 @@ class Client::Impl {
     return out;
   }
 
-  Result<uint64_t> Evict(const std::string& tenant, std::optional<BlockTier> tier) {
+  Result<uint64_t> Evict(const std::string& tenant, std::optional<BlockTier> tier,
+                         std::optional<LayoutFingerprint> ns) {
     MutexLock lock(&mu_);
     KVTIER_RETURN_IF_ERROR(EnsureConnected());
     FlatBufferBuilder b(128);
     const uint64_t rid = next_id_++;
     const w::Tier wt = tier ? static_cast<w::Tier>(*tier) : w::Tier::None;
+    const w::Key fp = ns ? ipc::ToWire(*ns) : w::Key();
     KVTIER_ASSIGN_OR_RETURN(
-        Reply r, Call(ipc::FinishMessage(b, rid, w::CreateEvictDirect(b, tenant.c_str(), nullptr, wt)), {}, rid,
-                      w::Body::EvictReply));
+        Reply r, Call(ipc::FinishMessage(b, rid, w::CreateEvictDirect(b, tenant.c_str(), ns ? &fp : nullptr, wt)),
+                      {}, rid, w::Body::EvictReply));
     return r.msg->body_as_EvictReply()->evicted();
+  }
+
+  Result<std::vector<NamespaceStats>> ListNamespaces(const std::string& tenant) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(128);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateListNamespacesDirect(b, tenant.c_str())),
+                                          {}, rid, w::Body::NamespaceList));
+    std::vector<NamespaceStats> out;
+    const w::NamespaceList* list = r.msg->body_as_NamespaceList();
+    if (list->namespaces() == nullptr) return out;
+    for (const w::NamespaceInfo* n : *list->namespaces()) {
+      NamespaceStats ns;
+      if (n->fingerprint() != nullptr) ns.fingerprint = ipc::FromWire<LayoutFingerprint>(*n->fingerprint());
+      if (n->description() != nullptr) ns.description = n->description()->str();
+      ns.blocks = n->blocks();
+      if (n->used_bytes() != nullptr) {
+        for (flatbuffers::uoffset_t i = 0; i < n->used_bytes()->size() && i < 3; ++i) {
+          ns.used_bytes[i] = n->used_bytes()->Get(i);
+        }
+      }
+      out.push_back(std::move(ns));
+    }
+    return out;
+  }
+
+  Result<VerifyStatus> VerifyDisk(bool start) {
+    MutexLock lock(&mu_);
+    KVTIER_RETURN_IF_ERROR(EnsureConnected());
+    FlatBufferBuilder b(64);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateVerifyDisk(b, start)), {}, rid,
+                                          w::Body::VerifyDiskProgress));
+    const w::VerifyDiskProgress* p = r.msg->body_as_VerifyDiskProgress();
+    return VerifyStatus{p->total(), p->checked(), p->bad(), p->skipped(), p->done()};
   }
 
   Result<uint64_t> Flush() {
@@ -599,9 +637,14 @@ Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, st
 }
 
 Result<DaemonStats> Client::Stats() { return impl_->Stats(); }
-Result<uint64_t> Client::Evict(const std::string& tenant, std::optional<BlockTier> tier) {
-  return impl_->Evict(tenant, tier);
+Result<uint64_t> Client::Evict(const std::string& tenant, std::optional<BlockTier> tier,
+                               std::optional<LayoutFingerprint> ns) {
+  return impl_->Evict(tenant, tier, ns);
 }
+Result<std::vector<NamespaceStats>> Client::ListNamespaces(const std::string& tenant) {
+  return impl_->ListNamespaces(tenant);
+}
+Result<VerifyStatus> Client::VerifyDisk(bool start) { return impl_->VerifyDisk(start); }
 Result<std::vector<TenantStats>> Client::ListTenants() { return impl_->ListTenants(); }
 Result<uint64_t> Client::Flush() { return impl_->Flush(); }
 

@@ -95,6 +95,12 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
     case w::Body::ListTenants:
       reply = HandleListTenants(s, id);
       break;
+    case w::Body::ListNamespaces:
+      reply = HandleListNamespaces(s, id, *msg.body_as_ListNamespaces());
+      break;
+    case w::Body::VerifyDisk:
+      reply = HandleVerify(s, id, *msg.body_as_VerifyDisk());
+      break;
     default:
       ++messages_rejected_;
       reply = ipc::ErrorMessage(id, InvalidArgument(std::string("not a request: ") +
@@ -239,6 +245,7 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping), std::move(completions)};
   spdlog::info("session {}: registered KV cache {}: {} blocks, {}", s.id, ns_id, m.num_blocks(),
                layout->ToString());
+  layout_descriptions_.try_emplace(layout->fingerprint(), layout->ToString());
   FlatBufferBuilder b(128);
   const w::Key fp = ipc::ToWire(layout->fingerprint());
   const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes());
@@ -492,24 +499,27 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   return ipc::FinishMessage(b, id, body);
 }
 
-std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict& m) {
+Result<std::optional<TenantId>> Server::TargetTenant(const Session& s, const flatbuffers::String* name,
+                                                     std::string_view what) {
   // "" = the caller's own blocks; another tenant's name, or "*" for every
   // tenant, only for an admin.
-  std::optional<std::vector<TenantId>> owners = std::vector<TenantId>{s.tenant->id};
-  const std::string_view target = m.tenant() != nullptr ? m.tenant()->string_view() : "";
-  if (!target.empty() && target != s.tenant->config.name) {
-    if (!s.tenant->config.admin) {
-      return ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied,
-                                          "only an admin tenant may evict another tenant's blocks"));
-    }
-    if (target == "*") {
-      owners.reset();
-    } else {
-      Tenant* other = tenants_->FindByName(target);
-      if (other == nullptr) return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no such tenant"));
-      owners = std::vector<TenantId>{other->id};
-    }
+  const std::string_view target = name != nullptr ? name->string_view() : "";
+  if (target.empty() || target == s.tenant->config.name) return std::optional<TenantId>(s.tenant->id);
+  if (!s.tenant->config.admin) {
+    return Err(Status(StatusCode::kPermissionDenied,
+                      "only an admin tenant may " + std::string(what) + " another tenant's blocks"));
   }
+  if (target == "*") return std::optional<TenantId>();
+  Tenant* other = tenants_->FindByName(target);
+  if (other == nullptr) return Err(Status(StatusCode::kNotFound, "no such tenant"));
+  return std::optional<TenantId>(other->id);
+}
+
+std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict& m) {
+  Result<std::optional<TenantId>> target = TargetTenant(s, m.tenant(), "evict");
+  if (!target) return ipc::ErrorMessage(id, target.error());
+  std::optional<std::vector<TenantId>> owners;
+  if (*target) owners = std::vector<TenantId>{**target};
   std::optional<uint32_t> ns;
   if (m.fingerprint() != nullptr) {
     ns = cache_->FindNamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
@@ -531,6 +541,35 @@ std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict
   spdlog::info("session {}: evicted {} block(s)", s.id, evicted);
   FlatBufferBuilder b(64);
   return ipc::FinishMessage(b, id, w::CreateEvictReply(b, evicted));
+}
+
+std::vector<uint8_t> Server::HandleListNamespaces(Session& s, uint64_t id, const w::ListNamespaces& m) {
+  Result<std::optional<TenantId>> target = TargetTenant(s, m.tenant(), "list");
+  if (!target) return ipc::ErrorMessage(id, target.error());
+  FlatBufferBuilder b(1024);
+  std::vector<flatbuffers::Offset<w::NamespaceInfo>> list;
+  for (const NamespaceUsage& u : cache_->UsageByNamespace(*target)) {
+    const w::Key fp = ipc::ToWire(u.fingerprint);
+    auto it = layout_descriptions_.find(u.fingerprint);
+    const std::string description = it != layout_descriptions_.end() ? it->second : "";
+    const std::vector<uint64_t> used(std::begin(u.used_bytes), std::end(u.used_bytes));
+    list.push_back(w::CreateNamespaceInfoDirect(b, &fp, description.c_str(), u.blocks, &used));
+  }
+  return ipc::FinishMessage(b, id, w::CreateNamespaceListDirect(b, &list));
+}
+
+std::vector<uint8_t> Server::HandleVerify(Session& s, uint64_t id, const w::VerifyDisk& m) {
+  if (!s.tenant->config.admin) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kPermissionDenied, "verify is an admin call"));
+  }
+  if (!disk_) return ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition, "verify: there is no disk tier"));
+  if (m.start() || !verify_progress_) {
+    verify_progress_ = cache_->VerifyDisk();
+    spdlog::info("session {}: verifying {} disk record(s)", s.id, verify_progress_->total);
+  }
+  const VerifyProgress& p = *verify_progress_;
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreateVerifyDiskProgress(b, p.total, p.checked, p.bad, p.skipped, p.done));
 }
 
 std::vector<uint8_t> Server::HandleListTenants(Session& s, uint64_t id) {

@@ -16,6 +16,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/mutex.h"
@@ -85,6 +87,12 @@ class Server {
   std::vector<uint8_t> HandleStats(Session& s, uint64_t id);
   std::vector<uint8_t> HandleEvict(Session& s, uint64_t id, const wire::Evict& m);
   std::vector<uint8_t> HandleListTenants(Session& s, uint64_t id);
+  std::vector<uint8_t> HandleListNamespaces(Session& s, uint64_t id, const wire::ListNamespaces& m);
+  std::vector<uint8_t> HandleVerify(Session& s, uint64_t id, const wire::VerifyDisk& m);
+  // Whose blocks a request names: the caller's (""), or, for an admin,
+  // another tenant's or everyone's ("*" -> nullopt). `what` words errors.
+  Result<std::optional<TenantId>> TargetTenant(const Session& s, const flatbuffers::String* name,
+                                               std::string_view what);
   // --- metrics (handlers.cc): a copy of the figures, made on the loop; and
   // the exporter's way to get one from its own thread (nullopt after 2 s).
   MetricsSnapshot Snapshot() const;
@@ -117,6 +125,9 @@ class Server {
   LatencyHistogram load_latency_;
   LatencyHistogram store_latency_;
   std::unique_ptr<MetricsExporter> metrics_;  // null when metrics.enabled is false
+  // Layouts registered since start, for kvtierctl namespaces.
+  std::unordered_map<LayoutFingerprint, std::string, Key128Hash> layout_descriptions_;
+  std::shared_ptr<const VerifyProgress> verify_progress_;  // the last kvtierctl verify
 
   struct PendingWait {
     uint64_t session;

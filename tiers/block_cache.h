@@ -112,6 +112,22 @@ struct TierUsage {
   uint64_t blocks = 0;
 };
 
+// Blocks and bytes of one namespace (layout), per tier.
+struct NamespaceUsage {
+  LayoutFingerprint fingerprint;
+  uint64_t blocks = 0;
+  uint64_t used_bytes[kNumTiers] = {};
+};
+
+// A disk verification's progress (BlockCache::VerifyDisk).
+struct VerifyProgress {
+  uint64_t total = 0;    // records to check
+  uint64_t checked = 0;  // read back and checked so far
+  uint64_t bad = 0;      // failed their checks (or their read): dropped
+  uint64_t skipped = 0;  // gone or moved before their turn
+  bool done = false;
+};
+
 class BlockCache {
  public:
   using Post = std::function<void(std::function<void()>)>;
@@ -203,6 +219,16 @@ class BlockCache {
   uint64_t Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
                  std::optional<Tier> tier);
 
+  // Per namespace with blocks, of `owner` (nullopt: every tenant's).
+  std::vector<NamespaceUsage> UsageByNamespace(std::optional<TenantId> owner);
+
+  // Reads back every record on disk, at most `max_inflight` at a time, and
+  // checks it as a load would (header, key, XXH3): a record that fails is
+  // dropped, as a load would drop it, and counted. Nothing is served from
+  // these reads. Progress is updated on the owner thread; one verification
+  // at a time (a second call returns the running one's progress).
+  std::shared_ptr<const VerifyProgress> VerifyDisk(uint32_t max_inflight = 8);
+
   // Namespace ids for Evict's filter: a small integer per fingerprint.
   uint32_t NamespaceId(const LayoutFingerprint& fingerprint);
   // The id of a fingerprint that has blocks stored, without creating one.
@@ -279,6 +305,10 @@ class BlockCache {
   // Takes `bytes` from the disk write budget; false when it is spent.
   bool TakeWriteBudget(uint64_t bytes);
   bool AboveLow(Tier t) const;
+  // VerifyDisk's steps: keep reads in flight; judge one read.
+  struct Verification;
+  void PumpVerify();
+  void FinishVerifyRead(size_t buffer, const StoredKey& key, const DiskLocation& where, Status status);
 
   Options options_;
   BlockIndex index_;
@@ -297,6 +327,7 @@ class BlockCache {
   double budget_tokens_ = 0;  // bytes that may be written now
   std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;
+  std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
   // Lets completions that arrive after destruction (none should: the daemon
   // drains first) see that the cache is gone.
   std::shared_ptr<BlockCache*> self_;

@@ -1,14 +1,20 @@
 // kvtierctl: operate a running kvtierd over its socket.
 //
+//   kvtierctl --socket PATH [--token T] status  [--json]     backend, metrics address, tiers in one glance
 //   kvtierctl --socket PATH [--token T] stats   [--json]
 //   kvtierctl --socket PATH [--token T] tenants [--json]     (admin)
-//   kvtierctl --socket PATH [--token T] evict [--tenant NAME|*] [--tier hbm|host|disk] [--json]
+//   kvtierctl --socket PATH [--token T] namespaces [--tenant NAME|*] [--json]
+//   kvtierctl --socket PATH [--token T] evict [--tenant NAME|*] [--namespace FP] [--tier hbm|host|disk] [--json]
 //   kvtierctl --socket PATH [--token T] flush   [--json]     (admin: host -> disk)
+//   kvtierctl --socket PATH [--token T] verify  [--json]     (admin: read back every disk record, with progress)
 //
 // Exit codes: 0 success; 1 the daemon refused or failed; 2 usage; 3 the
 // daemon is unavailable.
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 
@@ -74,6 +80,77 @@ void PrintStats(const kvtier::DaemonStats& s, bool json) {
   for (const auto& [name, value] : s.counters) std::printf("%-24s %lu\n", name.c_str(), value);
 }
 
+void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool json) {
+  uint64_t used = 0;
+  uint64_t capacity = 0;
+  for (const auto& t : s.tiers) {
+    used += t.used_bytes;
+    capacity += t.capacity_bytes;
+  }
+  if (json) {
+    std::printf("{\"socket\": %s, \"backend\": %s, \"metrics\": %s, \"sessions\": %lu, \"leases\": %lu, "
+                "\"mappings\": %lu, \"inflight_ops\": %lu, \"used_bytes\": %lu, \"capacity_bytes\": %lu}\n",
+                JsonString(socket).c_str(), JsonString(s.backend).c_str(), JsonString(s.metrics).c_str(), s.sessions,
+                s.leases, s.mappings, s.inflight_ops, used, capacity);
+    return;
+  }
+  std::printf("kvtierd   up, on %s\n", socket.c_str());
+  std::printf("backend   %s\n", s.backend.c_str());
+  std::printf("metrics   %s\n", s.metrics.empty() ? "off" : ("http://" + s.metrics + "/metrics").c_str());
+  std::printf("clients   %lu session(s), %lu cache(s) mapped, %lu op(s) in flight, %lu block(s) leased\n", s.sessions,
+              s.mappings, s.inflight_ops, s.leases);
+  for (const auto& t : s.tiers) {
+    if (t.capacity_bytes == 0) continue;
+    std::printf("%-9s %5.1f%% of %lu bytes, %lu block(s)\n", TierName(t.tier),
+                100.0 * static_cast<double>(t.used_bytes) / static_cast<double>(t.capacity_bytes), t.capacity_bytes,
+                t.blocks);
+  }
+}
+
+void PrintNamespaces(const std::vector<kvtier::NamespaceStats>& list, bool json) {
+  if (json) std::printf("[");
+  else std::printf("%-32s %10s %16s %16s %16s  %s\n", "namespace", "blocks", "hbm_bytes", "host_bytes", "disk_bytes", "layout");
+  for (size_t i = 0; i < list.size(); ++i) {
+    const kvtier::NamespaceStats& n = list[i];
+    if (json) {
+      std::printf("%s{\"namespace\": \"%s\", \"layout\": %s, \"blocks\": %lu, \"used_bytes\": {\"hbm\": %lu, "
+                  "\"host\": %lu, \"disk\": %lu}}",
+                  i ? ", " : "", n.fingerprint.ToHex().c_str(), JsonString(n.description).c_str(), n.blocks,
+                  n.used_bytes[0], n.used_bytes[1], n.used_bytes[2]);
+    } else {
+      std::printf("%-32s %10lu %16lu %16lu %16lu  %s\n", n.fingerprint.ToHex().c_str(), n.blocks, n.used_bytes[0],
+                  n.used_bytes[1], n.used_bytes[2],
+                  n.description.empty() ? "(not registered since kvtierd started)" : n.description.c_str());
+    }
+  }
+  if (json) std::printf("]\n");
+}
+
+// Starts a verification and reports progress until it is done. Exit 1 when
+// a record was bad (it was dropped, never served).
+int Verify(kvtier::Client& client, bool json) {
+  kvtier::Result<kvtier::VerifyStatus> v = client.VerifyDisk(/*start=*/true);
+  uint64_t last_printed = UINT64_MAX;
+  while (v && !v->done) {
+    if (!json && v->checked != last_printed) {
+      std::fprintf(stderr, "\rverify: %lu / %lu records checked, %lu bad", v->checked, v->total, v->bad);
+      last_printed = v->checked;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    v = client.VerifyDisk(/*start=*/false);
+  }
+  if (!v) return Fail(v.error());
+  if (json) {
+    std::printf("{\"total\": %lu, \"checked\": %lu, \"bad\": %lu, \"skipped\": %lu}\n", v->total, v->checked,
+                v->bad, v->skipped);
+  } else {
+    std::fprintf(stderr, "\r");
+    std::printf("verify: %lu record(s) checked, %lu bad (dropped), %lu skipped (left the disk tier meanwhile)\n",
+                v->checked, v->bad, v->skipped);
+  }
+  return v->bad == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -86,7 +163,12 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "machine-readable output");
   app.require_subcommand(1);
   app.fallthrough();  // `kvtierctl stats --json` as well as `kvtierctl --json stats`
+  CLI::App* status = app.add_subcommand("status", "is it up: backend, metrics address, clients, tier fill");
   CLI::App* stats = app.add_subcommand("stats", "tier usage, sessions, leases, mappings and counters");
+  CLI::App* namespaces = app.add_subcommand("namespaces", "layouts with blocks, and their usage per tier");
+  CLI::App* verify = app.add_subcommand("verify", "read back and check every disk record (admin)");
+  std::string namespaces_tenant;
+  namespaces->add_option("--tenant", namespaces_tenant, "whose blocks (admin; * = all; default: yours)");
   CLI::App* tenants = app.add_subcommand("tenants", "per-tenant usage (admin)");
   CLI::App* evict = app.add_subcommand("evict", "drop unleased blocks");
   CLI::App* flush = app.add_subcommand("flush", "write every host block to the disk tier (admin)");
@@ -94,6 +176,8 @@ int main(int argc, char** argv) {
   std::string evict_tier;
   evict->add_option("--tenant", evict_tenant, "tenant whose blocks to drop (admin; * = all; default: yours)");
   evict->add_option("--tier", evict_tier, "only this tier")->check(CLI::IsMember({"hbm", "host", "disk"}));
+  std::string evict_namespace;
+  evict->add_option("--namespace", evict_namespace, "only this namespace (its fingerprint, from `namespaces`)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -104,10 +188,17 @@ int main(int argc, char** argv) {
       kvtier::Client::Connect({.socket_path = socket, .token = token, .client_name = "kvtierctl"});
   if (!client) return Fail(client.error());
 
-  if (stats->parsed()) {
+  if (status->parsed() || stats->parsed()) {
     kvtier::Result<kvtier::DaemonStats> s = (*client)->Stats();
     if (!s) return Fail(s.error());
-    PrintStats(*s, json);
+    if (status->parsed()) PrintStatus(*s, socket, json);
+    else PrintStats(*s, json);
+  } else if (namespaces->parsed()) {
+    kvtier::Result<std::vector<kvtier::NamespaceStats>> list = (*client)->ListNamespaces(namespaces_tenant);
+    if (!list) return Fail(list.error());
+    PrintNamespaces(*list, json);
+  } else if (verify->parsed()) {
+    return Verify(**client, json);
   } else if (tenants->parsed()) {
     kvtier::Result<std::vector<kvtier::TenantStats>> list = (*client)->ListTenants();
     if (!list) return Fail(list.error());
@@ -135,7 +226,16 @@ int main(int argc, char** argv) {
     if (evict_tier == "hbm") tier = BlockTier::kHbm;
     if (evict_tier == "host") tier = BlockTier::kHost;
     if (evict_tier == "disk") tier = BlockTier::kDisk;
-    kvtier::Result<uint64_t> n = (*client)->Evict(evict_tenant, tier);
+    std::optional<kvtier::LayoutFingerprint> ns;
+    if (!evict_namespace.empty()) {
+      kvtier::Result<kvtier::LayoutFingerprint> fp = kvtier::LayoutFingerprint::FromHex(evict_namespace);
+      if (!fp) {
+        std::fprintf(stderr, "kvtierctl: --namespace: %s\n", fp.error().ToString().c_str());
+        return 2;
+      }
+      ns = *fp;
+    }
+    kvtier::Result<uint64_t> n = (*client)->Evict(evict_tenant, tier, ns);
     if (!n) return Fail(n.error());
     if (json) std::printf("{\"evicted\": %lu}\n", *n);
     else std::printf("evicted %lu block(s)\n", *n);

@@ -114,6 +114,21 @@ struct DaemonStats {
   uint64_t Counter(std::string_view name) const;
 };
 
+struct NamespaceStats {
+  LayoutFingerprint fingerprint;
+  std::string description;  // the layout, if registered since the daemon started
+  uint64_t blocks = 0;
+  uint64_t used_bytes[3] = {};  // hbm, host, disk
+};
+
+struct VerifyStatus {
+  uint64_t total = 0;    // disk records to check
+  uint64_t checked = 0;
+  uint64_t bad = 0;      // failed their checks: dropped, never served
+  uint64_t skipped = 0;  // left the disk tier before their turn
+  bool done = false;
+};
+
 struct TenantStats {
   std::string name;
   uint64_t sessions = 0;
@@ -193,7 +208,14 @@ class Client {
   Result<DaemonStats> Stats();
   // Drops unleased blocks: the caller's own, or (admin) another tenant's or
   // everyone's (`tenant` = "*"). `tier`: nullopt = all tiers.
-  Result<uint64_t> Evict(const std::string& tenant = "", std::optional<BlockTier> tier = std::nullopt);
+  Result<uint64_t> Evict(const std::string& tenant = "", std::optional<BlockTier> tier = std::nullopt,
+                         std::optional<LayoutFingerprint> ns = std::nullopt);
+  // Namespaces (layouts) with blocks: the caller's, or (admin) another
+  // tenant's or everyone's ("*").
+  Result<std::vector<NamespaceStats>> ListNamespaces(const std::string& tenant = "");
+  // Admin: starts reading back and checking every disk record (`start`), or
+  // reports how the running (or last) verification is going.
+  Result<VerifyStatus> VerifyDisk(bool start);
   Result<std::vector<TenantStats>> ListTenants();
   // Admin: starts writing every host block that is not on disk yet to the
   // disk tier. Returns how many writes were queued.
