@@ -205,6 +205,7 @@ bool BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_
 }
 
 LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
+  index_.Prefetch(keys);  // the prompt's misses overlap instead of queueing
   LookupResult r;
   std::vector<BlockEntry*> hit;  // to touch; blocks only on disk have no LRU place
   for (const StoredKey& key : keys) {
