@@ -350,8 +350,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .wait_event = target.event};
   const StoredKey* prev = parent ? &*parent : nullptr;
   for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
-    if (index_.Find(keys[i]) != nullptr) {
-      ++already;  // present, or its copy is in flight
+    if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) {
+      ++already;  // present (in memory or only on disk), or its copy is in flight
       continue;
     }
     // hbm first when it has a free slot; otherwise host, dropping its coldest

@@ -222,6 +222,26 @@ TEST_F(DiskTierTest, FlushWritesEveryHostBlockInGroupCommits) {
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
 }
 
+// A key that is only on disk is present: storing it again is "already
+// stored", never a second copy (which, once demoted, met its first one in the
+// disk-only table and aborted the daemon; found replaying the Mooncake trace).
+TEST_F(DiskTierTest, StoringAKeyThatIsOnlyOnDiskIsAlreadyStored) {
+  Open(/*hbm_slots=*/0, /*host_slots=*/16, TierWatermarks{.high = 1.0, .low = 1.0});
+  const std::vector<StoredKey> keys = NewKeys(2);
+  StoreAll(keys);
+  EXPECT_EQ(cache_->FlushToDisk(), 2u);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  ASSERT_EQ(cache_->Usage(Tier::kDisk).blocks, 2u);
+  const OpOutcome again = Store(keys[1], 5);
+  ASSERT_TRUE(again.status.ok()) << again.status;
+  EXPECT_EQ(again.blocks, 0u);
+  EXPECT_EQ(again.already, 1u);
+  EXPECT_EQ(cache_->FlushToDisk(), 0u);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, 2u);
+  for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
+}
+
 TEST_F(DiskTierTest, WriteBudgetLimitsDemotionsPerDay) {
   // A budget of three records a day.
   Open(0, 8, {.high = 0.9, .low = 0.5}, 3 * RecordBytes(engine_->block_bytes()));
