@@ -5,8 +5,13 @@
 //   kvtier-bench host   [--blocks 64] [--reps 7] [--socket PATH]
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
 //       KV cache, next to a single-thread memcpy of the same bytes
-//   kvtier-bench lookup [--keys 128] [--reps 20000] [--socket PATH]
-//       round-trip latency of one 128-key prompt lookup
+//   kvtier-bench redis  [--blocks 64] [--reps 7] [--socket PATH]
+//       the same store then load through kvtierd and through a Redis the
+//       bench starts on a unix socket (pipelined SET/GET; tools/bench_redis.h)
+//   kvtier-bench lookup [--keys 128] [--reps 20000] [--index-keys N] [--socket PATH]
+//       round-trip latency of one 128-key prompt lookup, next to a SEQPACKET
+//       echo and to Redis' pipelined EXISTS; the daemon's index on one core
+//       in process (tools/bench_index.h)
 //   kvtier-bench gpu    [--device 0] [--blocks 256] [--layout vllm-nhd] ...
 //       the CUDA gather/scatter kernels (H2D, D2H, D2D) next to one
 //       contiguous cudaMemcpy of the same bytes (tools/bench_gpu.h); no daemon
@@ -35,7 +40,10 @@
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
 #include "tools/bench_gpu.h"
+#include "tools/bench_index.h"
+#include "tools/bench_redis.h"
 #include "tools/bench_report.h"
+#include "tools/bench_trace.h"
 
 namespace {
 
@@ -126,7 +134,7 @@ std::vector<uint32_t> Iota(uint32_t first, uint32_t n) {
 
 std::vector<uint32_t> Tokens(uint64_t seed, uint32_t n) { return kvtier::PseudoTokens(seed, n); }
 
-int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps) {
+int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::string& daemon, const std::string& json) {
   const kvtier::Layout layout = Llama8BLayout();
   const uint64_t block_bytes = layout.block_bytes();
   auto cache = kvtier::ShmKvCache::Create(layout, 2 * blocks);
@@ -135,6 +143,7 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps) {
   const double bytes = 2.0 * blocks * static_cast<double>(block_bytes);  // stored + loaded
   std::printf("config:   %u blocks of %.1f MiB per op, store then load, %u reps (+1 warm-up)\n", blocks,
               static_cast<double>(block_bytes) / (1 << 20), reps);
+  std::fflush(stdout);
 
   std::vector<double> kv_gbps, memcpy_gbps;
   uint64_t mismatches = 0;
@@ -160,13 +169,22 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps) {
     if (rep == 0) continue;  // warm-up: first touches of the arenas
     kv_gbps.push_back(bytes / Seconds(t1 - t0) / 1e9);
     memcpy_gbps.push_back(bytes / Seconds(m1 - m0) / 1e9);
+    std::printf("rep %u/%u: %.2f GB/s (memcpy %.2f GB/s)\n", rep, reps, kv_gbps.back(), memcpy_gbps.back());
+    std::fflush(stdout);
   }
-  const double kv = Median(kv_gbps), base = Median(memcpy_gbps);
-  std::printf("\n%-44s %10s %10s %8s\n", "comparison", "kvtier", "baseline", "ratio");
-  std::printf("%-44s %7.2f GB/s %7.2f GB/s %7.2fx   (baseline: single-thread memcpy)\n",
-              "store+load 2 MiB blocks via kvtierd", kv, base, kv / base);
+  const std::vector<Comparison> cs = {{"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_gbps),
+                                       "single-thread memcpy, out and back", "GB/s"}};
+  PrintComparisons(cs);
   std::printf("verified: %lu of %lu loaded blocks byte-exact\n", uint64_t{blocks} * reps + blocks - mismatches,
               uint64_t{blocks} * (reps + 1));
+  if (!json.empty() &&
+      !WriteJson(json, {{"workload", "host"}, {"blocks", std::to_string(blocks)},
+                        {"block_bytes", std::to_string(block_bytes)}, {"reps", std::to_string(reps)},
+                        {"daemon", daemon}},
+                 cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
+    return 1;
+  }
   return mismatches == 0 ? 0 : 1;
 }
 
@@ -468,32 +486,111 @@ int Restart(uint32_t blocks, const std::string& dir, const std::string& json) {
   return exact ? 0 : 1;
 }
 
-int Lookup(kvtier::Client& client, uint32_t nkeys, uint32_t reps) {
+// `reps` round trips of one lookup of `keys` (after up to 100 untimed
+// ones), in microseconds; empty when a lookup fails or finds other than
+// `hits` leading keys.
+std::vector<double> LookupMicros(kvtier::Client& client, kvtier::CacheId id, std::span<const kvtier::BlockKey> keys,
+                                 uint32_t hits, uint32_t reps) {
+  const uint32_t warm_up = std::min(reps, 100u);
+  std::vector<double> us;
+  us.reserve(reps + warm_up);
+  for (uint32_t i = 0; i < reps + warm_up; ++i) {
+    const auto t0 = Clock::now();
+    auto r = client.Lookup(id, keys);
+    const auto t1 = Clock::now();
+    if (!r || r->hits != hits) {
+      std::fprintf(stderr, "kvtier-bench: lookup: %s\n",
+                   r ? ("found " + std::to_string(r->hits) + " of " + std::to_string(hits)).c_str()
+                     : r.error().ToString().c_str());
+      return {};
+    }
+    us.push_back(Seconds(t1 - t0) * 1e6);
+  }
+  us.erase(us.begin(), us.begin() + warm_up);
+  return us;
+}
+
+double P99(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() * 99 / 100];
+}
+
+// A prompt lookup three ways: its round trip through kvtierd next to a raw
+// SEQPACKET echo (half the prompt cached) and next to Redis' pipelined EXISTS
+// (all of it cached, on both sides), and the daemon's index on one core in
+// this process next to std::unordered_map.
+int Lookup(kvtier::Client& client, uint32_t nkeys, uint32_t reps, uint64_t index_keys, const std::string& daemon,
+           const std::string& json) {
   const kvtier::Layout layout = Llama8BLayout();
   auto cache = kvtier::ShmKvCache::Create(layout, nkeys);
   if (!cache) return 1;
   const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
   const std::vector<kvtier::BlockKey> keys = client.ComputeKeys(id, Tokens(7, nkeys * 16)).value();
+  std::printf("config:   %u-key prompt, %u lookups per measurement; in-process index of %lu keys\n", nkeys, reps,
+              index_keys);
+  std::fflush(stdout);
   // Half the prompt cached, so the daemon walks hits and a miss.
   (void)client.Store(id, std::span(keys).first(nkeys / 2), Iota(0, nkeys / 2));
-  std::printf("config:   %u-key prompt (%u cached), %u lookups\n", nkeys, nkeys / 2, reps);
-  std::vector<double> us;
-  us.reserve(reps);
-  for (uint32_t i = 0; i < reps; ++i) {
-    const auto t0 = Clock::now();
-    auto r = client.Lookup(id, keys);
-    const auto t1 = Clock::now();
-    if (!r || r->hits != nkeys / 2) return 1;
-    us.push_back(Seconds(t1 - t0) * 1e6);
-  }
-  std::vector<double> sorted = us;
-  std::sort(sorted.begin(), sorted.end());
+  const std::vector<double> half = LookupMicros(client, id, keys, nkeys / 2, reps);
+  if (half.empty()) return 1;
+  std::printf("kvtier lookup, %u of %u keys cached: median %.1f us, p99 %.1f us\n", nkeys / 2, nkeys, Median(half),
+              P99(half));
+  std::fflush(stdout);
   const double raw = RawRoundTripMicros(reps);
-  std::printf("\n%-44s %10s %10s %8s\n", "comparison", "kvtier", "baseline", "ratio");
-  std::printf("%-44s %7.1f us %7.1f us %7.2fx   (baseline: 64-byte SEQPACKET echo, another process)\n",
-              ("lookup of " + std::to_string(nkeys) + " keys, round trip (median)").c_str(), Median(us), raw,
-              raw / Median(us));
-  std::printf("lookup p99 %.1f us\n", sorted[sorted.size() * 99 / 100]);
+  std::printf("64-byte SEQPACKET echo to another process: median %.1f us\n", raw);
+
+  // The whole prompt cached, for the comparison with Redis, where every key
+  // is SET (a pipeline of EXISTS cannot stop at the first miss).
+  auto stored = client.Store(id, keys, Iota(0, nkeys));
+  if (!stored || stored->blocks + stored->already != nkeys) {
+    std::fprintf(stderr, "kvtier-bench: store of the prompt: %s\n",
+                 stored ? "not every block stored" : stored.error().ToString().c_str());
+    return 1;
+  }
+  const std::vector<double> full = LookupMicros(client, id, keys, nkeys, reps);
+  if (full.empty()) return 1;
+  std::printf("kvtier lookup, all %u keys cached: median %.1f us, p99 %.1f us\n", nkeys, Median(full), P99(full));
+  std::fflush(stdout);
+  auto redis = kvtier::bench::RedisLookupMicros(keys, reps);
+  if (redis) {
+    std::printf("Redis %s, %u pipelined EXISTS: median %.1f us, p99 %.1f us; one EXISTS of %u keys (a count, "
+                "not which): median %.1f us\n",
+                redis->version.c_str(), nkeys, Median(redis->pipelined_us), P99(redis->pipelined_us), nkeys,
+                Median(redis->count_us));
+  } else {
+    std::fprintf(stderr, "kvtier-bench: Redis baseline skipped: %s\n", redis.error().ToString().c_str());
+  }
+  std::fflush(stdout);
+
+  std::printf("in-process index: %lu keys, %u-key prompts drawn at random, one core\n", index_keys, nkeys);
+  const kvtier::bench::IndexFindRates rates =
+      kvtier::bench::MeasureIndexFind({.index_keys = index_keys, .prompt_keys = nkeys});
+  if (rates.index_finds_per_s == 0) return 1;
+
+  const std::string n = std::to_string(nkeys);
+  std::vector<Comparison> cs = {{"lookup " + n + " keys (" + std::to_string(nkeys / 2) + " cached), round trip",
+                                 Median(half), raw, "64-byte SEQPACKET echo, another process", "us",
+                                 /*lower_is_better=*/true}};
+  if (redis) {
+    cs.push_back({"lookup " + n + " keys (all cached) vs Redis", Median(full), Median(redis->pipelined_us),
+                  "Redis " + redis->version + ": " + n + " pipelined EXISTS, unix socket", "us",
+                  /*lower_is_better=*/true, /*target=*/5});
+  }
+  cs.push_back({"index finds, one core, " + std::to_string(index_keys) + " keys", rates.index_finds_per_s / 1e6,
+                rates.map_finds_per_s / 1e6, "std::unordered_map<StoredKey, uint64_t>::find, same keys", "M/s",
+                /*lower_is_better=*/false, /*target=*/0, /*kvtier_target=*/10});
+  PrintComparisons(cs);
+  std::printf("index finds: BlockIndex::Find after Prefetch of each prompt's keys, as BlockCache::Lookup does "
+              "(entries of %lu bytes), every key present; no LRU touch, no reply, no socket\n",
+              rates.entry_bytes);
+  if (!json.empty() &&
+      !WriteJson(json, {{"workload", "lookup"}, {"keys", n}, {"reps", std::to_string(reps)},
+                        {"index_keys", std::to_string(index_keys)}, {"daemon", daemon},
+                        {"redis_version", redis ? redis->version : "(not run)"}},
+                 cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
+    return 1;
+  }
   return 0;
 }
 
@@ -509,6 +606,9 @@ int main(int argc, char** argv) {
   uint32_t blocks = 64, host_reps = 7;
   host->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   host->add_option("--reps", host_reps, "repetitions")->check(CLI::Range(1, 1000));
+  CLI::App* redis = app.add_subcommand("redis", "store then load 2 MiB blocks: kvtierd vs a Redis it starts");
+  redis->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
+  redis->add_option("--reps", host_reps, "repetitions (median reported; +1 warm-up)")->check(CLI::Range(1, 1000));
   CLI::App* disk = app.add_subcommand("disk", "disk tier write/read vs fio and a file-per-block store");
   uint32_t disk_blocks = 256, disk_qd = 32;
   std::string disk_dir = "./var/kvtier-bench", json;
@@ -525,6 +625,8 @@ int main(int argc, char** argv) {
   uint32_t nkeys = 128, lookup_reps = 20000;
   lookup->add_option("--keys", nkeys, "keys per lookup")->check(CLI::Range(2, 16384));
   lookup->add_option("--reps", lookup_reps, "lookups")->check(CLI::Range(1, 10000000));
+  uint64_t index_keys = uint64_t{1} << 20;
+  lookup->add_option("--index-keys", index_keys, "keys in the in-process index")->check(CLI::Range(1, 1 << 28));
   CLI::App* gpu = app.add_subcommand("gpu", "paged gather/scatter H2D, D2H, D2D vs contiguous cudaMemcpy");
   kvtier::bench::GpuOptions gpu_options;
   gpu->add_option("--device", gpu_options.device, "CUDA device index")->check(CLI::NonNegativeNumber);
@@ -539,6 +641,23 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   gpu->add_option("--layout", gpu_options.layout, "engine cache layout")
       ->check(CLI::IsMember({"vllm-nhd", "vllm-hnd", "sglang-layer-first", "sglang-page-first", "contiguous"}));
+  CLI::App* trace = app.add_subcommand("trace", "replay a Mooncake trace: hit rates vs LRU, Belady and the ceiling");
+  kvtier::bench::TraceOptions trace_options;
+  trace->add_option("--trace", trace_options.trace_path, "JSONL request trace (../shared/traces/)")->required();
+  trace->add_option("--hbm-bytes", trace_options.hbm_bytes, "hbm tier size, 0 = off")
+      ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--host-bytes", trace_options.host_bytes, "host tier size (> 0)")
+      ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--disk-bytes", trace_options.disk_bytes, "disk tier size, 0 = off")
+      ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--block-bytes", trace_options.block_bytes, "bytes per 512-token block, a multiple of 4 KiB")
+      ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--clients", trace_options.clients, "client processes")->check(CLI::Range(1, 64));
+  trace->add_option("--requests", trace_options.requests, "replay the first N requests only (0 = all)");
+  trace->add_option("--speed", trace_options.speed, "x the trace's pace (0 = as fast as possible)")
+      ->check(CLI::NonNegativeNumber);
+  trace->add_option("--dir", trace_options.dir, "directory for the disk tier's segments (started daemon only)");
+  trace->add_option("--set", trace_options.sets, "extra kvtierd --set key=value (started daemon only)");
   CLI11_PARSE(app, argc, argv);
 
   if (gpu->parsed()) {
@@ -546,6 +665,15 @@ int main(int argc, char** argv) {
     return kvtier::bench::Gpu(gpu_options);
   }
   kvtier::bench::PrintMachine();
+  if (trace->parsed()) {
+    trace_options.socket = socket;
+    trace_options.json = json;
+    std::unique_ptr<OwnDaemon> daemon;
+    return kvtier::bench::Trace(trace_options, [&](uint64_t host_bytes, std::vector<std::string> sets) {
+      daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
+      return kvtier::bench::StartedDaemon{daemon->socket(), [&] { daemon->Stop(); }};
+    });
+  }
   if (restart->parsed()) {
     std::filesystem::create_directories(restart_dir);
     return Restart(restart_blocks, std::filesystem::absolute(restart_dir).string(), json);
@@ -564,18 +692,21 @@ int main(int argc, char** argv) {
               "tiers.disk.queue_depth=" + std::to_string(disk_qd), "policy.watermarks.host={high: 1.0, low: 0.99}",
               "tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]"});
     } else {
-      const uint64_t host_bytes = std::max<uint64_t>(256ull << 20, uint64_t{blocks} * 4 * (2 << 20));
+      const uint64_t host_bytes = std::max<uint64_t>({256ull << 20, uint64_t{blocks} * 4 * (2 << 20),
+                                                      uint64_t{nkeys} * (2 << 20) + (256ull << 20)});
       own = std::make_unique<OwnDaemon>(std::to_string(host_bytes));
     }
     socket = own->socket();
   }
-  std::printf("daemon:   %s\n", own ? "started by kvtier-bench" : socket.c_str());
+  const std::string daemon = own ? "started by kvtier-bench" : socket;
+  std::printf("daemon:   %s\n", daemon.c_str());
   auto client = kvtier::Client::Connect({.socket_path = socket, .client_name = "kvtier-bench"});
   if (!client) {
     std::fprintf(stderr, "kvtier-bench: %s\n", client.error().ToString().c_str());
     return 1;
   }
-  if (host->parsed()) return Host(**client, blocks, host_reps);
+  if (host->parsed()) return Host(**client, blocks, host_reps, daemon, json);
+  if (redis->parsed()) return kvtier::bench::RedisWorkload(**client, Llama8BLayout(), blocks, host_reps, daemon, json);
   if (disk->parsed()) return Disk(**client, disk_blocks, disk_qd, disk_dir, json);
-  return Lookup(**client, nkeys, lookup_reps);
+  return Lookup(**client, nkeys, lookup_reps, index_keys, daemon, json);
 }

@@ -4,9 +4,11 @@
 //
 //   {"machine": {"cpu", "cpus", "kernel", ...extra}, "config": {...},
 //    "comparisons": [{"name", "kvtier", "baseline", "baseline_name", "unit",
-//                     "ratio"[, "target"]}]}
+//                     "lower_is_better"[, "kvtier_target"], "ratio"[, "target"]}]}
 //
-// with ratio oriented so that higher is better for kvtier.
+// one comparison a line, with ratio oriented so that higher is better for
+// kvtier. "target" is a ratio to reach, "kvtier_target" a figure (in "unit")
+// to reach. Targets are informational: no workload fails on them.
 //
 // Plain functions over values; thread-compatible (they write to stdout or a
 // file the caller names).
@@ -43,18 +45,33 @@ struct Comparison {
   // The ratio this figure should reach (informational; 0 = none). Written to
   // --json only when set.
   double target = 0;
+  // The figure kvtier itself should reach, in `unit`: at least it, or at most
+  // it when lower_is_better (informational; 0 = none). Written to --json only
+  // when set.
+  double kvtier_target = 0;
   // kvtier / baseline, oriented so that higher is better for kvtier; 0 when
   // either figure is missing.
   double ratio() const {
     if (baseline <= 0 || kvtier <= 0) return 0;
     return lower_is_better ? baseline / kvtier : kvtier / baseline;
   }
+  bool has_target() const { return target > 0 || kvtier_target > 0; }
+  // True when every target set is reached (true when none is).
+  bool met() const {
+    if (target > 0 && ratio() < target) return false;
+    if (kvtier_target > 0 && (lower_is_better ? kvtier > kvtier_target : kvtier < kvtier_target))
+      return false;
+    return true;
+  }
 };
 
-// The comparisons as a table on stdout.
+// The comparisons as a table on stdout, with a target column when any has one.
 void PrintComparisons(const std::vector<Comparison>& cs);
 
-// `s` with '"' and '\' escaped, for a JSON string.
+// `v` with three significant digits or so ("8.12", "41.3", "1534"), for tables.
+std::string Figure(double v);
+
+// `s` with '"', '\' and control characters escaped, for a JSON string.
 std::string JsonEscape(const std::string& s);
 
 // Key/value pairs written as JSON strings.

@@ -12,6 +12,12 @@ PACKAGES=(
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
   # tests and benchmarks (fio: kvtier-bench disk's baseline)
   libgtest-dev libgmock-dev libbenchmark-dev fio
+  # tools/plot-bench.sh (gnuplot without X11; it has the png and pngcairo terminals)
+  gnuplot-nox
+  # promtool (package prometheus): the metrics test checks /metrics with it
+  prometheus
+  # kvtier-bench redis and lookup's baseline: a redis-server the bench starts, hiredis
+  redis-server libhiredis-dev
 )
 
 missing=()

@@ -1,0 +1,353 @@
+#include "tools/bench_trace.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <span>
+
+#include "kvtier/client.h"
+#include "tiers/disk/record.h"
+#include "tools/bench_report.h"
+#include "tools/trace_replay.h"
+#include "tools/trace_sim.h"
+
+namespace kvtier::bench {
+namespace {
+
+using trace::SimResult;
+using trace::TraceRequest;
+
+constexpr uint64_t kSlotAlignBytes = 4096;  // SlotPool::kSlotAlignBytes: memory tiers' slot stride
+
+struct Capacity {
+  uint64_t hbm = 0, host = 0, disk = 0;  // blocks
+  uint64_t total() const { return hbm + host + disk; }
+  int tiers() const { return (hbm > 0) + (host > 0) + (disk > 0); }
+};
+
+std::string Mib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+double Pct(uint64_t part, uint64_t whole) {
+  return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
+}
+
+// The sets of a started daemon for these tier sizes.
+std::vector<std::string> DaemonSets(const TraceOptions& o, const std::string& segments) {
+  std::vector<std::string> sets;
+  if (o.hbm_bytes > 0) {
+    sets = {"tiers.hbm.enabled=true", "tiers.hbm.bytes=" + std::to_string(o.hbm_bytes)};
+  } else {
+    sets = {"tiers.hbm.enabled=false"};
+  }
+  if (o.disk_bytes > 0) {
+    // Regions of 1/16 of the tier (1-64 MiB): reclaim frees a region at a
+    // time, so small tiers need small regions.
+    const uint64_t region = std::clamp<uint64_t>(o.disk_bytes / 16 >> 20, 1, 64) << 20;
+    sets.insert(sets.end(), {"tiers.disk.enabled=true", "tiers.disk.paths=[" + segments + "]",
+                             "tiers.disk.bytes=" + std::to_string(o.disk_bytes),
+                             "tiers.disk.region_bytes=" + std::to_string(region)});
+  } else {
+    sets.push_back("tiers.disk.enabled=false");
+  }
+  sets.push_back("tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]");
+  sets.insert(sets.end(), o.sets.begin(), o.sets.end());
+  return sets;
+}
+
+// Stops a started daemon and removes its segments on every way out.
+struct Cleanup {
+  std::function<void()> stop;
+  std::string segments;
+  ~Cleanup() {
+    if (stop) stop();
+    if (!segments.empty() && ::getenv("KVTIER_KEEP_TEST_DIRS") == nullptr) {
+      std::error_code ec;
+      std::filesystem::remove_all(segments, ec);
+    }
+  }
+};
+
+// Starts a daemon with the options' tiers (o.socket empty) and sets
+// o.socket; false after printing why not.
+bool StartDaemon(TraceOptions& o, uint64_t stride, const StartDaemonFn& start_daemon,
+                 Cleanup& cleanup) {
+  if (o.host_bytes < stride) {
+    std::fprintf(
+        stderr, "kvtier-bench trace: --host-bytes must hold a block (the host tier is required)\n");
+    return false;
+  }
+  std::string segments;
+  if (o.disk_bytes > 0) {
+    if (o.disk_bytes < (2 << 20)) {
+      std::fprintf(stderr,
+                   "kvtier-bench trace: --disk-bytes must be 0 or at least 2 MiB (two regions)\n");
+      return false;
+    }
+    segments = (std::filesystem::absolute(o.dir).lexically_normal() /
+                ("segments-" + std::to_string(::getpid())))
+                   .string();
+    cleanup.segments = segments;
+    std::error_code ec;
+    std::filesystem::create_directories(segments, ec);
+    if (ec) {
+      std::fprintf(stderr, "kvtier-bench trace: %s: %s\n", segments.c_str(), ec.message().c_str());
+      return false;
+    }
+  }
+  const std::vector<std::string> sets = DaemonSets(o, segments);
+  StartedDaemon d = start_daemon(o.host_bytes, sets);
+  o.socket = d.socket;
+  cleanup.stop = std::move(d.stop);
+  std::printf("daemon:   started by kvtier-bench with");
+  for (const std::string& s : sets) {
+    if (s.rfind("tenants=", 0) != 0) std::printf(" %s", s.c_str());
+  }
+  std::printf("\n");
+  return true;
+}
+
+int64_t Delta(const DaemonStats& before, const DaemonStats& after, std::string_view name) {
+  return static_cast<int64_t>(after.Counter(name)) - static_cast<int64_t>(before.Counter(name));
+}
+
+void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
+                 const DaemonStats& a) {
+  const auto requests = static_cast<double>(sum.requests);
+  std::printf(
+      "replay:   %" PRIu64 " requests in %.1f s (%.0f requests/s, %.2f ms each on average)\n",
+      sum.requests, wall_s, requests / wall_s, requests > 0 ? sum.busy_s * 1000 / requests : 0.0);
+  std::printf("hits:     %.2f%% of %" PRIu64
+              " block accesses: hbm %.2f%%, host %.2f%%, disk %.2f%%\n",
+              Pct(sum.hits, sum.accesses), sum.accesses, Pct(sum.tier_hits[0], sum.accesses),
+              Pct(sum.tier_hits[1], sum.accesses), Pct(sum.tier_hits[2], sum.accesses));
+  std::printf("blocks:   %" PRIu64 " loaded (%" PRIu64 " byte-exact, %" PRIu64
+              " loads short of their lookup), %" PRIu64 " stored, %" PRIu64
+              " already stored, %" PRIu64 " refused\n",
+              sum.loaded, sum.loaded - sum.mismatches, sum.short_loads, sum.stored, sum.already,
+              sum.rejected);
+  auto mib = [&](std::string_view name) {
+    return static_cast<double>(Delta(b, a, name)) / (1 << 20);
+  };
+  std::printf(
+      "moved:    engine->cache %.1f MiB, cache->engine %.1f MiB, hbm->host %.1f MiB, host->hbm "
+      "%.1f MiB, "
+      "host->disk %.1f MiB, disk->host %.1f MiB\n",
+      mib("bytes_engine_to_cache"), mib("bytes_cache_to_engine"), mib("bytes_hbm_to_host"),
+      mib("bytes_host_to_hbm"), mib("bytes_host_to_disk"), mib("bytes_disk_to_host"));
+  std::printf("          promotions %" PRId64 " host->hbm, %" PRId64
+              " disk->host; demotions %" PRId64 " hbm->host, %" PRId64
+              " host->disk; evictions hbm %" PRId64 ", host %" PRId64 ", disk %" PRId64
+              "; prefix fallbacks %" PRId64 "; disk not admitted %" PRId64 "\n",
+              Delta(b, a, "promotions"), Delta(b, a, "disk_promotions"), Delta(b, a, "demotions"),
+              Delta(b, a, "disk_demotions"), Delta(b, a, "evictions_hbm"),
+              Delta(b, a, "evictions_host"), Delta(b, a, "evictions_disk"),
+              Delta(b, a, "prefix_fallbacks"), Delta(b, a, "disk_not_admitted"));
+}
+
+struct Simulated {
+  SimResult ceiling, lru, belady;
+};
+
+void PrintSimulations(const Simulated& sim, const Capacity& cap,
+                      std::span<const TraceRequest> requests) {
+  std::printf("\nsimulated, prefix hits, one request at a time:\n");
+  std::printf("  %-34s %7.2f%%\n", "unbounded (the reuse ceiling)", 100 * sim.ceiling.hit_rate());
+  std::printf("  %-34s %7.2f%%\n", ("LRU, " + std::to_string(cap.total()) + " blocks").c_str(),
+              100 * sim.lru.hit_rate());
+  std::printf("  %-34s %7.2f%%   (any-position hits %.2f%%: the bound for every policy)\n",
+              ("Belady, " + std::to_string(cap.total()) + " blocks").c_str(),
+              100 * sim.belady.hit_rate(), 100 * sim.belady.any_hit_rate());
+  if (cap.tiers() < 2) return;
+  for (auto [name, c] :
+       {std::pair<const char*, uint64_t>{"hbm", cap.hbm}, {"host", cap.host}, {"disk", cap.disk}}) {
+    if (c == 0) continue;
+    std::printf("  %-34s %7.2f%% LRU, %.2f%% Belady\n",
+                (std::string(name) + " alone, " + std::to_string(c) + " blocks").c_str(),
+                100 * trace::SimulateLru(requests, c).hit_rate(),
+                100 * trace::SimulateBelady(requests, c).hit_rate());
+  }
+}
+
+// The comparisons, with the targets (informational): all three
+// tiers within 1 point of the ceiling; one tier at least LRU's hit rate.
+std::vector<Comparison> Compare(double hit, const Simulated& sim, const Capacity& cap,
+                                bool watermark_hint, std::string& target_line) {
+  const std::string at = std::to_string(cap.total()) + " blocks";
+  const double lru = 100 * sim.lru.hit_rate(), ceiling = 100 * sim.ceiling.hit_rate();
+  std::vector<Comparison> cs = {
+      {"hit rate vs LRU", hit, lru, "LRU, " + at + " (simulated)", "%"},
+      {"hit rate vs Belady", hit, 100 * sim.belady.hit_rate(),
+       "Belady's optimum, " + at + " (simulated)", "%"},
+      {"hit rate vs reuse ceiling", hit, ceiling, "unbounded cache (simulated)", "%"},
+  };
+  char buf[256] = {};
+  if (cap.tiers() == 3) {
+    cs[2].target = (ceiling - 1) / ceiling;
+    std::snprintf(buf, sizeof(buf),
+                  "all three tiers: hit rate within 1 point of the reuse ceiling (>= %.2f%%): %s",
+                  ceiling - 1, hit >= ceiling - 1 ? "met" : "NOT met");
+  } else if (cap.tiers() == 1) {
+    cs[0].target = 1.0;
+    // Without a disk tier, host above its high watermark drops blocks down
+    // to the low one: the default 0.9/0.8 leaves 10-20% of it unused.
+    std::snprintf(buf, sizeof(buf), "one tier: hit rate >= LRU's at the same capacity: %s%s",
+                  hit >= lru ? "met" : "NOT met",
+                  hit < lru && watermark_hint
+                      ? " (the host watermarks keep the tier below capacity; try "
+                        "--set 'policy.watermarks.host={high: 1.0, low: 0.99}')"
+                      : "");
+  }
+  target_line = buf;
+  return cs;
+}
+
+JsonFields JsonConfig(const TraceOptions& o, const ReplayCounts& sum, const Capacity& cap,
+                      double wall_s, const DaemonStats& b, const DaemonStats& a) {
+  JsonFields config = {
+      {"workload", "trace"},
+      {"trace", o.trace_path},
+      {"requests", std::to_string(sum.requests)},
+      {"block_accesses", std::to_string(sum.accesses)},
+      {"block_bytes", std::to_string(o.block_bytes)},
+      {"clients", std::to_string(o.clients)},
+      {"speed", o.speed > 0 ? std::to_string(o.speed) : "max"},
+      {"hbm_bytes", std::to_string(o.hbm_bytes)},
+      {"host_bytes", std::to_string(o.host_bytes)},
+      {"disk_bytes", std::to_string(o.disk_bytes)},
+      {"capacity_blocks", std::to_string(cap.total())},
+      {"wall_s", std::to_string(wall_s)},
+  };
+  const char* tiers[] = {"hbm", "host", "disk"};
+  for (int t = 0; t < 3; ++t) {
+    char pct[32];
+    std::snprintf(pct, sizeof(pct), "%.3f", Pct(sum.tier_hits[t], sum.accesses));
+    config.emplace_back(std::string("hit_rate_") + tiers[t] + "_pct", pct);
+  }
+  for (const char* name : {"bytes_engine_to_cache", "bytes_cache_to_engine", "bytes_hbm_to_host",
+                           "bytes_host_to_hbm", "bytes_host_to_disk", "bytes_disk_to_host"}) {
+    config.emplace_back(name, std::to_string(Delta(b, a, name)));
+  }
+  return config;
+}
+
+}  // namespace
+
+int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
+  if (o.block_bytes < 4096 || o.block_bytes % 4096 != 0) {
+    std::fprintf(stderr, "kvtier-bench trace: --block-bytes must be a multiple of 4 KiB\n");
+    return 1;
+  }
+  auto loaded = trace::LoadTrace(o.trace_path);
+  if (!loaded) {
+    std::fprintf(stderr, "kvtier-bench trace: %s\n", loaded.error().ToString().c_str());
+    return 1;
+  }
+  ReplayPlan plan{.requests = std::move(*loaded),
+                  .block_bytes = o.block_bytes,
+                  .socket = {},
+                  .speed = o.speed,
+                  .salt = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) ^
+                          (static_cast<uint64_t>(::getpid()) << 32)};
+  if (o.requests > 0 && o.requests < plan.requests.size()) plan.requests.resize(o.requests);
+  std::printf("config:   %s: %zu requests, %" PRIu64 " block accesses, %" PRIu64
+              " distinct blocks\n",
+              o.trace_path.c_str(), plan.requests.size(), trace::CountAccesses(plan.requests),
+              trace::CountUniqueBlocks(plan.requests));
+  std::printf("          blocks of %" PRIu64
+              " KiB (one per 512-token trace block), %u clients, %s\n",
+              o.block_bytes >> 10, o.clients,
+              o.speed > 0 ? ("at " + std::to_string(o.speed) + "x the trace's pace").c_str()
+                          : "as fast as possible");
+
+  // The daemon: started with these tiers, or a running one.
+  const uint64_t stride = (o.block_bytes + kSlotAlignBytes - 1) / kSlotAlignBytes * kSlotAlignBytes;
+  Cleanup cleanup;
+  const bool started = o.socket.empty();
+  if (started && !StartDaemon(o, stride, start_daemon, cleanup)) return 1;
+  if (!started)
+    std::printf("daemon:   %s (its own tier sizes; the --*-bytes flags are ignored)\n",
+                o.socket.c_str());
+  plan.socket = o.socket;
+  auto admin = Client::Connect({.socket_path = o.socket, .client_name = "kvtier-bench-trace"});
+  auto before = admin ? (*admin)->Stats() : Result<DaemonStats>(Err(admin.error()));
+  if (!before) {
+    const std::string log = std::filesystem::path(o.socket).parent_path().string() + "/kvtierd.log";
+    std::fprintf(stderr, "kvtier-bench trace: %s%s\n", before.error().ToString().c_str(),
+                 started ? (" (see " + log + ")").c_str() : "");
+    return 1;
+  }
+  // Capacities in blocks: memory tiers hold one 4 KiB-aligned slot per block,
+  // the disk one record (a 4 KiB header + the block, 4 KiB-aligned).
+  Capacity cap;
+  for (const TierStats& t : before->tiers) {
+    const bool disk = t.tier == BlockTier::kDisk;
+    uint64_t& blocks = t.tier == BlockTier::kHbm ? cap.hbm : disk ? cap.disk : cap.host;
+    uint64_t& bytes = t.tier == BlockTier::kHbm ? o.hbm_bytes : disk ? o.disk_bytes : o.host_bytes;
+    blocks = t.capacity_bytes / (disk ? RecordBytes(o.block_bytes) : stride);
+    if (!started) bytes = t.capacity_bytes;
+  }
+  std::printf("tiers:    hbm %s (%" PRIu64 " blocks), host %s (%" PRIu64
+              " blocks), disk %s (%" PRIu64 " blocks): %" PRIu64 " blocks in all\n",
+              Mib(o.hbm_bytes).c_str(), cap.hbm, Mib(o.host_bytes).c_str(), cap.host,
+              Mib(o.disk_bytes).c_str(), cap.disk, cap.total());
+  if (!started)
+    std::printf("          (what other tenants hold there takes capacity from this replay)\n");
+
+  const Simulated sim{trace::SimulateUnbounded(plan.requests),
+                      trace::SimulateLru(plan.requests, cap.total()),
+                      trace::SimulateBelady(plan.requests, cap.total())};
+  auto replay = Replay(plan, o.clients);
+  if (!replay) {
+    std::fprintf(stderr, "kvtier-bench trace: %s%s\n", replay.error().ToString().c_str(),
+                 replay.error().code() == StatusCode::kUnavailable && started
+                     ? (" (did the daemon die? KVTIER_KEEP_TEST_DIRS=1 keeps its log, " +
+                        std::filesystem::path(o.socket).parent_path().string() + "/kvtierd.log)")
+                           .c_str()
+                     : "");
+    return 1;
+  }
+  auto after = (*admin)->Stats();
+  if (!after) {
+    std::fprintf(stderr, "kvtier-bench trace: stats: %s\n", after.error().ToString().c_str());
+    return 1;
+  }
+  const ReplayCounts& sum = replay->counts;
+  PrintReplay(sum, replay->wall_s, *before, *after);
+  const int64_t daemon_hits = Delta(*before, *after, "hits_hbm") +
+                              Delta(*before, *after, "hits_host") +
+                              Delta(*before, *after, "hits_disk");
+  if (started && daemon_hits != static_cast<int64_t>(sum.hits)) {
+    std::printf("          (the daemon counted %" PRId64 " hits, the clients %" PRIu64 ")\n",
+                daemon_hits, sum.hits);
+  }
+  PrintSimulations(sim, cap, plan.requests);
+  std::string target_line;
+  const double hit = Pct(sum.hits, sum.accesses);
+  const std::vector<Comparison> cs =
+      Compare(hit, sim, cap, started && cap.disk == 0 && o.sets.empty(), target_line);
+  std::printf("\n%-28s %9s %9s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio",
+              "baseline is");
+  for (const Comparison& c : cs) {
+    std::printf("%-28s %8.2f%% %8.2f%% %7.3fx  %s\n", c.name.c_str(), c.kvtier, c.baseline,
+                c.ratio(), c.baseline_name.c_str());
+  }
+  if (!target_line.empty()) std::printf("target (informational): %s\n", target_line.c_str());
+  if (o.clients > 1)
+    std::printf("(the replay runs %u requests at a time; the simulations one)\n", o.clients);
+  if (!o.json.empty() &&
+      !WriteJson(o.json, JsonConfig(o, sum, cap, replay->wall_s, *before, *after), cs)) {
+    std::fprintf(stderr, "kvtier-bench trace: cannot write %s\n", o.json.c_str());
+    return 1;
+  }
+  if (sum.mismatches > 0) std::printf("WRONG BYTES: %" PRIu64 " loaded blocks\n", sum.mismatches);
+  return sum.mismatches == 0 ? 0 : 1;
+}
+
+}  // namespace kvtier::bench

@@ -1,0 +1,57 @@
+// kvtier-bench trace: replays a Mooncake request trace (tools/trace_sim.h)
+// through kvtierd with K client processes (tools/trace_replay.h: one kvtier
+// block per 512-token trace block, chained keys, lookup / load the hit
+// prefix / store the rest) and reports its hit rates, per tier and overall,
+// and the bytes it moved, next to simulated caches of the same capacity:
+// unbounded (the trace's reuse ceiling), LRU and Belady's offline optimum.
+//
+// Capacity in blocks: each memory tier's bytes / the block's 4 KiB-aligned
+// slot, plus the disk's bytes / its record (a 4 KiB header + the block).
+//
+// Single-threaded driver; the clients are separate processes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kvtier::bench {
+
+struct TraceOptions {
+  std::string trace_path;  // REQUIRED: a JSONL trace
+  // Tier sizes of a started daemon (0 = tier off; host must be > 0). With a
+  // running daemon (`socket`) its own capacities are used instead.
+  uint64_t hbm_bytes = 0;
+  uint64_t host_bytes = 0;
+  uint64_t disk_bytes = 0;
+  uint64_t block_bytes = 64 << 10;               // a multiple of 4 KiB
+  uint32_t clients = 4;                          // 1..kMaxReplayClients (64)
+  uint64_t requests = 0;                         // the first N requests in timestamp order; 0 = all
+  double speed = 0;                              // 0 = as fast as possible; else x the trace's pace
+  std::string dir = "./var/kvtier-bench-trace";  // disk segments (started daemon only)
+  std::string socket;                            // a running kvtierd; empty = start one
+  std::vector<std::string> sets;                 // extra `--set key=value` for a started daemon
+  std::string json;                              // also write the report here
+};
+
+// A kvtierd started for the replay: its socket, and how to stop it (Trace
+// stops it before removing the disk tier's segments).
+struct StartedDaemon {
+  std::string socket;
+  std::function<void()> stop;
+};
+// Starts a kvtierd with `tiers.host.bytes` and these --set overrides (which
+// win over the starter's own defaults); it may return before the daemon
+// listens (Trace then fails to connect and says so).
+using StartDaemonFn =
+    std::function<StartedDaemon(uint64_t host_bytes, std::vector<std::string> sets)>;
+
+// Runs the replay and the simulations and prints (and writes) the report.
+// Returns the process exit code: 0, or 1 after printing what failed
+// (unreadable trace, daemon unreachable, a client's error, wrong bytes).
+int Trace(TraceOptions options, const StartDaemonFn& start_daemon);
+
+}  // namespace kvtier::bench
