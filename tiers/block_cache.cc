@@ -529,9 +529,11 @@ void BlockCache::MaybeDemote() {
     }
   }
   // host above its high watermark: write its coldest blocks to disk (or drop
-  // them, without a disk tier or when admission says no) until it is below
-  // the low one.
-  if (AboveHigh(Tier::kHost)) {
+  // them when admission says no) until it is below the low one. Without a
+  // disk tier there is nowhere to write them: dropping blocks early would only
+  // lose hits, so the host tier fills up and evicts on demand (AllocateSlot),
+  // which is plain prefix-aware LRU.
+  if (options_.disk != nullptr && AboveHigh(Tier::kHost)) {
     while (AboveLow(Tier::kHost)) {
       BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
       if (v == nullptr) break;

@@ -633,17 +633,20 @@ TEST_F(BlockCacheTest, FullHostTierEvictsTheColdestBlock) {
   EXPECT_EQ(cache_->Usage(Tier::kHost).used_bytes, 4 * BlockBytes());
 }
 
-TEST_F(BlockCacheTest, HostAboveItsHighWatermarkDropsColdBlocksToTheLowOne) {
+// Without a disk tier the host watermarks drop nothing early: dropping
+// blocks there is nowhere to write only loses hits (the trace replay showed
+// 2.6 points below LRU). The tier fills and evicts its coldest on demand.
+TEST_F(BlockCacheTest, WithoutADiskTierTheHostTierFillsAndEvictsOnlyOnDemand) {
   Start({.host_slots = 10, .host_watermarks = {.high = 0.8, .low = 0.5}});
-  const std::vector<StoredKey> keys = NewKeys(9);
-  StoreEach({keys.begin(), keys.begin() + 8}, 0);  // 8 of 10 slots: at, not above, 0.8
-  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 8u);
+  const std::vector<StoredKey> keys = NewKeys(11);
+  StoreEach({keys.begin(), keys.begin() + 10}, 0);  // all 10 slots, above the high watermark
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 10u);
   EXPECT_EQ(cache_->counters().evictions[kHost], 0u);
-  ASSERT_TRUE(Store({keys[8]}, 8).status.ok());  // 9 of 10: above; drop to 5
-  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 5u);
-  EXPECT_EQ(cache_->counters().evictions[kHost], 4u);
-  for (size_t i = 0; i < 4; ++i) EXPECT_FALSE(Present(keys[i])) << i << " was among the coldest";
-  for (size_t i = 4; i < 9; ++i) EXPECT_TRUE(Present(keys[i])) << i;
+  ASSERT_TRUE(Store({keys[10]}, 10).status.ok());  // no room: the coldest goes
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 10u);
+  EXPECT_EQ(cache_->counters().evictions[kHost], 1u);
+  EXPECT_FALSE(Present(keys[0])) << "the coldest block";
+  for (size_t i = 1; i < 11; ++i) EXPECT_TRUE(Present(keys[i])) << i;
 }
 
 TEST_F(BlockCacheTest, PrefixAwareEvictionTakesLeavesBeforeTheirParents) {
