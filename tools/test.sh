@@ -35,4 +35,5 @@ step "test (ctest -j$test_jobs)"
 # shellcheck disable=SC2086
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
+step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
 step "all tests passed"
