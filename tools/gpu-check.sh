@@ -47,7 +47,7 @@ deps_present() {
   for tool in cmake pkg-config g++ make; do
     command -v "$tool" >/dev/null 2>&1 || return 1
   done
-  pkg-config --exists liburing libxxhash rocksdb || return 1
+  pkg-config --exists liburing libxxhash rocksdb hiredis || return 1
   for header in CLI/CLI.hpp tl/expected.hpp gtest/gtest.h benchmark/benchmark.h flatbuffers/flatbuffers.h \
     spdlog/spdlog.h yaml-cpp/yaml.h prometheus/registry.h; do
     [ -e "/usr/include/$header" ] || return 1
