@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs dependencies, builds Debug
-# (assertions on, warnings as errors) into build/debug and runs every test
-# with ctest. Exits non-zero on any failure. CI runs this (.ci/run).
+# (assertions on, warnings as errors, CUDA compiled where the toolkit is) into
+# build/debug and runs every test with ctest; then runs the tests again under
+# ASan+UBSan and under TSan (clang builds), and checks `cmake --install`.
+# Exits non-zero on any failure. CI runs this (.ci/run).
 #
 # Environment: KVTIER_BUILD_DIR (default build/debug), KVTIER_TEST_JOBS
 # (parallel tests, default: number of CPUs), KVTIER_CTEST_ARGS (extra ctest
@@ -23,17 +25,29 @@ cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_
 step "build (-j$jobs)"
 cmake --build "$build_dir" -j"$jobs"
 
-# Clang checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
-# ignores; building is enough; the tests run
-# once, on the g++ build.
-step "clang -Wthread-safety build (build/clang-tsa)"
-CC=clang CXX=clang++ cmake -S . -B build/clang-tsa -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON \
-  -DKVTIER_CUDA=OFF -DKVTIER_BUILD_TESTS=ON >/dev/null
-cmake --build build/clang-tsa -j"$jobs"
-
 step "test (ctest -j$test_jobs)"
 # shellcheck disable=SC2086
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
+
+# The same tests under sanitizers (CMakePresets.json), built with clang, which
+# also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
+# ignores. Every kvtierd the integration tests start is sanitized too, and a
+# report aborts it (halt_on_error), so no report goes unnoticed.
+sanitized() {  # preset, ctest labels
+  step "$1 build (build/$1, clang)"
+  cmake --preset "$1" >/dev/null
+  cmake --build "build/$1" -j"$jobs"
+  step "test under $1 (ctest -L '$2')"
+  # shellcheck disable=SC2086
+  ctest --test-dir "build/$1" --output-on-failure --no-tests=error --timeout 900 -j"$test_jobs" -L "$2" \
+    ${KVTIER_CTEST_ARGS:-}
+}
+export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/sanitizers/tsan.supp"
+sanitized asan-ubsan 'unit|integration|crash'
+sanitized tsan 'unit|integration|crash'
+
 step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
 step "all tests passed"
