@@ -46,7 +46,7 @@ sanitized() {  # preset, ctest labels
 export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/sanitizers/tsan.supp"
-sanitized asan-ubsan 'unit|integration|crash'
+sanitized asan-ubsan 'unit|integration|crash|fuzz'
 sanitized tsan 'unit|integration|crash'
 
 step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
