@@ -1,0 +1,122 @@
+// The security model's promises (docs/security.md), against a real kvtierd:
+// a tenant that is no admin cannot evict, flush, verify, list or probe
+// another tenant's blocks through any call; tokens must match exactly; and
+// the per-session and per-tenant bounds hold.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/block_pattern.h"
+#include "kvtier/client.h"
+#include "kvtier/shm_kv_cache.h"
+#include "tests/integration/daemon_process.h"
+
+namespace kvtier::testing {
+namespace {
+
+std::string Tok(char c) { return std::string(24, c); }
+
+Layout SmallLayout() {
+  return Layout::Create(LayoutSpec{.model_id = "kvtier/security", .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
+                                   .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
+      .value();
+}
+
+std::unique_ptr<Client> Connect(const DaemonProcess& d, const std::string& token) {
+  Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d.socket_path(), .token = token});
+  return c ? std::move(*c) : nullptr;
+}
+
+TEST(SecurityTest, NoTenantReachesAnotherTenantsBlocksUnlessAdmin) {
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') + "}, {name: ops, token: " +
+           Tok('o') + ", admin: true}]",
+       "tiers.disk.enabled=true", "tiers.disk.bytes=32MiB", "tiers.disk.region_bytes=1MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto a = Connect(*d, Tok('a'));
+  auto b = Connect(*d, Tok('b'));
+  auto ops = Connect(*d, Tok('o'));
+  ASSERT_TRUE(a && b && ops);
+
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+  const CacheId ia = a->RegisterKvCache(cache).value();
+  const CacheId ib = b->RegisterKvCache(cache).value();
+  const std::vector<BlockKey> keys = a->ComputeKeys(ia, PseudoTokens(5, 4 * 16)).value();
+  for (uint32_t i = 0; i < 4; ++i) FillFromKey(keys[i], cache.block(i));
+  ASSERT_EQ(a->Store(ia, keys, std::vector<uint32_t>{0, 1, 2, 3}).value().blocks, 4u);
+
+  auto denied = [](const auto& r) { return !r.has_value() && r.error().code() == StatusCode::kPermissionDenied; };
+  // b cannot act on a's blocks, or on everyone's.
+  EXPECT_TRUE(denied(b->Evict("a")));
+  EXPECT_TRUE(denied(b->Evict("*")));
+  EXPECT_TRUE(denied(b->Evict("a", BlockTier::kHost, SmallLayout().fingerprint())));
+  EXPECT_TRUE(denied(b->ListNamespaces("a")));
+  EXPECT_TRUE(denied(b->ListNamespaces("*")));
+  EXPECT_TRUE(denied(b->ListTenants()));
+  EXPECT_TRUE(denied(b->Flush()));
+  EXPECT_TRUE(denied(b->VerifyDisk(true)));
+  // ...cannot see them in its own listing, or probe them by key.
+  EXPECT_TRUE(b->ListNamespaces().value().empty());
+  EXPECT_EQ(b->Lookup(ib, keys).value().hits, 0u);
+  EXPECT_EQ(b->Load(ib, keys, std::vector<uint32_t>{8, 9, 10, 11}).value().blocks, 0u);
+  EXPECT_EQ(b->Prefetch(ib, keys).value(), 0u);
+  // ...and its own evict leaves them alone.
+  EXPECT_EQ(b->Evict().value(), 0u);
+  EXPECT_EQ(b->Evict("", std::nullopt, SmallLayout().fingerprint()).value(), 0u);
+  EXPECT_EQ(a->Lookup(ia, keys).value().hits, 4u);
+
+  // a sees its own namespace; the admin sees a's and may act on them.
+  const std::vector<NamespaceStats> own = a->ListNamespaces().value();
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].blocks, 4u);
+  EXPECT_EQ(ops->ListNamespaces("a").value().size(), 1u);
+  EXPECT_EQ(ops->ListNamespaces("*").value().size(), 1u);
+  EXPECT_TRUE(ops->VerifyDisk(true).has_value());
+  EXPECT_EQ(ops->Evict("a").value(), 4u);
+  EXPECT_EQ(a->Lookup(ia, keys).value().hits, 0u);
+  EXPECT_EQ(ops->Evict("nobody").error().code(), StatusCode::kNotFound);
+}
+
+TEST(SecurityTest, TokensMustMatchExactly) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"tenants=[{name: a, token: " + Tok('a') + "}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  EXPECT_NE(Connect(*d, Tok('a')), nullptr);
+  for (const std::string& wrong : {Tok('b'), Tok('a') + "a", Tok('a').substr(1), std::string(Tok('a')).replace(23, 1, "b"),
+                                   std::string()}) {
+    Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path(), .token = wrong});
+    ASSERT_FALSE(c.has_value()) << "token '" << wrong << "' was accepted";
+    EXPECT_EQ(c.error().code(), StatusCode::kUnauthenticated);
+    EXPECT_THAT(c.error().message(), ::testing::Not(::testing::HasSubstr(Tok('a'))));
+  }
+}
+
+TEST(SecurityTest, SessionsPerTenantAndOpsPerSessionAreBounded) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"tenants=[{name: a, token: " + Tok('a') + "}]",
+                                                  "limits.max_sessions_per_tenant=2",
+                                                  "limits.max_inflight_ops_per_session=3"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto first = Connect(*d, Tok('a'));
+  auto second = Connect(*d, Tok('a'));
+  ASSERT_TRUE(first && second);
+  Result<std::unique_ptr<Client>> third = Client::Connect({.socket_path = d->socket_path(), .token = Tok('a')});
+  ASSERT_FALSE(third.has_value()) << "a third session of a tenant limited to two";
+  EXPECT_EQ(third.error().code(), StatusCode::kResourceExhausted);
+
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+  const CacheId id = first->RegisterKvCache(cache).value();
+  const std::vector<BlockKey> keys = first->ComputeKeys(id, PseudoTokens(9, 16)).value();
+  std::vector<OpHandle> ops;
+  for (uint32_t i = 0; i < 3; ++i) ops.push_back(first->LoadAsync(id, keys, std::vector<uint32_t>{i}).value());
+  Result<OpHandle> over = first->LoadAsync(id, keys, std::vector<uint32_t>{3});
+  ASSERT_FALSE(over.has_value());
+  EXPECT_EQ(over.error().code(), StatusCode::kResourceExhausted);
+  for (const OpHandle& op : ops) EXPECT_TRUE(first->Wait(op).has_value());
+  EXPECT_TRUE(first->LoadAsync(id, keys, std::vector<uint32_t>{3}).has_value()) << "collected ops free their places";
+  // The other session was never affected.
+  EXPECT_TRUE(second->Stats().has_value());
+}
+
+}  // namespace
+}  // namespace kvtier::testing
