@@ -34,6 +34,17 @@ using namespace kvtier;  // NOLINT(google-build-using-namespace): a fuzz target'
 
 std::string g_socket;
 std::unique_ptr<ShmKvCache> g_cache;
+// The in-process daemon and its loop thread, stopped and joined at exit
+// before any static is destroyed (its threads must not outlive what they use).
+std::unique_ptr<Server> g_server;
+std::thread g_loop;
+
+void StopDaemon() {
+  if (!g_server) return;
+  g_server->Stop();
+  g_loop.join();
+  g_server.reset();
+}
 
 Layout SmallLayout() {
   return Layout::Create(LayoutSpec{.model_id = "fuzz/kv", .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
@@ -146,8 +157,9 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   KVTIER_CHECK(config.has_value());
   Result<std::unique_ptr<Server>> server = Server::Create(Server::Options{.config = *config});
   KVTIER_CHECK_MSG(server.has_value(), "cannot start the in-process daemon");
-  // Runs for the life of the process; the fuzzer exits without stopping it.
-  std::thread([s = std::move(*server)] { (void)s->Run(); }).detach();
+  g_server = std::move(*server);
+  g_loop = std::thread([] { (void)g_server->Run(); });
+  std::atexit(StopDaemon);  // runs before the statics above are destroyed
   g_cache = std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 32).value());
   if (const char* seeds = std::getenv("KVTIER_FUZZ_WRITE_SEEDS"); seeds != nullptr) {
     WriteSeeds(seeds);
