@@ -1,0 +1,249 @@
+// Internals of the cuda backend (tiers/cuda_backend.h), shared by its two
+// source files: cuda_backend.cc (arenas, copy lanes, Submit, the watcher and
+// reaper threads) and cuda_client_mapping.cc (what clients register: IPC
+// memory and event handles, memfds, copy plans). Nothing else includes it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common/check.h"
+#include "common/memory_mapping.h"
+#include "common/mutex.h"
+#include "kernels/copy_plan.h"
+#include "kernels/cuda/copy_kernels.h"
+#include "kernels/cuda/cuda_util.h"
+#include "tiers/cuda_backend.h"
+
+namespace kvtier {
+namespace cuda_internal {
+
+using IpcMemKey = std::array<uint8_t, ClientRegionHandle::kCudaIpcHandleBytes>;
+using cuda::ScopedDevice;
+
+// A batch on its way through a lane.
+struct Pending {
+  cudaEvent_t event = nullptr;  // recorded after the batch's work; null if nothing was queued
+  Status status;                // an error while queueing
+  bool on_cpu = false;          // host memory on both sides: copied by the CPU reference
+  CopyBatch batch;
+  CopyDone done;
+  // With checksum_destination: each destination, or null where it is device memory.
+  std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
+};
+
+// One stream and the thread that completes its batches, in stream order.
+struct Lane {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  Mutex mu;
+  CondVar cv;
+  std::deque<Pending> queue KVTIER_GUARDED_BY(mu);
+  bool stopping KVTIER_GUARDED_BY(mu) = false;
+  std::thread thread;
+};
+
+// A store waiting, on the watcher thread, for the engine's record of its event.
+struct WaitingStore {
+  Pending pending;
+  int device = 0;
+  cudaEvent_t event = nullptr;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// Registers `size_bytes` at `p` with CUDA (pinned, mapped for every device)
+// and checks that kernels can use the host address as is (unified
+// addressing); unregisters again on failure. `what` prefixes errors.
+Status RegisterMapped(void* p, uint64_t size_bytes, const std::string& what);
+
+// A copy plan in the memory of one device, allocated and freed in stream
+// order on that device's setup stream, so that releasing it never waits for
+// the device.
+class StreamOrderedPlan {
+ public:
+  static Result<StreamOrderedPlan> Upload(const CopyPlan& plan, int device, cudaStream_t stream) {
+    ScopedDevice scope(device);
+    KVTIER_RETURN_IF_ERROR(scope.status());
+    StreamOrderedPlan p;
+    p.stream_ = stream;
+    p.device_ = device;
+    const uint64_t bytes = plan.pieces().size() * sizeof(CopyPiece);
+    void* d = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&d, bytes, stream), "cudaMallocAsync of a copy plan");
+    p.pieces_ = DevicePieces(static_cast<CopyPiece*>(d), plan);
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, plan.pieces().data(), bytes, cudaMemcpyHostToDevice, stream),
+                                "uploading a copy plan");
+    // Kernels on other streams use it next: wait for this small copy only.
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "uploading a copy plan");
+    return p;
+  }
+  StreamOrderedPlan() = default;
+  StreamOrderedPlan(StreamOrderedPlan&& o) noexcept
+      : pieces_(std::exchange(o.pieces_, {})), stream_(o.stream_), device_(o.device_) {}
+  StreamOrderedPlan& operator=(StreamOrderedPlan&&) = delete;
+  ~StreamOrderedPlan() {
+    if (pieces_.pieces == nullptr) return;
+    // Every kernel that read it has completed: the batches hold the mapping
+    // that holds this plan until their completion event.
+    ScopedDevice scope(device_);
+    (void)cudaFreeAsync(const_cast<CopyPiece*>(pieces_.pieces), stream_);
+    (void)cudaGetLastError();
+  }
+  cuda::DevicePieces pieces() const { return pieces_; }
+
+ private:
+  static cuda::DevicePieces DevicePieces(const CopyPiece* p, const CopyPlan& plan) {
+    return cuda::DevicePieces{p, static_cast<uint32_t>(plan.pieces().size()), plan.max_piece_bytes()};
+  }
+  cuda::DevicePieces pieces_{};
+  cudaStream_t stream_ = nullptr;
+  int device_ = 0;
+};
+
+}  // namespace cuda_internal
+
+struct CudaBackend::State {
+  std::vector<int> devices;
+  std::vector<std::array<uint8_t, 16>> uuids;  // of each device, in order
+  std::vector<std::vector<bool>> peer;          // [i][j]: device i's kernels reach device j's memory
+  std::vector<cudaStream_t> setup_streams;      // per device: plan uploads and frees
+  std::string description;
+  std::vector<std::unique_ptr<cuda_internal::Lane>> lanes;  // devices.size() x kNumCopyPriorities
+  std::atomic<uint64_t> live_mappings{0};
+
+  struct Range {
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    int device = 0;
+  };
+  struct OpenedMemory {
+    uint8_t* base = nullptr;
+    uint64_t size_bytes = 0;
+    int device = 0;
+    uint32_t refs = 0;
+  };
+  struct OpenedEvent {
+    cudaEvent_t event = nullptr;
+    int device = 0;
+    uint32_t refs = 0;
+  };
+  Mutex mu;
+  std::vector<Range> device_arenas KVTIER_GUARDED_BY(mu);
+  std::map<cuda_internal::IpcMemKey, OpenedMemory> opened_memory KVTIER_GUARDED_BY(mu);
+  std::map<IpcEventHandle, OpenedEvent> opened_events KVTIER_GUARDED_BY(mu);
+
+  // Stores waiting for their engine's event (watcher thread).
+  Mutex watch_mu;
+  CondVar watch_cv;
+  std::deque<cuda_internal::WaitingStore> arriving KVTIER_GUARDED_BY(watch_mu);
+  bool watch_stopping KVTIER_GUARDED_BY(watch_mu) = false;
+
+  // Teardown work of released mappings (reaper thread), while the backend lives.
+  Mutex reap_mu;
+  CondVar reap_cv;
+  std::deque<std::function<void()>> reap_queue KVTIER_GUARDED_BY(reap_mu);
+  bool reaper_running KVTIER_GUARDED_BY(reap_mu) = false;
+
+  size_t IndexOf(int device) const {
+    const auto d = std::find(devices.begin(), devices.end(), device);
+    KVTIER_CHECK(d != devices.end());
+    return static_cast<size_t>(d - devices.begin());
+  }
+
+  cuda_internal::Lane& LaneFor(int device, CopyPriority priority) {
+    return *lanes[IndexOf(device) * kNumCopyPriorities + static_cast<size_t>(priority)];
+  }
+
+  // The device whose hbm arena holds `p`, if any (else it is host memory).
+  std::optional<int> DeviceOf(const void* p) {
+    const auto a = reinterpret_cast<uint64_t>(p);
+    MutexLock lock(&mu);
+    for (const Range& r : device_arenas) {
+      if (a >= r.begin && a < r.end) return r.device;
+    }
+    return std::nullopt;
+  }
+
+  // Runs `work` on the reaper thread, or here once the backend is gone.
+  void Reap(std::function<void()> work) {
+    {
+      MutexLock lock(&reap_mu);
+      if (reaper_running) {
+        reap_queue.push_back(std::move(work));
+        reap_cv.Signal();
+        return;
+      }
+    }
+    work();
+  }
+
+  // The IPC memory handles and events clients registered, opened once each
+  // and shared by reference count (CUDA refuses a second open of one handle
+  // in a process); cuda_client_mapping.cc.
+  Result<OpenedMemory> OpenMemory(const cuda_internal::IpcMemKey& key, int device);  // on `device`
+  void ReleaseMemory(const cuda_internal::IpcMemKey& key);
+  Result<cudaEvent_t> OpenEvent(const IpcEventHandle& key, int device);
+  void ReleaseEvent(const IpcEventHandle& key);
+};
+
+// A client's registration: its IPC allocations (or registered memfds) and
+// events, and the copy plans uploaded for its layouts. Made by
+// CudaBackend::MapClientMemory; used by Submit while batches hold it.
+class CudaClientMapping final : public ClientMapping {
+ public:
+  explicit CudaClientMapping(std::shared_ptr<CudaBackend::State> state);
+  // Hands the teardown (closing handles, unregistering memory, which may
+  // wait for the device) to the reaper thread.
+  ~CudaClientMapping() override;
+
+  std::span<uint8_t* const> region_bases() const override { return bases_; }
+  uint32_t num_events() const override { return static_cast<uint32_t>(events_.size()); }
+
+  // Builds the mapping. Errors as CudaBackend::MapClientMemory.
+  Status Open(std::vector<ClientRegionHandle> regions, std::vector<IpcEventHandle> events);
+
+  // The engine's GPU (IPC caches); for memfd caches, the first device.
+  int device() const { return device_; }
+  bool on_device() const { return on_device_; }
+  cudaEvent_t event(int32_t i) const {
+    KVTIER_CHECK(i >= 0 && static_cast<size_t>(i) < events_.size());
+    return events_[static_cast<size_t>(i)];
+  }
+
+  // The copy plan of `layout` over this mapping, in the memory of the device
+  // that launches the copy (uploaded on first use; a registration has one
+  // layout and its kernels run on one or two devices, so this is a tiny list).
+  Result<cuda::DevicePieces> PlanFor(const std::shared_ptr<const KvCacheLayout>& layout, int device);
+
+ private:
+  Status OpenMemfd(const ClientRegionHandle& r, const std::string& what);
+
+  std::shared_ptr<CudaBackend::State> state_;
+  bool on_device_ = false;
+  int device_ = -1;
+  std::vector<uint8_t*> bases_;
+  std::vector<cuda_internal::IpcMemKey> memory_keys_;
+  std::vector<MemoryMapping> memfds_;
+  std::vector<IpcEventHandle> event_keys_;
+  std::vector<cudaEvent_t> events_;
+  Mutex mu_;
+  std::vector<std::tuple<std::shared_ptr<const KvCacheLayout>, int, cuda_internal::StreamOrderedPlan>> plans_
+      KVTIER_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier
