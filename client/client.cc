@@ -281,6 +281,7 @@ class Client::Impl {
     DaemonStats out;
     if (s->backend() != nullptr) out.backend = s->backend()->str();
     if (s->metrics() != nullptr) out.metrics = s->metrics()->str();
+    if (s->scope() != nullptr) out.scope = s->scope()->str();
     if (s->tiers() != nullptr) {
       for (const w::TierStats* t : *s->tiers()) {
         out.tiers.push_back(TierStats{TierFromWire(t->tier()), t->capacity_bytes(), t->used_bytes(), t->blocks()});

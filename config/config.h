@@ -69,7 +69,7 @@ struct Config {
     DeviceBackendKind backend = DeviceBackendKind::kAuto;
   } device;
 
-  std::vector<TenantConfig> tenants;  // default: one tenant "local", the daemon's own uid
+  std::vector<TenantConfig> tenants;  // default: one admin tenant "local", the daemon's own uid
 
   struct Tiers {
     struct Hbm {

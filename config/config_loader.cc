@@ -441,6 +441,9 @@ void ReadTenants(Context* ctx, const YAML::Node& node, std::vector<TenantConfig>
     TenantConfig local;
     local.name = "local";
     local.uid = static_cast<uint32_t>(::getuid());
+    // A node with one tenant: it has no co-tenant to be kept from, and its
+    // operator needs kvtierctl's admin calls.
+    local.admin = true;
     tenants->assign(1, local);
     return;
   }

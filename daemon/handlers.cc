@@ -285,9 +285,7 @@ std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Look
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
-  const LookupResult r = cache_->Lookup(*keys);
-  ++s.tenant->lookups;
-  s.tenant->hits += r.hits;
+  const LookupResult r = cache_->Lookup(s.tenant->id, *keys);
   lookup_latency_.RecordSince(start);
   std::vector<w::Tier> tiers;
   for (Tier t : r.tiers) tiers.push_back(TierToWire(t));
@@ -438,16 +436,13 @@ std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t 
   return {};
 }
 
-std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
-  (void)s;
-  FlatBufferBuilder b(2048);
-  std::vector<flatbuffers::Offset<w::TierStats>> tiers;
-  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
-    const TierUsage u = cache_->Usage(t);
-    tiers.push_back(w::CreateTierStats(b, TierToWire(t), u.capacity_bytes, u.used_bytes, u.blocks));
-  }
-  const CacheCounters& c = cache_->counters();
-  const std::pair<const char*, uint64_t> counters[] = {
+namespace {
+
+// The counters a tenant's share and the node's have in common (CacheCounters
+// or TenantCounters).
+template <typename Counters>
+std::vector<std::pair<const char*, uint64_t>> RequestCounters(const Counters& c) {
+  return {
       {"lookups", c.lookups},
       {"lookup_keys", c.lookup_keys},
       {"hits_hbm", c.hits[0]},
@@ -459,43 +454,88 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       {"store_rejected", c.store_rejected},
       {"stores_discarded", c.stores_discarded},
       {"loads", c.loads},
-      {"promotions", c.promotions},
-      {"demotions", c.demotions},
       {"evictions_hbm", c.evictions[0]},
       {"evictions_host", c.evictions[1]},
-      {"prefix_fallbacks", c.prefix_fallbacks},
+      {"evictions_disk", c.evictions[2]},
       {"bytes_engine_to_cache", c.bytes_engine_to_cache},
       {"bytes_cache_to_engine", c.bytes_cache_to_engine},
-      {"bytes_hbm_to_host", c.bytes_hbm_to_host},
-      {"bytes_host_to_hbm", c.bytes_host_to_hbm},
-      {"evictions_disk", c.evictions[2]},
-      {"disk_promotions", c.disk_promotions},
-      {"disk_demotions", c.disk_demotions},
-      {"disk_returns", c.disk_returns},
-      {"disk_read_failures", c.disk_read_failures},
-      {"disk_write_failures", c.disk_write_failures},
-      {"disk_not_admitted", c.disk_not_admitted},
-      {"disk_over_budget", c.disk_over_budget},
-      {"disk_reinsertions", c.disk_reinsertions},
-      {"bytes_host_to_disk", c.bytes_host_to_disk},
-      {"bytes_disk_to_host", c.bytes_disk_to_host},
-      {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},
-      {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
-      {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
-      {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
-      {"disk_group_commits", disk_ ? disk_->counters().group_commits : 0},
-      {"sessions_refused", sessions_refused_},
-      {"messages_rejected", messages_rejected_},
   };
+}
+
+}  // namespace
+
+std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
+  // An admin sees the node. Any other tenant sees only its own share: its
+  // blocks, sessions and traffic, so Stats tells it nothing of its
+  // co-tenants' blocks or activity (docs/security.md).
+  const Tenant* only = s.tenant->config.admin ? nullptr : s.tenant;
+  std::vector<std::pair<const char*, uint64_t>> counters;
+  TierUsage usage[kNumTiers];
+  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) usage[static_cast<size_t>(t)] = cache_->Usage(t);
+  uint64_t sessions = 0, leases = 0, mappings = 0, inflight = 0;
+  for (const auto& [sid, session] : sessions_) {
+    if (only != nullptr && session->tenant != only) continue;
+    ++sessions;
+    inflight += session->pending_ops;
+    mappings += session->namespaces.size();
+  }
+  if (only != nullptr) {
+    const TenantQuota quota = TenantRegistry::QuotaOf(only->config);
+    for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
+      TierUsage& u = usage[static_cast<size_t>(t)];
+      if (const std::optional<uint64_t>& q = quota.bytes[static_cast<size_t>(t)]; q) {
+        u.capacity_bytes = std::min(u.capacity_bytes, *q);
+      }
+      u.used_bytes = cache_->TenantUsedBytes(only->id, t);
+      u.blocks = cache_->TenantBlocks(only->id, t);
+    }
+    const TenantCounters c = cache_->CountersOf(only->id);
+    leases = c.leases;
+    counters = RequestCounters(c);
+  } else {
+    const CacheCounters& c = cache_->counters();
+    leases = cache_->leases();
+    // Every live mapping, including dead clients' that wait for their copies.
+    mappings = backend_->live_mappings();
+    counters = RequestCounters(c);
+    counters.insert(counters.end(), {
+        {"promotions", c.promotions},
+        {"demotions", c.demotions},
+        {"prefix_fallbacks", c.prefix_fallbacks},
+        {"bytes_hbm_to_host", c.bytes_hbm_to_host},
+        {"bytes_host_to_hbm", c.bytes_host_to_hbm},
+        {"disk_promotions", c.disk_promotions},
+        {"disk_demotions", c.disk_demotions},
+        {"disk_returns", c.disk_returns},
+        {"disk_read_failures", c.disk_read_failures},
+        {"disk_write_failures", c.disk_write_failures},
+        {"disk_not_admitted", c.disk_not_admitted},
+        {"disk_over_budget", c.disk_over_budget},
+        {"disk_reinsertions", c.disk_reinsertions},
+        {"bytes_host_to_disk", c.bytes_host_to_disk},
+        {"bytes_disk_to_host", c.bytes_disk_to_host},
+        {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},
+        {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
+        {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
+        {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
+        {"disk_group_commits", disk_ ? disk_->counters().group_commits : 0},
+        {"sessions_refused", sessions_refused_},
+        {"messages_rejected", messages_rejected_},
+    });
+  }
+  FlatBufferBuilder b(2048);
+  std::vector<flatbuffers::Offset<w::TierStats>> tiers;
+  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
+    const TierUsage& u = usage[static_cast<size_t>(t)];
+    tiers.push_back(w::CreateTierStats(b, TierToWire(t), u.capacity_bytes, u.used_bytes, u.blocks));
+  }
   std::vector<flatbuffers::Offset<w::Counter>> cs;
   for (const auto& [name, value] : counters) cs.push_back(w::CreateCounterDirect(b, name, value));
-  uint64_t inflight = 0;
-  for (const auto& [sid, session] : sessions_) inflight += session->pending_ops;
   const std::string backend = backend_->Describe();
   const std::string metrics = metrics_ ? metrics_->address() : "";
-  const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions_.size(), cache_->leases(),
-                                              backend_->live_mappings(), inflight, &cs, backend.c_str(),
-                                              metrics.c_str());
+  const std::string scope = only != nullptr ? "tenant " + only->config.name : "node";
+  const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions, leases, mappings, inflight, &cs,
+                                              backend.c_str(), metrics.c_str(), scope.c_str());
   return ipc::FinishMessage(b, id, body);
 }
 
@@ -612,8 +652,7 @@ MetricsSnapshot Server::Snapshot() const {
     MetricsSnapshot::TenantRow row{.name = t->config.name,
                                    .blocks = cache_->TenantBlocks(t->id),
                                    .sessions = t->sessions,
-                                   .lookups = t->lookups,
-                                   .hits = t->hits};
+                                   .counters = cache_->CountersOf(t->id)};
     for (Tier tier : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
       row.used_bytes[static_cast<size_t>(tier)] = cache_->TenantUsedBytes(t->id, tier);
     }

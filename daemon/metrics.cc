@@ -146,10 +146,21 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
     f.Gauge("kvtier_tenant_blocks", "Blocks a tenant holds.", static_cast<double>(t.blocks), L({{"tenant", t.name}}));
     f.Gauge("kvtier_tenant_sessions", "A tenant's connected clients.", static_cast<double>(t.sessions),
             L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(t.lookups),
+    const TenantCounters& tc = t.counters;
+    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(tc.lookups),
               L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_hits_total", "Keys a tenant's lookups found.", static_cast<double>(t.hits),
+    f.Counter("kvtier_tenant_hits_total", "Keys a tenant's lookups found.",
+              static_cast<double>(tc.hits[0] + tc.hits[1] + tc.hits[2]), L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_misses_total", "Keys a tenant's lookups did not find.", static_cast<double>(tc.misses),
               L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_stores_total", "Blocks a tenant stored.", static_cast<double>(tc.stores),
+              L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_loads_total", "Blocks loaded into a tenant's engines.",
+              static_cast<double>(tc.loads), L({{"tenant", t.name}}));
+    for (size_t i = 0; i < 3; ++i) {
+      f.Counter("kvtier_tenant_evictions_total", "A tenant's blocks dropped from a tier.",
+                static_cast<double>(tc.evictions[i]), L({{"tenant", t.name}, {"tier", tiers[i]}}));
+    }
   }
   return f.Take();
 }

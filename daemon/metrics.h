@@ -41,8 +41,7 @@ struct MetricsSnapshot {
     uint64_t used_bytes[3] = {};  // hbm, host, disk
     uint64_t blocks = 0;
     uint64_t sessions = 0;
-    uint64_t lookups = 0;
-    uint64_t hits = 0;  // leading keys found, over all its lookups
+    TenantCounters counters;
   };
   std::string backend;
   std::vector<TierRow> tiers;

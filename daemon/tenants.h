@@ -31,8 +31,6 @@ struct Tenant {
   Secret salt;
   Secret hash_secret;
   uint32_t sessions = 0;  // live sessions
-  uint64_t lookups = 0;   // lookup requests, for per-tenant metrics
-  uint64_t hits = 0;      // keys they found
 };
 
 class TenantRegistry {

@@ -84,7 +84,27 @@ uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
 }
 
 uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
-  return tenant < tenant_blocks_.size() ? tenant_blocks_[tenant] : 0;
+  uint64_t n = 0;
+  for (size_t t = 0; t < kNumTiers; ++t) n += TenantBlocks(tenant, static_cast<Tier>(t));
+  return n;
+}
+
+uint64_t BlockCache::TenantBlocks(TenantId tenant, Tier t) const {
+  return tenant < tenant_blocks_.size() ? tenant_blocks_[tenant][static_cast<size_t>(t)] : 0;
+}
+
+TenantCounters BlockCache::CountersOf(TenantId tenant) const {
+  return tenant < tenant_counters_.size() ? tenant_counters_[tenant] : TenantCounters{};
+}
+
+TenantCounters& BlockCache::Counted(TenantId tenant) {
+  if (tenant_counters_.size() <= tenant) tenant_counters_.resize(size_t{tenant} + 1);
+  return tenant_counters_[tenant];
+}
+
+void BlockCache::CountEviction(Tier t, TenantId owner) {
+  ++counters_.evictions[static_cast<size_t>(t)];
+  ++Counted(owner).evictions[static_cast<size_t>(t)];
 }
 
 std::span<uint8_t> BlockCache::host_arena() const {
@@ -120,22 +140,28 @@ void BlockCache::Charge(Tier tier_id, TenantId owner, uint64_t bytes, int sign) 
   const size_t t = static_cast<size_t>(tier_id);
   if (tenant_used_.size() <= owner) {
     tenant_used_.resize(owner + 1, {});
-    tenant_blocks_.resize(owner + 1, 0);
+    tenant_blocks_.resize(owner + 1, {});
   }
   if (sign > 0) {
     tiers_[t]->blocks += 1;
     tiers_[t]->used_bytes += bytes;
     tenant_used_[owner][t] += bytes;
-    tenant_blocks_[owner] += 1;
+    tenant_blocks_[owner][t] += 1;
   } else {
     tiers_[t]->blocks -= 1;
     tiers_[t]->used_bytes -= bytes;
     tenant_used_[owner][t] -= bytes;
-    tenant_blocks_[owner] -= 1;
+    tenant_blocks_[owner][t] -= 1;
   }
 }
 
-void BlockCache::Unlease(BlockEntry* e) {
+void BlockCache::Lease(BlockEntry* e, TenantId tenant) {
+  index_.AddLease(e);
+  ++Counted(tenant).leases;
+}
+
+void BlockCache::Unlease(BlockEntry* e, TenantId tenant) {
+  --Counted(tenant).leases;
   index_.ReleaseLease(e);
   if (e->leases == 0 && e->retired_slot != nullptr) {
     tier(e->retired_tier)->pool->Free(e->retired_slot, e->block_bytes);
@@ -146,7 +172,7 @@ void BlockCache::Unlease(BlockEntry* e) {
 
 void BlockCache::Drop(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
-  if (e->state == EntryState::kReady) ++counters_.evictions[static_cast<size_t>(e->tier)];
+  if (e->state == EntryState::kReady) CountEviction(e->tier, e->owner);
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
   if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, e->block_bytes);
@@ -204,7 +230,7 @@ bool BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_
       });
 }
 
-LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
+LookupResult BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys) {
   index_.Prefetch(keys);  // the prompt's misses overlap instead of queueing
   LookupResult r;
   std::vector<BlockEntry*> hit;  // to touch; blocks only on disk have no LRU place
@@ -220,18 +246,25 @@ LookupResult BlockCache::Lookup(std::span<const StoredKey> keys) {
     } else {
       break;
     }
-    ++counters_.hits[static_cast<size_t>(r.tiers.back())];
   }
   r.hits = static_cast<uint32_t>(r.tiers.size());
+  TenantCounters& mine = Counted(tenant);
+  for (Tier t : r.tiers) {
+    ++counters_.hits[static_cast<size_t>(t)];
+    ++mine.hits[static_cast<size_t>(t)];
+  }
   ++counters_.lookups;
+  ++mine.lookups;
   counters_.lookup_keys += keys.size();
+  mine.lookup_keys += keys.size();
   counters_.misses += keys.size() - r.hits;
+  mine.misses += keys.size() - r.hits;
   // Deepest first, so a chain's head ends up hottest and its tail is evicted first.
   for (auto it = hit.rbegin(); it != hit.rend(); ++it) Touch(*it);
   return r;
 }
 
-uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
+uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
                       std::span<const uint32_t> block_ids, EngineTarget target,
                       std::weak_ptr<void> /*owner*/, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
@@ -241,7 +274,7 @@ uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
     BlockEntry* e = index_.Find(keys[i]);
     if (e == nullptr) e = Materialize(keys[i]);
     if (e == nullptr || e->state != EntryState::kReady) break;
-    index_.AddLease(e);
+    Lease(e, tenant);
     if (e->hits < UINT16_MAX) ++e->hits;
     leased.push_back(e);
     if (e->tier == Tier::kDisk) on_disk.push_back(e);
@@ -250,7 +283,7 @@ uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
     const auto n = static_cast<uint32_t>(leased.size());
-    return CopyToEngine(std::move(leased), std::move(ids), std::move(target), std::move(done)) ? n : 0;
+    return CopyToEngine(tenant, std::move(leased), std::move(ids), std::move(target), std::move(done)) ? n : 0;
   }
   // Bring the disk blocks up to host first (sharing reads with other loads),
   // then copy the prefix that made it: a block that failed its checks is
@@ -265,24 +298,24 @@ uint32_t BlockCache::Load(TenantId /*tenant*/, std::span<const StoredKey> keys,
   auto p = std::make_shared<Pending>(Pending{std::move(leased), std::move(ids), std::move(target), std::move(done),
                                              on_disk.size()});
   for (BlockEntry* e : on_disk) {
-    PromoteFromDisk(e, [this, p](bool) {
+    PromoteFromDisk(e, [this, p, tenant](bool) {
       if (--p->waiting > 0) return;
       // Blocks still on disk failed their read; the prefix ends before the first.
       size_t good = 0;
       while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
-      for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i]);
+      for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i], tenant);
       p->leased.resize(good);
       p->ids.resize(good);
       // Too late for the event: the engine learned from OpStarted that it
       // was not recorded, and waits for the op instead.
       p->target.event = -1;
-      CopyToEngine(std::move(p->leased), std::move(p->ids), std::move(p->target), std::move(p->done));
+      CopyToEngine(tenant, std::move(p->leased), std::move(p->ids), std::move(p->target), std::move(p->done));
     });
   }
   return 0;
 }
 
-bool BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
+bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
                               EngineTarget target, OpDone done) {
   if (leased.empty()) {
     options_.post([done = std::move(done)] { done(OpOutcome{}); });
@@ -295,16 +328,18 @@ bool BlockCache::CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint3
                   .signal_event = target.event};
   for (size_t i = 0; i < leased.size(); ++i) batch.blocks.push_back(BlockCopy{block_ids[i], leased[i]->slot});
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
-  return SubmitCopy(std::move(batch), [this, leased = std::move(leased), bytes,
+  return SubmitCopy(std::move(batch), [this, tenant, leased = std::move(leased), bytes,
                                        done = std::move(done)](CopyResult result) {
     std::vector<BlockEntry*> promote;
     for (BlockEntry* e : leased) {
-      Unlease(e);
+      Unlease(e, tenant);
       if (e->tier == Tier::kHost) promote.push_back(e);
     }
     if (result.status.ok()) {
       counters_.loads += leased.size();
       counters_.bytes_cache_to_engine += bytes;
+      Counted(tenant).loads += leased.size();
+      Counted(tenant).bytes_cache_to_engine += bytes;
       // Promote what was read from host, if hbm has room without evicting.
       for (BlockEntry* e : promote) MaybePromote(e);
       done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
@@ -376,6 +411,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                                  : "every block of this size is leased, and blocks of other sizes "
                                    "hold the rest of the tier"));
       counters_.store_rejected += keys.size() - i;
+      Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
     BlockEntry* e = index_.Insert(keys[i], t, prev);
@@ -384,12 +420,13 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     e->ns = ns;
     e->owner = tenant;
     e->state = EntryState::kFilling;
-    index_.AddLease(e);
+    Lease(e, tenant);
     Charge(e, +1);
     filling.push_back(e);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot});
   }
   counters_.already_stored += already;
+  Counted(tenant).already_stored += already;
   if (filling.empty()) {
     options_.post([done = std::move(done), status, already] {
       done(OpOutcome{.status = status, .blocks = 0, .already = already});
@@ -397,12 +434,12 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     return 0;
   }
   const auto n = static_cast<uint32_t>(filling.size());
-  const bool queued = SubmitCopy(std::move(batch), [this, filling = std::move(filling), owner = std::move(owner), status,
+  const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling), owner = std::move(owner), status,
                                 already, bytes, done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
     for (size_t i = 0; i < filling.size(); ++i) {
       BlockEntry* e = filling[i];
-      Unlease(e);
+      Unlease(e, tenant);
       if (commit) {
         e->state = EntryState::kReady;
         // Only host memory is checksummed by the copy (DeviceBackend); an hbm
@@ -416,11 +453,15 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         Drop(e);
       }
     }
+    TenantCounters& mine = Counted(tenant);
     if (commit) {
       counters_.stores += filling.size();
       counters_.bytes_engine_to_cache += bytes * filling.size();
+      mine.stores += filling.size();
+      mine.bytes_engine_to_cache += bytes * filling.size();
     } else if (result.status.ok()) {
       counters_.stores_discarded += filling.size();
+      mine.stores_discarded += filling.size();
     }
     done(OpOutcome{.status = result.status.ok() ? status : result.status,
                    .blocks = commit ? static_cast<uint32_t>(filling.size()) : 0,
@@ -577,7 +618,7 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
       options_.disk->Forget(key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
                                                            b->block_bytes));
       Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
-      ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+      CountEviction(Tier::kDisk, b->owner);
       disk_only_.Erase(b);
     }
     evicted_disk_only = disk_victims.size();

@@ -20,6 +20,7 @@
 // the owner thread. Thread-compatible.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -106,6 +107,25 @@ struct CacheCounters {
   LatencyHistogram disk_write_latency;
 };
 
+// One tenant's share of the counters: what its own calls did and what
+// happened to its own blocks (Stats for a tenant that is no admin), and the
+// leases its loads and stores hold now.
+struct TenantCounters {
+  uint64_t lookups = 0;
+  uint64_t lookup_keys = 0;
+  uint64_t hits[kNumTiers] = {};
+  uint64_t misses = 0;
+  uint64_t stores = 0;
+  uint64_t already_stored = 0;
+  uint64_t store_rejected = 0;
+  uint64_t stores_discarded = 0;
+  uint64_t loads = 0;
+  uint64_t evictions[kNumTiers] = {};  // of its blocks
+  uint64_t bytes_engine_to_cache = 0;
+  uint64_t bytes_cache_to_engine = 0;
+  uint64_t leases = 0;  // held now by its loads and stores
+};
+
 struct TierUsage {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
@@ -181,7 +201,8 @@ class BlockCache {
   std::vector<StoredKey> ResidentOnDisk(uint32_t device, uint32_t region);
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
-  LookupResult Lookup(std::span<const StoredKey> keys);
+  // Counted for `tenant`, who asked.
+  LookupResult Lookup(TenantId tenant, std::span<const StoredKey> keys);
 
   // Loads the leading present blocks of `keys` into engine blocks
   // `block_ids` (same length). `done` runs on the owner thread with the
@@ -240,6 +261,8 @@ class BlockCache {
   std::span<uint8_t> host_arena() const;
   uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;
   uint64_t TenantBlocks(TenantId tenant) const;
+  uint64_t TenantBlocks(TenantId tenant, Tier tier) const;
+  TenantCounters CountersOf(TenantId tenant) const;
   uint64_t leases() const { return index_.total_leases(); }
   uint64_t inflight_copies() const { return inflight_copies_; }
   const CacheCounters& counters() const { return counters_; }
@@ -271,6 +294,13 @@ class BlockCache {
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
   void Charge(Tier t, TenantId owner, uint64_t bytes, int sign);
+  // `tenant`'s counters, created on first use.
+  TenantCounters& Counted(TenantId tenant);
+  void CountEviction(Tier t, TenantId owner);
+  // A lease for `tenant`'s load or store (counted as its leases). Releasing
+  // the last one frees a retired slot.
+  void Lease(BlockEntry* e, TenantId tenant);
+  void Unlease(BlockEntry* e, TenantId tenant);
   // A block only on disk is kept in disk_only_ (32 bytes), and becomes a
   // BlockEntry while it is read, leased or in memory.
   BlockEntry* Materialize(const StoredKey& key);
@@ -293,13 +323,11 @@ class BlockCache {
   void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
   // Loads `leased` (all resident in memory tiers) into the engine. Returns
   // whether copies were queued (with target.event).
-  bool CopyToEngine(std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
+  bool CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
                     OpDone done);
   // Starts a host -> hbm move of `e` if hbm has a free slot below its high
   // watermark and the owner's quota allows; returns whether it started.
   bool MaybePromote(BlockEntry* e);
-  // Releases a lease, freeing a retired slot when the last one goes.
-  void Unlease(BlockEntry* e);
   void FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyResult result);
   bool AboveHigh(Tier t) const;
   // Takes `bytes` from the disk write budget; false when it is spent.
@@ -317,7 +345,8 @@ class BlockCache {
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;
   std::vector<std::array<uint64_t, kNumTiers>> tenant_used_;
-  std::vector<uint64_t> tenant_blocks_;
+  std::vector<std::array<uint64_t, kNumTiers>> tenant_blocks_;
+  std::vector<TenantCounters> tenant_counters_;
   std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
   std::vector<LayoutFingerprint> namespace_fingerprints_;  // by id
   std::vector<std::string> tenant_names_;

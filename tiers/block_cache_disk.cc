@@ -232,7 +232,7 @@ bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
       return false;
     }
     if (commit) {
-      ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+      CountEviction(Tier::kDisk, b->owner);
       Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
       disk_only_.Erase(b);
     }
@@ -256,7 +256,7 @@ bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
     return false;
   }
   if (commit) {
-    ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+    CountEviction(Tier::kDisk, e->owner);
     Charge(e, -1);
     e->on_disk = false;  // the disk tier already deleted its index entry
     index_.Erase(e);

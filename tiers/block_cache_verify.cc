@@ -131,7 +131,7 @@ void BlockCache::FinishVerifyRead(size_t buffer, const StoredKey& key, const Dis
       if (b->device == where.device && uint64_t{b->offset_pages} * kRecordAlignBytes == where.offset) {
         options_.disk->Forget(key, where);
         Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
-        ++counters_.evictions[static_cast<size_t>(Tier::kDisk)];
+        CountEviction(Tier::kDisk, b->owner);
         disk_only_.Erase(b);
       }
     } else if (BlockEntry* e = index_.Find(key); e != nullptr && e->on_disk && SameRecord(e->disk, where) &&

@@ -57,7 +57,7 @@ int Fail(const kvtier::Status& s) {
 
 void PrintStats(const kvtier::DaemonStats& s, bool json) {
   if (json) {
-    std::printf("{\"tiers\": [");
+    std::printf("{\"scope\": %s, \"tiers\": [", JsonString(s.scope).c_str());
     for (size_t i = 0; i < s.tiers.size(); ++i) {
       const auto& t = s.tiers[i];
       std::printf("%s{\"tier\": \"%s\", \"capacity_bytes\": %lu, \"used_bytes\": %lu, \"blocks\": %lu}",
@@ -71,6 +71,7 @@ void PrintStats(const kvtier::DaemonStats& s, bool json) {
     std::printf("}}\n");
     return;
   }
+  std::printf("scope %s\n", s.scope.c_str());
   std::printf("%-6s %16s %16s %10s\n", "tier", "capacity_bytes", "used_bytes", "blocks");
   for (const auto& t : s.tiers) {
     std::printf("%-6s %16lu %16lu %10lu\n", TierName(t.tier), t.capacity_bytes, t.used_bytes, t.blocks);
@@ -88,13 +89,16 @@ void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool j
     capacity += t.capacity_bytes;
   }
   if (json) {
-    std::printf("{\"socket\": %s, \"backend\": %s, \"metrics\": %s, \"sessions\": %lu, \"leases\": %lu, "
-                "\"mappings\": %lu, \"inflight_ops\": %lu, \"used_bytes\": %lu, \"capacity_bytes\": %lu}\n",
-                JsonString(socket).c_str(), JsonString(s.backend).c_str(), JsonString(s.metrics).c_str(), s.sessions,
+    std::printf("{\"socket\": %s, \"scope\": %s, \"backend\": %s, \"metrics\": %s, \"sessions\": %lu, "
+                "\"leases\": %lu, \"mappings\": %lu, \"inflight_ops\": %lu, \"used_bytes\": %lu, "
+                "\"capacity_bytes\": %lu}\n",
+                JsonString(socket).c_str(), JsonString(s.scope).c_str(), JsonString(s.backend).c_str(),
+                JsonString(s.metrics).c_str(), s.sessions,
                 s.leases, s.mappings, s.inflight_ops, used, capacity);
     return;
   }
   std::printf("kvtierd   up, on %s\n", socket.c_str());
+  std::printf("scope     %s\n", s.scope.c_str());
   std::printf("backend   %s\n", s.backend.c_str());
   std::printf("metrics   %s\n", s.metrics.empty() ? "off" : ("http://" + s.metrics + "/metrics").c_str());
   std::printf("clients   %lu session(s), %lu cache(s) mapped, %lu op(s) in flight, %lu block(s) leased\n", s.sessions,

@@ -59,6 +59,7 @@ TEST_F(ConfigLoaderTest, BuiltInDefaults) {
   ASSERT_EQ(c->tenants.size(), 1u);
   EXPECT_EQ(c->tenants[0].name, "local");
   EXPECT_EQ(c->tenants[0].uid, ::getuid());
+  EXPECT_TRUE(c->tenants[0].admin);  // a single-tenant node
   EXPECT_FALSE(c->tiers.hbm.enabled);
   EXPECT_EQ(c->tiers.host.bytes, 2ull << 30);
   EXPECT_TRUE(c->tiers.disk.enabled);

@@ -76,8 +76,10 @@ TEST(KvtierctlTest, InspectsEvictsFlushesAndVerifies) {
   EXPECT_EQ(status.exit_code, 0);
   EXPECT_THAT(status.out, HasSubstr("backend   host"));
   EXPECT_THAT(status.out, HasSubstr("metrics   http://127.0.0.1:"));
+  EXPECT_THAT(status.out, HasSubstr("scope     node"));
   status = Ctl(*d, "status --json");
   EXPECT_THAT(status.out, HasSubstr("\"sessions\": 2"));  // the test and kvtierctl
+  EXPECT_THAT(status.out, HasSubstr("\"scope\": \"node\""));
 
   const std::vector<BlockKey> keys = s.client->ComputeKeys(s.id, Prompt(3, 32)).value();
   ASSERT_EQ(StoreAck(s, keys).size(), keys.size());

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,76 @@ TEST(SecurityTest, NoTenantReachesAnotherTenantsBlocksUnlessAdmin) {
   EXPECT_EQ(ops->Evict("a").value(), 4u);
   EXPECT_EQ(a->Lookup(ia, keys).value().hits, 0u);
   EXPECT_EQ(ops->Evict("nobody").error().code(), StatusCode::kNotFound);
+}
+
+// Stats tells a tenant only of itself: another tenant's stores, lookups and
+// loads leave every figure it sees unchanged, while the admin sees the node.
+TEST(SecurityTest, StatsShowATenantOnlyItsOwnShare) {
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') +
+           ", quotas: {host: 1MiB}}, {name: ops, token: " + Tok('o') + ", admin: true}]",
+       "tiers.host.bytes=64MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto a = Connect(*d, Tok('a'));
+  auto b = Connect(*d, Tok('b'));
+  auto ops = Connect(*d, Tok('o'));
+  ASSERT_TRUE(a && b && ops);
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+  const CacheId ib = b->RegisterKvCache(cache).value();
+  const DaemonStats b_before = b->Stats().value();
+  EXPECT_EQ(b_before.scope, "tenant b");
+  EXPECT_EQ(b_before.sessions, 1u);
+  EXPECT_EQ(b_before.mappings, 1u);
+  ASSERT_EQ(b_before.tiers.size(), 3u);
+  EXPECT_EQ(b_before.tiers[1].capacity_bytes, 1u << 20);  // its quota, not the node's 64 MiB
+  EXPECT_EQ(b_before.Counter("disk_io_errors"), 0u);      // node-wide counters are the admin's
+  EXPECT_TRUE(std::none_of(b_before.counters.begin(), b_before.counters.end(),
+                           [](const auto& c) { return c.first == "sessions_refused" || c.first == "promotions"; }));
+
+  // a's traffic.
+  const CacheId ia = a->RegisterKvCache(cache).value();
+  const std::vector<BlockKey> keys = a->ComputeKeys(ia, PseudoTokens(9, 4 * 16)).value();
+  for (uint32_t i = 0; i < 4; ++i) FillFromKey(keys[i], cache.block(i));
+  ASSERT_EQ(a->Store(ia, keys, std::vector<uint32_t>{0, 1, 2, 3}).value().blocks, 4u);
+  EXPECT_EQ(a->Lookup(ia, keys).value().hits, 4u);
+  EXPECT_EQ(a->Load(ia, keys, std::vector<uint32_t>{4, 5, 6, 7}).value().blocks, 4u);
+
+  const DaemonStats b_after = b->Stats().value();
+  EXPECT_EQ(b_after.sessions, b_before.sessions);
+  EXPECT_EQ(b_after.mappings, b_before.mappings);
+  for (size_t t = 0; t < 3; ++t) {
+    EXPECT_EQ(b_after.tiers[t].used_bytes, b_before.tiers[t].used_bytes) << "tier " << t;
+    EXPECT_EQ(b_after.tiers[t].blocks, b_before.tiers[t].blocks) << "tier " << t;
+  }
+  EXPECT_EQ(b_after.counters, b_before.counters);
+
+  const DaemonStats a_now = a->Stats().value();
+  EXPECT_EQ(a_now.scope, "tenant a");
+  EXPECT_EQ(a_now.tiers[1].blocks, 4u);
+  EXPECT_EQ(a_now.tiers[1].capacity_bytes, 64u << 20);
+  EXPECT_EQ(a_now.Counter("stores"), 4u);
+  EXPECT_EQ(a_now.Counter("lookups"), 1u);
+  EXPECT_EQ(a_now.Counter("hits_host"), 4u);
+  EXPECT_EQ(a_now.Counter("loads"), 4u);
+  EXPECT_EQ(a_now.leases, 0u);
+
+  // b's own traffic shows in b's figures only.
+  const std::vector<BlockKey> bkeys = b->ComputeKeys(ib, PseudoTokens(10, 2 * 16)).value();
+  ASSERT_EQ(b->Store(ib, bkeys, std::vector<uint32_t>{0, 1}).value().blocks, 2u);
+  EXPECT_EQ(b->Lookup(ib, keys).value().hits, 0u);
+  const DaemonStats b_own = b->Stats().value();
+  EXPECT_EQ(b_own.tiers[1].blocks, 2u);
+  EXPECT_EQ(b_own.Counter("stores"), 2u);
+  EXPECT_EQ(b_own.Counter("misses"), 4u);
+  EXPECT_EQ(a->Stats().value().Counter("misses"), 0u);
+
+  const DaemonStats node = ops->Stats().value();
+  EXPECT_EQ(node.scope, "node");
+  EXPECT_EQ(node.sessions, 3u);
+  EXPECT_EQ(node.tiers[1].blocks, 6u);
+  EXPECT_EQ(node.tiers[1].capacity_bytes, 64u << 20);
+  EXPECT_EQ(node.Counter("stores"), 6u);
+  EXPECT_EQ(node.Counter("lookups"), 2u);
 }
 
 TEST(SecurityTest, TokensMustMatchExactly) {

@@ -101,7 +101,10 @@ struct TierStats {
   uint64_t blocks = 0;
 };
 
+// Stats as the caller may see them: the node's for an admin tenant, else
+// only the caller's own tenant's share (scope says which).
 struct DaemonStats {
+  std::string scope;    // "node", or "tenant <name>"
   std::string backend;  // the device backend, its devices and driver
   std::string metrics;  // where /metrics is served ("host:port"), or empty
   std::vector<TierStats> tiers;

@@ -158,7 +158,7 @@ class DiskTierTest : public ::testing::Test {
   std::vector<Tier> TiersOf(const std::vector<StoredKey>& keys) {
     std::vector<Tier> t;
     for (const StoredKey& k : keys) {
-      const LookupResult r = cache_->Lookup(std::span(&k, 1));
+      const LookupResult r = cache_->Lookup(kTenant, std::span(&k, 1));
       t.push_back(r.hits == 1 ? r.tiers[0] : Tier{255});
     }
     return t;
@@ -319,7 +319,7 @@ TEST_F(DiskTierTest, CorruptRecordIsAMissCountedAndNeverServed) {
   const std::vector<StoredKey> disk = OnDisk(keys);
   ASSERT_GE(disk.size(), 2u);
   // Flip one payload bit of the first disk block's record, behind the tier's back.
-  auto info = cache_->Lookup(std::span(&disk[0], 1));
+  auto info = cache_->Lookup(kTenant, std::span(&disk[0], 1));
   ASSERT_EQ(info.hits, 1u);
   faulty_->BitFlipOnRead(0 + RecordHeader::kBytes + 100, 3);  // the first record of region 0
   uint32_t failures_before = static_cast<uint32_t>(cache_->counters().disk_read_failures);
@@ -330,7 +330,7 @@ TEST_F(DiskTierTest, CorruptRecordIsAMissCountedAndNeverServed) {
   EXPECT_EQ(served, disk.size() - 1);
   // The corrupt block was dropped: it now misses instead of failing again.
   size_t missing = 0;
-  for (const StoredKey& k : disk) missing += cache_->Lookup(std::span(&k, 1)).hits == 0;
+  for (const StoredKey& k : disk) missing += cache_->Lookup(kTenant, std::span(&k, 1)).hits == 0;
   EXPECT_EQ(missing, 1u);
 }
 
