@@ -3,7 +3,7 @@
 #
 #   tools/fuzz.sh [TARGET] [SECONDS] [JOBS]
 #
-# TARGET: fuzz_protocol, fuzz_config or fuzz_record (default: all, one after
+# TARGET: fuzz_protocol, fuzz_config, fuzz_record or fuzz_recovery (default: all, one after
 # another); SECONDS per target (default 600); JOBS parallel fuzzing processes
 # (default: the number of CPUs). Builds the asan-ubsan preset (clang, ASan +
 # UBSan, the fuzz targets), fuzzes over the seed corpus in tests/fuzz/corpus/
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(fuzz_protocol fuzz_config fuzz_record)
+targets=(fuzz_protocol fuzz_config fuzz_record fuzz_recovery)
 if [ $# -ge 1 ] && [ "$1" != all ]; then targets=("$1"); fi
 seconds=${2:-600}
 jobs=${3:-$(nproc)}

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/check.h"
+#include "common/layout.h"
 #include "common/mutex.h"
 
 namespace kvtier {
@@ -206,16 +207,13 @@ Status DiskTier::Recover() {
     StoredKey key;
     const bool key_ok = it->key().size() == StoredKey::kSize;
     if (key_ok) std::memcpy(key.bytes.data(), it->key().data(), StoredKey::kSize);
-    bool ok = key_ok && ParseValue(key, std::string_view(it->value().data(), it->value().size()), &r);
-    const DiskLocation& l = r.location;
-    ok = ok && l.device < devices_.size() && l.region < devices_[l.device].regions.size() &&
-         l.record_bytes == RecordBytes(r.header.payload_bytes) &&
-         l.offset >= uint64_t{l.region} * options_.region_bytes &&
-         l.offset + l.record_bytes <= uint64_t{l.region + 1} * options_.region_bytes;
+    const bool ok = key_ok && ParseValue(key, std::string_view(it->value().data(), it->value().size()), &r) &&
+                    PlausibleLocation(r);
     if (!ok) {
       bad.push_back(it->key().ToString());
       continue;
     }
+    const DiskLocation& l = r.location;
     Region& region = devices_[l.device].regions[l.region];
     region.state = RegionState::kSealed;
     region.sequence = std::max(region.sequence, l.sequence);
@@ -240,6 +238,18 @@ Status DiskTier::Recover() {
   spdlog::info("disk index: {} records recovered ({} bytes), {} bad entries dropped", recovered_.size(),
                used_bytes_, bad.size());
   return Status::Ok();
+}
+
+bool DiskTier::PlausibleLocation(const DiskRecord& r) const {
+  // Written so that no sum can overflow: the index is trusted no further
+  // than the layout of the devices allows.
+  const DiskLocation& l = r.location;
+  if (l.device >= devices_.size() || l.region >= devices_[l.device].regions.size()) return false;
+  if (r.header.payload_bytes > Layout::kMaxBlockBytes) return false;
+  if (l.record_bytes != RecordBytes(r.header.payload_bytes) || l.record_bytes > options_.region_bytes) return false;
+  const uint64_t region_start = uint64_t{l.region} * options_.region_bytes;
+  return l.offset % kRecordAlignBytes == 0 && l.offset >= region_start &&
+         l.offset - region_start <= options_.region_bytes - l.record_bytes;
 }
 
 std::vector<DiskRecord> DiskTier::TakeRecovered() { return std::exchange(recovered_, {}); }

@@ -156,6 +156,10 @@ class DiskTier {
 
   explicit DiskTier(Options options);
   Status Recover();
+  // Whether an index entry names a record that can exist: on a device and
+  // region this tier has, aligned, inside its region, of a payload size a
+  // block can have. Recovery drops any other.
+  bool PlausibleLocation(const DiskRecord& r) const;
   // A region with room for `bytes` on some device; may reclaim one.
   Result<std::pair<uint32_t, uint32_t>> RegionFor(uint64_t bytes);
   bool Reclaim(uint32_t device, uint32_t region);

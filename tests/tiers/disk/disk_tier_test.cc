@@ -11,6 +11,7 @@
 #include <random>
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
 #include "common/block_pattern.h"
 #include "common/mutex.h"
@@ -390,6 +391,52 @@ TEST_F(DiskTierTest, RestartIsWarm) {
   EXPECT_EQ(adopted_, disk.size());
   EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, disk.size());
   for (const StoredKey& k : disk) EXPECT_TRUE(LoadExact(k)) << "written before the restart: a hit";
+}
+
+// Index entries that cannot name a real record (a damaged or hostile state
+// directory) are dropped at recovery, however their fields overflow; the
+// others recover and load exactly.
+TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(20);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_GE(disk.size(), 6u);
+  Close();
+  {
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir_ + "/index", cfs, &handles, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    // Value: version u8, device u32, region u32, offset u64 (at 9),
+    // record_bytes u64 (at 17), sequence u64, payload_bytes u64 (at 33), ...
+    auto rewrite = [&](const StoredKey& k, std::vector<std::pair<size_t, uint64_t>> fields) {
+      const rocksdb::Slice key(reinterpret_cast<const char*>(k.bytes.data()), k.kSize);
+      std::string v;
+      ASSERT_TRUE(db->Get({}, handles[1], key, &v).ok());
+      for (const auto& [at, value] : fields) std::memcpy(v.data() + at, &value, sizeof(value));
+      ASSERT_TRUE(db->Put({}, handles[1], key, v).ok());
+    };
+    uint64_t offset = 0;
+    {
+      std::string v;
+      ASSERT_TRUE(db->Get({}, handles[1], rocksdb::Slice(reinterpret_cast<const char*>(disk[0].bytes.data()), 16), &v).ok());
+      std::memcpy(&offset, v.data() + 9, 8);
+    }
+    rewrite(disk[0], {{9, offset + 1}});                     // unaligned
+    rewrite(disk[1], {{9, UINT64_MAX - 4095}});              // offset + record_bytes wraps
+    const uint64_t huge = UINT64_MAX - 100;                  // RecordBytes(huge) wraps to 4096
+    rewrite(disk[2], {{33, huge}, {17, RecordBytes(huge)}});
+    rewrite(disk[3], {{33, uint64_t{1} << 40}, {17, RecordBytes(uint64_t{1} << 40)}});  // larger than any block
+    for (rocksdb::ColumnFamilyHandle* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  Open();
+  EXPECT_EQ(disk_->counters().recovery_dropped, 4u);
+  EXPECT_EQ(adopted_, disk.size() - 4);
+  for (size_t i = 0; i < disk.size(); ++i) EXPECT_EQ(LoadExact(disk[i]), i >= 4) << "block " << i;
 }
 
 TEST_F(DiskTierTest, CrashLosesOnlyWhatWasNotSynced) {
