@@ -1,9 +1,13 @@
 // The security model's promises (docs/security.md), against a real kvtierd:
 // a tenant that is no admin cannot evict, flush, verify, list or probe
-// another tenant's blocks through any call; tokens must match exactly; and
-// the per-session and per-tenant bounds hold.
+// another tenant's blocks through any call, and sees only its own share in
+// Stats; a peer of another uid is refused unless configured; tokens must
+// match exactly; and the per-session and per-tenant bounds hold.
 #include <gmock/gmock.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <string>
@@ -148,6 +152,62 @@ TEST(SecurityTest, StatsShowATenantOnlyItsOwnShare) {
   EXPECT_EQ(node.tiers[1].capacity_bytes, 64u << 20);
   EXPECT_EQ(node.Counter("stores"), 6u);
   EXPECT_EQ(node.Counter("lookups"), 2u);
+}
+
+// A real peer of another uid (a child process that drops to nobody): the
+// socket's mode keeps it out; with the socket open to everyone, its peer
+// credentials do; configured as a tenant of its own, it is that tenant and
+// sees only its own share.
+TEST(SecurityTest, APeerOfAnotherUidIsRefusedUnlessConfigured) {
+  if (::geteuid() != 0) GTEST_SKIP() << "acting as another uid needs root (CI runs as root)";
+  constexpr uint32_t kNobody = 65534;
+  // What a client running as nobody gets: 0 = connected (and, in `scope`,
+  // what its Stats said), else the StatusCode of the refusal.
+  auto connect_as_nobody = [](const DaemonProcess& d, std::string* scope) {
+    int out[2];
+    EXPECT_EQ(::pipe(out), 0);
+    const pid_t pid = ForkChild([&] {
+      ::close(out[0]);
+      if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) return 100;
+      Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d.socket_path()});
+      if (!c) return static_cast<int>(c.error().code());
+      Result<DaemonStats> st = (*c)->Stats();
+      if (!st) return 101;
+      const std::string said = st->scope;
+      if (::write(out[1], said.data(), said.size()) != static_cast<ssize_t>(said.size())) return 102;
+      return 0;
+    });
+    ::close(out[1]);
+    char buf[256];
+    const ssize_t n = ::read(out[0], buf, sizeof(buf));
+    ::close(out[0]);
+    if (n > 0) scope->assign(buf, static_cast<size_t>(n));
+    return WaitChild(pid);
+  };
+  std::string scope;
+  const std::string root_only = "tenants=[{name: local, uid: 0, admin: true}]";
+  {
+    Result<DaemonProcess> d = DaemonProcess::Start({root_only});  // socket mode 0660, owned by root
+    ASSERT_TRUE(d.has_value()) << d.error();
+    ASSERT_EQ(::chmod(d->dir().c_str(), 0755), 0);  // so that only the socket's own mode decides
+    EXPECT_EQ(connect_as_nobody(*d, &scope), static_cast<int>(StatusCode::kPermissionDenied));
+  }
+  {
+    Result<DaemonProcess> d = DaemonProcess::Start({root_only, "socket.mode=0666"});
+    ASSERT_TRUE(d.has_value()) << d.error();
+    ASSERT_EQ(::chmod(d->dir().c_str(), 0755), 0);
+    EXPECT_EQ(connect_as_nobody(*d, &scope), static_cast<int>(StatusCode::kUnauthenticated));
+    EXPECT_NE(Connect(*d, ""), nullptr) << "root, the configured uid, still gets in";
+  }
+  {
+    Result<DaemonProcess> d = DaemonProcess::Start(
+        {"tenants=[{name: local, uid: 0, admin: true}, {name: guest, uid: " + std::to_string(kNobody) + "}]",
+         "socket.mode=0666"});
+    ASSERT_TRUE(d.has_value()) << d.error();
+    ASSERT_EQ(::chmod(d->dir().c_str(), 0755), 0);
+    EXPECT_EQ(connect_as_nobody(*d, &scope), 0);
+    EXPECT_EQ(scope, "tenant guest");
+  }
 }
 
 TEST(SecurityTest, TokensMustMatchExactly) {
