@@ -439,7 +439,7 @@ std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t 
 namespace {
 
 // The counters a tenant's share and the node's have in common (CacheCounters
-// or TenantCounters).
+// or TenantStats).
 template <typename Counters>
 std::vector<std::pair<const char*, uint64_t>> RequestCounters(const Counters& c) {
   return {
@@ -486,10 +486,12 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       if (const std::optional<uint64_t>& q = quota.bytes[static_cast<size_t>(t)]; q) {
         u.capacity_bytes = std::min(u.capacity_bytes, *q);
       }
-      u.used_bytes = cache_->TenantUsedBytes(only->id, t);
-      u.blocks = cache_->TenantBlocks(only->id, t);
     }
-    const TenantCounters c = cache_->CountersOf(only->id);
+    const TenantStats c = cache_->StatsOf(only->id);
+    for (size_t t = 0; t < kNumTiers; ++t) {
+      usage[t].used_bytes = c.used_bytes[t];
+      usage[t].blocks = c.blocks[t];
+    }
     leases = c.leases;
     counters = RequestCounters(c);
   } else {
@@ -649,13 +651,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
   for (const auto& t : tenants_->tenants()) {
-    MetricsSnapshot::TenantRow row{.name = t->config.name,
-                                   .blocks = cache_->TenantBlocks(t->id),
-                                   .sessions = t->sessions,
-                                   .counters = cache_->CountersOf(t->id)};
-    for (Tier tier : {Tier::kHbm, Tier::kHost, Tier::kDisk}) {
-      row.used_bytes[static_cast<size_t>(tier)] = cache_->TenantUsedBytes(t->id, tier);
-    }
+    MetricsSnapshot::TenantRow row{.name = t->config.name, .sessions = t->sessions, .stats = cache_->StatsOf(t->id)};
     m.tenants.push_back(std::move(row));
   }
   return m;

@@ -139,27 +139,28 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
             static_cast<double>(s.messages_rejected));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
+    const TenantStats& ts = t.stats;
     for (size_t i = 0; i < 3; ++i) {
-      f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.", static_cast<double>(t.used_bytes[i]),
+      f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.", static_cast<double>(ts.used_bytes[i]),
               L({{"tenant", t.name}, {"tier", tiers[i]}}));
     }
-    f.Gauge("kvtier_tenant_blocks", "Blocks a tenant holds.", static_cast<double>(t.blocks), L({{"tenant", t.name}}));
+    f.Gauge("kvtier_tenant_blocks", "Blocks a tenant holds.",
+            static_cast<double>(ts.blocks[0] + ts.blocks[1] + ts.blocks[2]), L({{"tenant", t.name}}));
     f.Gauge("kvtier_tenant_sessions", "A tenant's connected clients.", static_cast<double>(t.sessions),
             L({{"tenant", t.name}}));
-    const TenantCounters& tc = t.counters;
-    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(tc.lookups),
+    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(ts.lookups),
               L({{"tenant", t.name}}));
     f.Counter("kvtier_tenant_hits_total", "Keys a tenant's lookups found.",
-              static_cast<double>(tc.hits[0] + tc.hits[1] + tc.hits[2]), L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_misses_total", "Keys a tenant's lookups did not find.", static_cast<double>(tc.misses),
+              static_cast<double>(ts.hits[0] + ts.hits[1] + ts.hits[2]), L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_misses_total", "Keys a tenant's lookups did not find.", static_cast<double>(ts.misses),
               L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_stores_total", "Blocks a tenant stored.", static_cast<double>(tc.stores),
+    f.Counter("kvtier_tenant_stores_total", "Blocks a tenant stored.", static_cast<double>(ts.stores),
               L({{"tenant", t.name}}));
     f.Counter("kvtier_tenant_loads_total", "Blocks loaded into a tenant's engines.",
-              static_cast<double>(tc.loads), L({{"tenant", t.name}}));
+              static_cast<double>(ts.loads), L({{"tenant", t.name}}));
     for (size_t i = 0; i < 3; ++i) {
       f.Counter("kvtier_tenant_evictions_total", "A tenant's blocks dropped from a tier.",
-                static_cast<double>(tc.evictions[i]), L({{"tenant", t.name}, {"tier", tiers[i]}}));
+                static_cast<double>(ts.evictions[i]), L({{"tenant", t.name}, {"tier", tiers[i]}}));
     }
   }
   return f.Take();

@@ -38,10 +38,8 @@ struct MetricsSnapshot {
   };
   struct TenantRow {
     std::string name;
-    uint64_t used_bytes[3] = {};  // hbm, host, disk
-    uint64_t blocks = 0;
     uint64_t sessions = 0;
-    TenantCounters counters;
+    TenantStats stats;
   };
   std::string backend;
   std::vector<TierRow> tiers;

@@ -80,26 +80,21 @@ bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
 }
 
 uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
-  return tenant < tenant_used_.size() ? tenant_used_[tenant][static_cast<size_t>(t)] : 0;
+  return tenant < tenant_stats_.size() ? tenant_stats_[tenant].used_bytes[static_cast<size_t>(t)] : 0;
 }
 
 uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
-  uint64_t n = 0;
-  for (size_t t = 0; t < kNumTiers; ++t) n += TenantBlocks(tenant, static_cast<Tier>(t));
-  return n;
+  const TenantStats s = StatsOf(tenant);
+  return s.blocks[0] + s.blocks[1] + s.blocks[2];
 }
 
-uint64_t BlockCache::TenantBlocks(TenantId tenant, Tier t) const {
-  return tenant < tenant_blocks_.size() ? tenant_blocks_[tenant][static_cast<size_t>(t)] : 0;
+TenantStats BlockCache::StatsOf(TenantId tenant) const {
+  return tenant < tenant_stats_.size() ? tenant_stats_[tenant] : TenantStats{};
 }
 
-TenantCounters BlockCache::CountersOf(TenantId tenant) const {
-  return tenant < tenant_counters_.size() ? tenant_counters_[tenant] : TenantCounters{};
-}
-
-TenantCounters& BlockCache::Counted(TenantId tenant) {
-  if (tenant_counters_.size() <= tenant) tenant_counters_.resize(size_t{tenant} + 1);
-  return tenant_counters_[tenant];
+TenantStats& BlockCache::Counted(TenantId tenant) {
+  if (tenant_stats_.size() <= tenant) tenant_stats_.resize(size_t{tenant} + 1);
+  return tenant_stats_[tenant];
 }
 
 void BlockCache::CountEviction(Tier t, TenantId owner) {
@@ -138,20 +133,17 @@ void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->
 
 void BlockCache::Charge(Tier tier_id, TenantId owner, uint64_t bytes, int sign) {
   const size_t t = static_cast<size_t>(tier_id);
-  if (tenant_used_.size() <= owner) {
-    tenant_used_.resize(owner + 1, {});
-    tenant_blocks_.resize(owner + 1, {});
-  }
+  TenantStats& mine = Counted(owner);
   if (sign > 0) {
     tiers_[t]->blocks += 1;
     tiers_[t]->used_bytes += bytes;
-    tenant_used_[owner][t] += bytes;
-    tenant_blocks_[owner][t] += 1;
+    mine.used_bytes[t] += bytes;
+    mine.blocks[t] += 1;
   } else {
     tiers_[t]->blocks -= 1;
     tiers_[t]->used_bytes -= bytes;
-    tenant_used_[owner][t] -= bytes;
-    tenant_blocks_[owner][t] -= 1;
+    mine.used_bytes[t] -= bytes;
+    mine.blocks[t] -= 1;
   }
 }
 
@@ -248,7 +240,7 @@ LookupResult BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys
     }
   }
   r.hits = static_cast<uint32_t>(r.tiers.size());
-  TenantCounters& mine = Counted(tenant);
+  TenantStats& mine = Counted(tenant);
   for (Tier t : r.tiers) {
     ++counters_.hits[static_cast<size_t>(t)];
     ++mine.hits[static_cast<size_t>(t)];
@@ -453,7 +445,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         Drop(e);
       }
     }
-    TenantCounters& mine = Counted(tenant);
+    TenantStats& mine = Counted(tenant);
     if (commit) {
       counters_.stores += filling.size();
       counters_.bytes_engine_to_cache += bytes * filling.size();

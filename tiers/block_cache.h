@@ -107,10 +107,12 @@ struct CacheCounters {
   LatencyHistogram disk_write_latency;
 };
 
-// One tenant's share of the counters: what its own calls did and what
-// happened to its own blocks (Stats for a tenant that is no admin), and the
-// leases its loads and stores hold now.
-struct TenantCounters {
+// One tenant's share (Stats for a tenant that is no admin): what it holds,
+// what its own calls did and what happened to its own blocks, and the leases
+// its loads and stores hold now.
+struct TenantStats {
+  uint64_t used_bytes[kNumTiers] = {};  // of committed and filling blocks
+  uint64_t blocks[kNumTiers] = {};
   uint64_t lookups = 0;
   uint64_t lookup_keys = 0;
   uint64_t hits[kNumTiers] = {};
@@ -261,8 +263,7 @@ class BlockCache {
   std::span<uint8_t> host_arena() const;
   uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;
   uint64_t TenantBlocks(TenantId tenant) const;
-  uint64_t TenantBlocks(TenantId tenant, Tier tier) const;
-  TenantCounters CountersOf(TenantId tenant) const;
+  TenantStats StatsOf(TenantId tenant) const;
   uint64_t leases() const { return index_.total_leases(); }
   uint64_t inflight_copies() const { return inflight_copies_; }
   const CacheCounters& counters() const { return counters_; }
@@ -294,8 +295,8 @@ class BlockCache {
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
   void Charge(Tier t, TenantId owner, uint64_t bytes, int sign);
-  // `tenant`'s counters, created on first use.
-  TenantCounters& Counted(TenantId tenant);
+  // `tenant`'s share, created on first use.
+  TenantStats& Counted(TenantId tenant);
   void CountEviction(Tier t, TenantId owner);
   // A lease for `tenant`'s load or store (counted as its leases). Releasing
   // the last one frees a retired slot.
@@ -344,9 +345,7 @@ class BlockCache {
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;
-  std::vector<std::array<uint64_t, kNumTiers>> tenant_used_;
-  std::vector<std::array<uint64_t, kNumTiers>> tenant_blocks_;
-  std::vector<TenantCounters> tenant_counters_;
+  std::vector<TenantStats> tenant_stats_;  // by TenantId
   std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
   std::vector<LayoutFingerprint> namespace_fingerprints_;  // by id
   std::vector<std::string> tenant_names_;
