@@ -285,7 +285,7 @@ std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Look
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
-  const LookupResult r = cache_->Lookup(s.tenant->id, *keys);
+  const CacheLookup r = cache_->Lookup(s.tenant->id, *keys);
   lookup_latency_.RecordSince(start);
   std::vector<w::Tier> tiers;
   for (Tier t : r.tiers) tiers.push_back(TierToWire(t));
@@ -439,7 +439,7 @@ std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t 
 namespace {
 
 // The counters a tenant's share and the node's have in common (CacheCounters
-// or TenantStats).
+// or TenantShare).
 template <typename Counters>
 std::vector<std::pair<const char*, uint64_t>> RequestCounters(const Counters& c) {
   return {
@@ -487,7 +487,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
         u.capacity_bytes = std::min(u.capacity_bytes, *q);
       }
     }
-    const TenantStats c = cache_->StatsOf(only->id);
+    const TenantShare c = cache_->ShareOf(only->id);
     for (size_t t = 0; t < kNumTiers; ++t) {
       usage[t].used_bytes = c.used_bytes[t];
       usage[t].blocks = c.blocks[t];
@@ -651,7 +651,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
   for (const auto& t : tenants_->tenants()) {
-    MetricsSnapshot::TenantRow row{.name = t->config.name, .sessions = t->sessions, .stats = cache_->StatsOf(t->id)};
+    MetricsSnapshot::TenantRow row{.name = t->config.name, .sessions = t->sessions, .share = cache_->ShareOf(t->id)};
     m.tenants.push_back(std::move(row));
   }
   return m;

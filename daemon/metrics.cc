@@ -139,7 +139,7 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
             static_cast<double>(s.messages_rejected));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
-    const TenantStats& ts = t.stats;
+    const TenantShare& ts = t.share;
     for (size_t i = 0; i < 3; ++i) {
       f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.", static_cast<double>(ts.used_bytes[i]),
               L({{"tenant", t.name}, {"tier", tiers[i]}}));

@@ -39,7 +39,7 @@ struct MetricsSnapshot {
   struct TenantRow {
     std::string name;
     uint64_t sessions = 0;
-    TenantStats stats;
+    TenantShare share;
   };
   std::string backend;
   std::vector<TierRow> tiers;

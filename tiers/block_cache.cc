@@ -80,21 +80,21 @@ bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
 }
 
 uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
-  return tenant < tenant_stats_.size() ? tenant_stats_[tenant].used_bytes[static_cast<size_t>(t)] : 0;
+  return tenant < tenant_shares_.size() ? tenant_shares_[tenant].used_bytes[static_cast<size_t>(t)] : 0;
 }
 
 uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
-  const TenantStats s = StatsOf(tenant);
+  const TenantShare s = ShareOf(tenant);
   return s.blocks[0] + s.blocks[1] + s.blocks[2];
 }
 
-TenantStats BlockCache::StatsOf(TenantId tenant) const {
-  return tenant < tenant_stats_.size() ? tenant_stats_[tenant] : TenantStats{};
+TenantShare BlockCache::ShareOf(TenantId tenant) const {
+  return tenant < tenant_shares_.size() ? tenant_shares_[tenant] : TenantShare{};
 }
 
-TenantStats& BlockCache::Counted(TenantId tenant) {
-  if (tenant_stats_.size() <= tenant) tenant_stats_.resize(size_t{tenant} + 1);
-  return tenant_stats_[tenant];
+TenantShare& BlockCache::Counted(TenantId tenant) {
+  if (tenant_shares_.size() <= tenant) tenant_shares_.resize(size_t{tenant} + 1);
+  return tenant_shares_[tenant];
 }
 
 void BlockCache::CountEviction(Tier t, TenantId owner) {
@@ -133,7 +133,7 @@ void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->
 
 void BlockCache::Charge(Tier tier_id, TenantId owner, uint64_t bytes, int sign) {
   const size_t t = static_cast<size_t>(tier_id);
-  TenantStats& mine = Counted(owner);
+  TenantShare& mine = Counted(owner);
   if (sign > 0) {
     tiers_[t]->blocks += 1;
     tiers_[t]->used_bytes += bytes;
@@ -222,9 +222,9 @@ bool BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_
       });
 }
 
-LookupResult BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys) {
+CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys) {
   index_.Prefetch(keys);  // the prompt's misses overlap instead of queueing
-  LookupResult r;
+  CacheLookup r;
   std::vector<BlockEntry*> hit;  // to touch; blocks only on disk have no LRU place
   for (const StoredKey& key : keys) {
     if (BlockEntry* e = index_.Find(key); e != nullptr) {
@@ -240,7 +240,7 @@ LookupResult BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys
     }
   }
   r.hits = static_cast<uint32_t>(r.tiers.size());
-  TenantStats& mine = Counted(tenant);
+  TenantShare& mine = Counted(tenant);
   for (Tier t : r.tiers) {
     ++counters_.hits[static_cast<size_t>(t)];
     ++mine.hits[static_cast<size_t>(t)];
@@ -445,7 +445,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         Drop(e);
       }
     }
-    TenantStats& mine = Counted(tenant);
+    TenantShare& mine = Counted(tenant);
     if (commit) {
       counters_.stores += filling.size();
       counters_.bytes_engine_to_cache += bytes * filling.size();

@@ -68,7 +68,7 @@ struct OpOutcome {
 };
 using OpDone = std::function<void(OpOutcome)>;
 
-struct LookupResult {
+struct CacheLookup {
   uint32_t hits = 0;        // leading keys present and ready
   std::vector<Tier> tiers;  // tier of each hit
 };
@@ -110,7 +110,7 @@ struct CacheCounters {
 // One tenant's share (Stats for a tenant that is no admin): what it holds,
 // what its own calls did and what happened to its own blocks, and the leases
 // its loads and stores hold now.
-struct TenantStats {
+struct TenantShare {
   uint64_t used_bytes[kNumTiers] = {};  // of committed and filling blocks
   uint64_t blocks[kNumTiers] = {};
   uint64_t lookups = 0;
@@ -204,7 +204,7 @@ class BlockCache {
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
   // Counted for `tenant`, who asked.
-  LookupResult Lookup(TenantId tenant, std::span<const StoredKey> keys);
+  CacheLookup Lookup(TenantId tenant, std::span<const StoredKey> keys);
 
   // Loads the leading present blocks of `keys` into engine blocks
   // `block_ids` (same length). `done` runs on the owner thread with the
@@ -263,7 +263,7 @@ class BlockCache {
   std::span<uint8_t> host_arena() const;
   uint64_t TenantUsedBytes(TenantId tenant, Tier tier) const;
   uint64_t TenantBlocks(TenantId tenant) const;
-  TenantStats StatsOf(TenantId tenant) const;
+  TenantShare ShareOf(TenantId tenant) const;
   uint64_t leases() const { return index_.total_leases(); }
   uint64_t inflight_copies() const { return inflight_copies_; }
   const CacheCounters& counters() const { return counters_; }
@@ -296,7 +296,7 @@ class BlockCache {
   void Charge(BlockEntry* e, int sign);
   void Charge(Tier t, TenantId owner, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.
-  TenantStats& Counted(TenantId tenant);
+  TenantShare& Counted(TenantId tenant);
   void CountEviction(Tier t, TenantId owner);
   // A lease for `tenant`'s load or store (counted as its leases). Releasing
   // the last one frees a retired slot.
@@ -345,7 +345,7 @@ class BlockCache {
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;
-  std::vector<TenantStats> tenant_stats_;  // by TenantId
+  std::vector<TenantShare> tenant_shares_;  // by TenantId
   std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
   std::vector<LayoutFingerprint> namespace_fingerprints_;  // by id
   std::vector<std::string> tenant_names_;

@@ -1,13 +1,17 @@
 // Fuzz target: the wire protocol, through the daemon's own code. A real
 // kvtier::Server (the whole of kvtierd but main) runs in this process on a
-// temporary socket; every input opens a session, says a valid Hello,
-// registers a small memfd KV cache (namespace 1, so fuzzed Lookup, Load,
-// Store, Wait and Evict reach the cache, not just the "unknown namespace"
-// check), and then sends the input as messages: [u16 little-endian length,
-// bytes]... A reply-less input is followed by a Stats on a fresh session.
+// temporary socket with two tenants: "victim", which stored a prompt's blocks
+// once at start-up, and "mallory" (no admin, with quotas), whose session each
+// input drives: it says a valid Hello, registers a small memfd KV cache
+// (namespace 1, so fuzzed Lookup, Load, Store, Wait and Evict reach the cache,
+// not just the "unknown namespace" check), and then sends the input as
+// messages: [u16 little-endian length, bytes]...
 //
-// Property: the daemon never crashes (the sanitizers watch its threads too),
-// never hangs, and always still answers Stats after whatever a client sent.
+// Properties: the daemon never crashes (the sanitizers watch its threads
+// too), never hangs, and always still answers Stats after whatever a client
+// sent; and nothing mallory sends reaches the victim's blocks: after every
+// input they are all still there and load byte for byte (mallory's quotas
+// keep the tiers from filling, so no eviction may take them either).
 #include <poll.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -26,14 +30,25 @@
 #include "daemon/server.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
+#include "common/block_pattern.h"
+#include "kvtier/client.h"
 #include "kvtier/shm_kv_cache.h"
 
 namespace {
 
 using namespace kvtier;  // NOLINT(google-build-using-namespace): a fuzz target's file
 
+const std::string kVictimToken(32, 'v');
+const std::string kMalloryToken(32, 'm');
+constexpr uint32_t kVictimBlocks = 8;
+
 std::string g_socket;
-std::unique_ptr<ShmKvCache> g_cache;
+std::unique_ptr<ShmKvCache> g_cache;  // mallory's
+// The victim: its client, cache and the keys of the blocks it stored.
+std::unique_ptr<Client> g_victim;
+std::unique_ptr<ShmKvCache> g_victim_cache;
+CacheId g_victim_id = 0;
+std::vector<BlockKey> g_victim_keys;
 // The in-process daemon and its loop thread, stopped and joined at exit
 // before any static is destroyed (its threads must not outlive what they use).
 std::unique_ptr<Server> g_server;
@@ -41,6 +56,7 @@ std::thread g_loop;
 
 void StopDaemon() {
   if (!g_server) return;
+  g_victim.reset();
   g_server->Stop();
   g_loop.join();
   g_server.reset();
@@ -61,12 +77,15 @@ std::optional<std::vector<uint8_t>> Receive(int fd, int ms) {
   return std::move(m->bytes);
 }
 
-// A session that said Hello (and registered the cache when `with_cache`).
+// A session of mallory's that said Hello (and registered the cache when
+// `with_cache`).
 UniqueFd OpenSession(bool with_cache) {
   Result<UniqueFd> fd = ipc::Connect(g_socket);
   KVTIER_CHECK_MSG(fd.has_value(), "the daemon stopped accepting connections");
   flatbuffers::FlatBufferBuilder b;
-  KVTIER_CHECK(ipc::SendMessage(fd->get(), ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion)))
+  KVTIER_CHECK(ipc::SendMessage(fd->get(), ipc::FinishMessage(b, 1, wire::CreateHelloDirect(
+                                                                         b, ipc::kProtocolVersion,
+                                                                         kMalloryToken.c_str())))
                    .ok());
   KVTIER_CHECK_MSG(Receive(fd->get(), 10000).has_value(), "no Welcome");
   if (with_cache) {
@@ -96,6 +115,23 @@ void CheckAlive() {
   KVTIER_CHECK_MSG(reply.has_value(), "the daemon does not answer Stats any more");
   Result<const wire::Message*> m = ipc::VerifyMessage(*reply);
   KVTIER_CHECK(m.has_value() && (*m)->body_type() == wire::Body::StatsReply);
+}
+
+// The victim's blocks are all there and load exactly.
+void CheckVictimUntouched() {
+  Result<LookupResult> hit = g_victim->Lookup(g_victim_id, g_victim_keys);
+  KVTIER_CHECK_MSG(hit.has_value() && hit->hits == kVictimBlocks, "another tenant's blocks went missing");
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < kVictimBlocks; ++i) {
+    ids.push_back(kVictimBlocks + i);
+    std::memset(g_victim_cache->block(kVictimBlocks + i).data(), 0, g_victim_cache->block(0).size());
+  }
+  Result<OpResult> loaded = g_victim->Load(g_victim_id, g_victim_keys, ids);
+  KVTIER_CHECK_MSG(loaded.has_value() && loaded->blocks == kVictimBlocks, "another tenant's blocks do not load");
+  for (uint32_t i = 0; i < kVictimBlocks; ++i) {
+    KVTIER_CHECK_MSG(MatchesKey(g_victim_keys[i], g_victim_cache->block(kVictimBlocks + i)),
+                     "another tenant's block changed");
+  }
 }
 
 // Writes seed inputs (KVTIER_FUZZ_WRITE_SEEDS=DIR): valid requests of every
@@ -136,10 +172,19 @@ void WriteSeeds(const std::string& dir) {
   const auto evict = msg([&](auto& x) { return ipc::FinishMessage(x, 17, wire::CreateEvictDirect(x, "", nullptr, wire::Tier::Host)); });
   const auto namespaces = msg([&](auto& x) { return ipc::FinishMessage(x, 18, wire::CreateListNamespacesDirect(x, "*")); });
   const auto tenants = msg([&](auto& x) { return ipc::FinishMessage(x, 19, wire::CreateListTenants(x)); });
+  // Reaching for the victim's blocks.
+  const auto evict_victim =
+      msg([&](auto& x) { return ipc::FinishMessage(x, 20, wire::CreateEvictDirect(x, "victim", nullptr, wire::Tier::None)); });
+  const auto evict_all =
+      msg([&](auto& x) { return ipc::FinishMessage(x, 21, wire::CreateEvictDirect(x, "*", nullptr, wire::Tier::None)); });
+  const auto list_victim =
+      msg([&](auto& x) { return ipc::FinishMessage(x, 22, wire::CreateListNamespacesDirect(x, "victim")); });
+  const auto flush = msg([&](auto& x) { return ipc::FinishMessage(x, 23, wire::CreateFlush(x)); });
   seed("store-lookup-load-wait", {store, lookup, load, wait});
   seed("store-prefetch-poll", {store, prefetch, load, poll});
   seed("admin", {stats, evict, namespaces, tenants});
   seed("lookup", {lookup});
+  seed("cross-tenant", {evict_victim, evict_all, list_victim, flush});
 }
 
 }  // namespace
@@ -153,7 +198,9 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   Result<Config> config = LoadConfig(ConfigSource{
       .overrides = {"socket.path=" + g_socket, "state_dir=" + dir + "/state", "tiers.disk.enabled=false",
                     "metrics.enabled=false", "tiers.host.bytes=8MiB", "tiers.hbm.enabled=true", "tiers.hbm.bytes=1MiB",
-                    "limits.max_keys_per_request=64"}});
+                    "limits.max_keys_per_request=64",
+                    "tenants=[{name: victim, token: " + kVictimToken + "}, {name: mallory, token: " + kMalloryToken +
+                        ", quotas: {hbm: 256KiB, host: 2MiB}}]"}});
   KVTIER_CHECK(config.has_value());
   Result<std::unique_ptr<Server>> server = Server::Create(Server::Options{.config = *config});
   KVTIER_CHECK_MSG(server.has_value(), "cannot start the in-process daemon");
@@ -161,6 +208,16 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   g_loop = std::thread([] { (void)g_server->Run(); });
   std::atexit(StopDaemon);  // runs before the statics above are destroyed
   g_cache = std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 32).value());
+  g_victim = Client::Connect({.socket_path = g_socket, .token = kVictimToken}).value();
+  g_victim_cache = std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 2 * kVictimBlocks).value());
+  g_victim_id = g_victim->RegisterKvCache(*g_victim_cache).value();
+  g_victim_keys = g_victim->ComputeKeys(g_victim_id, PseudoTokens(7, kVictimBlocks * 4)).value();
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < kVictimBlocks; ++i) {
+    FillFromKey(g_victim_keys[i], g_victim_cache->block(i));
+    ids.push_back(i);
+  }
+  KVTIER_CHECK(g_victim->Store(g_victim_id, g_victim_keys, ids).value().blocks == kVictimBlocks);
   if (const char* seeds = std::getenv("KVTIER_FUZZ_WRITE_SEEDS"); seeds != nullptr) {
     WriteSeeds(seeds);
     std::exit(0);
@@ -182,5 +239,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   fd.Reset();
   CheckAlive();
+  CheckVictimUntouched();
   return 0;
 }

@@ -464,7 +464,7 @@ TEST_F(BlockCacheTest, LookupNeverPinsAndLeasesLastOnlyWhileCopiesAreInFlight) {
   std::vector<StoredKey> with_miss = keys;
   with_miss.insert(with_miss.begin() + 2, NewKeys(1)[0]);
   for (int i = 0; i < 100; ++i) {
-    const LookupResult r = cache_->Lookup(kTenant, i % 2 ? keys : with_miss);
+    const CacheLookup r = cache_->Lookup(kTenant, i % 2 ? keys : with_miss);
     EXPECT_EQ(r.hits, i % 2 ? 4u : 2u);
     EXPECT_EQ(r.tiers.size(), r.hits);
     ASSERT_EQ(cache_->leases(), 0u);
@@ -1029,7 +1029,7 @@ TEST_F(BlockCacheTest, RandomOpsKeepTheInvariants) {
     } else if (r < 65) {
       const std::vector<uint32_t> ids = take_blocks(len);
       for (uint32_t id : ids) engine_->Zero(id);
-      const LookupResult hits = cache_->Lookup(kTenant, keys);
+      const CacheLookup hits = cache_->Lookup(kTenant, keys);
       cache_->Load(tenant, keys, ids, Target(), owner_, [&, ids, keys, hits](OpOutcome o) {
         EXPECT_TRUE(o.status.ok()) << o.status;
         EXPECT_EQ(o.blocks, hits.hits) << "a Load right after a Lookup loads its hits";
@@ -1040,7 +1040,7 @@ TEST_F(BlockCacheTest, RandomOpsKeepTheInvariants) {
       });
     } else if (r < 75) {
       const uint64_t leases = cache_->leases();
-      const LookupResult l = cache_->Lookup(kTenant, keys);
+      const CacheLookup l = cache_->Lookup(kTenant, keys);
       ASSERT_LE(l.hits, len);
       ASSERT_EQ(l.tiers.size(), l.hits);
       ASSERT_EQ(cache_->leases(), leases);

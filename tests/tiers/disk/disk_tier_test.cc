@@ -159,7 +159,7 @@ class DiskTierTest : public ::testing::Test {
   std::vector<Tier> TiersOf(const std::vector<StoredKey>& keys) {
     std::vector<Tier> t;
     for (const StoredKey& k : keys) {
-      const LookupResult r = cache_->Lookup(kTenant, std::span(&k, 1));
+      const CacheLookup r = cache_->Lookup(kTenant, std::span(&k, 1));
       t.push_back(r.hits == 1 ? r.tiers[0] : Tier{255});
     }
     return t;
