@@ -97,6 +97,10 @@ inline constexpr size_t kNumCopyPriorities = 3;
 struct CopyBatch {
   CopyDirection direction = CopyDirection::kSlotToSlot;
   CopyPriority priority = CopyPriority::kBackground;
+  // Whose copies these are (kvtierd: the tenant's id). `host` serves the
+  // flows of one priority in turn, so one tenant's burst of copies delays
+  // another's by at most a task per worker, not by the whole burst.
+  uint32_t flow = 0;
   // Engine copies: the layout and mapping (kept alive until completion).
   std::shared_ptr<const KvCacheLayout> layout = nullptr;
   std::shared_ptr<ClientMapping> mapping = nullptr;

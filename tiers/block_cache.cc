@@ -315,6 +315,7 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased, 
   }
   CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
                   .priority = CopyPriority::kLoad,
+                  .flow = tenant,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .signal_event = target.event};
@@ -371,6 +372,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   Status status;
   CopyBatch batch{.direction = CopyDirection::kEngineToSlot,
                   .priority = CopyPriority::kStore,
+                  .flow = tenant,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .checksum_destination = true,
@@ -500,6 +502,7 @@ void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
   tier(e->tier)->moving_out_bytes += stride;
   CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
                   .priority = CopyPriority::kBackground,
+                  .flow = e->owner,
                   .slot_copies = {SlotCopy{e->slot, dst, e->block_bytes}},
                   .checksum_destination = to == Tier::kHost};
   SubmitCopy(std::move(batch), [this, key = e->key, from = e->tier, to, dst, stride](CopyResult r) {

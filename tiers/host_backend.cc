@@ -155,7 +155,7 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   {
     MutexLock lock(&mu_);
     for (size_t begin = 0; begin < n; begin += per_task) {
-      queues_[priority].push_back(Task{b, begin, std::min(n, begin + per_task)});
+      queues_[priority].Push(b->copies.flow, Task{b, begin, std::min(n, begin + per_task)});
     }
   }
   work_cv_.SignalAll();
@@ -197,6 +197,17 @@ void HostBackend::RunTask(const Task& task) {
   }
 }
 
+HostBackend::Task HostBackend::FlowQueues::PopNext() {
+  // The next flow after the last one served, wrapping around.
+  auto it = flows.upper_bound(last);
+  if (it == flows.end()) it = flows.begin();
+  last = it->first;
+  Task task = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) flows.erase(it);
+  return task;
+}
+
 void HostBackend::WorkerLoop() {
   while (true) {
     Task task;
@@ -204,10 +215,9 @@ void HostBackend::WorkerLoop() {
       MutexLock lock(&mu_);
       while (true) {
         auto queue = std::find_if(std::begin(queues_), std::end(queues_),
-                                  [](const std::deque<Task>& q) { return !q.empty(); });
+                                  [](const FlowQueues& q) { return !q.Empty(); });
         if (queue != std::end(queues_)) {
-          task = std::move(queue->front());
-          queue->pop_front();
+          task = queue->PopNext();
           break;
         }
         if (stopping_) return;  // only once every queue is drained

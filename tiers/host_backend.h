@@ -4,6 +4,10 @@
 // gather/scatter (kernels/copy_reference.h). It is what CI and every machine
 // without a GPU run, and a real mode for CPU inference engines.
 //
+// Workers take tasks (slices of a batch) by priority: loads, then stores,
+// then background moves; within a priority, flows (tenants) in turn and each
+// flow's in order (CopyBatch::flow).
+//
 // A batch releases its client mapping and layout before its `done` runs, so
 // a completion observer already sees the mapping's share of live_mappings()
 // gone.
@@ -13,6 +17,7 @@
 #pragma once
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -60,7 +65,15 @@ class HostBackend final : public DeviceBackend {
 
   Mutex mu_;
   CondVar work_cv_;
-  std::deque<Task> queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
+  // One priority's tasks: FIFO per flow, flows served in turn.
+  struct FlowQueues {
+    std::map<uint32_t, std::deque<Task>> flows;  // only flows with tasks
+    uint32_t last = 0;                           // the flow served last
+    bool Empty() const { return flows.empty(); }
+    void Push(uint32_t flow, Task task) { flows[flow].push_back(std::move(task)); }
+    Task PopNext();
+  };
+  FlowQueues queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   const uint32_t num_threads_;
   std::vector<std::thread> threads_;

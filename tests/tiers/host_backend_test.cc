@@ -176,6 +176,34 @@ TEST(HostBackendTest, LoadsRunBeforeStoresBeforeBackground) {
   EXPECT_EQ(c.order(), want) << "by priority, FIFO within one";
 }
 
+// A tenant's burst does not hold up another tenant's copy of the same
+// priority: flows are served in turn, each in order.
+TEST(HostBackendTest, FlowsOfOnePriorityTakeTurns) {
+  auto backend = MakeBackend(1);
+  uint8_t src[64] = {}, dst[64] = {};
+  auto batch = [&](uint32_t flow) {
+    return CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                     .priority = CopyPriority::kLoad,
+                     .flow = flow,
+                     .slot_copies = {SlotCopy{src, dst, sizeof(src)}}};
+  };
+  Completions c(33);
+  {
+    WorkerGate gate(*backend);
+    for (int i = 0; i < 30; ++i) backend->Submit(batch(1), c.Done(100 + i));  // a burst of tenant 1
+    backend->Submit(batch(2), c.Done(200));                                   // then tenant 2's load
+    backend->Submit(batch(7), c.Done(700));
+    backend->Submit(batch(2), c.Done(201));
+  }
+  c.Wait();
+  const std::vector<int> order = c.order();
+  ASSERT_EQ(order.size(), 33u);
+  // Turns: 1, 2, 7, 1, 2, then the rest of 1's burst.
+  const std::vector<int> head(order.begin(), order.begin() + 5);
+  EXPECT_EQ(head, (std::vector<int>{100, 200, 700, 101, 201}));
+  for (int i = 2; i < 30; ++i) EXPECT_EQ(order[static_cast<size_t>(i) + 3], 100 + i) << "one flow's copies stay in order";
+}
+
 TEST(HostBackendTest, SlotCopyChecksumsAreXxh3OfTheDestination) {
   auto backend = MakeBackend(2);
   constexpr size_t kCopies = 9;
