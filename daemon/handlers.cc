@@ -504,6 +504,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
         {"promotions", c.promotions},
         {"demotions", c.demotions},
         {"prefix_fallbacks", c.prefix_fallbacks},
+        {"extents_reclaimed", c.extents_reclaimed},
         {"bytes_hbm_to_host", c.bytes_hbm_to_host},
         {"bytes_host_to_hbm", c.bytes_host_to_hbm},
         {"disk_promotions", c.disk_promotions},

@@ -196,6 +196,16 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
   while (true) {
     if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
     if (!may_drop) return nullptr;
+    // Sizes share a tier by recency, not by who came first: when the
+    // coldest block is of another size, the extent it lives in is emptied
+    // for this size (without this, a second model's blocks would find
+    // every extent taken by the first's).
+    if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
+      const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
+      if (coldest != nullptr && SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
+        if (EmptyExtent(t, bytes)) continue;
+      }
+    }
     // A block that still has its disk record costs nothing to let go; a
     // dirty one would be lost, so it goes only when no clean one can.
     BlockEntry* victim = nullptr;
@@ -204,6 +214,27 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
     if (victim == nullptr) return nullptr;
     if (!BackToDisk(victim)) Drop(victim);
   }
+}
+
+bool BlockCache::EmptyExtent(Tier t, uint64_t bytes) {
+  SlotPool& pool = *tier(t)->pool;
+  const std::optional<std::span<uint8_t>> extent = pool.ExtentToReclaim(bytes);
+  if (!extent) return false;
+  auto inside = [&](const uint8_t* p) { return p >= extent->data() && p < extent->data() + extent->size(); };
+  // Its blocks: every one must be free to go (a lease, a move or a retired
+  // slot keeps the extent this time).
+  std::vector<StoredKey> blocks;
+  for (BlockEntry* e = index_.Coldest(t); e != nullptr; e = BlockIndex::Hotter(e)) {
+    if (!inside(e->slot)) continue;
+    if (e->leases != 0 || e->moving || e->state != EntryState::kReady || e->retired_slot != nullptr) return false;
+    blocks.push_back(e->key);
+  }
+  for (const StoredKey& key : blocks) {
+    BlockEntry* e = index_.Find(key);
+    if (!BackToDisk(e)) Drop(e);
+  }
+  ++counters_.extents_reclaimed;
+  return pool.CanAllocate(bytes);
 }
 
 void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }

@@ -96,6 +96,7 @@ struct CacheCounters {
   uint64_t disk_reinsertions = 0;    // hot blocks read up to host before their region was reclaimed
   uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
+  uint64_t extents_reclaimed = 0; // slot extents emptied for another block size
   uint64_t bytes_engine_to_cache = 0;
   uint64_t bytes_cache_to_engine = 0;
   uint64_t bytes_hbm_to_host = 0;
@@ -284,11 +285,18 @@ class BlockCache {
   bool QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const;
   // A slot in tier `t` for a block of `bytes`, dropping unleased blocks of
   // that tier (prefix-aware LRU) when `may_drop`; nullptr when impossible.
+  // When the coldest block is of another size, its whole extent is emptied
+  // instead (EmptyExtent).
   uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
   // The eviction victim in tier `t` with the given block size (0 = any).
   // With clean_only, only blocks that still have their disk record.
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
+  // Evicts every block in the extent of another size that SlotPool offers
+  // for `bytes` (back to disk when clean). Returns whether `bytes` now fits:
+  // false, with nothing evicted, when a block there is leased or moving, and
+  // false when a move in flight still holds a slot there.
+  bool EmptyExtent(Tier t, uint64_t bytes);
   // A host block that still has its disk record goes back to the disk tier,
   // no write needed. Returns whether it did.
   bool BackToDisk(BlockEntry* e);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 #include "common/check.h"
 
@@ -11,42 +12,134 @@ SlotPool::SlotPool(uint8_t* base, uint64_t size_bytes, uint64_t extent_bytes)
     : base_(base), size_bytes_(size_bytes), extent_bytes_(extent_bytes) {
   KVTIER_CHECK(reinterpret_cast<uintptr_t>(base) % kSlotAlignBytes == 0);
   KVTIER_CHECK(extent_bytes_ > 0);
+  if (size_bytes_ > 0) free_ranges_.emplace(base_, size_bytes_);
 }
 
-bool SlotPool::Grow(SizeClass& c, uint64_t stride) {
-  const uint64_t left = size_bytes_ - carved_bytes_;
-  const uint64_t slots = std::min(std::max<uint64_t>(1, extent_bytes_ / stride), left / stride);
-  if (slots == 0) return false;
-  uint8_t* extent = base_ + carved_bytes_;
-  carved_bytes_ += slots * stride;
+void SlotPool::AddRange(std::map<uint8_t*, uint64_t>& ranges, uint8_t* begin, uint64_t bytes) {
+  auto it = ranges.emplace(begin, bytes).first;
+  if (auto next = std::next(it); next != ranges.end() && begin + it->second == next->first) {
+    it->second += next->second;
+    ranges.erase(next);
+  }
+  if (it != ranges.begin()) {
+    if (auto prev = std::prev(it); prev->first + prev->second == begin) {
+      prev->second += it->second;
+      ranges.erase(it);
+    }
+  }
+}
+
+bool SlotPool::Carve(uint64_t stride) {
+  // First fit, lowest address first, so that low extents fill and high ones
+  // empty out.
+  auto range = std::find_if(free_ranges_.begin(), free_ranges_.end(),
+                            [&](const auto& r) { return r.second >= stride; });
+  if (range == free_ranges_.end()) return false;
+  const uint64_t slots = std::min(std::max<uint64_t>(1, extent_bytes_ / stride), range->second / stride);
+  uint8_t* const begin = range->first;
+  const uint64_t bytes = slots * stride;
+  const uint64_t rest = range->second - bytes;
+  free_ranges_.erase(range);
+  if (rest > 0) free_ranges_.emplace(begin + bytes, rest);
+  Extent& e = extents_[begin];
+  e = Extent{.bytes = bytes, .stride = stride, .used = 0, .free = {}};
+  e.free.reserve(slots);
   // Hand out low addresses first (LIFO free list, so push in reverse).
-  for (uint64_t i = slots; i-- > 0;) c.free.push_back(extent + i * stride);
+  for (uint64_t i = slots; i-- > 0;) e.free.push_back(begin + i * stride);
+  SizeClass& c = classes_[stride];
+  c.with_free.insert(begin);
+  ++c.extents;
+  empty_.insert(begin);
   return true;
+}
+
+void SlotPool::Release(std::map<uint8_t*, Extent>::iterator it) {
+  KVTIER_CHECK(it->second.used == 0);
+  SizeClass& c = classes_[it->second.stride];
+  c.with_free.erase(it->first);
+  --c.extents;
+  empty_.erase(it->first);
+  AddRange(free_ranges_, it->first, it->second.bytes);
+  extents_.erase(it);
 }
 
 uint8_t* SlotPool::Allocate(uint64_t block_bytes) {
   const uint64_t stride = StrideFor(block_bytes);
+  if (classes_[stride].with_free.empty() && !Carve(stride)) {
+    // Other sizes' empty extents go back to the arena (this size has none:
+    // they would have a free slot), and the room is carved again.
+    while (!empty_.empty()) Release(extents_.find(*empty_.begin()));
+    if (!Carve(stride)) return nullptr;
+  }
   SizeClass& c = classes_[stride];
-  if (c.free.empty() && !Grow(c, stride)) return nullptr;
-  uint8_t* slot = c.free.back();
-  c.free.pop_back();
+  uint8_t* const begin = *c.with_free.begin();
+  Extent& e = extents_.at(begin);
+  uint8_t* slot = e.free.back();
+  e.free.pop_back();
+  if (e.used++ == 0) empty_.erase(begin);
+  if (e.free.empty()) c.with_free.erase(begin);
   used_bytes_ += stride;
   return slot;
 }
 
 void SlotPool::Free(uint8_t* slot, uint64_t block_bytes) {
   const uint64_t stride = StrideFor(block_bytes);
-  KVTIER_CHECK(slot >= base_ && slot + stride <= base_ + carved_bytes_);
-  KVTIER_CHECK(used_bytes_ >= stride);
-  classes_[stride].free.push_back(slot);
+  auto it = extents_.upper_bound(slot);
+  KVTIER_CHECK(it != extents_.begin());
+  --it;
+  Extent& e = it->second;
+  KVTIER_CHECK(e.stride == stride && slot + stride <= it->first + e.bytes &&
+               static_cast<uint64_t>(slot - it->first) % stride == 0);
+  KVTIER_CHECK(e.used > 0 && used_bytes_ >= stride);
+  e.free.push_back(slot);
+  if (e.free.size() == 1) classes_[stride].with_free.insert(it->first);
+  if (--e.used == 0) empty_.insert(it->first);
   used_bytes_ -= stride;
+}
+
+std::map<uint8_t*, uint64_t> SlotPool::RangesWithEmptiesReleased() const {
+  std::map<uint8_t*, uint64_t> ranges = free_ranges_;
+  for (uint8_t* begin : empty_) AddRange(ranges, begin, extents_.at(begin).bytes);
+  return ranges;
 }
 
 bool SlotPool::CanAllocate(uint64_t block_bytes) const {
   const uint64_t stride = StrideFor(block_bytes);
-  auto it = classes_.find(stride);
-  if (it != classes_.end() && !it->second.free.empty()) return true;
-  return size_bytes_ - carved_bytes_ >= stride;
+  if (auto c = classes_.find(stride); c != classes_.end() && !c->second.with_free.empty()) return true;
+  const std::map<uint8_t*, uint64_t> ranges = RangesWithEmptiesReleased();
+  return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.second >= stride; });
+}
+
+size_t SlotPool::sizes_in_use() const {
+  return static_cast<size_t>(std::count_if(classes_.begin(), classes_.end(), [](const auto& c) { return c.second.extents > 0; }));
+}
+
+bool SlotPool::holds(uint64_t block_bytes) const {
+  auto c = classes_.find(StrideFor(block_bytes));
+  return c != classes_.end() && c->second.extents > 0;
+}
+
+std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes) const {
+  const uint64_t stride = StrideFor(block_bytes);
+  const std::map<uint8_t*, uint64_t> ranges = RangesWithEmptiesReleased();
+  // The free bytes right before and right after [begin, end).
+  auto around = [&](uint8_t* begin, uint8_t* end) {
+    uint64_t bytes = 0;
+    if (auto next = ranges.find(end); next != ranges.end()) bytes += next->second;
+    if (auto after = ranges.lower_bound(begin); after != ranges.begin()) {
+      if (auto prev = std::prev(after); prev->first + prev->second == begin) bytes += prev->second;
+    }
+    return bytes;
+  };
+  const std::pair<uint8_t* const, Extent>* best = nullptr;
+  for (const auto& x : extents_) {
+    const Extent& e = x.second;
+    if (e.stride == stride || e.used == 0) continue;
+    if (e.bytes + around(x.first, x.first + e.bytes) < stride) continue;
+    if (best == nullptr || e.used < best->second.used) best = &x;
+  }
+  if (best == nullptr) return std::nullopt;
+  return std::span<uint8_t>(best->first, best->second.bytes);
 }
 
 }  // namespace kvtier

@@ -1,14 +1,21 @@
 // SlotPool: fixed-size slots carved out of one arena, never an allocation per
-// block. Each slot size (one per block size in use) has its own free list and
-// takes extents of the arena on demand; freed slots go back to their size's
-// free list. Slots are 4 KiB aligned (O_DIRECT-ready) and their stride is the
-// block size rounded up to 4 KiB.
+// block. Each slot size (one per block size in use) takes the arena an extent
+// at a time; freed slots go back to their extent. An extent whose slots are
+// all free stays with its size until another size needs the room, and then
+// goes back to the arena (so a second block size is never starved by a
+// first one's empty extents); to empty an extent of another size that still
+// holds blocks, the owner asks ExtentToReclaim and evicts what lives there.
+// Slots are 4 KiB aligned (O_DIRECT-ready) and their stride is the block size
+// rounded up to 4 KiB.
 //
 // Thread-compatible: owned by the event-loop thread (BlockCache).
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <set>
+#include <span>
 #include <vector>
 
 namespace kvtier {
@@ -28,7 +35,8 @@ class SlotPool {
   }
 
   // A slot for a block of `block_bytes`, or nullptr when this size has no
-  // free slot and the arena has no room for another extent.
+  // free slot and no room for another extent is left, even after every
+  // empty extent of other sizes went back to the arena.
   uint8_t* Allocate(uint64_t block_bytes);
   // REQUIRES: `slot` came from Allocate(block_bytes) and is not free.
   void Free(uint8_t* slot, uint64_t block_bytes);
@@ -39,18 +47,43 @@ class SlotPool {
   // True when Allocate(block_bytes) would succeed.
   bool CanAllocate(uint64_t block_bytes) const;
 
+  // When Allocate(block_bytes) fails: the extent of another size whose
+  // release would make room and that holds the fewest slots in use, as the
+  // bytes it spans; nullopt when no such extent exists. Once every slot in
+  // it is freed, Allocate(block_bytes) can use its room.
+  std::optional<std::span<uint8_t>> ExtentToReclaim(uint64_t block_bytes) const;
+  // How many slot sizes hold extents now; whether `block_bytes`'s does.
+  size_t sizes_in_use() const;
+  bool holds(uint64_t block_bytes) const;
+
  private:
-  struct SizeClass {
-    std::vector<uint8_t*> free;
+  struct Extent {
+    uint64_t bytes = 0;
+    uint64_t stride = 0;
+    uint64_t used = 0;           // slots handed out
+    std::vector<uint8_t*> free;  // LIFO, low addresses on top at first
   };
-  // Carves a new extent of `stride` slots into `c`; false when the arena is full.
-  bool Grow(SizeClass& c, uint64_t stride);
+  struct SizeClass {
+    std::set<uint8_t*> with_free;  // its extents with a free slot, by address
+    uint64_t extents = 0;
+  };
+
+  // Carves an extent of `stride` slots out of a free range; false when no
+  // range holds even one slot.
+  bool Carve(uint64_t stride);
+  // Returns an extent whose slots are all free to the free ranges.
+  void Release(std::map<uint8_t*, Extent>::iterator it);
+  // The free ranges as they would be with every empty extent released.
+  std::map<uint8_t*, uint64_t> RangesWithEmptiesReleased() const;
+  static void AddRange(std::map<uint8_t*, uint64_t>& ranges, uint8_t* begin, uint64_t bytes);
 
   uint8_t* const base_;
   const uint64_t size_bytes_;
   const uint64_t extent_bytes_;
-  uint64_t carved_bytes_ = 0;
   uint64_t used_bytes_ = 0;
+  std::map<uint8_t*, Extent> extents_;     // carved, by address
+  std::map<uint8_t*, uint64_t> free_ranges_;  // not carved: start -> bytes, coalesced
+  std::set<uint8_t*> empty_;               // extents with no slot in use
   std::map<uint64_t, SizeClass> classes_;  // by stride
 };
 

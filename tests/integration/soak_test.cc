@@ -1,7 +1,7 @@
 // Soak and chaos: many real client processes of several tenants, for a
-// bounded time, doing what engines do (compute keys, look up, load the hits
-// and check every byte, store the rest, prefetch), with every tier under
-// pressure.
+// bounded time, doing what engines of two models do (compute keys, look up,
+// load the hits and check every byte, store the rest, prefetch), with every
+// tier under pressure.
 //
 //   Soak: 32 clients for 60 s (KVTIER_SOAK_SECONDS overrides). No byte is
 //   ever wrong, the daemon's RSS stays flat after warm-up, and leases are
@@ -41,9 +41,12 @@ constexpr uint32_t kBlockTokens = 16;
 
 std::string Token(uint32_t tenant) { return "soak-token-tenant-" + std::to_string(tenant); }
 
-Layout SoakLayout() {
-  // 16 KiB blocks.
-  return Layout::Create(LayoutSpec{.model_id = "kvtier/soak", .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
+// Two models on one node: tenants 0 and 1 run one with 16 KiB blocks, tenant
+// 2 another with 24 KiB blocks, so the two sizes contend for every tier.
+Layout SoakLayout(uint32_t tenant) {
+  const bool other = tenant == 2;
+  return Layout::Create(LayoutSpec{.model_id = other ? "kvtier/soak-b" : "kvtier/soak",
+                                   .num_layers = other ? 3u : 2u, .kv_kind = KvKind::kSeparateKv,
                                    .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16,
                                    .block_tokens = kBlockTokens})
       .value();
@@ -56,8 +59,9 @@ std::vector<std::string> SoakSets() {
                (t == 0 ? ", admin: true" : "") + "}";
   }
   tenants += "]";
-  // 16 KiB blocks: hbm holds 128, host 384, disk ~3,800; the clients' prompts
-  // need far more, so every tier evicts, demotes and promotes all the time.
+  // 16 and 24 KiB blocks: hbm holds about 100, host 300, disk 3,000; the
+  // clients' prompts need far more, so every tier evicts, demotes and
+  // promotes all the time, and the sizes take extents from each other.
   return {"tiers.hbm.enabled=true",     "tiers.hbm.bytes=2MiB",      "tiers.host.bytes=6MiB",
           "tiers.disk.enabled=true",    "tiers.disk.bytes=64MiB",    "tiers.disk.region_bytes=4MiB",
           "limits.max_sessions_per_tenant=64", tenants};
@@ -90,7 +94,7 @@ int RunClient(const std::string& socket, uint32_t id, std::chrono::steady_clock:
     else std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (!client) return 3;
-  Result<ShmKvCache> cache = ShmKvCache::Create(SoakLayout(), 64);
+  Result<ShmKvCache> cache = ShmKvCache::Create(SoakLayout(tenant), 64);
   if (!cache) return 4;
   std::optional<CacheId> cache_id;
   std::mt19937_64 rng(1000 + id);
@@ -212,6 +216,7 @@ TEST(SoakTest, ThirtyTwoClientsOfThreeTenantsForAMinute) {
   EXPECT_EQ(end.Counter("disk_checksum_failures"), 0u);
   EXPECT_GT(end.Counter("disk_demotions"), 0u) << "the disk tier was under pressure too";
   EXPECT_GT(end.Counter("demotions"), 0u);
+  EXPECT_GT(end.Counter("extents_reclaimed"), 0u) << "the two block sizes took room from each other";
 }
 
 // Blocks in the disk tier now, as the daemon counts them (admin session).

@@ -649,6 +649,59 @@ TEST_F(BlockCacheTest, WithoutADiskTierTheHostTierFillsAndEvictsOnlyOnDemand) {
   for (size_t i = 1; i < 11; ++i) EXPECT_TRUE(Present(keys[i])) << i;
 }
 
+// Two models with different block sizes on one node: the second size gets
+// room although the first took every extent, from the first size's coldest
+// extent, and both keep serving exact bytes.
+TEST_F(BlockCacheTest, ASecondBlockSizeIsNotStarvedByTheFirst) {
+  Start({.host_slots = 256});  // 2 MiB: extents of 32 KiB, 4 slots of 8 KiB
+  const std::vector<StoredKey> a = NewKeys(256);
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_TRUE(Store({a[i]}, static_cast<uint32_t>(i % 64)).status.ok());
+  ASSERT_EQ(cache_->Usage(Tier::kHost).blocks, 256u) << "the first size has the whole tier";
+
+  Result<std::unique_ptr<EngineMemory>> other = EngineMemory::Create(*backend_, SmallSpec(2), 64);
+  ASSERT_TRUE(other.has_value()) << other.error();
+  EngineMemory& engine2 = **other;
+  ASSERT_EQ(SlotPool::StrideFor(engine2.block_bytes()), 4096u);
+  const EngineTarget target2{engine2.layout(), engine2.mapping()};
+  const std::vector<StoredKey> b = NewKeys(64);
+  for (uint32_t i = 0; i < b.size(); ++i) {
+    engine2.Fill(i, b[i]);
+    auto op = std::make_shared<Op>();
+    cache_->Store(kTenant, std::span(&b[i], 1), std::span(&i, 1), std::nullopt, target2, owner_, Recorder(op));
+    ASSERT_TRUE(DrainUntil([&] { return op->done; }));
+    ASSERT_TRUE(op->outcome.status.ok()) << "block " << i << ": " << op->outcome.status;
+  }
+  // 64 blocks of 4 KiB took 8 extents of the first size: its 32 oldest blocks.
+  EXPECT_EQ(cache_->counters().extents_reclaimed, 8u);
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 256u - 32u + 64u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(Present(a[i]), i >= 32) << "a[" << i << "]";
+
+  // Both sizes load exactly.
+  for (uint32_t i = 0; i < b.size(); ++i) {
+    const uint32_t to = 32 + (i % 32);
+    engine2.Zero(to);
+    auto op = std::make_shared<Op>();
+    cache_->Load(kTenant, std::span(&b[i], 1), std::span(&to, 1), target2, owner_, Recorder(op));
+    ASSERT_TRUE(DrainUntil([&] { return op->done; }));
+    ASSERT_EQ(op->outcome.blocks, 1u);
+    EXPECT_TRUE(engine2.Holds(to, b[i]));
+  }
+  EXPECT_EQ(Load({a[200]}, 10).blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(10, a[200]));
+
+  // And the first size wins the room back once the second's blocks are the
+  // colder ones: 64 new blocks take the second size's 8 extents (32 slots)
+  // and then evict the first size's own coldest.
+  for (size_t i = 32; i < a.size(); ++i) ASSERT_TRUE(Present(a[i]));  // touched: now hotter than b
+  const std::vector<StoredKey> more = NewKeys(64);
+  for (size_t i = 0; i < more.size(); ++i) ASSERT_TRUE(Store({more[i]}, static_cast<uint32_t>(i)).status.ok());
+  for (const StoredKey& k : more) EXPECT_TRUE(Present(k));
+  EXPECT_EQ(cache_->counters().extents_reclaimed, 16u);
+  for (const StoredKey& k : b) EXPECT_FALSE(Present(k));
+  EXPECT_LE(cache_->Usage(Tier::kHost).used_bytes, cache_->Usage(Tier::kHost).capacity_bytes);
+  ASSERT_TRUE(Settle());
+}
+
 TEST_F(BlockCacheTest, PrefixAwareEvictionTakesLeavesBeforeTheirParents) {
   Start({.host_slots = 4});
   const std::vector<StoredKey> k = NewKeys(8);  // A B C D E F G H

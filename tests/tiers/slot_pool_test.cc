@@ -139,6 +139,50 @@ TEST(SlotPoolTest, TwoBlockSizesShareOneArena) {
   EXPECT_EQ(pool.Allocate(small), slots[0].first);
 }
 
+TEST(SlotPoolTest, EmptyExtentsOfOneSizeServeAnother) {
+  MemoryMapping arena = Arena(8 * kPage);
+  SlotPool pool(arena.data(), arena.size_bytes(), 4 * kPage);
+  std::vector<uint8_t*> small;
+  for (int i = 0; i < 8; ++i) small.push_back(pool.Allocate(kPage));
+  ASSERT_EQ(pool.used_bytes(), pool.capacity_bytes());
+  EXPECT_FALSE(pool.CanAllocate(2 * kPage));
+  EXPECT_EQ(pool.Allocate(2 * kPage), nullptr);
+  EXPECT_EQ(pool.sizes_in_use(), 1u);
+  for (int i = 0; i < 3; ++i) pool.Free(small[i], kPage);
+  EXPECT_FALSE(pool.CanAllocate(2 * kPage)) << "the first extent still has a slot in use";
+  pool.Free(small[3], kPage);
+  // The empty extent stays with its size until another needs the room.
+  EXPECT_TRUE(pool.CanAllocate(kPage));
+  EXPECT_TRUE(pool.CanAllocate(2 * kPage));
+  uint8_t* large = pool.Allocate(2 * kPage);
+  EXPECT_EQ(large, arena.data());
+  EXPECT_EQ(pool.Allocate(2 * kPage), arena.data() + 2 * kPage);
+  EXPECT_EQ(pool.sizes_in_use(), 2u);
+  EXPECT_TRUE(pool.holds(2 * kPage));
+  EXPECT_FALSE(pool.CanAllocate(kPage));
+  EXPECT_EQ(pool.used_bytes(), pool.capacity_bytes());
+}
+
+TEST(SlotPoolTest, ExtentToReclaimIsTheLeastUsedExtentOfAnotherSize) {
+  MemoryMapping arena = Arena(12 * kPage);
+  SlotPool pool(arena.data(), arena.size_bytes(), 4 * kPage);
+  std::vector<uint8_t*> small;
+  for (int i = 0; i < 12; ++i) small.push_back(pool.Allocate(kPage));  // extents at 0, 4, 8 pages
+  EXPECT_EQ(pool.ExtentToReclaim(kPage), std::nullopt) << "no other size to take from";
+  pool.Free(small[5], kPage);
+  pool.Free(small[6], kPage);
+  pool.Free(small[9], kPage);
+  const std::optional<std::span<uint8_t>> x = pool.ExtentToReclaim(2 * kPage);
+  ASSERT_TRUE(x.has_value());
+  EXPECT_EQ(x->data(), arena.data() + 4 * kPage) << "two slots in use, the fewest";
+  EXPECT_EQ(x->size(), 4 * kPage);
+  EXPECT_EQ(pool.ExtentToReclaim(8 * kPage), std::nullopt) << "no extent would make room for 8 pages";
+  // Freeing what is left there gives the room to the other size.
+  pool.Free(small[4], kPage);
+  pool.Free(small[7], kPage);
+  EXPECT_EQ(pool.Allocate(2 * kPage), arena.data() + 4 * kPage);
+}
+
 TEST(SlotPoolTest, LastExtentIsShorter) {
   // 5 slots of 2 pages, extents of 4 pages (2 slots): 2 + 2 + 1.
   MemoryMapping arena = Arena(10 * kPage);
