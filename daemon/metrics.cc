@@ -99,6 +99,8 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
     f.Counter("kvtier_evictions_total", "Blocks dropped from a tier.", static_cast<double>(c.evictions[t]),
               L({{"tier", tiers[t]}}));
   }
+  f.Counter("kvtier_extents_reclaimed_total", "Slot extents emptied for blocks of another size.",
+            static_cast<double>(c.extents_reclaimed));
   const std::string help_moves = "Blocks moved between tiers, by source and destination.";
   f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.demotions), L({{"from", "hbm"}, {"to", "host"}}));
   f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.promotions), L({{"from", "host"}, {"to", "hbm"}}));

@@ -153,6 +153,11 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_GT(after.at("kvtier_store_duration_seconds_sum"), 0);
   EXPECT_EQ(after.at("kvtier_tenant_hits_total{tenant=\"local\"}"), 96);
   EXPECT_EQ(after.at("kvtier_tenant_lookups_total{tenant=\"local\"}"), 1);
+  EXPECT_EQ(after.at("kvtier_tenant_misses_total{tenant=\"local\"}"), 0);
+  EXPECT_EQ(after.at("kvtier_tenant_stores_total{tenant=\"local\"}"), 96);
+  EXPECT_EQ(after.at("kvtier_tenant_loads_total{tenant=\"local\"}"), 8);
+  EXPECT_EQ(after.at("kvtier_tenant_evictions_total{tenant=\"local\",tier=\"host\"}"), 0);
+  EXPECT_EQ(after.at("kvtier_extents_reclaimed_total"), 0);
   EXPECT_GT(after.at("kvtier_tenant_used_bytes{tenant=\"local\",tier=\"disk\"}"), 0);
   EXPECT_EQ(after.at("kvtier_client_mappings"), 1);
   EXPECT_EQ(after.at("kvtier_leases"), 0);
