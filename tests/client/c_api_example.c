@@ -1,5 +1,6 @@
 /* A C engine using libkvtier's C API: store a prompt's blocks, look them up,
- * load them back into other blocks and check every byte. Compiled as C11 to
+ * load them back into other blocks and check every byte; then the same with
+ * asynchronous store and load, and a prefetch. Compiled as C11 to
  * prove kvtier.h is plain C. Usage: c_api_example SOCKET. Exit 0 on success. */
 #include <stdio.h>
 #include <string.h>
@@ -54,6 +55,35 @@ int main(int argc, char** argv) {
       if (p[i] != 0x40 + b) return 7;
     }
   }
+  /* Asynchronous: store four more blocks (chained to the first four) while
+   * doing other work, prefetch, then load them back without blocking. */
+  uint32_t more_tokens[16 * 4];
+  for (size_t i = 0; i < 64; ++i) more_tokens[i] = (uint32_t)(i * 104729u % 50000u);
+  uint8_t more_keys[4 * 16];
+  CHECK(kvtier_compute_keys(client, cache_id, more_tokens, 64, more_keys, 4, &num_keys));
+  uint32_t more_ids[4] = {4, 5, 6, 7}, more_other[4] = {12, 13, 14, 15};
+  for (uint32_t b = 0; b < 4; ++b) memset(kvtier_shm_cache_block(cache, more_ids[b]), (int)(0x60 + b), block_bytes);
+  kvtier_op op;
+  CHECK(kvtier_store_async(client, cache_id, more_keys, more_ids, 4, keys + 3 * 16, &op));
+  CHECK(kvtier_wait(client, &op, 0, &stored, &already));
+  if (stored != 4 || already != 0) return 10;
+  uint32_t cached = 0;
+  CHECK(kvtier_prefetch(client, cache_id, more_keys, 4, &cached));
+  if (cached != 4) return 11;
+  CHECK(kvtier_load_async(client, cache_id, more_keys, more_other, 4, &op));
+  CHECK(kvtier_wait(client, &op, 10000, &loaded, NULL));
+  if (loaded != 4) return 12;
+  for (uint32_t b = 0; b < 4; ++b) {
+    const uint8_t* p = kvtier_shm_cache_block(cache, more_other[b]);
+    for (uint64_t i = 0; i < block_bytes; ++i) {
+      if (p[i] != 0x60 + b) return 13;
+    }
+  }
+  /* An op that is not this client's is an error, not a hang. */
+  kvtier_op bogus = op;
+  bogus.op += 1000;
+  if (kvtier_wait(client, &bogus, 100, &loaded, NULL) == KVTIER_OK) return 14;
+
   /* Errors come back as codes with a message. */
   uint32_t bad[1] = {99};
   if (kvtier_load(client, cache_id, keys, bad, 1, &loaded) != KVTIER_OUT_OF_RANGE) return 8;
