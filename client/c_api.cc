@@ -1,12 +1,11 @@
 // The C API (kvtier/kvtier.h) over kvtier::Client.
-#include "kvtier/kvtier.h"
-
 #include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
 
 #include "kvtier/client.h"
+#include "kvtier/kvtier.h"
 
 struct kvtier_client {
   std::unique_ptr<kvtier::Client> client;
@@ -154,8 +153,8 @@ kvtier_status kvtier_store(kvtier_client* client, uint32_t cache_id, const uint8
   return KVTIER_OK;
 }
 
-kvtier_status kvtier_prefetch(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t num_keys,
-                              uint32_t* cached) {
+kvtier_status kvtier_prefetch(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                              size_t num_keys, uint32_t* cached) {
   if (client == nullptr || (keys == nullptr && num_keys > 0)) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
   }
@@ -178,24 +177,27 @@ kvtier_status kvtier_load_async(kvtier_client* client, uint32_t cache_id, const 
 }
 
 kvtier_status kvtier_store_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
-                                 const uint32_t* block_ids, size_t n, const uint8_t* parent, kvtier_op* op) {
+                                 const uint32_t* block_ids, size_t n, const uint8_t* parent,
+                                 kvtier_op* op) {
   if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || op == nullptr) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
   }
   std::optional<kvtier::BlockKey> parent_key;
   if (parent != nullptr) parent_key = Keys(parent, 1).front();
-  kvtier::Result<kvtier::OpHandle> r =
-      client->client->StoreAsync(cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n), parent_key);
+  kvtier::Result<kvtier::OpHandle> r = client->client->StoreAsync(
+      cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n), parent_key);
   if (!r) return Fail(r.error());
   *op = kvtier_op{.op = r->op, .connection = r->connection};
   return KVTIER_OK;
 }
 
-kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms, uint32_t* blocks,
-                          uint32_t* already) {
-  if (client == nullptr || op == nullptr) return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
-  kvtier::Result<kvtier::OpResult> r = client->client->Wait(kvtier::OpHandle{.op = op->op, .connection = op->connection},
-                                                            std::chrono::milliseconds(timeout_ms));
+kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms,
+                          uint32_t* blocks, uint32_t* already) {
+  if (client == nullptr || op == nullptr)
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  kvtier::Result<kvtier::OpResult> r =
+      client->client->Wait(kvtier::OpHandle{.op = op->op, .connection = op->connection},
+                           std::chrono::milliseconds(timeout_ms));
   if (!r) return Fail(r.error());
   if (blocks != nullptr) *blocks = r->blocks;
   if (already != nullptr) *already = r->already;

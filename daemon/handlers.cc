@@ -471,7 +471,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   const Tenant* only = s.tenant->config.admin ? nullptr : s.tenant;
   std::vector<std::pair<const char*, uint64_t>> counters;
   TierUsage usage[kNumTiers];
-  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk}) usage[static_cast<size_t>(t)] = cache_->Usage(t);
+  for (Tier t : {Tier::kHbm, Tier::kHost, Tier::kDisk})
+    usage[static_cast<size_t>(t)] = cache_->Usage(t);
   uint64_t sessions = 0, leases = 0, mappings = 0, inflight = 0;
   for (const auto& [sid, session] : sessions_) {
     if (only != nullptr && session->tenant != only) continue;
@@ -500,31 +501,32 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
     // Every live mapping, including dead clients' that wait for their copies.
     mappings = backend_->live_mappings();
     counters = RequestCounters(c);
-    counters.insert(counters.end(), {
-        {"promotions", c.promotions},
-        {"demotions", c.demotions},
-        {"prefix_fallbacks", c.prefix_fallbacks},
-        {"extents_reclaimed", c.extents_reclaimed},
-        {"bytes_hbm_to_host", c.bytes_hbm_to_host},
-        {"bytes_host_to_hbm", c.bytes_host_to_hbm},
-        {"disk_promotions", c.disk_promotions},
-        {"disk_demotions", c.disk_demotions},
-        {"disk_returns", c.disk_returns},
-        {"disk_read_failures", c.disk_read_failures},
-        {"disk_write_failures", c.disk_write_failures},
-        {"disk_not_admitted", c.disk_not_admitted},
-        {"disk_over_budget", c.disk_over_budget},
-        {"disk_reinsertions", c.disk_reinsertions},
-        {"bytes_host_to_disk", c.bytes_host_to_disk},
-        {"bytes_disk_to_host", c.bytes_disk_to_host},
-        {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},
-        {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
-        {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
-        {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
-        {"disk_group_commits", disk_ ? disk_->counters().group_commits : 0},
-        {"sessions_refused", sessions_refused_},
-        {"messages_rejected", messages_rejected_},
-    });
+    counters.insert(counters.end(),
+                    {
+                        {"promotions", c.promotions},
+                        {"demotions", c.demotions},
+                        {"prefix_fallbacks", c.prefix_fallbacks},
+                        {"extents_reclaimed", c.extents_reclaimed},
+                        {"bytes_hbm_to_host", c.bytes_hbm_to_host},
+                        {"bytes_host_to_hbm", c.bytes_host_to_hbm},
+                        {"disk_promotions", c.disk_promotions},
+                        {"disk_demotions", c.disk_demotions},
+                        {"disk_returns", c.disk_returns},
+                        {"disk_read_failures", c.disk_read_failures},
+                        {"disk_write_failures", c.disk_write_failures},
+                        {"disk_not_admitted", c.disk_not_admitted},
+                        {"disk_over_budget", c.disk_over_budget},
+                        {"disk_reinsertions", c.disk_reinsertions},
+                        {"bytes_host_to_disk", c.bytes_host_to_disk},
+                        {"bytes_disk_to_host", c.bytes_disk_to_host},
+                        {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},
+                        {"disk_checksum_failures", disk_ ? disk_->counters().checksum_failures : 0},
+                        {"disk_regions_reclaimed", disk_ ? disk_->counters().regions_reclaimed : 0},
+                        {"disk_recovered_records", disk_ ? disk_->counters().recovered_records : 0},
+                        {"disk_group_commits", disk_ ? disk_->counters().group_commits : 0},
+                        {"sessions_refused", sessions_refused_},
+                        {"messages_rejected", messages_rejected_},
+                    });
   }
   FlatBufferBuilder b(2048);
   std::vector<flatbuffers::Offset<w::TierStats>> tiers;
@@ -652,7 +654,8 @@ MetricsSnapshot Server::Snapshot() const {
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
   for (const auto& t : tenants_->tenants()) {
-    MetricsSnapshot::TenantRow row{.name = t->config.name, .sessions = t->sessions, .share = cache_->ShareOf(t->id)};
+    MetricsSnapshot::TenantRow row{
+        .name = t->config.name, .sessions = t->sessions, .share = cache_->ShareOf(t->id)};
     m.tenants.push_back(std::move(row));
   }
   return m;

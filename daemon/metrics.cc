@@ -143,21 +143,22 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
     const TenantShare& ts = t.share;
     for (size_t i = 0; i < 3; ++i) {
-      f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.", static_cast<double>(ts.used_bytes[i]),
-              L({{"tenant", t.name}, {"tier", tiers[i]}}));
+      f.Gauge("kvtier_tenant_used_bytes", "Bytes a tenant holds, by tier.",
+              static_cast<double>(ts.used_bytes[i]), L({{"tenant", t.name}, {"tier", tiers[i]}}));
     }
     f.Gauge("kvtier_tenant_blocks", "Blocks a tenant holds.",
-            static_cast<double>(ts.blocks[0] + ts.blocks[1] + ts.blocks[2]), L({{"tenant", t.name}}));
+            static_cast<double>(ts.blocks[0] + ts.blocks[1] + ts.blocks[2]),
+            L({{"tenant", t.name}}));
     f.Gauge("kvtier_tenant_sessions", "A tenant's connected clients.", static_cast<double>(t.sessions),
             L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.", static_cast<double>(ts.lookups),
-              L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_lookups_total", "A tenant's lookup requests.",
+              static_cast<double>(ts.lookups), L({{"tenant", t.name}}));
     f.Counter("kvtier_tenant_hits_total", "Keys a tenant's lookups found.",
               static_cast<double>(ts.hits[0] + ts.hits[1] + ts.hits[2]), L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_misses_total", "Keys a tenant's lookups did not find.", static_cast<double>(ts.misses),
-              L({{"tenant", t.name}}));
-    f.Counter("kvtier_tenant_stores_total", "Blocks a tenant stored.", static_cast<double>(ts.stores),
-              L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_misses_total", "Keys a tenant's lookups did not find.",
+              static_cast<double>(ts.misses), L({{"tenant", t.name}}));
+    f.Counter("kvtier_tenant_stores_total", "Blocks a tenant stored.",
+              static_cast<double>(ts.stores), L({{"tenant", t.name}}));
     f.Counter("kvtier_tenant_loads_total", "Blocks loaded into a tenant's engines.",
               static_cast<double>(ts.loads), L({{"tenant", t.name}}));
     for (size_t i = 0; i < 3; ++i) {

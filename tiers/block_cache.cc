@@ -80,7 +80,8 @@ bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
 }
 
 uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
-  return tenant < tenant_shares_.size() ? tenant_shares_[tenant].used_bytes[static_cast<size_t>(t)] : 0;
+  return tenant < tenant_shares_.size() ? tenant_shares_[tenant].used_bytes[static_cast<size_t>(t)]
+                                        : 0;
 }
 
 uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
@@ -202,7 +203,8 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
     // every extent taken by the first's).
     if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
       const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
-      if (coldest != nullptr && SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
+      if (coldest != nullptr &&
+          SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
         if (EmptyExtent(t, bytes)) continue;
       }
     }
@@ -220,13 +222,16 @@ bool BlockCache::EmptyExtent(Tier t, uint64_t bytes) {
   SlotPool& pool = *tier(t)->pool;
   const std::optional<std::span<uint8_t>> extent = pool.ExtentToReclaim(bytes);
   if (!extent) return false;
-  auto inside = [&](const uint8_t* p) { return p >= extent->data() && p < extent->data() + extent->size(); };
+  auto inside = [&](const uint8_t* p) {
+    return p >= extent->data() && p < extent->data() + extent->size();
+  };
   // Its blocks: every one must be free to go (a lease, a move or a retired
   // slot keeps the extent this time).
   std::vector<StoredKey> blocks;
   for (BlockEntry* e = index_.Coldest(t); e != nullptr; e = BlockIndex::Hotter(e)) {
     if (!inside(e->slot)) continue;
-    if (e->leases != 0 || e->moving || e->state != EntryState::kReady || e->retired_slot != nullptr) return false;
+    if (e->leases != 0 || e->moving || e->state != EntryState::kReady || e->retired_slot != nullptr)
+      return false;
     blocks.push_back(e->key);
   }
   for (const StoredKey& key : blocks) {
@@ -288,8 +293,8 @@ CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys)
 }
 
 uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
-                      std::span<const uint32_t> block_ids, EngineTarget target,
-                      std::weak_ptr<void> /*owner*/, OpDone done) {
+                          std::span<const uint32_t> block_ids, EngineTarget target,
+                          std::weak_ptr<void> /*owner*/, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
   std::vector<BlockEntry*> leased;
   std::vector<BlockEntry*> on_disk;
@@ -306,7 +311,10 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
     const auto n = static_cast<uint32_t>(leased.size());
-    return CopyToEngine(tenant, std::move(leased), std::move(ids), std::move(target), std::move(done)) ? n : 0;
+    return CopyToEngine(tenant, std::move(leased), std::move(ids), std::move(target),
+                        std::move(done))
+               ? n
+               : 0;
   }
   // Bring the disk blocks up to host first (sharing reads with other loads),
   // then copy the prefix that made it: a block that failed its checks is
@@ -332,14 +340,15 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       // Too late for the event: the engine learned from OpStarted that it
       // was not recorded, and waits for the op instead.
       p->target.event = -1;
-      CopyToEngine(tenant, std::move(p->leased), std::move(p->ids), std::move(p->target), std::move(p->done));
+      CopyToEngine(tenant, std::move(p->leased), std::move(p->ids), std::move(p->target),
+                   std::move(p->done));
     });
   }
   return 0;
 }
 
-bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids,
-                              EngineTarget target, OpDone done) {
+bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
+                              std::vector<uint32_t> block_ids, EngineTarget target, OpDone done) {
   if (leased.empty()) {
     options_.post([done = std::move(done)] { done(OpOutcome{}); });
     return false;
@@ -459,8 +468,10 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     return 0;
   }
   const auto n = static_cast<uint32_t>(filling.size());
-  const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling), owner = std::move(owner), status,
-                                already, bytes, done = std::move(done)](CopyResult result) {
+  const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling),
+                                                    owner = std::move(owner), status, already,
+                                                    bytes,
+                                                    done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
     for (size_t i = 0; i < filling.size(); ++i) {
       BlockEntry* e = filling[i];

@@ -96,7 +96,7 @@ struct CacheCounters {
   uint64_t disk_reinsertions = 0;    // hot blocks read up to host before their region was reclaimed
   uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
-  uint64_t extents_reclaimed = 0; // slot extents emptied for another block size
+  uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
   uint64_t bytes_engine_to_cache = 0;
   uint64_t bytes_cache_to_engine = 0;
   uint64_t bytes_hbm_to_host = 0;
@@ -332,8 +332,8 @@ class BlockCache {
   void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
   // Loads `leased` (all resident in memory tiers) into the engine. Returns
   // whether copies were queued (with target.event).
-  bool CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased, std::vector<uint32_t> block_ids, EngineTarget target,
-                    OpDone done);
+  bool CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
+                    std::vector<uint32_t> block_ids, EngineTarget target, OpDone done);
   // Starts a host -> hbm move of `e` if hbm has a free slot below its high
   // watermark and the owner's quota allows; returns whether it started.
   bool MaybePromote(BlockEntry* e);

@@ -35,7 +35,8 @@ bool SlotPool::Carve(uint64_t stride) {
   auto range = std::find_if(free_ranges_.begin(), free_ranges_.end(),
                             [&](const auto& r) { return r.second >= stride; });
   if (range == free_ranges_.end()) return false;
-  const uint64_t slots = std::min(std::max<uint64_t>(1, extent_bytes_ / stride), range->second / stride);
+  const uint64_t slots =
+      std::min(std::max<uint64_t>(1, extent_bytes_ / stride), range->second / stride);
   uint8_t* const begin = range->first;
   const uint64_t bytes = slots * stride;
   const uint64_t rest = range->second - bytes;
@@ -105,13 +106,16 @@ std::map<uint8_t*, uint64_t> SlotPool::RangesWithEmptiesReleased() const {
 
 bool SlotPool::CanAllocate(uint64_t block_bytes) const {
   const uint64_t stride = StrideFor(block_bytes);
-  if (auto c = classes_.find(stride); c != classes_.end() && !c->second.with_free.empty()) return true;
+  if (auto c = classes_.find(stride); c != classes_.end() && !c->second.with_free.empty())
+    return true;
   const std::map<uint8_t*, uint64_t> ranges = RangesWithEmptiesReleased();
-  return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.second >= stride; });
+  return std::any_of(ranges.begin(), ranges.end(),
+                     [&](const auto& r) { return r.second >= stride; });
 }
 
 size_t SlotPool::sizes_in_use() const {
-  return static_cast<size_t>(std::count_if(classes_.begin(), classes_.end(), [](const auto& c) { return c.second.extents > 0; }));
+  return static_cast<size_t>(std::count_if(classes_.begin(), classes_.end(),
+                                           [](const auto& c) { return c.second.extents > 0; }));
 }
 
 bool SlotPool::holds(uint64_t block_bytes) const {

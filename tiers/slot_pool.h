@@ -81,9 +81,9 @@ class SlotPool {
   const uint64_t size_bytes_;
   const uint64_t extent_bytes_;
   uint64_t used_bytes_ = 0;
-  std::map<uint8_t*, Extent> extents_;     // carved, by address
+  std::map<uint8_t*, Extent> extents_;        // carved, by address
   std::map<uint8_t*, uint64_t> free_ranges_;  // not carved: start -> bytes, coalesced
-  std::set<uint8_t*> empty_;               // extents with no slot in use
+  std::set<uint8_t*> empty_;                  // extents with no slot in use
   std::map<uint64_t, SizeClass> classes_;  // by stride
 };
 

@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
   uint8_t more_keys[4 * 16];
   CHECK(kvtier_compute_keys(client, cache_id, more_tokens, 64, more_keys, 4, &num_keys));
   uint32_t more_ids[4] = {4, 5, 6, 7}, more_other[4] = {12, 13, 14, 15};
-  for (uint32_t b = 0; b < 4; ++b) memset(kvtier_shm_cache_block(cache, more_ids[b]), (int)(0x60 + b), block_bytes);
+  for (uint32_t b = 0; b < 4; ++b)
+    memset(kvtier_shm_cache_block(cache, more_ids[b]), (int)(0x60 + b), block_bytes);
   kvtier_op op;
   CHECK(kvtier_store_async(client, cache_id, more_keys, more_ids, 4, keys + 3 * 16, &op));
   CHECK(kvtier_wait(client, &op, 0, &stored, &already));

@@ -25,12 +25,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/block_pattern.h"
 #include "common/check.h"
 #include "config/config_loader.h"
 #include "daemon/server.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
-#include "common/block_pattern.h"
 #include "kvtier/client.h"
 #include "kvtier/shm_kv_cache.h"
 
@@ -83,9 +83,10 @@ UniqueFd OpenSession(bool with_cache) {
   Result<UniqueFd> fd = ipc::Connect(g_socket);
   KVTIER_CHECK_MSG(fd.has_value(), "the daemon stopped accepting connections");
   flatbuffers::FlatBufferBuilder b;
-  KVTIER_CHECK(ipc::SendMessage(fd->get(), ipc::FinishMessage(b, 1, wire::CreateHelloDirect(
-                                                                         b, ipc::kProtocolVersion,
-                                                                         kMalloryToken.c_str())))
+  KVTIER_CHECK(ipc::SendMessage(fd->get(),
+                                ipc::FinishMessage(b, 1,
+                                                   wire::CreateHelloDirect(b, ipc::kProtocolVersion,
+                                                                           kMalloryToken.c_str())))
                    .ok());
   KVTIER_CHECK_MSG(Receive(fd->get(), 10000).has_value(), "no Welcome");
   if (with_cache) {
@@ -120,14 +121,17 @@ void CheckAlive() {
 // The victim's blocks are all there and load exactly.
 void CheckVictimUntouched() {
   Result<LookupResult> hit = g_victim->Lookup(g_victim_id, g_victim_keys);
-  KVTIER_CHECK_MSG(hit.has_value() && hit->hits == kVictimBlocks, "another tenant's blocks went missing");
+  KVTIER_CHECK_MSG(hit.has_value() && hit->hits == kVictimBlocks,
+                   "another tenant's blocks went missing");
   std::vector<uint32_t> ids;
   for (uint32_t i = 0; i < kVictimBlocks; ++i) {
     ids.push_back(kVictimBlocks + i);
-    std::memset(g_victim_cache->block(kVictimBlocks + i).data(), 0, g_victim_cache->block(0).size());
+    std::memset(g_victim_cache->block(kVictimBlocks + i).data(), 0,
+                g_victim_cache->block(0).size());
   }
   Result<OpResult> loaded = g_victim->Load(g_victim_id, g_victim_keys, ids);
-  KVTIER_CHECK_MSG(loaded.has_value() && loaded->blocks == kVictimBlocks, "another tenant's blocks do not load");
+  KVTIER_CHECK_MSG(loaded.has_value() && loaded->blocks == kVictimBlocks,
+                   "another tenant's blocks do not load");
   for (uint32_t i = 0; i < kVictimBlocks; ++i) {
     KVTIER_CHECK_MSG(MatchesKey(g_victim_keys[i], g_victim_cache->block(kVictimBlocks + i)),
                      "another tenant's block changed");
@@ -173,12 +177,16 @@ void WriteSeeds(const std::string& dir) {
   const auto namespaces = msg([&](auto& x) { return ipc::FinishMessage(x, 18, wire::CreateListNamespacesDirect(x, "*")); });
   const auto tenants = msg([&](auto& x) { return ipc::FinishMessage(x, 19, wire::CreateListTenants(x)); });
   // Reaching for the victim's blocks.
-  const auto evict_victim =
-      msg([&](auto& x) { return ipc::FinishMessage(x, 20, wire::CreateEvictDirect(x, "victim", nullptr, wire::Tier::None)); });
-  const auto evict_all =
-      msg([&](auto& x) { return ipc::FinishMessage(x, 21, wire::CreateEvictDirect(x, "*", nullptr, wire::Tier::None)); });
-  const auto list_victim =
-      msg([&](auto& x) { return ipc::FinishMessage(x, 22, wire::CreateListNamespacesDirect(x, "victim")); });
+  const auto evict_victim = msg([&](auto& x) {
+    return ipc::FinishMessage(x, 20,
+                              wire::CreateEvictDirect(x, "victim", nullptr, wire::Tier::None));
+  });
+  const auto evict_all = msg([&](auto& x) {
+    return ipc::FinishMessage(x, 21, wire::CreateEvictDirect(x, "*", nullptr, wire::Tier::None));
+  });
+  const auto list_victim = msg([&](auto& x) {
+    return ipc::FinishMessage(x, 22, wire::CreateListNamespacesDirect(x, "victim"));
+  });
   const auto flush = msg([&](auto& x) { return ipc::FinishMessage(x, 23, wire::CreateFlush(x)); });
   seed("store-lookup-load-wait", {store, lookup, load, wait});
   seed("store-prefetch-poll", {store, prefetch, load, poll});
@@ -196,11 +204,12 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   const std::string dir = tmpl;
   g_socket = dir + "/kvtierd.sock";
   Result<Config> config = LoadConfig(ConfigSource{
-      .overrides = {"socket.path=" + g_socket, "state_dir=" + dir + "/state", "tiers.disk.enabled=false",
-                    "metrics.enabled=false", "tiers.host.bytes=8MiB", "tiers.hbm.enabled=true", "tiers.hbm.bytes=1MiB",
-                    "limits.max_keys_per_request=64",
-                    "tenants=[{name: victim, token: " + kVictimToken + "}, {name: mallory, token: " + kMalloryToken +
-                        ", quotas: {hbm: 256KiB, host: 2MiB}}]"}});
+      .overrides = {
+          "socket.path=" + g_socket, "state_dir=" + dir + "/state", "tiers.disk.enabled=false",
+          "metrics.enabled=false", "tiers.host.bytes=8MiB", "tiers.hbm.enabled=true",
+          "tiers.hbm.bytes=1MiB", "limits.max_keys_per_request=64",
+          "tenants=[{name: victim, token: " + kVictimToken + "}, {name: mallory, token: " +
+              kMalloryToken + ", quotas: {hbm: 256KiB, host: 2MiB}}]"}});
   KVTIER_CHECK(config.has_value());
   Result<std::unique_ptr<Server>> server = Server::Create(Server::Options{.config = *config});
   KVTIER_CHECK_MSG(server.has_value(), "cannot start the in-process daemon");
@@ -209,7 +218,8 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   std::atexit(StopDaemon);  // runs before the statics above are destroyed
   g_cache = std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 32).value());
   g_victim = Client::Connect({.socket_path = g_socket, .token = kVictimToken}).value();
-  g_victim_cache = std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 2 * kVictimBlocks).value());
+  g_victim_cache =
+      std::make_unique<ShmKvCache>(ShmKvCache::Create(SmallLayout(), 2 * kVictimBlocks).value());
   g_victim_id = g_victim->RegisterKvCache(*g_victim_cache).value();
   g_victim_keys = g_victim->ComputeKeys(g_victim_id, PseudoTokens(7, kVictimBlocks * 4)).value();
   std::vector<uint32_t> ids;

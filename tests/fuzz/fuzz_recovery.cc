@@ -71,16 +71,23 @@ class Rig {
       cv_.SignalAll();
     };
     Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
-        {.devices = {&device}, .index_path = IndexDir(), .region_bytes = kRegionBytes, .post = post,
-         .reclaim = [this](const StoredKey& key, bool commit) { return cache_->ReclaimFromDisk(key, commit); },
-         .resident = [this](uint32_t d, uint32_t region) { return cache_->ResidentOnDisk(d, region); }});
+        {.devices = {&device},
+         .index_path = IndexDir(),
+         .region_bytes = kRegionBytes,
+         .post = post,
+         .reclaim = [this](const StoredKey& key,
+                           bool commit) { return cache_->ReclaimFromDisk(key, commit); },
+         .resident = [this](uint32_t d,
+                            uint32_t region) { return cache_->ResidentOnDisk(d, region); }});
     // A damaged index may fail to open (RocksDB's own checks); that is a
     // clean refusal, not a crash.
     if (!disk) return;
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_.block_bytes());
-    cache_ = BlockCache::Create({.backend = &backend_, .post = post, .host_bytes = 8 * stride, .disk = disk_.get()})
-                 .value();
+    cache_ =
+        BlockCache::Create(
+            {.backend = &backend_, .post = post, .host_bytes = 8 * stride, .disk = disk_.get()})
+            .value();
     cache_->SetTenantName(0, "t0");
     cache_->SetTenantName(1, "t1");
     cache_->AdoptDiskRecords(disk_->TakeRecovered());
@@ -117,10 +124,11 @@ class Rig {
     engine_.Zero(kLoadBlock);
     bool done = false;
     uint32_t blocks = 0;
-    cache_->Load(tenant, std::span(&key, 1), std::span(&kLoadBlock, 1), Target(), alive_, [&](OpOutcome o) {
-      blocks = o.blocks;
-      done = true;
-    });
+    cache_->Load(tenant, std::span(&key, 1), std::span(&kLoadBlock, 1), Target(), alive_,
+                 [&](OpOutcome o) {
+                   blocks = o.blocks;
+                   done = true;
+                 });
     Drain([&] { return done; });
     if (blocks == 0) return false;
     std::vector<uint8_t> want(engine_.block_bytes());
@@ -173,9 +181,8 @@ StoredKey KeyFrom(FuzzedDataProvider& in, uint8_t salt) {
 // Returns keys the input added.
 std::vector<StoredKey> DamageIndex(FuzzedDataProvider& in) {
   rocksdb::Options options;
-  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {{rocksdb::kDefaultColumnFamilyName, {}},
-                                                      {"blocks", {}},
-                                                      {"regions", {}}};
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
   KVTIER_CHECK(rocksdb::DB::Open(options, IndexDir(), cfs, &handles, &raw).ok());
@@ -184,12 +191,14 @@ std::vector<StoredKey> DamageIndex(FuzzedDataProvider& in) {
   std::vector<std::pair<std::string, std::string>> entries;
   {
     std::unique_ptr<rocksdb::Iterator> it(db->NewIterator({}, blocks));
-    for (it->SeekToFirst(); it->Valid(); it->Next()) entries.emplace_back(it->key().ToString(), it->value().ToString());
+    for (it->SeekToFirst(); it->Valid(); it->Next())
+      entries.emplace_back(it->key().ToString(), it->value().ToString());
   }
   std::vector<StoredKey> added;
   const int ops = in.ConsumeIntegralInRange(0, 8);
   for (int op = 0; op < ops && in.remaining_bytes() > 0; ++op) {
-    const size_t pick = entries.empty() ? 0 : in.ConsumeIntegralInRange<size_t>(0, entries.size() - 1);
+    const size_t pick =
+        entries.empty() ? 0 : in.ConsumeIntegralInRange<size_t>(0, entries.size() - 1);
     switch (in.ConsumeIntegralInRange(0, 5)) {
       case 0:  // delete an entry
         if (!entries.empty()) KVTIER_CHECK(db->Delete({}, blocks, entries[pick].first).ok());
@@ -197,7 +206,8 @@ std::vector<StoredKey> DamageIndex(FuzzedDataProvider& in) {
       case 1:  // one byte of a value
         if (!entries.empty() && !entries[pick].second.empty()) {
           std::string& v = entries[pick].second;
-          v[in.ConsumeIntegralInRange<size_t>(0, v.size() - 1)] = static_cast<char>(in.ConsumeIntegral<uint8_t>());
+          v[in.ConsumeIntegralInRange<size_t>(0, v.size() - 1)] =
+              static_cast<char>(in.ConsumeIntegral<uint8_t>());
           KVTIER_CHECK(db->Put({}, blocks, entries[pick].first, v).ok());
         }
         break;
@@ -218,29 +228,36 @@ std::vector<StoredKey> DamageIndex(FuzzedDataProvider& in) {
         if (!entries.empty()) {
           const StoredKey k = KeyFrom(in, 3);
           added.push_back(k);
-          KVTIER_CHECK(db->Put({}, blocks, rocksdb::Slice(reinterpret_cast<const char*>(k.bytes.data()), k.kSize),
-                               entries[pick].second)
-                           .ok());
+          KVTIER_CHECK(
+              db->Put({}, blocks,
+                      rocksdb::Slice(reinterpret_cast<const char*>(k.bytes.data()), k.kSize),
+                      entries[pick].second)
+                  .ok());
         }
         break;
       case 4: {  // a key and value of the input's own
         const StoredKey k = KeyFrom(in, 4);
         added.push_back(k);
         const std::string value = in.ConsumeRandomLengthString(96);
-        KVTIER_CHECK(
-            db->Put({}, blocks, rocksdb::Slice(reinterpret_cast<const char*>(k.bytes.data()), k.kSize), value).ok());
+        KVTIER_CHECK(db->Put({}, blocks,
+                             rocksdb::Slice(reinterpret_cast<const char*>(k.bytes.data()), k.kSize),
+                             value)
+                         .ok());
         break;
       }
       case 5: {  // a key of the wrong size
         const std::string key = in.ConsumeRandomLengthString(40);
         if (key.size() != StoredKey::kSize) {
-          KVTIER_CHECK(db->Put({}, blocks, key, entries.empty() ? std::string() : entries[pick].second).ok());
+          KVTIER_CHECK(
+              db->Put({}, blocks, key, entries.empty() ? std::string() : entries[pick].second)
+                  .ok());
         }
         break;
       }
     }
   }
-  for (rocksdb::ColumnFamilyHandle* h : handles) KVTIER_CHECK(db->DestroyColumnFamilyHandle(h).ok());
+  for (rocksdb::ColumnFamilyHandle* h : handles)
+    KVTIER_CHECK(db->DestroyColumnFamilyHandle(h).ok());
   KVTIER_CHECK(db->Close().ok());
   return added;
 }
@@ -257,8 +274,9 @@ void DamageDevice(FuzzedDataProvider& in, MemoryDevice& device) {
             static_cast<uint8_t>(in.ConsumeIntegralInRange(1, 255));
         break;
       case 1:
-        std::memset(bytes.data() + in.ConsumeIntegralInRange<uint64_t>(0, pages - 1) * kRecordAlignBytes, 0,
-                    kRecordAlignBytes);
+        std::memset(
+            bytes.data() + in.ConsumeIntegralInRange<uint64_t>(0, pages - 1) * kRecordAlignBytes, 0,
+            kRecordAlignBytes);
         break;
       case 2: {
         const uint64_t from = in.ConsumeIntegralInRange<uint64_t>(0, pages - 1);

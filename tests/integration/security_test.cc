@@ -105,8 +105,9 @@ TEST(SecurityTest, StatsShowATenantOnlyItsOwnShare) {
   ASSERT_EQ(b_before.tiers.size(), 3u);
   EXPECT_EQ(b_before.tiers[1].capacity_bytes, 1u << 20);  // its quota, not the node's 64 MiB
   EXPECT_EQ(b_before.Counter("disk_io_errors"), 0u);      // node-wide counters are the admin's
-  EXPECT_TRUE(std::none_of(b_before.counters.begin(), b_before.counters.end(),
-                           [](const auto& c) { return c.first == "sessions_refused" || c.first == "promotions"; }));
+  EXPECT_TRUE(std::none_of(b_before.counters.begin(), b_before.counters.end(), [](const auto& c) {
+    return c.first == "sessions_refused" || c.first == "promotions";
+  }));
 
   // a's traffic.
   const CacheId ia = a->RegisterKvCache(cache).value();
@@ -168,13 +169,15 @@ TEST(SecurityTest, APeerOfAnotherUidIsRefusedUnlessConfigured) {
     EXPECT_EQ(::pipe(out), 0);
     const pid_t pid = ForkChild([&] {
       ::close(out[0]);
-      if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) return 100;
+      if (::setgroups(0, nullptr) != 0 || ::setgid(kNobody) != 0 || ::setuid(kNobody) != 0)
+        return 100;
       Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d.socket_path()});
       if (!c) return static_cast<int>(c.error().code());
       Result<DaemonStats> st = (*c)->Stats();
       if (!st) return 101;
       const std::string said = st->scope;
-      if (::write(out[1], said.data(), said.size()) != static_cast<ssize_t>(said.size())) return 102;
+      if (::write(out[1], said.data(), said.size()) != static_cast<ssize_t>(said.size()))
+        return 102;
       return 0;
     });
     ::close(out[1]);
@@ -200,9 +203,10 @@ TEST(SecurityTest, APeerOfAnotherUidIsRefusedUnlessConfigured) {
     EXPECT_NE(Connect(*d, ""), nullptr) << "root, the configured uid, still gets in";
   }
   {
-    Result<DaemonProcess> d = DaemonProcess::Start(
-        {"tenants=[{name: local, uid: 0, admin: true}, {name: guest, uid: " + std::to_string(kNobody) + "}]",
-         "socket.mode=0666"});
+    Result<DaemonProcess> d =
+        DaemonProcess::Start({"tenants=[{name: local, uid: 0, admin: true}, {name: guest, uid: " +
+                                  std::to_string(kNobody) + "}]",
+                              "socket.mode=0666"});
     ASSERT_TRUE(d.has_value()) << d.error();
     ASSERT_EQ(::chmod(d->dir().c_str(), 0755), 0);
     EXPECT_EQ(connect_as_nobody(*d, &scope), 0);

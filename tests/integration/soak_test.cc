@@ -46,8 +46,11 @@ std::string Token(uint32_t tenant) { return "soak-token-tenant-" + std::to_strin
 Layout SoakLayout(uint32_t tenant) {
   const bool other = tenant == 2;
   return Layout::Create(LayoutSpec{.model_id = other ? "kvtier/soak-b" : "kvtier/soak",
-                                   .num_layers = other ? 3u : 2u, .kv_kind = KvKind::kSeparateKv,
-                                   .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16,
+                                   .num_layers = other ? 3u : 2u,
+                                   .kv_kind = KvKind::kSeparateKv,
+                                   .num_kv_heads = 2,
+                                   .head_dim = 64,
+                                   .dtype = DType::kBf16,
                                    .block_tokens = kBlockTokens})
       .value();
 }
@@ -216,7 +219,8 @@ TEST(SoakTest, ThirtyTwoClientsOfThreeTenantsForAMinute) {
   EXPECT_EQ(end.Counter("disk_checksum_failures"), 0u);
   EXPECT_GT(end.Counter("disk_demotions"), 0u) << "the disk tier was under pressure too";
   EXPECT_GT(end.Counter("demotions"), 0u);
-  EXPECT_GT(end.Counter("extents_reclaimed"), 0u) << "the two block sizes took room from each other";
+  EXPECT_GT(end.Counter("extents_reclaimed"), 0u)
+      << "the two block sizes took room from each other";
 }
 
 // Blocks in the disk tier now, as the daemon counts them (admin session).

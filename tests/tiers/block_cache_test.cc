@@ -312,7 +312,9 @@ class BlockCacheTest : public ::testing::Test {
 
   uint32_t Hits(const std::vector<StoredKey>& keys) { return cache_->Lookup(kTenant, keys).hits; }
   bool Present(const StoredKey& key) { return Hits({key}) == 1; }
-  std::vector<Tier> Tiers(const std::vector<StoredKey>& keys) { return cache_->Lookup(kTenant, keys).tiers; }
+  std::vector<Tier> Tiers(const std::vector<StoredKey>& keys) {
+    return cache_->Lookup(kTenant, keys).tiers;
+  }
   uint64_t BlockBytes() const { return engine_->block_bytes(); }
 
   // Declared first: backend workers post here until the backend is gone.
@@ -655,7 +657,8 @@ TEST_F(BlockCacheTest, WithoutADiskTierTheHostTierFillsAndEvictsOnlyOnDemand) {
 TEST_F(BlockCacheTest, ASecondBlockSizeIsNotStarvedByTheFirst) {
   Start({.host_slots = 256});  // 2 MiB: extents of 32 KiB, 4 slots of 8 KiB
   const std::vector<StoredKey> a = NewKeys(256);
-  for (size_t i = 0; i < a.size(); ++i) ASSERT_TRUE(Store({a[i]}, static_cast<uint32_t>(i % 64)).status.ok());
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_TRUE(Store({a[i]}, static_cast<uint32_t>(i % 64)).status.ok());
   ASSERT_EQ(cache_->Usage(Tier::kHost).blocks, 256u) << "the first size has the whole tier";
 
   Result<std::unique_ptr<EngineMemory>> other = EngineMemory::Create(*backend_, SmallSpec(2), 64);
@@ -667,7 +670,8 @@ TEST_F(BlockCacheTest, ASecondBlockSizeIsNotStarvedByTheFirst) {
   for (uint32_t i = 0; i < b.size(); ++i) {
     engine2.Fill(i, b[i]);
     auto op = std::make_shared<Op>();
-    cache_->Store(kTenant, std::span(&b[i], 1), std::span(&i, 1), std::nullopt, target2, owner_, Recorder(op));
+    cache_->Store(kTenant, std::span(&b[i], 1), std::span(&i, 1), std::nullopt, target2, owner_,
+                  Recorder(op));
     ASSERT_TRUE(DrainUntil([&] { return op->done; }));
     ASSERT_TRUE(op->outcome.status.ok()) << "block " << i << ": " << op->outcome.status;
   }
@@ -694,7 +698,8 @@ TEST_F(BlockCacheTest, ASecondBlockSizeIsNotStarvedByTheFirst) {
   // and then evict the first size's own coldest.
   for (size_t i = 32; i < a.size(); ++i) ASSERT_TRUE(Present(a[i]));  // touched: now hotter than b
   const std::vector<StoredKey> more = NewKeys(64);
-  for (size_t i = 0; i < more.size(); ++i) ASSERT_TRUE(Store({more[i]}, static_cast<uint32_t>(i)).status.ok());
+  for (size_t i = 0; i < more.size(); ++i)
+    ASSERT_TRUE(Store({more[i]}, static_cast<uint32_t>(i)).status.ok());
   for (const StoredKey& k : more) EXPECT_TRUE(Present(k));
   EXPECT_EQ(cache_->counters().extents_reclaimed, 16u);
   for (const StoredKey& k : b) EXPECT_FALSE(Present(k));

@@ -191,7 +191,7 @@ TEST(HostBackendTest, FlowsOfOnePriorityTakeTurns) {
   {
     WorkerGate gate(*backend);
     for (int i = 0; i < 30; ++i) backend->Submit(batch(1), c.Done(100 + i));  // a burst of tenant 1
-    backend->Submit(batch(2), c.Done(200));                                   // then tenant 2's load
+    backend->Submit(batch(2), c.Done(200));  // then tenant 2's load
     backend->Submit(batch(7), c.Done(700));
     backend->Submit(batch(2), c.Done(201));
   }
@@ -201,7 +201,8 @@ TEST(HostBackendTest, FlowsOfOnePriorityTakeTurns) {
   // Turns: 1, 2, 7, 1, 2, then the rest of 1's burst.
   const std::vector<int> head(order.begin(), order.begin() + 5);
   EXPECT_EQ(head, (std::vector<int>{100, 200, 700, 101, 201}));
-  for (int i = 2; i < 30; ++i) EXPECT_EQ(order[static_cast<size_t>(i) + 3], 100 + i) << "one flow's copies stay in order";
+  for (int i = 2; i < 30; ++i)
+    EXPECT_EQ(order[static_cast<size_t>(i) + 3], 100 + i) << "one flow's copies stay in order";
 }
 
 TEST(HostBackendTest, SlotCopyChecksumsAreXxh3OfTheDestination) {

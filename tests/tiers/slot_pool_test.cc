@@ -176,7 +176,8 @@ TEST(SlotPoolTest, ExtentToReclaimIsTheLeastUsedExtentOfAnotherSize) {
   ASSERT_TRUE(x.has_value());
   EXPECT_EQ(x->data(), arena.data() + 4 * kPage) << "two slots in use, the fewest";
   EXPECT_EQ(x->size(), 4 * kPage);
-  EXPECT_EQ(pool.ExtentToReclaim(8 * kPage), std::nullopt) << "no extent would make room for 8 pages";
+  EXPECT_EQ(pool.ExtentToReclaim(8 * kPage), std::nullopt)
+      << "no extent would make room for 8 pages";
   // Freeing what is left there gives the room to the other size.
   pool.Free(small[4], kPage);
   pool.Free(small[7], kPage);

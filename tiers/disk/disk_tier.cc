@@ -2,14 +2,13 @@
 
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-
-#include <spdlog/spdlog.h>
 
 #include "common/check.h"
 #include "common/layout.h"
@@ -207,7 +206,8 @@ Status DiskTier::Recover() {
     StoredKey key;
     const bool key_ok = it->key().size() == StoredKey::kSize;
     if (key_ok) std::memcpy(key.bytes.data(), it->key().data(), StoredKey::kSize);
-    const bool ok = key_ok && ParseValue(key, std::string_view(it->value().data(), it->value().size()), &r) &&
+    const bool ok = key_ok &&
+                    ParseValue(key, std::string_view(it->value().data(), it->value().size()), &r) &&
                     PlausibleLocation(r);
     if (!ok) {
       bad.push_back(it->key().ToString());
@@ -246,7 +246,9 @@ bool DiskTier::PlausibleLocation(const DiskRecord& r) const {
   const DiskLocation& l = r.location;
   if (l.device >= devices_.size() || l.region >= devices_[l.device].regions.size()) return false;
   if (r.header.payload_bytes > Layout::kMaxBlockBytes) return false;
-  if (l.record_bytes != RecordBytes(r.header.payload_bytes) || l.record_bytes > options_.region_bytes) return false;
+  if (l.record_bytes != RecordBytes(r.header.payload_bytes) ||
+      l.record_bytes > options_.region_bytes)
+    return false;
   const uint64_t region_start = uint64_t{l.region} * options_.region_bytes;
   return l.offset % kRecordAlignBytes == 0 && l.offset >= region_start &&
          l.offset - region_start <= options_.region_bytes - l.record_bytes;

@@ -96,8 +96,8 @@ kvtier_status kvtier_store(kvtier_client* client, uint32_t cache_id, const uint8
 
 /* Starts moving the cached blocks of keys to faster tiers (e.g. disk to host
  * before a load). *cached (may be NULL): how many leading keys are cached. */
-kvtier_status kvtier_prefetch(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t num_keys,
-                              uint32_t* cached);
+kvtier_status kvtier_prefetch(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                              size_t num_keys, uint32_t* cached);
 
 /* An operation in flight: started by kvtier_load_async or
  * kvtier_store_async, finished by kvtier_wait. Plain values, to copy freely. */
@@ -113,14 +113,15 @@ typedef struct kvtier_op {
 kvtier_status kvtier_load_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
                                 const uint32_t* block_ids, size_t n, kvtier_op* op);
 kvtier_status kvtier_store_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
-                                 const uint32_t* block_ids, size_t n, const uint8_t* parent, kvtier_op* op);
+                                 const uint32_t* block_ids, size_t n, const uint8_t* parent,
+                                 kvtier_op* op);
 
 /* Waits for an op, at most timeout_ms (0: no limit). KVTIER_DEADLINE_EXCEEDED:
  * still running, wait again; KVTIER_UNAVAILABLE: the daemon restarted, the op
  * is lost (a load loaded nothing usable, a store stored nothing). *blocks and
  * *already (either may be NULL) as for kvtier_load and kvtier_store. */
-kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms, uint32_t* blocks,
-                          uint32_t* already);
+kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms,
+                          uint32_t* blocks, uint32_t* already);
 
 #ifdef __cplusplus
 }

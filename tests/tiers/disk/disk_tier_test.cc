@@ -4,14 +4,14 @@
 // and fault-injecting fakes (the block-device seam); everything else is real.
 #include "tiers/disk/disk_tier.h"
 
+#include <gtest/gtest.h>
+#include <rocksdb/db.h>
+
 #include <cerrno>
 #include <deque>
 #include <filesystem>
 #include <numeric>
 #include <random>
-
-#include <gtest/gtest.h>
-#include <rocksdb/db.h>
 
 #include "common/block_pattern.h"
 #include "common/mutex.h"
@@ -422,15 +422,20 @@ TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
     uint64_t offset = 0;
     {
       std::string v;
-      ASSERT_TRUE(db->Get({}, handles[1], rocksdb::Slice(reinterpret_cast<const char*>(disk[0].bytes.data()), 16), &v).ok());
+      ASSERT_TRUE(db->Get({}, handles[1],
+                          rocksdb::Slice(reinterpret_cast<const char*>(disk[0].bytes.data()), 16),
+                          &v)
+                      .ok());
       std::memcpy(&offset, v.data() + 9, 8);
     }
-    rewrite(disk[0], {{9, offset + 1}});                     // unaligned
-    rewrite(disk[1], {{9, UINT64_MAX - 4095}});              // offset + record_bytes wraps
-    const uint64_t huge = UINT64_MAX - 100;                  // RecordBytes(huge) wraps to 4096
+    rewrite(disk[0], {{9, offset + 1}});         // unaligned
+    rewrite(disk[1], {{9, UINT64_MAX - 4095}});  // offset + record_bytes wraps
+    const uint64_t huge = UINT64_MAX - 100;      // RecordBytes(huge) wraps to 4096
     rewrite(disk[2], {{33, huge}, {17, RecordBytes(huge)}});
-    rewrite(disk[3], {{33, uint64_t{1} << 40}, {17, RecordBytes(uint64_t{1} << 40)}});  // larger than any block
-    for (rocksdb::ColumnFamilyHandle* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    rewrite(disk[3], {{33, uint64_t{1} << 40},
+                      {17, RecordBytes(uint64_t{1} << 40)}});  // larger than any block
+    for (rocksdb::ColumnFamilyHandle* h : handles)
+      ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
     ASSERT_TRUE(db->Close().ok());
   }
   Open();
