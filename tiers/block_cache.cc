@@ -205,7 +205,7 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
       const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
       if (coldest != nullptr &&
           SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
-        if (EmptyExtent(t, bytes)) continue;
+        if (EmptyExtent(t, bytes, coldest->slot)) continue;
       }
     }
     // A block that still has its disk record costs nothing to let go; a
@@ -218,9 +218,9 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
   }
 }
 
-bool BlockCache::EmptyExtent(Tier t, uint64_t bytes) {
+bool BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
   SlotPool& pool = *tier(t)->pool;
-  const std::optional<std::span<uint8_t>> extent = pool.ExtentToReclaim(bytes);
+  const std::optional<std::span<uint8_t>> extent = pool.ExtentToReclaim(bytes, coldest);
   if (!extent) return false;
   auto inside = [&](const uint8_t* p) {
     return p >= extent->data() && p < extent->data() + extent->size();

@@ -293,10 +293,11 @@ class BlockCache {
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
   // Evicts every block in the extent of another size that SlotPool offers
-  // for `bytes` (back to disk when clean). Returns whether `bytes` now fits:
-  // false, with nothing evicted, when a block there is leased or moving, and
-  // false when a move in flight still holds a slot there.
-  bool EmptyExtent(Tier t, uint64_t bytes);
+  // for `bytes`, the one holding the `coldest` block's slot when it can (back
+  // to disk when clean). Returns whether `bytes` now fits: false, with nothing
+  // evicted, when a block there is leased or moving, and false when a move in
+  // flight still holds a slot there.
+  bool EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest);
   // A host block that still has its disk record goes back to the disk tier,
   // no write needed. Returns whether it did.
   bool BackToDisk(BlockEntry* e);

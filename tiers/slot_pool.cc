@@ -123,7 +123,8 @@ bool SlotPool::holds(uint64_t block_bytes) const {
   return c != classes_.end() && c->second.extents > 0;
 }
 
-std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes) const {
+std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes,
+                                                            const uint8_t* prefer) const {
   const uint64_t stride = StrideFor(block_bytes);
   const std::map<uint8_t*, uint64_t> ranges = RangesWithEmptiesReleased();
   // The free bytes right before and right after [begin, end).
@@ -140,6 +141,9 @@ std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes
     const Extent& e = x.second;
     if (e.stride == stride || e.used == 0) continue;
     if (e.bytes + around(x.first, x.first + e.bytes) < stride) continue;
+    if (prefer != nullptr && prefer >= x.first && prefer < x.first + e.bytes) {
+      return std::span<uint8_t>(x.first, e.bytes);
+    }
     if (best == nullptr || e.used < best->second.used) best = &x;
   }
   if (best == nullptr) return std::nullopt;

@@ -47,11 +47,13 @@ class SlotPool {
   // True when Allocate(block_bytes) would succeed.
   bool CanAllocate(uint64_t block_bytes) const;
 
-  // When Allocate(block_bytes) fails: the extent of another size whose
-  // release would make room and that holds the fewest slots in use, as the
-  // bytes it spans; nullopt when no such extent exists. Once every slot in
-  // it is freed, Allocate(block_bytes) can use its room.
-  std::optional<std::span<uint8_t>> ExtentToReclaim(uint64_t block_bytes) const;
+  // When Allocate(block_bytes) fails: an extent of another size whose
+  // release would make room, as the bytes it spans: the one holding
+  // `prefer` (e.g. the coldest block's slot) if it qualifies, else the one
+  // with the fewest slots in use; nullopt when none qualifies. Once every
+  // slot in it is freed, Allocate(block_bytes) can use its room.
+  std::optional<std::span<uint8_t>> ExtentToReclaim(uint64_t block_bytes,
+                                                    const uint8_t* prefer = nullptr) const;
   // How many slot sizes hold extents now; whether `block_bytes`'s does.
   size_t sizes_in_use() const;
   bool holds(uint64_t block_bytes) const;

@@ -178,6 +178,9 @@ TEST(SlotPoolTest, ExtentToReclaimIsTheLeastUsedExtentOfAnotherSize) {
   EXPECT_EQ(x->size(), 4 * kPage);
   EXPECT_EQ(pool.ExtentToReclaim(8 * kPage), std::nullopt)
       << "no extent would make room for 8 pages";
+  // The extent holding a preferred slot (the coldest block's) goes first.
+  EXPECT_EQ(pool.ExtentToReclaim(2 * kPage, small[10])->data(), arena.data() + 8 * kPage);
+  EXPECT_EQ(pool.ExtentToReclaim(2 * kPage, small[0])->data(), arena.data());
   // Freeing what is left there gives the room to the other size.
   pool.Free(small[4], kPage);
   pool.Free(small[7], kPage);
