@@ -236,7 +236,7 @@ bool BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
   }
   for (const StoredKey& key : blocks) {
     BlockEntry* e = index_.Find(key);
-    if (!BackToDisk(e)) Drop(e);
+    if (e != nullptr && !BackToDisk(e)) Drop(e);
   }
   ++counters_.extents_reclaimed;
   return pool.CanAllocate(bytes);
