@@ -438,10 +438,8 @@ std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t 
 
 namespace {
 
-// The counters a tenant's share and the node's have in common (CacheCounters
-// or TenantShare).
-template <typename Counters>
-std::vector<std::pair<const char*, uint64_t>> RequestCounters(const Counters& c) {
+// The counters a tenant's share and the node's have in common.
+std::vector<std::pair<const char*, uint64_t>> RequestCounterList(const RequestCounters& c) {
   return {
       {"lookups", c.lookups},
       {"lookup_keys", c.lookup_keys},
@@ -494,13 +492,13 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
       usage[t].blocks = c.blocks[t];
     }
     leases = c.leases;
-    counters = RequestCounters(c);
+    counters = RequestCounterList(c);
   } else {
-    const CacheCounters& c = cache_->counters();
+    const CacheCounters c = cache_->counters();
     leases = cache_->leases();
     // Every live mapping, including dead clients' that wait for their copies.
     mappings = backend_->live_mappings();
-    counters = RequestCounters(c);
+    counters = RequestCounterList(c);
     counters.insert(counters.end(),
                     {
                         {"promotions", c.promotions},

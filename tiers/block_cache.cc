@@ -98,9 +98,29 @@ TenantShare& BlockCache::Counted(TenantId tenant) {
   return tenant_shares_[tenant];
 }
 
-void BlockCache::CountEviction(Tier t, TenantId owner) {
-  ++counters_.evictions[static_cast<size_t>(t)];
-  ++Counted(owner).evictions[static_cast<size_t>(t)];
+void BlockCache::CountEviction(Tier t, TenantId owner) { ++Counted(owner).evictions[static_cast<size_t>(t)]; }
+
+void RequestCounters::Add(const RequestCounters& o) {
+  lookups += o.lookups;
+  lookup_keys += o.lookup_keys;
+  misses += o.misses;
+  stores += o.stores;
+  already_stored += o.already_stored;
+  store_rejected += o.store_rejected;
+  stores_discarded += o.stores_discarded;
+  loads += o.loads;
+  bytes_engine_to_cache += o.bytes_engine_to_cache;
+  bytes_cache_to_engine += o.bytes_cache_to_engine;
+  for (size_t t = 0; t < kNumTiers; ++t) {
+    hits[t] += o.hits[t];
+    evictions[t] += o.evictions[t];
+  }
+}
+
+CacheCounters BlockCache::counters() const {
+  CacheCounters c = counters_;
+  for (const TenantShare& share : tenant_shares_) c.Add(share);
+  return c;
 }
 
 std::span<uint8_t> BlockCache::host_arena() const {
@@ -277,15 +297,9 @@ CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys)
   }
   r.hits = static_cast<uint32_t>(r.tiers.size());
   TenantShare& mine = Counted(tenant);
-  for (Tier t : r.tiers) {
-    ++counters_.hits[static_cast<size_t>(t)];
-    ++mine.hits[static_cast<size_t>(t)];
-  }
-  ++counters_.lookups;
+  for (Tier t : r.tiers) ++mine.hits[static_cast<size_t>(t)];
   ++mine.lookups;
-  counters_.lookup_keys += keys.size();
   mine.lookup_keys += keys.size();
-  counters_.misses += keys.size() - r.hits;
   mine.misses += keys.size() - r.hits;
   // Deepest first, so a chain's head ends up hottest and its tail is evicted first.
   for (auto it = hit.rbegin(); it != hit.rend(); ++it) Touch(*it);
@@ -369,10 +383,9 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       if (e->tier == Tier::kHost) promote.push_back(e);
     }
     if (result.status.ok()) {
-      counters_.loads += leased.size();
-      counters_.bytes_cache_to_engine += bytes;
-      Counted(tenant).loads += leased.size();
-      Counted(tenant).bytes_cache_to_engine += bytes;
+      TenantShare& mine = Counted(tenant);
+      mine.loads += leased.size();
+      mine.bytes_cache_to_engine += bytes;
       // Promote what was read from host, if hbm has room without evicting.
       for (BlockEntry* e : promote) MaybePromote(e);
       done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
@@ -444,7 +457,6 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                           (quota ? "the tenant's host quota is full of leased blocks"
                                  : "every block of this size is leased, and blocks of other sizes "
                                    "hold the rest of the tier"));
-      counters_.store_rejected += keys.size() - i;
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
@@ -459,7 +471,6 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     filling.push_back(e);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot});
   }
-  counters_.already_stored += already;
   Counted(tenant).already_stored += already;
   if (filling.empty()) {
     options_.post([done = std::move(done), status, already] {
@@ -491,12 +502,9 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     }
     TenantShare& mine = Counted(tenant);
     if (commit) {
-      counters_.stores += filling.size();
-      counters_.bytes_engine_to_cache += bytes * filling.size();
       mine.stores += filling.size();
       mine.bytes_engine_to_cache += bytes * filling.size();
     } else if (result.status.ok()) {
-      counters_.stores_discarded += filling.size();
       mine.stores_discarded += filling.size();
     }
     done(OpOutcome{.status = result.status.ok() ? status : result.status,

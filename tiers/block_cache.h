@@ -73,17 +73,27 @@ struct CacheLookup {
   std::vector<Tier> tiers;  // tier of each hit
 };
 
-// Counters since start; read on the owner thread.
-struct CacheCounters {
+// What callers' requests did and what happened to their blocks: kept per
+// tenant (TenantShare); the node's figures are the tenants' sums.
+struct RequestCounters {
   uint64_t lookups = 0;
   uint64_t lookup_keys = 0;
   uint64_t hits[kNumTiers] = {};
   uint64_t misses = 0;
-  uint64_t stores = 0;          // blocks newly stored
+  uint64_t stores = 0;            // blocks newly stored
   uint64_t already_stored = 0;
-  uint64_t store_rejected = 0;  // blocks refused with kResourceExhausted
+  uint64_t store_rejected = 0;    // blocks refused with kResourceExhausted
   uint64_t stores_discarded = 0;  // copies finished after their client died
-  uint64_t loads = 0;           // blocks loaded into engines
+  uint64_t loads = 0;             // blocks loaded into engines
+  uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
+  uint64_t bytes_engine_to_cache = 0;
+  uint64_t bytes_cache_to_engine = 0;
+
+  void Add(const RequestCounters& o);
+};
+
+// Counters since start; read on the owner thread.
+struct CacheCounters : RequestCounters {
   uint64_t promotions = 0;      // host -> hbm
   uint64_t demotions = 0;       // hbm -> host
   uint64_t disk_promotions = 0; // disk -> host
@@ -94,11 +104,8 @@ struct CacheCounters {
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
   uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
   uint64_t disk_reinsertions = 0;    // hot blocks read up to host before their region was reclaimed
-  uint64_t evictions[kNumTiers] = {};  // blocks dropped from a tier
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
-  uint64_t bytes_engine_to_cache = 0;
-  uint64_t bytes_cache_to_engine = 0;
   uint64_t bytes_hbm_to_host = 0;
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
@@ -109,23 +116,11 @@ struct CacheCounters {
 };
 
 // One tenant's share (Stats for a tenant that is no admin): what it holds,
-// what its own calls did and what happened to its own blocks, and the leases
-// its loads and stores hold now.
-struct TenantShare {
+// what its own calls did and what happened to its own blocks (evictions are
+// of its blocks), and the leases its loads and stores hold now.
+struct TenantShare : RequestCounters {
   uint64_t used_bytes[kNumTiers] = {};  // of committed and filling blocks
   uint64_t blocks[kNumTiers] = {};
-  uint64_t lookups = 0;
-  uint64_t lookup_keys = 0;
-  uint64_t hits[kNumTiers] = {};
-  uint64_t misses = 0;
-  uint64_t stores = 0;
-  uint64_t already_stored = 0;
-  uint64_t store_rejected = 0;
-  uint64_t stores_discarded = 0;
-  uint64_t loads = 0;
-  uint64_t evictions[kNumTiers] = {};  // of its blocks
-  uint64_t bytes_engine_to_cache = 0;
-  uint64_t bytes_cache_to_engine = 0;
   uint64_t leases = 0;  // held now by its loads and stores
 };
 
@@ -267,7 +262,8 @@ class BlockCache {
   TenantShare ShareOf(TenantId tenant) const;
   uint64_t leases() const { return index_.total_leases(); }
   uint64_t inflight_copies() const { return inflight_copies_; }
-  const CacheCounters& counters() const { return counters_; }
+  // The node's counters: its own, and the sums of the tenants' shares.
+  CacheCounters counters() const;
 
  private:
   struct TierState {
@@ -363,7 +359,7 @@ class BlockCache {
   uint64_t inflight_copies_ = 0;
   double budget_tokens_ = 0;  // bytes that may be written now
   std::chrono::steady_clock::time_point budget_refilled_{};
-  CacheCounters counters_;
+  CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
   std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
   // Lets completions that arrive after destruction (none should: the daemon
   // drains first) see that the cache is gone.

@@ -1138,7 +1138,7 @@ TEST_F(BlockCacheTest, RandomOpsKeepTheInvariants) {
   EXPECT_EQ(cache_->leases(), 0u);
   EXPECT_EQ(free_blocks.size(), engine_->num_blocks()) << "every op completed once";
   check_usage(-1);
-  const CacheCounters& c = cache_->counters();
+  const CacheCounters c = cache_->counters();
   // The mix did exercise what it is meant to.
   EXPECT_GT(blocks_checked, 300u);
   EXPECT_GT(c.stores, 100u);
