@@ -75,15 +75,26 @@ Result<CudaBackend::State::OpenedMemory> CudaBackend::State::OpenMemory(const Ip
   return opened;
 }
 
-void CudaBackend::State::ReleaseMemory(const IpcMemKey& key) {
-  MutexLock lock(&mu);
-  auto it = opened_memory.find(key);
-  KVTIER_CHECK(it != opened_memory.end() && it->second.refs > 0);
+namespace {
+
+// Drops one reference to an opened IPC handle; the last one closes it on its
+// device with `close`. REQUIRES: the map's mutex is held.
+template <typename Map, typename Close>
+void ReleaseOpened(Map& opened, const typename Map::key_type& key, Close close) {
+  auto it = opened.find(key);
+  KVTIER_CHECK(it != opened.end() && it->second.refs > 0);
   if (--it->second.refs > 0) return;
   ScopedDevice scope(it->second.device);
-  (void)cudaIpcCloseMemHandle(it->second.base);
+  close(it->second);
   (void)cudaGetLastError();
-  opened_memory.erase(it);
+  opened.erase(it);
+}
+
+}  // namespace
+
+void CudaBackend::State::ReleaseMemory(const IpcMemKey& key) {
+  MutexLock lock(&mu);
+  ReleaseOpened(opened_memory, key, [](const OpenedMemory& m) { (void)cudaIpcCloseMemHandle(m.base); });
 }
 
 Result<cudaEvent_t> CudaBackend::State::OpenEvent(const IpcEventHandle& key, int device) {
@@ -105,13 +116,7 @@ Result<cudaEvent_t> CudaBackend::State::OpenEvent(const IpcEventHandle& key, int
 
 void CudaBackend::State::ReleaseEvent(const IpcEventHandle& key) {
   MutexLock lock(&mu);
-  auto it = opened_events.find(key);
-  KVTIER_CHECK(it != opened_events.end() && it->second.refs > 0);
-  if (--it->second.refs > 0) return;
-  ScopedDevice scope(it->second.device);
-  (void)cudaEventDestroy(it->second.event);
-  (void)cudaGetLastError();
-  opened_events.erase(it);
+  ReleaseOpened(opened_events, key, [](const OpenedEvent& e) { (void)cudaEventDestroy(e.event); });
 }
 
 CudaClientMapping::CudaClientMapping(std::shared_ptr<CudaBackend::State> state) : state_(std::move(state)) {
