@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,16 +35,37 @@ std::unique_ptr<Client> Connect(const DaemonProcess& d, const std::string& token
   return c ? std::move(*c) : nullptr;
 }
 
+// A daemon with tenants a, b (with `b_extra` in its entry) and the admin
+// ops, and a session of each; nullopt (with the failure added) if any of it
+// did not start.
+struct ThreeTenants {
+  DaemonProcess daemon;
+  std::unique_ptr<Client> a, b, ops;
+};
+std::optional<ThreeTenants> StartThreeTenants(const std::string& b_extra, std::vector<std::string> sets) {
+  sets.insert(sets.begin(), "tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') + b_extra +
+                                "}, {name: ops, token: " + Tok('o') + ", admin: true}]");
+  Result<DaemonProcess> d = DaemonProcess::Start(std::move(sets));
+  if (!d) {
+    ADD_FAILURE() << d.error();
+    return std::nullopt;
+  }
+  ThreeTenants t{std::move(*d), nullptr, nullptr, nullptr};
+  t.a = Connect(t.daemon, Tok('a'));
+  t.b = Connect(t.daemon, Tok('b'));
+  t.ops = Connect(t.daemon, Tok('o'));
+  if (!t.a || !t.b || !t.ops) {
+    ADD_FAILURE() << "a tenant could not connect";
+    return std::nullopt;
+  }
+  return t;
+}
+
 TEST(SecurityTest, NoTenantReachesAnotherTenantsBlocksUnlessAdmin) {
-  Result<DaemonProcess> d = DaemonProcess::Start(
-      {"tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') + "}, {name: ops, token: " +
-           Tok('o') + ", admin: true}]",
-       "tiers.disk.enabled=true", "tiers.disk.bytes=32MiB", "tiers.disk.region_bytes=1MiB"});
-  ASSERT_TRUE(d.has_value()) << d.error();
-  auto a = Connect(*d, Tok('a'));
-  auto b = Connect(*d, Tok('b'));
-  auto ops = Connect(*d, Tok('o'));
-  ASSERT_TRUE(a && b && ops);
+  std::optional<ThreeTenants> tenants =
+      StartThreeTenants("", {"tiers.disk.enabled=true", "tiers.disk.bytes=32MiB", "tiers.disk.region_bytes=1MiB"});
+  ASSERT_TRUE(tenants.has_value());
+  auto& [d, a, b, ops] = *tenants;
 
   ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
   const CacheId ia = a->RegisterKvCache(cache).value();
@@ -87,15 +109,9 @@ TEST(SecurityTest, NoTenantReachesAnotherTenantsBlocksUnlessAdmin) {
 // Stats tells a tenant only of itself: another tenant's stores, lookups and
 // loads leave every figure it sees unchanged, while the admin sees the node.
 TEST(SecurityTest, StatsShowATenantOnlyItsOwnShare) {
-  Result<DaemonProcess> d = DaemonProcess::Start(
-      {"tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') +
-           ", quotas: {host: 1MiB}}, {name: ops, token: " + Tok('o') + ", admin: true}]",
-       "tiers.host.bytes=64MiB"});
-  ASSERT_TRUE(d.has_value()) << d.error();
-  auto a = Connect(*d, Tok('a'));
-  auto b = Connect(*d, Tok('b'));
-  auto ops = Connect(*d, Tok('o'));
-  ASSERT_TRUE(a && b && ops);
+  std::optional<ThreeTenants> tenants = StartThreeTenants(", quotas: {host: 1MiB}", {"tiers.host.bytes=64MiB"});
+  ASSERT_TRUE(tenants.has_value());
+  auto& [d, a, b, ops] = *tenants;
   ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
   const CacheId ib = b->RegisterKvCache(cache).value();
   const DaemonStats b_before = b->Stats().value();
