@@ -96,7 +96,10 @@ struct Config {
     struct PerTier {
       Watermarks hbm;
       Watermarks host;
-      Watermarks disk;
+      // Disk regions: reclaim above `high` of them in use, down to `low`;
+      // near 1 by default, since free regions hold no blocks (at least one
+      // region is always kept free).
+      Watermarks disk{.high = 0.98, .low = 0.96};
     } watermarks;
     EvictionKind eviction = EvictionKind::kLru;
     bool prefix_aware = true;

@@ -90,12 +90,14 @@ Status Server::SetupDisk() {
                              .index_path = options_.config.state_dir + "/disk-index",
                              .region_bytes = d.region_bytes,
                              .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
-                             .reclaim = [this](const StoredKey& key, bool commit) {
-                               return cache_->ReclaimFromDisk(key, commit);
+                             .reclaim = [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
+                               return cache_->ReclaimFromDisk(key, where, may_carry);
                              },
-                             .resident = [this](uint32_t device, uint32_t region) {
-                               return cache_->ResidentOnDisk(device, region);
-                             }}));
+         .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
+           return cache_->FinishRelocation(key, std::move(now));
+         },
+                             .high_watermark = options_.config.policy.watermarks.disk.high,
+                             .low_watermark = options_.config.policy.watermarks.disk.low}));
   return Status::Ok();
 }
 
@@ -164,6 +166,7 @@ Status Server::Setup() {
       .disk_min_hits = c.policy.disk_admission.min_hits,
       .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
       .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
+      .disk_max_writes_in_flight = std::max<uint32_t>(8, c.tiers.disk.queue_depth),
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {
@@ -500,6 +503,7 @@ void Server::Reload() {
   const Config& c = *fresh;
   cache_->SetWatermarks({c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
                         {c.policy.watermarks.host.high, c.policy.watermarks.host.low});
+  if (disk_) disk_->SetWatermarks(c.policy.watermarks.disk.high, c.policy.watermarks.disk.low);
   for (const std::string& what : tenants_->Reload(c)) {
     spdlog::warn("SIGHUP: {} changed; that takes a restart", what);
   }

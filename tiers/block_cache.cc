@@ -254,6 +254,9 @@ bool BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
       return false;
     blocks.push_back(e->key);
   }
+  // Moving blocks are out of the lists (and retired slots never were in
+  // them): a slot of the extent that no listed block holds keeps it too.
+  if (blocks.size() != pool.SlotsInUse(extent->data())) return false;
   for (const StoredKey& key : blocks) {
     BlockEntry* e = index_.Find(key);
     if (e != nullptr && !BackToDisk(e)) Drop(e);
@@ -263,6 +266,12 @@ bool BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
 }
 
 void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }
+
+std::string BlockCache::NoRoomReason() const {
+  return "no block of this size can be evicted now (" + std::to_string(index_.total_leases()) +
+         " leases held, " + std::to_string(disk_writes_in_flight_) +
+         " blocks being written to disk), and blocks of other sizes hold the rest of the tier";
+}
 
 bool BlockCache::SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done) {
   ++inflight_copies_;
@@ -454,9 +463,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       const bool quota = !QuotaAllows(tenant, Tier::kHost, bytes);
       status = Status(StatusCode::kResourceExhausted,
                       "no room for block " + std::to_string(i) + " of the store: " +
-                          (quota ? "the tenant's host quota is full of leased blocks"
-                                 : "every block of this size is leased, and blocks of other sizes "
-                                   "hold the rest of the tier"));
+                          (quota ? "the tenant's host quota is full of leased or moving blocks" : NoRoomReason()));
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
@@ -493,8 +500,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         // block gets its checksum when it moves to host.
         e->checksum = result.checksums[i];
         e->has_checksum = e->tier == Tier::kHost;
-        if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost && !e->moving) {
-          StartDiskWrite(e, /*keep_in_memory=*/true);
+        if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
+          disk_write_queue_.push_back(QueuedDiskWrite{e->key, /*keep_in_memory=*/true});
         }
       } else {
         Drop(e);
@@ -548,6 +555,7 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::spa
 
 void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
   e->moving = true;
+  index_.Park(e);
   const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
   tier(e->tier)->moving_out_bytes += stride;
   CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
@@ -567,6 +575,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   KVTIER_CHECK(e != nullptr && e->moving);
   e->moving = false;
   if (!result.status.ok()) {
+    index_.Unpark(e, /*hot=*/true);
     tier(to)->pool->Free(dst, e->block_bytes);
     return;
   }
@@ -574,6 +583,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   uint8_t* old = e->slot;
   Charge(e, -1);
   index_.ChangeTier(e, to);
+  index_.Unpark(e, /*hot=*/true);
   e->slot = dst;
   Charge(e, +1);
   if (e->leases > 0) {
@@ -614,30 +624,7 @@ void BlockCache::MaybeDemote() {
       StartMove(v, Tier::kHost, dst);
     }
   }
-  // host above its high watermark: write its coldest blocks to disk (or drop
-  // them when admission says no) until it is below the low one. Without a
-  // disk tier there is nowhere to write them: dropping blocks early would only
-  // lose hits, so the host tier fills up and evicts on demand (AllocateSlot),
-  // which is plain prefix-aware LRU.
-  if (options_.disk != nullptr && AboveHigh(Tier::kHost)) {
-    while (AboveLow(Tier::kHost)) {
-      BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
-      if (v == nullptr) break;
-      if (BackToDisk(v)) continue;
-      const bool admitted = options_.disk != nullptr && v->has_checksum && v->hits >= options_.disk_min_hits &&
-                            QuotaAllows(v->owner, Tier::kDisk, v->block_bytes);
-      if (admitted && TakeWriteBudget(RecordBytes(v->block_bytes))) {
-        StartDiskWrite(v);
-      } else {
-        if (admitted) {
-          ++counters_.disk_over_budget;
-        } else if (options_.disk != nullptr) {
-          ++counters_.disk_not_admitted;
-        }
-        Drop(v);
-      }
-    }
-  }
+  PumpDiskWrites();
 }
 
 uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,

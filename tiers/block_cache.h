@@ -22,6 +22,7 @@
 
 #include <array>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -103,7 +104,10 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
   uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
-  uint64_t disk_reinsertions = 0;    // hot blocks read up to host before their region was reclaimed
+  uint64_t disk_reinsertions = 0;    // hot blocks carried forward (read up to host) by a region's reclaim
+  uint64_t disk_reinsertions_dropped = 0;  // hot blocks a reclaim dropped: carry budget spent, or no host room
+  uint64_t disk_writes_given_up = 0;  // blocks whose disk writes kept failing: no more tries
+  uint64_t disk_write_backoffs = 0;   // pauses of write-back after a failed write
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
   uint64_t bytes_hbm_to_host = 0;
@@ -175,6 +179,9 @@ class BlockCache {
     // disk at once (kept in memory, clean), so a restart finds it warm.
     // Admission and the budget do not apply to these writes.
     bool disk_write_through = false;
+    // Disk writes in flight at most (write-back, write-through and flush
+    // together); more wait in line, so completions never rescan a crowd.
+    uint32_t disk_max_writes_in_flight = 64;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
@@ -194,9 +201,14 @@ class BlockCache {
   // forgotten. Returns how many were adopted.
   uint64_t AdoptDiskRecords(std::vector<DiskRecord> records);
 
-  // DiskTier's reclaim callbacks (see DiskTier::ReclaimFn and ResidentFn).
-  bool ReclaimFromDisk(const StoredKey& key, bool commit);
-  std::vector<StoredKey> ResidentOnDisk(uint32_t device, uint32_t region);
+  // DiskTier's reclaim callback (DiskTier::ReclaimFn): forgets the block
+  // whose current record is `where` (a copy in memory stays, dirty), or has
+  // it carried forward when it was hit since it was written and
+  // `may_carry` and the write budget allow. A carried block is moving until
+  // FinishRelocation; loads of it meanwhile wait for that.
+  ReclaimAnswer ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry);
+  // DiskTier's relocated callback (DiskTier::RelocatedFn).
+  bool FinishRelocation(const StoredKey& key, Result<DiskLocation> now);
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
   // Counted for `tenant`, who asked.
@@ -228,10 +240,16 @@ class BlockCache {
   // were queued.
   std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
 
-  // Starts writing every host block that has no disk record to disk
-  // (kvtierctl flush, before a planned restart). Returns how many writes
-  // were queued; 0 without a disk tier.
+  // Queues a write to disk of every host block that has no disk record
+  // (kvtierctl flush, and at stop), at most disk_max_writes_in_flight at a
+  // time. Returns how many were queued; 0 without a disk tier. O(blocks in
+  // memory) once, to list them.
   uint64_t FlushToDisk();
+  // Drops the writes still waiting in line (a stop past its deadline);
+  // writes in flight finish.
+  void CancelFlush();
+  // Disk writes in flight or waiting in line.
+  uint64_t pending_disk_writes() const { return disk_writes_in_flight_ + disk_write_queue_.size(); }
 
   // Drops unleased, settled blocks matching the filters (nullopt = any). With
   // tier = host, a block that also has its disk record stays on disk.
@@ -244,9 +262,13 @@ class BlockCache {
   // Reads back every record on disk, at most `max_inflight` at a time, and
   // checks it as a load would (header, key, XXH3): a record that fails is
   // dropped, as a load would drop it, and counted. Nothing is served from
-  // these reads. Progress is updated on the owner thread; one verification
-  // at a time (a second call returns the running one's progress).
+  // these reads. It walks the disk a region at a time (bounded work per
+  // step). Progress is updated on the owner thread; one verification at a
+  // time (a second call returns the running one's progress).
   std::shared_ptr<const VerifyProgress> VerifyDisk(uint32_t max_inflight = 8);
+  // Stops a running verification: no more reads start (those in flight
+  // finish), and its progress says done.
+  void CancelVerify();
 
   // Namespace ids for Evict's filter: a small integer per fingerprint.
   uint32_t NamespaceId(const LayoutFingerprint& fingerprint);
@@ -314,18 +336,28 @@ class BlockCache {
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.
   bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
-  // Background work after anything changed: demote hbm above its watermark.
+  // Background work after anything changed: demote hbm above its watermark,
+  // and keep disk writes going (PumpDiskWrites).
   void MaybeDemote();
+  // Starts queued disk writes, then write-back of host above its high
+  // watermark down to its low one, while fewer than
+  // disk_max_writes_in_flight are in flight and write-back is not backing
+  // off after a failure. Bounded work per call (it posts itself to go on).
+  void PumpDiskWrites();
   // Moves `e` to `dst` in tier `to` in the background.
   void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
   // host -> disk (write-back) and disk -> host (before a load, or prefetch).
   // keep_in_memory: write-through, the block stays where it is and becomes
   // clean; otherwise it moves to the disk tier.
-  void StartDiskWrite(BlockEntry* e, bool keep_in_memory = false);
-  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, Result<DiskLocation> where);
+  // `budgeted`: bytes taken from the write budget, given back if it fails.
+  void StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t budgeted = 0);
+  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
+                       Result<DiskLocation> where);
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
+  // Reads `e` (on disk, not moving) into host slot `dst`.
+  void StartDiskRead(BlockEntry* e, uint8_t* dst);
   void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
   // Loads `leased` (all resident in memory tiers) into the engine. Returns
   // whether copies were queued (with target.event).
@@ -338,11 +370,15 @@ class BlockCache {
   bool AboveHigh(Tier t) const;
   // Takes `bytes` from the disk write budget; false when it is spent.
   bool TakeWriteBudget(uint64_t bytes);
+  void RefundWriteBudget(uint64_t bytes);
+  // Why a store found no slot: what holds the blocks that could go.
+  std::string NoRoomReason() const;
   bool AboveLow(Tier t) const;
   // VerifyDisk's steps: keep reads in flight; judge one read.
   struct Verification;
   void PumpVerify();
-  void FinishVerifyRead(size_t buffer, const StoredKey& key, const DiskLocation& where, Status status);
+  void FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer, const StoredKey& key,
+                        const DiskLocation& where, Status status);
 
   Options options_;
   BlockIndex index_;
@@ -357,6 +393,20 @@ class BlockCache {
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
   uint64_t inflight_copies_ = 0;
+  // Disk writes waiting for a place in flight: key, and whether the block
+  // stays in memory (write-through) or moves to disk (flush).
+  struct QueuedDiskWrite {
+    StoredKey key;
+    bool keep_in_memory = false;
+  };
+  std::deque<QueuedDiskWrite> disk_write_queue_;
+  uint32_t disk_writes_in_flight_ = 0;
+  bool host_demoting_ = false;  // host passed its high watermark and is not below its low one yet
+  bool pump_posted_ = false;
+  // After a failed disk write, write-back waits until then (doubling per
+  // failure in a row), so a failing device costs no CPU.
+  std::chrono::steady_clock::time_point disk_backoff_until_{};
+  uint32_t disk_failures_in_a_row_ = 0;
   double budget_tokens_ = 0;  // bytes that may be written now
   std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant

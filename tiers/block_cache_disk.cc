@@ -2,6 +2,8 @@
 // host (shared between loads), recovery, reclaim with hot-block
 // reinsertion, the write budget. The class is declared in block_cache.h; this
 // file only keeps block_cache.cc to the memory tiers.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 
 #include "common/check.h"
@@ -42,8 +44,15 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
 }
 
 void BlockCache::Dematerialize(BlockEntry* e) {
-  if (e->tier != Tier::kDisk || !e->on_disk || e->state != EntryState::kReady || e->moving || e->leases != 0 ||
+  if (e->tier != Tier::kDisk || e->state != EntryState::kReady || e->moving || e->leases != 0 ||
       e->retired_slot != nullptr) {
+    return;
+  }
+  if (!e->on_disk) {
+    // Its record went with a reclaim while a load held it: nothing is left.
+    CountEviction(Tier::kDisk, e->owner);
+    Charge(e, -1);
+    index_.Erase(e);
     return;
   }
   KVTIER_CHECK(e->disk.offset % kRecordAlignBytes == 0 && e->disk.device <= UINT8_MAX &&
@@ -60,21 +69,6 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   disk_only_.Insert(b);
 }
 
-std::vector<StoredKey> BlockCache::ResidentOnDisk(uint32_t device, uint32_t region) {
-  std::vector<StoredKey> keys;
-  disk_only_.ForEach([&](const DiskOnlyBlock& b) {
-    if (b.device != device) return;
-    if (options_.disk->LocationOf(b.device, uint64_t{b.offset_pages} * kRecordAlignBytes, b.block_bytes).region ==
-        region) {
-      keys.push_back(b.key);
-    }
-  });
-  index_.ForEach([&](BlockEntry* e) {
-    if (e->on_disk && e->disk.device == device && e->disk.region == region) keys.push_back(e->key);
-  });
-  return keys;
-}
-
 void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) {
   auto [it, first] = disk_waiters_.try_emplace(e->key);
   if (then) it->second.push_back(std::move(then));
@@ -89,7 +83,13 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
     });
     return;
   }
+  StartDiskRead(e, dst);
+}
+
+void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
+  disk_waiters_.try_emplace(e->key);  // loads that come meanwhile share this read
   e->moving = true;
+  index_.Park(e);
   ++inflight_copies_;
   options_.disk->Read(e->key, e->disk, e->block_bytes, dst,
                       [this, key = e->key, dst, start = std::chrono::steady_clock::now()](Status st, uint64_t checksum) {
@@ -111,14 +111,16 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     e->checksum = checksum;
     e->has_checksum = true;
     Charge(e, +1);
+    index_.Unpark(e, /*hot=*/true);
     ++counters_.disk_promotions;
     counters_.bytes_disk_to_host += e->block_bytes;
   } else {
     tier(Tier::kHost)->pool->Free(dst, e->block_bytes);
+    index_.Unpark(e, /*hot=*/true);
     ++counters_.disk_read_failures;
     // The record is bad: it is no disk copy any more (and the block must not
     // go back to the disk-only table when the loads below let go of it).
-    options_.disk->Forget(e->key, e->disk);
+    if (e->on_disk) options_.disk->Forget(e->key, e->disk);
     e->on_disk = false;
   }
   auto it = disk_waiters_.find(key);
@@ -136,12 +138,14 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
   MaybeDemote();
 }
 
-void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory) {
+void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t budgeted) {
   e->moving = true;
+  index_.Park(e);  // out of the eviction path while it is written
   // A write-through copy leaves nothing in host: no space is on its way out.
   const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(e->block_bytes);
   tier(Tier::kHost)->moving_out_bytes += stride;
   ++inflight_copies_;
+  ++disk_writes_in_flight_;
   RecordHeader h;
   h.key = e->key;
   h.ns = namespace_fingerprints_.at(e->ns);
@@ -149,30 +153,61 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory) {
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
   options_.disk->Append(std::move(h), e->slot,
-                        [this, key = e->key, stride, keep_in_memory,
+                        [this, key = e->key, stride, keep_in_memory, budgeted,
                          start = std::chrono::steady_clock::now()](Result<DiskLocation> where) {
                           counters_.disk_write_latency.RecordSince(start);
-                          FinishDiskWrite(key, stride, keep_in_memory, std::move(where));
+                          FinishDiskWrite(key, stride, keep_in_memory, budgeted, std::move(where));
                         });
 }
 
-void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
+// Tries per block before its write is given up, and write-back's pause after
+// a failure: the first, doubling with each failure in a row, at most the last.
+constexpr uint8_t kMaxDiskWriteTries = 3;
+constexpr std::chrono::milliseconds kFirstWriteBackoff{10};
+constexpr std::chrono::milliseconds kMaxWriteBackoff{5000};
+
+void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
                                  Result<DiskLocation> where) {
   --inflight_copies_;
+  --disk_writes_in_flight_;
   tier(Tier::kHost)->moving_out_bytes -= stride;
   BlockEntry* e = index_.Find(key);
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kHost);
   e->moving = false;
   if (!where) {
-    ++counters_.disk_write_failures;  // it stays in host; the next pass may drop it
+    ++counters_.disk_write_failures;
+    RefundWriteBudget(budgeted);
+    // Write-back pauses, so a failing device (or index) costs no CPU.
+    ++disk_failures_in_a_row_;
+    ++counters_.disk_write_backoffs;
+    const auto pause = std::min<std::chrono::milliseconds>(
+        kFirstWriteBackoff * (uint64_t{1} << std::min<uint32_t>(disk_failures_in_a_row_ - 1, 16)), kMaxWriteBackoff);
+    disk_backoff_until_ = options_.clock() + pause;
+    if (disk_failures_in_a_row_ == 1 || disk_failures_in_a_row_ % 1000 == 0) {
+      spdlog::warn("disk tier: a write failed ({} in a row): {}; write-back pauses for {} ms",
+                   disk_failures_in_a_row_, where.error().ToString(), pause.count());
+    }
+    // A block that can never be written (larger than a region) or that
+    // failed too often is given up: it stays in memory as long as LRU keeps
+    // it, and is dropped, not written, when it leaves.
+    if (e->disk_write_failures < UINT8_MAX) ++e->disk_write_failures;
+    if (e->disk_write_failures >= kMaxDiskWriteTries || where.error().code() == StatusCode::kInvalidArgument) {
+      if (e->disk_write_failures < kMaxDiskWriteTries) e->disk_write_failures = kMaxDiskWriteTries;
+      ++counters_.disk_writes_given_up;
+    }
+    index_.Unpark(e, /*hot=*/false);
     MaybeDemote();
     return;
   }
+  disk_failures_in_a_row_ = 0;
+  e->disk_write_failures = 0;
+  e->hits = 0;  // hits since it was written: what a reclaim will ask
   ++counters_.disk_demotions;
   counters_.bytes_host_to_disk += e->block_bytes;
   if (keep_in_memory) {  // write-through: now clean, still served from memory
     e->disk = *where;
     e->on_disk = true;
+    index_.Unpark(e, /*hot=*/true);
     MaybeDemote();
     return;
   }
@@ -183,6 +218,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   e->disk = *where;
   e->on_disk = true;
   Charge(e, +1);
+  index_.Unpark(e, /*hot=*/true);
   if (e->leases > 0) {
     KVTIER_CHECK(e->retired_slot == nullptr);
     e->retired_slot = old;  // loads that leased it before still read the host slot
@@ -219,47 +255,89 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   return adopted;
 }
 
-// Blocks with at least this many hits are reinserted when their disk region
-// is reclaimed, instead of dropped.
-constexpr uint16_t kHotHits = 2;
+ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry) {
+  auto is_here = [&](uint32_t device, uint64_t offset) { return device == where.device && offset == where.offset; };
+  const DiskOnlyBlock* b = disk_only_.Find(key);
+  BlockEntry* e = b == nullptr ? index_.Find(key) : nullptr;
+  if (b != nullptr ? !is_here(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes)
+                   : (e == nullptr || !e->on_disk || !is_here(e->disk.device, e->disk.offset))) {
+    return {ReclaimAction::kStale};
+  }
+  if (e != nullptr && e->tier != Tier::kDisk) {
+    // Also in memory: only the disk copy goes (the block is dirty again).
+    e->on_disk = false;
+    return {ReclaimAction::kDropped};
+  }
+  if (e != nullptr && (e->moving || e->leases > 0)) {
+    // A load's read of it is in flight (the region waits for it; it lands
+    // in host), or a load holds it and its last Unlease erases it.
+    e->on_disk = false;
+    return {ReclaimAction::kDropped};
+  }
+  if (b != nullptr && b->hits == 0) {
+    CountEviction(Tier::kDisk, b->owner);
+    Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
+    disk_only_.Erase(const_cast<DiskOnlyBlock*>(b));
+    return {ReclaimAction::kDropped};
+  }
+  if (e == nullptr) e = Materialize(key);
+  // Hit since it was written: carried forward, while the region's carry
+  // budget and the write budget last.
+  if (e->hits > 0) {
+    const uint64_t record = RecordBytes(e->block_bytes);
+    if (may_carry && TakeWriteBudget(record)) {
+      e->moving = true;  // until FinishRelocation; loads wait for it there
+      index_.Park(e);
+      disk_waiters_.try_emplace(key);
+      ++inflight_copies_;
+      return {ReclaimAction::kCarry, e->block_bytes};
+    }
+    ++counters_.disk_reinsertions_dropped;
+  }
+  CountEviction(Tier::kDisk, e->owner);
+  Charge(e, -1);
+  e->on_disk = false;  // the reclaim deletes its index entry
+  index_.Erase(e);
+  return {ReclaimAction::kDropped};
+}
 
-bool BlockCache::ReclaimFromDisk(const StoredKey& key, bool commit) {
-  // The disk tier asks only about keys whose current record is in the region.
-  if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
-    if (!commit && b->hits >= kHotHits) {
-      ++counters_.disk_reinsertions;  // as below, for a block only on disk
-      PromoteFromDisk(Materialize(key), nullptr);
-      return false;
-    }
-    if (commit) {
-      CountEviction(Tier::kDisk, b->owner);
-      Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
-      disk_only_.Erase(b);
-    }
-    return true;
-  }
-  BlockEntry* e = index_.Find(key);
-  if (e == nullptr || !e->on_disk) return true;
-  if (e->tier != Tier::kDisk) {
-    // Also in host: only the disk copy goes (unless a read of it is running).
-    if (e->moving) return false;
-    if (commit) e->on_disk = false;
-    return true;
-  }
-  if (e->leases > 0 || e->moving) return false;
-  if (!commit && e->hits >= kHotHits) {
-    // A hot block is not lost with its region: read it up to host (its
-    // region waits for that read; a colder host block makes room), from
-    // where it is written to a new region when host lets it go.
+bool BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now) {
+  --inflight_copies_;
+  BlockEntry* e = index_.Find(key);  // moving entries are never dropped
+  KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
+  e->moving = false;
+  index_.Unpark(e, /*hot=*/true);
+  if (!now && options_.disk_write_budget_bytes_per_day > 0) RefundWriteBudget(RecordBytes(e->block_bytes));
+  if (now) {
+    e->disk = *now;
+    e->on_disk = true;
+    e->hits = 0;
     ++counters_.disk_reinsertions;
-    PromoteFromDisk(e, nullptr);
-    return false;
+  } else {
+    e->on_disk = false;  // its old record went with the reclaim: nothing is left
   }
-  if (commit) {
-    CountEviction(Tier::kDisk, e->owner);
-    Charge(e, -1);
-    e->on_disk = false;  // the disk tier already deleted its index entry
-    index_.Erase(e);
+  // Loads that came meanwhile wait in disk_waiters_: read it for them now.
+  auto it = disk_waiters_.find(key);
+  if (it != disk_waiters_.end() && it->second.empty()) {
+    disk_waiters_.erase(it);
+    it = disk_waiters_.end();
+  }
+  if (it == disk_waiters_.end()) {
+    if (e->on_disk) {
+      Dematerialize(e);
+    } else if (e->leases == 0) {
+      Drop(e);
+    }
+    return true;
+  }
+  if (e->on_disk) {
+    std::vector<std::function<void(bool)>> waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+    for (auto& w : waiters) PromoteFromDisk(e, std::move(w));  // the first starts the read; the rest share it
+  } else {
+    std::vector<std::function<void(bool)>> waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+    for (const auto& w : waiters) w(false);  // their Unlease erases it
   }
   return true;
 }
@@ -277,26 +355,92 @@ bool BlockCache::TakeWriteBudget(uint64_t bytes) {
   return true;
 }
 
+void BlockCache::RefundWriteBudget(uint64_t bytes) {
+  if (bytes == 0) return;
+  budget_tokens_ = std::min(static_cast<double>(options_.disk_write_budget_bytes_per_day),
+                            budget_tokens_ + static_cast<double>(bytes));
+}
+
+namespace {
+
+// A host block whose only copy is in memory, ready to be written.
+bool DirtyInHost(const BlockEntry* e) {
+  return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving && e->has_checksum &&
+         e->disk_write_failures < kMaxDiskWriteTries;
+}
+
+// Most entries PumpDiskWrites looks at per call before it posts itself.
+constexpr uint32_t kPumpStepsPerCall = 512;
+
+}  // namespace
+
 uint64_t BlockCache::FlushToDisk() {
   if (options_.disk == nullptr) return 0;
-  auto dirty = [](const BlockEntry* e) {
-    return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
-           e->has_checksum;
-  };
-  std::vector<StoredKey> keys;
+  uint64_t queued = 0;
   index_.ForEach([&](BlockEntry* e) {
-    if (dirty(e)) keys.push_back(e->key);
+    if (!DirtyInHost(e)) return;
+    disk_write_queue_.push_back(QueuedDiskWrite{e->key, /*keep_in_memory=*/false});
+    ++queued;
   });
-  // By key, not by pointer: starting one write can reclaim a region, whose
-  // hot blocks then take host slots from colder ones (maybe later ones here).
-  uint64_t started = 0;
-  for (const StoredKey& key : keys) {
-    BlockEntry* e = index_.Find(key);
-    if (e == nullptr || !dirty(e)) continue;
-    StartDiskWrite(e);
-    ++started;
+  PumpDiskWrites();
+  return queued;
+}
+
+void BlockCache::CancelFlush() { disk_write_queue_.clear(); }
+
+void BlockCache::PumpDiskWrites() {
+  if (options_.disk == nullptr) return;
+  if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return;
+  const uint32_t cap = std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
+  uint32_t steps = 0;
+  // Writes in line first (write-through, flush): a stale one is skipped.
+  while (disk_writes_in_flight_ < cap && !disk_write_queue_.empty() && steps < kPumpStepsPerCall) {
+    ++steps;
+    const QueuedDiskWrite w = disk_write_queue_.front();
+    disk_write_queue_.pop_front();
+    BlockEntry* e = index_.Find(w.key);
+    if (e == nullptr || !DirtyInHost(e)) continue;
+    StartDiskWrite(e, w.keep_in_memory);
   }
-  return started;
+  // Then write-back: host above its high watermark writes its coldest blocks
+  // to disk (or drops them when admission says no) until it is below the
+  // low one. Without a disk tier there is nowhere to write them: dropping
+  // blocks early would only lose hits, so the host tier fills up and evicts
+  // on demand (AllocateSlot), which is plain prefix-aware LRU.
+  if (AboveHigh(Tier::kHost)) host_demoting_ = true;
+  while (host_demoting_ && disk_writes_in_flight_ < cap && steps < kPumpStepsPerCall) {
+    ++steps;
+    if (!AboveLow(Tier::kHost)) {
+      host_demoting_ = false;
+      break;
+    }
+    BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
+    if (v == nullptr) break;
+    if (BackToDisk(v)) continue;
+    if (v->disk_write_failures >= kMaxDiskWriteTries) {
+      Drop(v);  // given up: it cannot be written
+      continue;
+    }
+    const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits &&
+                          QuotaAllows(v->owner, Tier::kDisk, v->block_bytes);
+    const uint64_t record = RecordBytes(v->block_bytes);
+    if (admitted && TakeWriteBudget(record)) {
+      StartDiskWrite(v, /*keep_in_memory=*/false, options_.disk_write_budget_bytes_per_day > 0 ? record : 0);
+    } else {
+      ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
+      Drop(v);
+    }
+  }
+  if (steps >= kPumpStepsPerCall && !pump_posted_) {
+    // More to do: on a later turn of the loop, after other work.
+    pump_posted_ = true;
+    options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
+      auto cache = self.lock();
+      if (!cache) return;
+      (*cache)->pump_posted_ = false;
+      (*cache)->PumpDiskWrites();
+    });
+  }
 }
 
 }  // namespace kvtier

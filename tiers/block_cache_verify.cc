@@ -29,18 +29,18 @@ std::vector<NamespaceUsage> BlockCache::UsageByNamespace(std::optional<TenantId>
 }
 
 struct BlockCache::Verification {
-  struct Item {
-    StoredKey key;
-    DiskLocation where;
-    uint32_t block_bytes = 0;
-  };
   std::shared_ptr<VerifyProgress> progress = std::make_shared<VerifyProgress>();
-  std::vector<Item> items;
+  // Where the walk is: a region at a time, its records listed when reached.
+  uint32_t device = 0;
+  uint32_t region = 0;
+  std::vector<DiskTier::RegionRecord> records;
   size_t next = 0;
+  bool cancelled = false;
   // Scratch payload buffers, 4 KiB aligned (the disk tier reads with
-  // O_DIRECT); one per read in flight.
+  // O_DIRECT), of the largest block size seen; one per read in flight.
   std::vector<std::unique_ptr<uint8_t, decltype(&std::free)>> buffers;
   std::vector<size_t> free_buffers;
+  uint32_t max_inflight = 8;
   uint64_t buffer_bytes = 0;
 };
 
@@ -48,77 +48,112 @@ namespace {
 
 bool SameRecord(const DiskLocation& a, const DiskLocation& b) { return a.device == b.device && a.offset == b.offset; }
 
+// Regions whose records PumpVerify lists per call at most (each listing is
+// O(records in the region)).
+constexpr uint32_t kVerifyRegionsPerStep = 4;
+
 }  // namespace
 
 std::shared_ptr<const VerifyProgress> BlockCache::VerifyDisk(uint32_t max_inflight) {
   if (verification_ && !verification_->progress->done) return verification_->progress;
   auto v = std::make_shared<Verification>();
+  verification_ = v;
   if (options_.disk == nullptr) {
     v->progress->done = true;
-    verification_ = v;
     return v->progress;
   }
-  uint32_t largest = 0;
-  index_.ForEach([&](BlockEntry* e) {
-    if (!e->on_disk) return;
-    v->items.push_back({e->key, e->disk, e->block_bytes});
-    largest = std::max(largest, e->block_bytes);
-  });
-  disk_only_.ForEach([&](const DiskOnlyBlock& b) {
-    v->items.push_back({b.key,
-                        options_.disk->LocationOf(b.device, uint64_t{b.offset_pages} * kRecordAlignBytes, b.block_bytes),
-                        b.block_bytes});
-    largest = std::max(largest, b.block_bytes);
-  });
-  v->progress->total = v->items.size();
-  v->buffer_bytes = (uint64_t{largest} + kRecordAlignBytes - 1) / kRecordAlignBytes * kRecordAlignBytes;
-  for (uint32_t i = 0; i < std::max(1u, max_inflight) && v->buffer_bytes > 0; ++i) {
-    void* p = nullptr;
-    if (::posix_memalign(&p, kRecordAlignBytes, v->buffer_bytes) != 0) break;
-    v->buffers.emplace_back(static_cast<uint8_t*>(p), &std::free);
-    v->free_buffers.push_back(i);
-  }
-  verification_ = v;
-  if (v->items.empty() || v->buffers.empty()) {
-    v->progress->skipped = v->items.size();
-    v->progress->done = true;
-    return v->progress;
-  }
+  v->progress->total = options_.disk->live_records();
+  v->max_inflight = std::max(1u, max_inflight);
   PumpVerify();
   return v->progress;
 }
 
+void BlockCache::CancelVerify() {
+  if (!verification_ || verification_->progress->done) return;
+  verification_->cancelled = true;
+  verification_->records.clear();
+  if (verification_->free_buffers.size() == verification_->buffers.size()) verification_->progress->done = true;
+}
+
 void BlockCache::PumpVerify() {
-  Verification& v = *verification_;
-  while (!v.free_buffers.empty() && v.next < v.items.size()) {
-    const Verification::Item item = v.items[v.next++];
-    // Still that record? A block may have left the disk tier, or been
-    // written again elsewhere, since the list was made.
-    bool current = false;
-    if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
-      current = b->device == item.where.device &&
-                uint64_t{b->offset_pages} * kRecordAlignBytes == item.where.offset;
-    } else if (const BlockEntry* e = index_.Find(item.key); e != nullptr) {
-      current = e->on_disk && SameRecord(e->disk, item.where);
-    }
-    if (!current) {
-      ++v.progress->skipped;
+  // Held: a read's completion may start the next verification.
+  const std::shared_ptr<Verification> held = verification_;
+  Verification& v = *held;
+  DiskTier& disk = *options_.disk;
+  uint32_t listed = 0;
+  bool paused = false;
+  while (!v.cancelled && v.device < disk.num_devices()) {
+    if (v.next == v.records.size()) {
+      if (listed == kVerifyRegionsPerStep) {
+        paused = true;  // goes on at the next read's completion, or on a later turn
+        break;
+      }
+      v.records = disk.RecordsIn(v.device, v.region);
+      v.next = 0;
+      ++listed;
+      if (++v.region == disk.num_regions(v.device)) {
+        v.region = 0;
+        ++v.device;
+      }
       continue;
+    }
+    const DiskTier::RegionRecord& item = v.records[v.next];
+    // Still that block's record? Records left behind by blocks that moved
+    // or left are no records to check.
+    uint32_t block_bytes = 0;
+    if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
+      if (b->device == item.location.device &&
+          uint64_t{b->offset_pages} * kRecordAlignBytes == item.location.offset) {
+        block_bytes = b->block_bytes;
+      }
+    } else if (const BlockEntry* e = index_.Find(item.key); e != nullptr && e->on_disk &&
+                                                              SameRecord(e->disk, item.location)) {
+      block_bytes = e->block_bytes;
+    }
+    if (block_bytes == 0) {
+      ++v.next;
+      continue;
+    }
+    const uint64_t need = SlotPool::StrideFor(block_bytes);
+    if (need > v.buffer_bytes) {
+      // A larger block than any before: the buffers grow once it is their
+      // turn (none in flight); until then, wait.
+      if (v.free_buffers.size() != v.buffers.size()) break;
+      v.buffers.clear();
+      v.free_buffers.clear();
+      v.buffer_bytes = need;
+    }
+    if (v.free_buffers.empty()) {
+      if (v.buffers.size() == v.max_inflight) break;
+      void* p = nullptr;
+      if (::posix_memalign(&p, kRecordAlignBytes, v.buffer_bytes) != 0) break;
+      v.buffers.emplace_back(static_cast<uint8_t*>(p), &std::free);
+      v.free_buffers.push_back(v.buffers.size() - 1);
     }
     const size_t buffer = v.free_buffers.back();
     v.free_buffers.pop_back();
+    ++v.next;
     ++inflight_copies_;
-    options_.disk->Read(item.key, item.where, item.block_bytes, v.buffers[buffer].get(),
-                        [this, buffer, key = item.key, where = item.where](Status st, uint64_t /*checksum*/) {
-                          FinishVerifyRead(buffer, key, where, std::move(st));
+    const DiskLocation where = options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes);
+    options_.disk->Read(item.key, where, block_bytes, v.buffers[buffer].get(),
+                        [this, held, buffer, key = item.key, where](Status st, uint64_t /*checksum*/) {
+                          FinishVerifyRead(held, buffer, key, where, std::move(st));
                         });
   }
-  if (v.next == v.items.size() && v.free_buffers.size() == v.buffers.size()) v.progress->done = true;
+  const bool idle = v.free_buffers.size() == v.buffers.size();
+  const bool walked = v.cancelled || (v.device >= disk.num_devices() && v.next == v.records.size());
+  if (walked && idle) v.progress->done = true;
+  if (paused && idle) {
+    options_.post([this, held, self = std::weak_ptr<BlockCache*>(self_)] {
+      if (self.lock() && held == verification_) PumpVerify();
+    });
+  }
 }
 
-void BlockCache::FinishVerifyRead(size_t buffer, const StoredKey& key, const DiskLocation& where, Status status) {
+void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer, const StoredKey& key,
+                                  const DiskLocation& where, Status status) {
   --inflight_copies_;
-  Verification& v = *verification_;
+  Verification& v = *held;
   v.free_buffers.push_back(buffer);
   ++v.progress->checked;
   if (!status.ok()) {
@@ -144,7 +179,11 @@ void BlockCache::FinishVerifyRead(size_t buffer, const StoredKey& key, const Dis
       }
     }
   }
-  PumpVerify();
+  if (held == verification_) {
+    PumpVerify();
+  } else if (v.free_buffers.size() == v.buffers.size()) {
+    v.progress->done = true;  // a cancelled one, replaced by a newer
+  }
 }
 
 }  // namespace kvtier

@@ -91,7 +91,7 @@ BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey*
 
 void BlockIndex::Erase(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0);
-  Unlink(e);
+  if (!e->parked) Unlink(e);
   // Detach from the parent.
   if (BlockEntry* p = e->parent; p != nullptr) {
     --p->children_in_tier[static_cast<size_t>(e->tier)];
@@ -114,18 +114,35 @@ void BlockIndex::Erase(BlockEntry* e) {
 }
 
 void BlockIndex::Touch(BlockEntry* e) {
+  if (e->parked) return;
   Unlink(e);
   LinkHot(e);
 }
 
 void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
-  Unlink(e);
+  if (!e->parked) Unlink(e);
   if (e->parent != nullptr) {
     --e->parent->children_in_tier[static_cast<size_t>(e->tier)];
     ++e->parent->children_in_tier[static_cast<size_t>(to)];
   }
   e->tier = to;
-  LinkHot(e);
+  if (!e->parked) LinkHot(e);
+}
+
+void BlockIndex::Park(BlockEntry* e) {
+  if (e->parked) return;
+  Unlink(e);
+  e->parked = true;
+}
+
+void BlockIndex::Unpark(BlockEntry* e, bool hot) {
+  if (!e->parked) return;
+  e->parked = false;
+  if (hot) {
+    LinkHot(e);
+  } else {
+    LinkCold(e);
+  }
 }
 
 void BlockIndex::ReleaseLease(BlockEntry* e) {
@@ -148,6 +165,15 @@ void BlockIndex::LinkHot(BlockEntry* e) {
   if (l.hottest != nullptr) l.hottest->lru_next = e;
   l.hottest = e;
   if (l.coldest == nullptr) l.coldest = e;
+}
+
+void BlockIndex::LinkCold(BlockEntry* e) {
+  List& l = lru_[static_cast<size_t>(e->tier)];
+  e->lru_next = l.coldest;
+  e->lru_prev = nullptr;
+  if (l.coldest != nullptr) l.coldest->lru_prev = e;
+  l.coldest = e;
+  if (l.hottest == nullptr) l.hottest = e;
 }
 
 void BlockIndex::Unlink(BlockEntry* e) {

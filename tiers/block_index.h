@@ -41,8 +41,15 @@ struct BlockEntry {
   Tier tier = Tier::kHost;
   EntryState state = EntryState::kFilling;
   bool moving = false;       // a copy to another tier is in flight
+  // Out of its tier's LRU list (BlockIndex::Park), while it moves: eviction
+  // never looks at a block that cannot go anyway.
+  bool parked = false;
+  uint8_t disk_write_failures = 0;  // failed writes to disk in a row
   bool has_checksum = false;
-  uint16_t hits = 0;         // lookups and loads that found it (saturating), for disk admission
+  // Lookups and loads that found it (saturating) since it was last written
+  // to disk: disk admission asks for some, and a reclaim carries forward a
+  // block that has any.
+  uint16_t hits = 0;
   // Its disk record, while on_disk. A block read up from disk keeps its record
   // (until the region is reclaimed), so leaving host again costs no write.
   DiskLocation disk;
@@ -82,10 +89,15 @@ class BlockIndex {
   // Unlinks and erases.
   void Erase(BlockEntry* e);
 
-  // Moves `e` to the hot end of its tier's list.
+  // Moves `e` to the hot end of its tier's list (a parked entry stays out).
   void Touch(BlockEntry* e);
   // Moves `e` to another tier's list (hot end), keeping parent counts right.
+  // A parked entry changes tier and stays out of the lists.
   void ChangeTier(BlockEntry* e, Tier to);
+  // Takes `e` out of its tier's list while it moves; Unpark puts it back,
+  // at the hot or the cold end.
+  void Park(BlockEntry* e);
+  void Unpark(BlockEntry* e, bool hot);
 
   // Coldest entry of a tier, and the next hotter one.
   BlockEntry* Coldest(Tier t) const { return lru_[static_cast<size_t>(t)].coldest; }
@@ -110,6 +122,7 @@ class BlockIndex {
     BlockEntry* hottest = nullptr;
   };
   void LinkHot(BlockEntry* e);
+  void LinkCold(BlockEntry* e);
   void Unlink(BlockEntry* e);
 
   // Entries live in map_ (stable addresses, iteration); lookups go through

@@ -104,6 +104,11 @@ std::map<uint8_t*, uint64_t> SlotPool::RangesWithEmptiesReleased() const {
   return ranges;
 }
 
+uint64_t SlotPool::SlotsInUse(const uint8_t* extent) const {
+  auto it = extents_.find(const_cast<uint8_t*>(extent));
+  return it == extents_.end() ? 0 : it->second.used;
+}
+
 bool SlotPool::CanAllocate(uint64_t block_bytes) const {
   const uint64_t stride = StrideFor(block_bytes);
   if (auto c = classes_.find(stride); c != classes_.end() && !c->second.with_free.empty())

@@ -54,6 +54,9 @@ class SlotPool {
   // slot in it is freed, Allocate(block_bytes) can use its room.
   std::optional<std::span<uint8_t>> ExtentToReclaim(uint64_t block_bytes,
                                                     const uint8_t* prefer = nullptr) const;
+  // Slots handed out from the extent that starts at `extent` (as
+  // ExtentToReclaim returned it); 0 for an address that starts none.
+  uint64_t SlotsInUse(const uint8_t* extent) const;
   // How many slot sizes hold extents now; whether `block_bytes`'s does.
   size_t sizes_in_use() const;
   bool holds(uint64_t block_bytes) const;

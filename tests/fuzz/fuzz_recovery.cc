@@ -75,10 +75,12 @@ class Rig {
          .index_path = IndexDir(),
          .region_bytes = kRegionBytes,
          .post = post,
-         .reclaim = [this](const StoredKey& key,
-                           bool commit) { return cache_->ReclaimFromDisk(key, commit); },
-         .resident = [this](uint32_t d,
-                            uint32_t region) { return cache_->ResidentOnDisk(d, region); }});
+         .reclaim = [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
+           return cache_->ReclaimFromDisk(key, where, may_carry);
+         },
+         .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
+           return cache_->FinishRelocation(key, std::move(now));
+         }});
     // A damaged index may fail to open (RocksDB's own checks); that is a
     // clean refusal, not a crash.
     if (!disk) return;

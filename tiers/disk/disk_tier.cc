@@ -5,6 +5,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +21,9 @@ namespace {
 
 constexpr uint8_t kIndexValueVersion = 1;
 constexpr uint64_t kRecoveryProgressEvery = 200000;
+// Forgotten blocks' index deletes are handed to the writer in batches of
+// this many (or sooner, ahead of any other index write).
+constexpr uint32_t kForgetBatch = 1024;
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what) {
   return Status(s.IsNotFound() ? StatusCode::kNotFound
@@ -142,19 +147,23 @@ std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l
 }
 
 Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
-  if (options.devices.empty() || !options.post || !options.reclaim || !options.resident) {
-    return Err(InvalidArgument("DiskTier: devices, post, reclaim and resident are required"));
+  if (options.devices.empty() || !options.post || !options.reclaim || !options.relocated) {
+    return Err(InvalidArgument("DiskTier: devices, post, reclaim and relocated are required"));
   }
-  if (options.region_bytes == 0 || options.region_bytes % kRecordAlignBytes != 0) {
-    return Err(InvalidArgument("DiskTier: region_bytes must be a positive multiple of 4 KiB"));
+  if (options.region_bytes == 0 || options.region_bytes % kRecordAlignBytes != 0 ||
+      options.region_bytes / kRecordAlignBytes > UINT32_MAX) {
+    return Err(InvalidArgument("DiskTier: region_bytes must be a positive multiple of 4 KiB, below 16 TiB"));
   }
+  if (!options.clock) options.clock = [] { return std::chrono::steady_clock::now(); };
   std::unique_ptr<DiskTier> tier(new DiskTier(std::move(options)));
+  tier->SetWatermarks(tier->options_.high_watermark, tier->options_.low_watermark);
   for (BlockDevice* d : tier->options_.devices) {
     const uint64_t regions = d->size_bytes() / tier->options_.region_bytes;
     if (regions < 2) {
       return Err(InvalidArgument("disk device " + d->name() + " holds fewer than two regions"));
     }
     tier->devices_.push_back(Device{d, std::vector<Region>(regions), -1});
+    tier->total_regions_ += regions;
   }
 
   std::error_code ec;
@@ -182,14 +191,17 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   tier->blocks_cf_ = handles[1];
   tier->regions_cf_ = handles[2];
   KVTIER_RETURN_IF_ERROR(tier->Recover());
+  tier->writer_ = std::make_unique<IndexWriter>(db);
   return tier;
 }
 
 DiskTier::DiskTier(Options options) : options_(std::move(options)), self_(std::make_shared<DiskTier*>(this)) {}
 
 DiskTier::~DiskTier() {
-  KVTIER_CHECK_MSG(inflight_ == 0, "DiskTier destroyed with I/O in flight");
+  KVTIER_CHECK_MSG(inflight_ == 0 && waiting_.empty(), "DiskTier destroyed with I/O in flight");
+  writer_.reset();  // runs what was submitted
   if (db_) {
+    if (forgotten_count_ > 0) db_->Write(rocksdb::WriteOptions(), &forgotten_).PermitUncheckedError();
     if (blocks_cf_ != nullptr) db_->DestroyColumnFamilyHandle(blocks_cf_);
     if (regions_cf_ != nullptr) db_->DestroyColumnFamilyHandle(regions_cf_);
     db_->Close().PermitUncheckedError();
@@ -215,10 +227,12 @@ Status DiskTier::Recover() {
     }
     const DiskLocation& l = r.location;
     Region& region = devices_[l.device].regions[l.region];
+    const uint64_t region_start = uint64_t{l.region} * options_.region_bytes;
     region.state = RegionState::kSealed;
     region.sequence = std::max(region.sequence, l.sequence);
-    region.write_offset = std::max(region.write_offset, l.offset + l.record_bytes - uint64_t{l.region} * options_.region_bytes);
+    region.write_offset = std::max(region.write_offset, l.offset + l.record_bytes - region_start);
     region.live_bytes += l.record_bytes;
+    region.members.push_back(Member{key, static_cast<uint32_t>((l.offset - region_start) / kRecordAlignBytes)});
     used_bytes_ += l.record_bytes;
     next_sequence_ = std::max(next_sequence_, l.sequence + 1);
     recovered_.push_back(std::move(r));
@@ -233,7 +247,23 @@ Status DiskTier::Recover() {
   if (const rocksdb::Status f = db_->Flush(rocksdb::FlushOptions(), {blocks_cf_, regions_cf_}); !f.ok()) {
     spdlog::warn("disk index: flushing the replayed log: {}", f.ToString());
   }
+  // Every region that holds records is sealed; reclaim takes them oldest first.
+  std::vector<std::tuple<uint64_t, uint32_t, uint32_t>> sealed;
+  for (uint32_t di = 0; di < devices_.size(); ++di) {
+    Device& d = devices_[di];
+    for (uint32_t ri = static_cast<uint32_t>(d.regions.size()); ri-- > 0;) {
+      if (d.regions[ri].state == RegionState::kSealed) {
+        sealed.emplace_back(d.regions[ri].sequence, di, ri);
+      } else {
+        d.free.push_back(ri);  // lowest region on top
+        ++free_regions_;
+      }
+    }
+  }
+  std::sort(sealed.begin(), sealed.end());
+  for (const auto& [seq, di, ri] : sealed) sealed_.emplace_back(di, ri);
   counters_.recovered_records = recovered_.size();
+  live_records_ = recovered_.size();
   counters_.recovery_dropped = bad.size();
   spdlog::info("disk index: {} records recovered ({} bytes), {} bad entries dropped", recovered_.size(),
                used_bytes_, bad.size());
@@ -256,102 +286,279 @@ bool DiskTier::PlausibleLocation(const DiskRecord& r) const {
 
 std::vector<DiskRecord> DiskTier::TakeRecovered() { return std::exchange(recovered_, {}); }
 
-uint64_t DiskTier::capacity_bytes() const {
-  uint64_t total = 0;
-  for (const Device& d : devices_) total += d.regions.size() * options_.region_bytes;
-  return total;
+uint64_t DiskTier::capacity_bytes() const { return total_regions_ * options_.region_bytes; }
+
+void DiskTier::SetWatermarks(double high, double low) {
+  options_.high_watermark = std::clamp(high, 0.0, 1.0);
+  options_.low_watermark = std::clamp(low, 0.0, options_.high_watermark);
+  if (writer_) ScheduleReclaim();
 }
 
-bool DiskTier::Reclaim(uint32_t device, uint32_t region) {
+uint64_t DiskTier::FreeTarget(double watermark) const {
+  const double free = (1.0 - watermark) * static_cast<double>(total_regions_);
+  return std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(free)));
+}
+
+std::vector<DiskTier::RegionRecord> DiskTier::RecordsIn(uint32_t device, uint32_t region) const {
+  std::vector<RegionRecord> out;
+  if (device >= devices_.size() || region >= devices_[device].regions.size()) return out;
+  const Region& r = devices_[device].regions[region];
+  out.reserve(r.members.size());
+  const uint64_t start = uint64_t{region} * options_.region_bytes;
+  for (const Member& m : r.members) {
+    out.push_back({m.key, DiskLocation{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0}});
+  }
+  return out;
+}
+
+void DiskTier::MaybeReclaim() {
+  const auto now = options_.clock();
+  if (!failed_reclaims_.empty() && now >= retry_reclaims_at_) {
+    std::vector<FailedReclaim> retry = std::exchange(failed_reclaims_, {});
+    for (FailedReclaim& f : retry) SubmitReclaimDeletes(f.device, f.region, std::move(f.batch));
+  }
+  if (!failed_reclaims_.empty()) return;  // the index cannot be written: wait
+  const uint64_t available = free_regions_ + reclaiming_;
+  if (available < FreeTarget(options_.high_watermark) || !waiting_.empty()) reclaim_burst_ = true;
+  if (available >= FreeTarget(options_.low_watermark) && waiting_.empty()) reclaim_burst_ = false;
+  if (!reclaim_burst_ || sealed_.empty()) return;
+  const auto [di, ri] = sealed_.front();
+  // Oldest first; its last appends finish before it can go (FinishAppend
+  // calls back here).
+  if (devices_[di].regions[ri].writes > 0) return;
+  sealed_.pop_front();
+  StartReclaim(di, ri);
+  ScheduleReclaim();  // the next region, if the watermarks want it, on a later turn
+}
+
+void DiskTier::ScheduleReclaim() {
+  if (reclaim_scheduled_) return;
+  reclaim_scheduled_ = true;
+  // Posted, not called: a reclaim asks the owner about many blocks, which
+  // must not happen inside the owner's own call into the tier (Append).
+  options_.post([self = std::weak_ptr<DiskTier*>(self_)] {
+    auto tier = self.lock();
+    if (!tier) return;
+    (*tier)->reclaim_scheduled_ = false;
+    (*tier)->MaybeReclaim();
+  });
+}
+
+void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
   Region& r = devices_[device].regions[region];
-  const std::vector<StoredKey> resident = options_.resident(device, region);
-  // Two phases, so that a block the owner must keep stops the reclaim before
-  // anything was dropped.
-  for (const StoredKey& key : resident) {
-    if (!options_.reclaim(key, /*commit=*/false)) return false;
-  }
+  KVTIER_CHECK(r.state == RegionState::kSealed);
+  r.state = RegionState::kReclaiming;
+  ++reclaiming_;
+  // The owner decides for every record it still has here; nothing can keep
+  // the region. Carried records are read out before the region is reused.
   rocksdb::WriteBatch batch;
-  for (const StoredKey& key : resident) batch.Delete(blocks_cf_, KeySlice(key));
-  batch.Put(regions_cf_, RegionKey(device, region), RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
-  rocksdb::WriteOptions sync;
-  sync.sync = true;
-  if (const rocksdb::Status s = db_->Write(sync, &batch); !s.ok()) {
-    ++counters_.io_errors;
-    spdlog::error("disk tier: reclaiming region {}/{}: {}", device, region, s.ToString());
-    return false;
+  const size_t carry_budget = static_cast<size_t>(options_.carry_fraction * static_cast<double>(r.members.size()));
+  size_t carried = 0;
+  const uint64_t start = uint64_t{region} * options_.region_bytes;
+  for (const Member& m : r.members) {
+    const DiskLocation where{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0};
+    const ReclaimAnswer answer = options_.reclaim(m.key, where, carried < carry_budget);
+    if (answer.action == ReclaimAction::kStale) continue;
+    batch.Delete(blocks_cf_, KeySlice(m.key));
+    ++counters_.records_reclaimed;
+    if (live_records_ > 0) --live_records_;
+    if (answer.action == ReclaimAction::kCarry) {
+      ++carried;
+      StartCarry(m.key, where, answer.payload_bytes);
+    }
   }
-  // Persisted: now the owner forgets them and the space is reusable.
-  for (const StoredKey& key : resident) options_.reclaim(key, /*commit=*/true);
-  used_bytes_ -= r.live_bytes;
-  counters_.records_reclaimed += resident.size();
-  ++counters_.regions_reclaimed;
-  r = Region{};
-  return true;
+  batch.Put(regions_cf_, RegionKey(device, region), RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
+  SubmitReclaimDeletes(device, region, std::move(batch));
 }
 
-Result<std::pair<uint32_t, uint32_t>> DiskTier::RegionFor(uint64_t bytes) {
-  if (bytes > options_.region_bytes) {
-    return Err(InvalidArgument("a record of " + std::to_string(bytes) + " bytes is larger than a region"));
+void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint64_t payload_bytes) {
+  const uint64_t record_bytes = RecordBytes(payload_bytes);
+  ++counters_.records_carried;
+  ++devices_[where.device].regions[where.region].reads;
+  ++inflight_;
+  // The whole record (header page and payload) in one read, into a buffer
+  // of its own: it is written again from there.
+  auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, record_bytes));
+  KVTIER_CHECK(raw != nullptr);
+  std::shared_ptr<uint8_t> staging(raw, std::free);
+  auto finish = [this, key, where, record_bytes, staging, self = std::weak_ptr<DiskTier*>(self_)](
+                    Result<RecordHeader> header) mutable {
+    auto tier = self.lock();
+    if (!tier) return;
+    Region& region = devices_[where.device].regions[where.region];
+    --region.reads;
+    --inflight_;
+    if (!header) {
+      ++(header.error().code() == StatusCode::kCorruption ? counters_.checksum_failures : counters_.io_errors);
+      spdlog::warn("disk tier: record at {}:{} not carried forward: {}", devices_[where.device].device->name(),
+                   where.offset, header.error().message());
+      options_.relocated(key, Err(header.error()));
+    } else {
+      ++counters_.reads;
+      counters_.read_bytes += record_bytes;
+      const uint8_t* payload = staging.get() + RecordHeader::kBytes;
+      Append(std::move(*header), payload, [this, key, staging](Result<DiskLocation> now) {
+        const bool ok = now.has_value();
+        const DiskLocation at = ok ? *now : DiskLocation{};
+        if (!options_.relocated(key, std::move(now)) && ok) Forget(key, at);
+      });
+    }
+    if (region.state == RegionState::kReclaiming) MaybeFree(where.device, where.region);
+  };
+  devices_[where.device].device->Read(
+      where.offset, std::span<uint8_t>(raw, record_bytes),
+      [raw, key, payload_bytes, finish = std::move(finish), post = options_.post](Result<uint64_t> got) mutable {
+        Result<RecordHeader> h = got ? DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes))
+                                     : Result<RecordHeader>(Err(got.error()));
+        if (h && (h->key != key || h->payload_bytes != payload_bytes)) {
+          h = Err(Status(StatusCode::kCorruption, "the record at this location is another block's"));
+        } else if (h && PayloadChecksum(std::span<const uint8_t>(raw + RecordHeader::kBytes, payload_bytes)) !=
+                            h->payload_checksum) {
+          h = Err(Status(StatusCode::kCorruption, "payload checksum mismatch"));
+        }
+        post([finish = std::move(finish), h = std::move(h)]() mutable { finish(std::move(h)); });
+      });
+}
+
+void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::WriteBatch batch) {
+  devices_[device].regions[region].deletes_pending = true;
+  // Kept for a retry: a failed write leaves the region unusable until its
+  // deletes are durable.
+  auto copy = std::make_shared<rocksdb::WriteBatch>(batch);
+  SubmitIndex(std::move(batch), /*sync=*/true, [this, device, region, copy](Status st) {
+    Region& r = devices_[device].regions[region];
+    if (!st.ok()) {
+      ++counters_.reclaim_failures;
+      ++reclaim_failures_in_a_row_;
+      // 100 ms, doubling, at most 10 s between tries.
+      const auto delay = std::chrono::milliseconds(100) * (int64_t{1} << std::min<uint32_t>(reclaim_failures_in_a_row_ - 1, 7));
+      retry_reclaims_at_ = options_.clock() + std::min<std::chrono::milliseconds>(delay, std::chrono::seconds(10));
+      if (reclaim_failures_in_a_row_ == 1 || reclaim_failures_in_a_row_ % 100 == 0) {
+        spdlog::error("disk tier: reclaiming region {}/{}: {} ({} failures in a row; retrying)", device, region,
+                      st.ToString(), reclaim_failures_in_a_row_);
+      }
+      failed_reclaims_.push_back(FailedReclaim{device, region, std::move(*copy)});
+      // Nothing frees a region until the index can be written: appends
+      // waiting for one fail now instead of waiting without end.
+      const Status error(StatusCode::kResourceExhausted,
+                         "disk tier: no free region (reclaim cannot write the index: " + st.message() + ")");
+      ServeWaiting(&error);
+      return;
+    }
+    reclaim_failures_in_a_row_ = 0;
+    r.deletes_pending = false;
+    MaybeFree(device, region);
+  });
+}
+
+void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
+  Region& r = devices_[device].regions[region];
+  if (r.state != RegionState::kReclaiming || r.deletes_pending || r.reads > 0 || r.writes > 0) return;
+  used_bytes_ -= std::min(used_bytes_, r.live_bytes);
+  std::vector<Member> members = std::move(r.members);
+  members.clear();  // keeps its capacity for the region's next fill
+  r = Region{};
+  r.members = std::move(members);
+  devices_[device].free.push_back(region);
+  ++free_regions_;
+  --reclaiming_;
+  ++counters_.regions_reclaimed;
+  ServeWaiting();
+  ScheduleReclaim();
+}
+
+void DiskTier::ServeWaiting(const Status* error) {
+  while (!waiting_.empty()) {
+    if (error == nullptr) {
+      const uint64_t bytes = RecordBytes(waiting_.front().header.payload_bytes);
+      const std::optional<std::pair<uint32_t, uint32_t>> where = RegionFor(bytes);
+      if (!where) return;
+      WaitingAppend w = std::move(waiting_.front());
+      waiting_.pop_front();
+      StartAppend(where->first, where->second, std::move(w.header), w.payload, std::move(w.done));
+    } else {
+      WaitingAppend w = std::move(waiting_.front());
+      waiting_.pop_front();
+      options_.post([done = std::move(w.done), e = *error] { done(Err(e)); });
+    }
   }
+}
+
+std::optional<std::pair<uint32_t, uint32_t>> DiskTier::RegionFor(uint64_t bytes) {
   for (size_t attempt = 0; attempt < devices_.size(); ++attempt) {
-    const uint32_t di = (next_device_ + attempt) % devices_.size();
+    const uint32_t di = static_cast<uint32_t>((next_device_ + attempt) % devices_.size());
     Device& d = devices_[di];
     if (d.open_region >= 0) {
-      Region& open = d.regions[static_cast<size_t>(d.open_region)];
+      const auto open_index = static_cast<uint32_t>(d.open_region);
+      Region& open = d.regions[open_index];
       if (open.write_offset + bytes <= options_.region_bytes) {
-        next_device_ = (di + 1) % devices_.size();
-        return std::pair(di, static_cast<uint32_t>(d.open_region));
+        next_device_ = static_cast<uint32_t>((di + 1) % devices_.size());
+        return std::pair(di, open_index);
       }
+      // Full: sealed, and in line for reclaim. Its state row is diagnostics
+      // only (the block index is authoritative), written with the next job.
       open.state = RegionState::kSealed;
-      db_->Put(rocksdb::WriteOptions(), regions_cf_, RegionKey(di, static_cast<uint32_t>(d.open_region)),
-               RegionValue(static_cast<uint8_t>(RegionState::kSealed), open.sequence))
-          .PermitUncheckedError();  // diagnostics only; the block index is authoritative
+      sealed_.emplace_back(di, open_index);
+      forgotten_.Put(regions_cf_, RegionKey(di, open_index),
+                     RegionValue(static_cast<uint8_t>(RegionState::kSealed), open.sequence));
+      ++forgotten_count_;
       d.open_region = -1;
     }
-    for (size_t ri = 0; ri < d.regions.size(); ++ri) {
-      if (d.regions[ri].state == RegionState::kFree) {
-        d.regions[ri].state = RegionState::kOpen;
-        d.open_region = static_cast<int32_t>(ri);
-        next_device_ = (di + 1) % devices_.size();
-        return std::pair(di, static_cast<uint32_t>(ri));
-      }
+    if (!d.free.empty()) {
+      const uint32_t ri = d.free.back();
+      d.free.pop_back();
+      --free_regions_;
+      d.regions[ri].state = RegionState::kOpen;
+      d.open_region = static_cast<int32_t>(ri);
+      next_device_ = static_cast<uint32_t>((di + 1) % devices_.size());
+      ScheduleReclaim();  // a free region was taken: keep the reserve
+      return std::pair(di, ri);
     }
   }
-  // Every region is in use: reclaim the oldest sealed one that is idle.
-  std::vector<std::pair<uint64_t, std::pair<uint32_t, uint32_t>>> candidates;
-  for (uint32_t di = 0; di < devices_.size(); ++di) {
-    for (uint32_t ri = 0; ri < devices_[di].regions.size(); ++ri) {
-      const Region& r = devices_[di].regions[ri];
-      if (r.state == RegionState::kSealed && r.inflight == 0) candidates.push_back({r.sequence, {di, ri}});
-    }
-  }
-  std::sort(candidates.begin(), candidates.end());
-  for (const auto& [seq, where] : candidates) {
-    if (!Reclaim(where.first, where.second)) continue;
-    Device& d = devices_[where.first];
-    d.regions[where.second].state = RegionState::kOpen;
-    d.open_region = static_cast<int32_t>(where.second);
-    return where;
-  }
-  return Err(Status(StatusCode::kResourceExhausted, "disk tier: every region is busy or holds blocks in use"));
+  return std::nullopt;
 }
 
 void DiskTier::Append(RecordHeader header, const uint8_t* payload,
                       std::function<void(Result<DiskLocation>)> done) {
   const uint64_t record_bytes = RecordBytes(header.payload_bytes);
-  Result<std::pair<uint32_t, uint32_t>> where = RegionFor(record_bytes);
-  if (!where) {
-    options_.post([done = std::move(done), error = where.error()] { done(Err(error)); });
+  if (record_bytes > options_.region_bytes) {
+    options_.post([done = std::move(done), record_bytes, region = options_.region_bytes] {
+      done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) + " bytes is larger than a region (" +
+                               std::to_string(region) + " bytes, tiers.disk.region_bytes)")));
+    });
     return;
   }
-  const auto [di, ri] = *where;
+  // Behind appends already waiting, so that they keep their order.
+  const std::optional<std::pair<uint32_t, uint32_t>> where =
+      waiting_.empty() ? RegionFor(record_bytes) : std::nullopt;
+  if (!where) {
+    if (!failed_reclaims_.empty()) {
+      ScheduleReclaim();  // retries them once their delay has passed
+      options_.post([done = std::move(done)] {
+        done(Err(Status(StatusCode::kResourceExhausted,
+                        "disk tier: no free region (reclaims are failing to write the index)")));
+      });
+      return;
+    }
+    ++counters_.appends_waited;
+    waiting_.push_back(WaitingAppend{std::move(header), payload, std::move(done)});
+    ScheduleReclaim();
+    return;
+  }
+  StartAppend(where->first, where->second, std::move(header), payload, std::move(done));
+}
+
+void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const uint8_t* payload,
+                           std::function<void(Result<DiskLocation>)> done) {
+  const uint64_t record_bytes = RecordBytes(header.payload_bytes);
   Region& r = devices_[di].regions[ri];
   header.sequence = next_sequence_++;
-  const DiskLocation loc{di, ri, uint64_t{ri} * options_.region_bytes + r.write_offset, record_bytes,
-                         header.sequence};
+  const uint64_t region_start = uint64_t{ri} * options_.region_bytes;
+  const DiskLocation loc{di, ri, region_start + r.write_offset, record_bytes, header.sequence};
+  r.members.push_back(Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
   r.write_offset += record_bytes;
   r.sequence = header.sequence;
-  ++r.inflight;
+  ++r.writes;
   ++inflight_;
 
   auto op = std::make_shared<TwoPartIo>();
@@ -390,47 +597,85 @@ void DiskTier::MaybeCommit(uint32_t device_index) {
   d.commit_in_flight = true;
   auto batch = std::make_shared<std::vector<std::shared_ptr<PendingAppend>>>(std::move(d.awaiting_sync));
   d.awaiting_sync.clear();
-  rocksdb::DB* db = db_.get();
-  rocksdb::ColumnFamilyHandle* cf = blocks_cf_;
-  d.device->Sync([db, cf, batch, device_index, post = options_.post,
+  auto finish = [this, batch, device_index](Status st) {
+    ++counters_.group_commits;
+    for (const auto& p : *batch) FinishAppend(*p, st);
+    devices_[device_index].commit_in_flight = false;
+    MaybeCommit(device_index);
+  };
+  d.device->Sync([batch, finish, post = options_.post,
                   self = std::weak_ptr<DiskTier*>(self_)](Result<uint64_t> synced) mutable {
-    Status st = synced ? Status::Ok() : synced.error().WithContext("syncing disk records");
-    if (st.ok()) {
-      // On the I/O thread, so the event loop never waits for the WAL's fsync.
-      rocksdb::WriteBatch wb;
-      for (const auto& p : *batch) wb.Put(cf, KeySlice(p->key), p->value);
-      rocksdb::WriteOptions sync;
-      sync.sync = true;
-      const rocksdb::Status s = db->Write(sync, &wb);
-      if (!s.ok()) st = FromRocks(s, "indexing disk records");
-    }
-    post([self, batch, device_index, st = std::move(st)] {
+    post([self, batch, finish, synced = std::move(synced)]() mutable {
       auto tier = self.lock();
       if (!tier) return;
-      DiskTier& t = **tier;
-      ++t.counters_.group_commits;
-      for (const auto& p : *batch) t.FinishAppend(*p, st);
-      t.devices_[device_index].commit_in_flight = false;
-      t.MaybeCommit(device_index);
+      if (!synced) {
+        finish(synced.error().WithContext("syncing disk records"));
+        return;
+      }
+      // The records are durable: now their index entries, off this thread.
+      rocksdb::WriteBatch wb;
+      for (const auto& p : *batch) wb.Put((*tier)->blocks_cf_, KeySlice(p->key), p->value);
+      (*tier)->SubmitIndex(std::move(wb), /*sync=*/true, std::move(finish));
     });
   });
+}
+
+void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done) {
+  FlushForgotten();
+  ++index_jobs_;
+  writer_->Submit(std::move(batch), sync,
+                  [post = options_.post, self = std::weak_ptr<DiskTier*>(self_),
+                   done = std::move(done)](Status st) mutable {
+                    post([self, done = std::move(done), st = std::move(st)]() mutable {
+                      auto tier = self.lock();
+                      if (!tier) return;
+                      --(*tier)->index_jobs_;
+                      if (!st.ok()) ++(*tier)->counters_.index_errors;
+                      if (done) done(std::move(st));
+                    });
+                  });
+}
+
+void DiskTier::FlushForgotten() {
+  if (forgotten_count_ == 0) return;
+  rocksdb::WriteBatch batch = std::exchange(forgotten_, rocksdb::WriteBatch());
+  forgotten_count_ = 0;
+  ++index_jobs_;
+  // Unsynced: a record whose entry comes back after a crash still holds
+  // exactly its key's bytes (or fails its checks once its region is reused,
+  // which a reclaim's synced deletes order after these).
+  writer_->Submit(std::move(batch), /*sync=*/false,
+                  [post = options_.post, self = std::weak_ptr<DiskTier*>(self_)](Status st) {
+                    post([self, st = std::move(st)] {
+                      auto tier = self.lock();
+                      if (!tier) return;
+                      --(*tier)->index_jobs_;
+                      if (!st.ok()) {
+                        ++(*tier)->counters_.index_errors;
+                        spdlog::warn("disk tier: dropping index entries: {}", st.ToString());
+                      }
+                    });
+                  });
 }
 
 void DiskTier::FinishAppend(PendingAppend& p, Status st) {
   const DiskLocation& loc = p.location;
   Region& region = devices_[loc.device].regions[loc.region];
-  --region.inflight;
+  --region.writes;
   --inflight_;
   if (!st.ok()) {
     ++counters_.io_errors;
     p.done(Err(std::move(st)));
-    return;
+  } else {
+    region.live_bytes += loc.record_bytes;
+    used_bytes_ += loc.record_bytes;
+    ++live_records_;
+    ++counters_.writes;
+    counters_.write_bytes += loc.record_bytes;
+    p.done(loc);
   }
-  region.live_bytes += loc.record_bytes;
-  used_bytes_ += loc.record_bytes;
-  ++counters_.writes;
-  counters_.write_bytes += loc.record_bytes;
-  p.done(loc);
+  if (region.state == RegionState::kReclaiming) MaybeFree(loc.device, loc.region);
+  ScheduleReclaim();  // the oldest region may have been waiting for this write
 }
 
 DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes) const {
@@ -441,16 +686,18 @@ DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t pay
 void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payload_bytes, uint8_t* dst,
                     std::function<void(Status, uint64_t)> done) {
   KVTIER_CHECK(loc.device < devices_.size() && loc.region < devices_[loc.device].regions.size());
-  ++devices_[loc.device].regions[loc.region].inflight;
+  ++devices_[loc.device].regions[loc.region].reads;
   ++inflight_;
+  const uint64_t record_bytes = RecordBytes(payload_bytes);
   auto op = std::make_shared<TwoPartIo>();
-  auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc,
+  auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc, record_bytes,
                  done = std::move(done)](Status st, uint64_t checksum) mutable {
-    post([self, loc, st = std::move(st), checksum, done = std::move(done)]() mutable {
+    post([self, loc, record_bytes, st = std::move(st), checksum, done = std::move(done)]() mutable {
       auto tier = self.lock();
       if (!tier) return;
       DiskTier& t = **tier;
-      --t.devices_[loc.device].regions[loc.region].inflight;
+      Region& region = t.devices_[loc.device].regions[loc.region];
+      --region.reads;
       --t.inflight_;
       if (st.code() == StatusCode::kCorruption) {
         ++t.counters_.checksum_failures;
@@ -460,9 +707,10 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
         ++t.counters_.io_errors;
       } else {
         ++t.counters_.reads;
-        t.counters_.read_bytes += loc.record_bytes;
+        t.counters_.read_bytes += record_bytes;
       }
       done(std::move(st), checksum);
+      if (region.state == RegionState::kReclaiming) t.MaybeFree(loc.device, loc.region);
     });
   };
   auto read = [op, key, payload_bytes, dst, finish](Result<uint64_t> got) mutable {
@@ -486,7 +734,7 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   };
   BlockDevice* device = devices_[loc.device].device;
   device->Read(loc.offset, std::span<uint8_t>(op->page.get(), RecordHeader::kBytes), read);
-  device->Read(loc.offset + RecordHeader::kBytes, std::span<uint8_t>(dst, loc.record_bytes - RecordHeader::kBytes),
+  device->Read(loc.offset + RecordHeader::kBytes, std::span<uint8_t>(dst, record_bytes - RecordHeader::kBytes),
                read);
 }
 
@@ -495,11 +743,9 @@ void DiskTier::Forget(const StoredKey& key, const DiskLocation& loc) {
   Region& r = devices_[loc.device].regions[loc.region];
   r.live_bytes -= std::min(r.live_bytes, loc.record_bytes);
   used_bytes_ -= std::min(used_bytes_, loc.record_bytes);
-  const rocksdb::Status s = db_->Delete(rocksdb::WriteOptions(), blocks_cf_, KeySlice(key));
-  if (!s.ok()) {
-    ++counters_.io_errors;
-    spdlog::warn("disk tier: dropping an index entry: {}", s.ToString());
-  }
+  if (live_records_ > 0) --live_records_;
+  forgotten_.Delete(blocks_cf_, KeySlice(key));
+  if (++forgotten_count_ >= kForgetBatch) FlushForgotten();
 }
 
 }  // namespace kvtier

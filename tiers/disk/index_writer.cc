@@ -1,0 +1,72 @@
+#include "tiers/disk/index_writer.h"
+
+#include <rocksdb/db.h>
+
+#include <vector>
+
+namespace kvtier {
+
+IndexWriter::IndexWriter(rocksdb::DB* db) : db_(db), thread_([this] { Run(); }) {}
+
+IndexWriter::~IndexWriter() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  cv_.SignalAll();
+  thread_.join();
+}
+
+void IndexWriter::Submit(rocksdb::WriteBatch batch, bool sync, Done done) {
+  {
+    MutexLock lock(&mu_);
+    queue_.push_back(Job{std::move(batch), sync, std::move(done)});
+  }
+  cv_.Signal();
+}
+
+uint64_t IndexWriter::pending() const {
+  MutexLock lock(&mu_);
+  return queue_.size() + running_;
+}
+
+void IndexWriter::Run() {
+  while (true) {
+    std::deque<Job> jobs;
+    {
+      MutexLock lock(&mu_);
+      while (queue_.empty() && !stop_) cv_.Wait(&mu_);
+      if (queue_.empty()) return;  // stopping, and nothing left
+      jobs.swap(queue_);
+      running_ = jobs.size();
+    }
+    // Each batch is applied as it comes; one WAL sync then covers every
+    // synced job of the group (and every write before it).
+    std::vector<Status> results;
+    results.reserve(jobs.size());
+    bool need_sync = false;
+    for (Job& job : jobs) {
+      const rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &job.batch);
+      results.push_back(s.ok() ? Status::Ok()
+                               : Status(StatusCode::kIoError, "writing the disk index: " + s.ToString(),
+                                        ErrorSource::kRocksDb, static_cast<int>(s.code())));
+      need_sync = need_sync || job.sync;
+    }
+    Status synced = Status::Ok();
+    if (need_sync) {
+      if (const rocksdb::Status s = db_->SyncWAL(); !s.ok()) {
+        synced = Status(StatusCode::kIoError, "syncing the disk index: " + s.ToString(), ErrorSource::kRocksDb,
+                        static_cast<int>(s.code()));
+      }
+    }
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      Status st = std::move(results[i]);
+      if (st.ok() && jobs[i].sync && !synced.ok()) st = synced;
+      if (jobs[i].done) jobs[i].done(std::move(st));
+    }
+    MutexLock lock(&mu_);
+    running_ = 0;
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,64 @@
+// IndexWriter: the disk index's RocksDB writes, on a thread of their own.
+//
+// The event loop never waits for a write-ahead-log fsync: DiskTier hands
+// every index change (group commits' puts, reclaims' deletes, forgotten
+// blocks) to Submit and learns the outcome through `done`. Jobs run in the
+// order they were submitted, so a delete submitted before a put of the same
+// key always lands first. Jobs that queue up while one runs are written one
+// after the other and share one WAL sync (a group commit of the index).
+//
+// Thread-safe. The destructor runs every job submitted before it began,
+// then joins the thread.
+#pragma once
+
+#include <rocksdb/write_batch.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "common/mutex.h"
+#include "common/status.h"
+
+namespace rocksdb {
+class DB;
+}  // namespace rocksdb
+
+namespace kvtier {
+
+class IndexWriter {
+ public:
+  // Runs on the writer thread with the job's outcome: for a synced job, Ok
+  // only once the batch and everything submitted before it are durable.
+  using Done = std::function<void(Status)>;
+
+  // `db` is borrowed and must outlive the writer.
+  explicit IndexWriter(rocksdb::DB* db);
+  ~IndexWriter();
+  IndexWriter(const IndexWriter&) = delete;
+  IndexWriter& operator=(const IndexWriter&) = delete;
+
+  void Submit(rocksdb::WriteBatch batch, bool sync, Done done);
+
+  // Jobs submitted and not yet done.
+  uint64_t pending() const;
+
+ private:
+  struct Job {
+    rocksdb::WriteBatch batch;
+    bool sync = false;
+    Done done;
+  };
+  void Run();
+
+  rocksdb::DB* const db_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<Job> queue_ KVTIER_GUARDED_BY(mu_);
+  uint64_t running_ KVTIER_GUARDED_BY(mu_) = 0;
+  bool stop_ KVTIER_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace kvtier
