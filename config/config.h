@@ -89,6 +89,9 @@ struct Config {
       uint64_t region_bytes = 64ull << 20;
       IoEngineKind io_engine = IoEngineKind::kAuto;
       uint32_t io_threads = 2;
+      // At stop, host blocks not on disk are written for at most this long
+      // (writes in flight then finish); 0 writes none.
+      uint32_t stop_flush_seconds = 8;
     } disk;
   } tiers;
 

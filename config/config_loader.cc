@@ -539,6 +539,8 @@ void ReadTiers(Context* ctx, const YAML::Node& node, Config::Tiers* tiers) {
     });
     h.Read("io_threads", &d.io_threads,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 64, v); });
+    h.Read("stop_flush_seconds", &d.stop_flush_seconds,
+           [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 3600, v); });
     h.Finish();
     if (d.enabled) {
       if (d.paths.empty()) ctx->ErrorAt("tiers.disk.paths", "the disk tier is enabled but has no paths");

@@ -9,6 +9,7 @@
 
 #include "common/chain_hash.h"
 #include "daemon/server.h"
+#include "tiers/disk/record.h"
 #include "tiers/host_backend.h"
 
 namespace kvtier {
@@ -162,6 +163,15 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   }
   Result<Layout> layout = ipc::LayoutFromWire(m.layout());
   if (!layout) return ipc::ErrorMessage(id, layout.error());
+  if (disk_ && RecordBytes(layout->block_bytes()) > disk_->max_record_bytes()) {
+    // Such a block could never be written to disk: refused now, not at
+    // every demotion.
+    return ipc::ErrorMessage(
+        id, InvalidArgument("a block of this layout (" + std::to_string(layout->block_bytes()) +
+                            " bytes, " + std::to_string(RecordBytes(layout->block_bytes())) +
+                            " on disk with its header) is larger than a disk region (tiers.disk.region_bytes = " +
+                            std::to_string(disk_->max_record_bytes()) + "); raise tiers.disk.region_bytes"));
+  }
   const auto* regions = m.regions();
   if (regions == nullptr || regions->size() == 0 || regions->size() > kMaxRegions) {
     return ipc::ErrorMessage(id, InvalidArgument("RegisterKvCache needs 1 to " + std::to_string(kMaxRegions) +

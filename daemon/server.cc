@@ -166,7 +166,7 @@ Status Server::Setup() {
       .disk_min_hits = c.policy.disk_admission.min_hits,
       .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
       .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
-      .disk_max_writes_in_flight = std::max<uint32_t>(8, c.tiers.disk.queue_depth),
+      .disk_max_writes_in_flight = std::max<uint32_t>(1024, 16 * c.tiers.disk.queue_depth),
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {
@@ -262,9 +262,14 @@ Status Server::Run() {
   while (true) {
     if (stop_requested_.load(std::memory_order_relaxed) && !stopping_) {
       stopping_ = true;
+      // A running verify is no promise: it stops reading.
+      cache_->CancelVerify();
       // Host blocks not on disk yet are written now, so that a clean restart
-      // finds them warm (the loop below waits for those writes).
-      const uint64_t flushing = disk_ ? cache_->FlushToDisk() : 0;
+      // finds them warm (the loop below waits for those writes), for a
+      // bounded time.
+      const uint32_t flush_s = options_.config.tiers.disk.stop_flush_seconds;
+      const uint64_t flushing = disk_ && flush_s > 0 ? cache_->FlushToDisk() : 0;
+      stop_flush_until_ = std::chrono::steady_clock::now() + std::chrono::seconds(flush_s);
       spdlog::info("stopping: closing {} session(s), waiting for {} copies; writing {} host block(s) to disk",
                    sessions_.size(), cache_->inflight_copies(), flushing);
       ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
@@ -273,6 +278,13 @@ Status Server::Run() {
       std::vector<uint64_t> ids;
       for (const auto& [id, s] : sessions_) ids.push_back(id);
       for (uint64_t id : ids) CloseSession(id, "daemon stopping");
+    }
+    if (stop_flush_until_ && std::chrono::steady_clock::now() >= *stop_flush_until_) {
+      if (const uint64_t left = cache_->pending_disk_writes(); left > 0) {
+        spdlog::warn("stopping: {} host block(s) not written to disk within tiers.disk.stop_flush_seconds", left);
+      }
+      cache_->CancelFlush();
+      stop_flush_until_.reset();
     }
     if (stopping_ && cache_->inflight_copies() == 0 && (!disk_ || disk_->inflight() == 0)) break;
     const int n = ::epoll_wait(epoll_.get(), events, 64, NextTimeoutMs());

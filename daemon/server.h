@@ -119,6 +119,8 @@ class Server {
   std::map<uint64_t, std::unique_ptr<Session>> sessions_;
   uint64_t next_session_id_ = 1;
   bool stopping_ = false;
+  // When a stop stops writing host blocks to disk (tiers.disk.stop_flush_seconds).
+  std::optional<std::chrono::steady_clock::time_point> stop_flush_until_;
   uint64_t sessions_refused_ = 0;
   uint64_t messages_rejected_ = 0;
   LatencyHistogram lookup_latency_;

@@ -181,7 +181,7 @@ class BlockCache {
     bool disk_write_through = false;
     // Disk writes in flight at most (write-back, write-through and flush
     // together); more wait in line, so completions never rescan a crowd.
-    uint32_t disk_max_writes_in_flight = 64;
+    uint32_t disk_max_writes_in_flight = 1024;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };

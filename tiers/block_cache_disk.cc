@@ -177,23 +177,27 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   if (!where) {
     ++counters_.disk_write_failures;
     RefundWriteBudget(budgeted);
-    // Write-back pauses, so a failing device (or index) costs no CPU.
-    ++disk_failures_in_a_row_;
-    ++counters_.disk_write_backoffs;
-    const auto pause = std::min<std::chrono::milliseconds>(
-        kFirstWriteBackoff * (uint64_t{1} << std::min<uint32_t>(disk_failures_in_a_row_ - 1, 16)), kMaxWriteBackoff);
-    disk_backoff_until_ = options_.clock() + pause;
-    if (disk_failures_in_a_row_ == 1 || disk_failures_in_a_row_ % 1000 == 0) {
-      spdlog::warn("disk tier: a write failed ({} in a row): {}; write-back pauses for {} ms",
-                   disk_failures_in_a_row_, where.error().ToString(), pause.count());
-    }
-    // A block that can never be written (larger than a region) or that
-    // failed too often is given up: it stays in memory as long as LRU keeps
-    // it, and is dropped, not written, when it leaves.
-    if (e->disk_write_failures < UINT8_MAX) ++e->disk_write_failures;
-    if (e->disk_write_failures >= kMaxDiskWriteTries || where.error().code() == StatusCode::kInvalidArgument) {
-      if (e->disk_write_failures < kMaxDiskWriteTries) e->disk_write_failures = kMaxDiskWriteTries;
+    if (where.error().code() == StatusCode::kInvalidArgument) {
+      // It can never be written (larger than a region): given up at once.
+      // No fault of the device's: write-back goes on for other blocks.
+      e->disk_write_failures = kMaxDiskWriteTries;
       ++counters_.disk_writes_given_up;
+    } else {
+      // Write-back pauses, so a failing device (or index) costs no CPU.
+      ++disk_failures_in_a_row_;
+      ++counters_.disk_write_backoffs;
+      const auto pause = std::min<std::chrono::milliseconds>(
+          kFirstWriteBackoff * (uint64_t{1} << std::min<uint32_t>(disk_failures_in_a_row_ - 1, 16)),
+          kMaxWriteBackoff);
+      disk_backoff_until_ = options_.clock() + pause;
+      if (disk_failures_in_a_row_ == 1 || disk_failures_in_a_row_ % 1000 == 0) {
+        spdlog::warn("disk tier: a write failed ({} in a row): {}; write-back pauses for {} ms",
+                     disk_failures_in_a_row_, where.error().ToString(), pause.count());
+      }
+      // Tried too often: given up. It stays in memory as long as LRU keeps
+      // it, and is dropped, not written, when it leaves.
+      if (e->disk_write_failures < UINT8_MAX) ++e->disk_write_failures;
+      if (e->disk_write_failures == kMaxDiskWriteTries) ++counters_.disk_writes_given_up;
     }
     index_.Unpark(e, /*hot=*/false);
     MaybeDemote();
@@ -391,7 +395,10 @@ void BlockCache::CancelFlush() { disk_write_queue_.clear(); }
 void BlockCache::PumpDiskWrites() {
   if (options_.disk == nullptr) return;
   if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return;
-  const uint32_t cap = std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
+  // After a failure, one write at a time until one succeeds: a failing
+  // device costs one try per pause, not a crowd of them (each takes room in
+  // the disk's log).
+  const uint32_t cap = disk_failures_in_a_row_ > 0 ? 1 : std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
   uint32_t steps = 0;
   // Writes in line first (write-through, flush): a stale one is skipped.
   while (disk_writes_in_flight_ < cap && !disk_write_queue_.empty() && steps < kPumpStepsPerCall) {

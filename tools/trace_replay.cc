@@ -179,7 +179,7 @@ std::vector<std::array<uint8_t, 16>> ChainHashes(std::span<const uint64_t> hash_
   return out;
 }
 
-Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients) {
+Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients, const ReplayTick& tick) {
   if (clients == 0 || clients > kMaxReplayClients) {
     return Err(InvalidArgument("clients must be 1-" + std::to_string(kMaxReplayClients)));
   }
@@ -229,6 +229,14 @@ Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients) {
   }
   const auto t0 = Clock::now();
   ::close(go[1]);
+  if (tick) {
+    std::vector<pid_t> running = pids;
+    while (!running.empty()) {
+      std::erase_if(running, [](pid_t pid) { return ::waitpid(pid, nullptr, WNOHANG) == pid; });
+      tick(shared->next_request.load(std::memory_order_relaxed), Seconds(Clock::now() - t0));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
   for (pid_t pid : pids) ::waitpid(pid, nullptr, 0);
   ReplayResult result;
   result.wall_s = Seconds(Clock::now() - t0);

@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -75,6 +76,11 @@ std::vector<std::array<uint8_t, 16>> ChainHashes(std::span<const uint64_t> hash_
 // the errno of mmap/pipe/fork; else the first failed client's error (e.g.
 // kUnavailable when the daemon went away), its message naming the client
 // and the call.
-Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients);
+//
+// `tick`, when set, runs on the calling thread about every 5 ms while the
+// clients run, with the number of requests handed out so far and the time
+// since they started (after the fork: it may open connections).
+using ReplayTick = std::function<void(uint64_t requests_started, double elapsed_s)>;
+Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients, const ReplayTick& tick = nullptr);
 
 }  // namespace kvtier::bench

@@ -9,6 +9,8 @@
 #include <tuple>
 #include <atomic>
 #include <cstdlib>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -43,6 +45,26 @@ AlignedPage NewPage() {
   std::memset(p, 0, RecordHeader::kBytes);
   return AlignedPage(p);
 }
+
+// RocksDB's own log goes to the daemon's log, not to a LOG file beside the
+// index: one log for operators, and nothing written to the index volume
+// that could fail (RocksDB 7.8 asserts when its LOG file keeps failing).
+class SpdlogLogger : public rocksdb::Logger {
+ public:
+  SpdlogLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override { Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap); }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    if (level < GetInfoLogLevel()) return;
+    char line[1024];
+    std::vsnprintf(line, sizeof(line), format, ap);
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
+      spdlog::error("disk index (RocksDB): {}", line);
+    } else {
+      spdlog::warn("disk index (RocksDB): {}", line);
+    }
+  }
+};
 
 rocksdb::Slice KeySlice(const StoredKey& key) {
   return rocksdb::Slice(reinterpret_cast<const char*>(key.bytes.data()), key.bytes.size());
@@ -173,6 +195,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
   db_options.max_background_jobs = 2;
+  db_options.info_log = std::make_shared<SpdlogLogger>();
   // The index is read once at start-up and then only written: small
   // memtables keep the daemon's memory per indexed block down.
   db_options.write_buffer_size = 8 << 20;
@@ -594,28 +617,31 @@ void DiskTier::MaybeCommit(uint32_t device_index) {
   if (d.commit_in_flight || d.awaiting_sync.empty()) return;
   // One fdatasync and one synced index write for every record written since
   // the last commit started: a group commit.
+  // The next commit's sync may start once this one's is done, while this
+  // one's index entries are written: the index writer keeps their order.
   d.commit_in_flight = true;
   auto batch = std::make_shared<std::vector<std::shared_ptr<PendingAppend>>>(std::move(d.awaiting_sync));
   d.awaiting_sync.clear();
-  auto finish = [this, batch, device_index](Status st) {
+  auto finish = [this, batch](Status st) {
     ++counters_.group_commits;
     for (const auto& p : *batch) FinishAppend(*p, st);
-    devices_[device_index].commit_in_flight = false;
-    MaybeCommit(device_index);
   };
-  d.device->Sync([batch, finish, post = options_.post,
+  d.device->Sync([batch, finish, device_index, post = options_.post,
                   self = std::weak_ptr<DiskTier*>(self_)](Result<uint64_t> synced) mutable {
-    post([self, batch, finish, synced = std::move(synced)]() mutable {
+    post([self, batch, finish, device_index, synced = std::move(synced)]() mutable {
       auto tier = self.lock();
       if (!tier) return;
+      DiskTier& t = **tier;
+      t.devices_[device_index].commit_in_flight = false;
       if (!synced) {
         finish(synced.error().WithContext("syncing disk records"));
-        return;
+      } else {
+        // The records are durable: now their index entries, off this thread.
+        rocksdb::WriteBatch wb;
+        for (const auto& p : *batch) wb.Put(t.blocks_cf_, KeySlice(p->key), p->value);
+        t.SubmitIndex(std::move(wb), /*sync=*/true, std::move(finish));
       }
-      // The records are durable: now their index entries, off this thread.
-      rocksdb::WriteBatch wb;
-      for (const auto& p : *batch) wb.Put((*tier)->blocks_cf_, KeySlice(p->key), p->value);
-      (*tier)->SubmitIndex(std::move(wb), /*sync=*/true, std::move(finish));
+      t.MaybeCommit(device_index);
     });
   });
 }
@@ -650,9 +676,10 @@ void DiskTier::FlushForgotten() {
                       auto tier = self.lock();
                       if (!tier) return;
                       --(*tier)->index_jobs_;
-                      if (!st.ok()) {
-                        ++(*tier)->counters_.index_errors;
-                        spdlog::warn("disk tier: dropping index entries: {}", st.ToString());
+                      if (!st.ok()) ++(*tier)->counters_.index_errors;
+                      if (!st.ok() && ++(*tier)->forget_failures_ % 1000 == 1) {
+                        spdlog::warn("disk tier: dropping index entries ({} failures so far): {}",
+                                     (*tier)->forget_failures_, st.ToString());
                       }
                     });
                   });

@@ -307,6 +307,7 @@ class DiskTier {
   uint32_t reclaim_failures_in_a_row_ = 0;
   rocksdb::WriteBatch forgotten_;  // unsynced deletes, not yet handed to the writer
   uint32_t forgotten_count_ = 0;
+  uint64_t forget_failures_ = 0;  // for rate-limited warnings
   DiskCounters counters_;
   std::shared_ptr<DiskTier*> self_;  // completions check the tier still exists
 };

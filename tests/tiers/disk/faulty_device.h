@@ -3,6 +3,7 @@
 // STYLE.md):
 //   FailNth       the nth matching op from now fails with a chosen errno (EIO,
 //                 ENOSPC, ...) and never reaches the wrapped device;
+//   FailAll       every matching op fails so, until ClearFaults (a dead disk);
 //   TornWriteNth  only an aligned prefix of the nth write reaches the device,
 //                 yet `done` reports success — what a crash in the middle of a
 //                 write looks like after restart;
@@ -64,6 +65,14 @@ class FaultyDevice : public BlockDevice {
     KVTIER_CHECK(n >= 1 && err > 0);
     MutexLock lock(&mu_);
     fail_rules_.push_back({op, n, err});
+  }
+
+  // Every op of kind `op` from now fails with errno `err`, until
+  // ClearFaults. REQUIRES: err > 0.
+  void FailAll(FaultOp op, int err) {
+    KVTIER_CHECK(err > 0);
+    MutexLock lock(&mu_);
+    fail_rules_.push_back({op, 0, err, /*every=*/true});
   }
 
   // Of the nth write from now (1 = the next), only the first `keep_bytes`
@@ -175,6 +184,7 @@ class FaultyDevice : public BlockDevice {
     FaultOp op;
     uint64_t remaining;  // matching ops until it fires, counting the firing one
     int err;
+    bool every = false;  // fires on every matching op, and stays
   };
   struct TornRule {
     uint64_t remaining;
@@ -186,7 +196,10 @@ class FaultyDevice : public BlockDevice {
   int TakeFailure(FaultOp op) KVTIER_REQUIRES(mu_) {
     int err = 0;
     for (auto it = fail_rules_.begin(); it != fail_rules_.end();) {
-      if ((it->op == op || it->op == FaultOp::kAny) && --it->remaining == 0) {
+      if ((it->op == op || it->op == FaultOp::kAny) && it->every) {
+        if (err == 0) err = it->err;
+        ++it;
+      } else if ((it->op == op || it->op == FaultOp::kAny) && --it->remaining == 0) {
         if (err == 0) err = it->err;
         it = fail_rules_.erase(it);
       } else {
