@@ -110,6 +110,51 @@ TEST(DiskRestartTest, CleanShutdownWritesHostBlocksAndTheRestartIsWarm) {
   for (const BlockKey& k : keys) ASSERT_EQ(LoadOne(s, k), 1) << "a block stored before a clean stop misses";
 }
 
+TEST(DiskRestartTest, StopWithEveryTierFullWritesHostBlocksAndTheRestartIsWarm) {
+  // An 8 MiB host over a 16 MiB disk, both filled many times over: the stop
+  // writes what host holds onto a full disk (reclaiming as it goes) while a
+  // verify runs, and must still end promptly.
+  std::vector<std::string> sets = DiskSets("auto", "8MiB");
+  sets.insert(sets.end(), {"tiers.hbm.enabled=false", "tiers.disk.bytes=16MiB", "tiers.disk.stop_flush_seconds=8"});
+  Result<DaemonProcess> d = DaemonProcess::Start(sets);
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::vector<BlockKey> keys;
+  {
+    DiskSession s = Open(*d);
+    ASSERT_NE(s.client, nullptr);
+    for (uint64_t p = 0; p < 100; ++p) {
+      const std::vector<BlockKey> k = s.client->ComputeKeys(s.id, Prompt(500 + p, 32)).value();
+      keys.insert(keys.end(), k.begin(), k.end());
+    }
+    StoreAck(s, keys);
+    const DaemonStats st = s.client->Stats().value();
+    ASSERT_GT(st.Counter("disk_regions_reclaimed"), 16u) << "the disk did not wrap";
+    ASSERT_TRUE(s.client->VerifyDisk(/*start=*/true).has_value());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const int status = d->Stop();  // SIGTERM
+  const double stop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
+  std::printf("stop with every tier full: %.2f s\n", stop_s);
+  // A liveness bound, far above the figure (tiers.disk.stop_flush_seconds
+  // caps the flush); a stop that hangs fails here rather than at ctest's
+  // timeout.
+  EXPECT_LT(stop_s, 60.0) << d->Log();
+  ASSERT_TRUE(d->Restart().ok()) << d->Log();
+  DiskSession s = Open(*d);
+  ASSERT_NE(s.client, nullptr);
+  // The newest blocks were in host at the stop: written then, so warm now.
+  const size_t newest = 256;  // 4 MiB, half of host
+  size_t hits = 0;
+  for (size_t i = keys.size() - newest; i < keys.size(); ++i) {
+    const int r = LoadOne(s, keys[i]);
+    ASSERT_NE(r, -1) << "wrong bytes served after the restart";
+    hits += static_cast<size_t>(r);
+  }
+  EXPECT_EQ(hits, newest) << "blocks in host at the stop were not written";
+  EXPECT_EQ(s.client->Stats().value().Counter("disk_checksum_failures"), 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, DiskRoundTripTest, ::testing::Values("io_uring", "threadpool"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 

@@ -62,11 +62,12 @@ std::vector<std::string> SoakSets() {
                (t == 0 ? ", admin: true" : "") + "}";
   }
   tenants += "]";
-  // 16 and 24 KiB blocks: hbm holds about 100, host 300, disk 3,000; the
-  // clients' prompts need far more, so every tier evicts, demotes and
-  // promotes all the time, and the sizes take extents from each other.
+  // 16 and 24 KiB blocks: hbm holds about 100, host 300, disk 700 (16
+  // regions of 1 MiB); the clients' prompts need far more, so every tier
+  // evicts, demotes and promotes all the time, the disk wraps many times
+  // over, and the sizes take extents from each other.
   return {"tiers.hbm.enabled=true",     "tiers.hbm.bytes=2MiB",      "tiers.host.bytes=6MiB",
-          "tiers.disk.enabled=true",    "tiers.disk.bytes=64MiB",    "tiers.disk.region_bytes=4MiB",
+          "tiers.disk.enabled=true",    "tiers.disk.bytes=16MiB",    "tiers.disk.region_bytes=1MiB",
           "limits.max_sessions_per_tenant=64", tenants};
 }
 
@@ -218,21 +219,33 @@ TEST(SoakTest, ThirtyTwoClientsOfThreeTenantsForAMinute) {
   EXPECT_EQ(end.inflight_ops, 0u);
   EXPECT_EQ(end.Counter("disk_checksum_failures"), 0u);
   EXPECT_GT(end.Counter("disk_demotions"), 0u) << "the disk tier was under pressure too";
+  EXPECT_GE(end.Counter("disk_regions_reclaimed"), 10u * 16) << "the disk wrapped fewer than ten times";
+  EXPECT_EQ(end.Counter("disk_reclaim_failures"), 0u);
+  EXPECT_EQ(end.Counter("disk_write_failures"), 0u);
+  std::printf("soak: disk wrapped %.1f times (%lu regions reclaimed, %lu blocks carried forward)\n",
+              static_cast<double>(end.Counter("disk_regions_reclaimed")) / 16, end.Counter("disk_regions_reclaimed"),
+              end.Counter("disk_reinsertions"));
   EXPECT_GT(end.Counter("demotions"), 0u);
   EXPECT_GT(end.Counter("extents_reclaimed"), 0u)
       << "the two block sizes took room from each other";
 }
 
-// Blocks in the disk tier now, as the daemon counts them (admin session).
-uint64_t DiskBlocks(const std::string& socket) {
+// Blocks in the disk tier now, as the daemon counts them (admin session),
+// and the regions it reclaimed since it started.
+struct DiskNow {
+  uint64_t blocks = 0;
+  uint64_t regions_reclaimed = 0;
+};
+DiskNow DiskState(const std::string& socket) {
   Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = socket, .token = Token(0)});
-  if (!c) return 0;
+  if (!c) return {};
   Result<DaemonStats> s = (*c)->Stats();
-  if (!s) return 0;
+  if (!s) return {};
+  DiskNow now{.blocks = 0, .regions_reclaimed = s->Counter("disk_regions_reclaimed")};
   for (const TierStats& t : s->tiers) {
-    if (t.tier == BlockTier::kDisk) return t.blocks;
+    if (t.tier == BlockTier::kDisk) now.blocks = t.blocks;
   }
-  return 0;
+  return now;
 }
 
 TEST(ChaosTest, KillsOfTheDaemonAndOfClientsNeverServeWrongBytes) {
@@ -254,16 +267,19 @@ TEST(ChaosTest, KillsOfTheDaemonAndOfClientsNeverServeWrongBytes) {
   uint32_t client_kills = 0;
   uint32_t warm_checks = 0;
   uint64_t disk_blocks_after_restarts = 0;
+  uint64_t regions_reclaimed = 0;  // summed over the daemon's lives
   while (std::chrono::steady_clock::now() + std::chrono::seconds(3) < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(500 + rng() % 1500));
     if (rng() % 2 == 0) {
-      const uint64_t before = DiskBlocks(d->socket_path());
+      const DiskNow now = DiskState(d->socket_path());
+      const uint64_t before = now.blocks;
+      regions_reclaimed += now.regions_reclaimed;
       d->Kill();
       ++daemon_kills;
       ASSERT_TRUE(d->Restart().ok()) << d->Log();
       // The disk tier is warm: what was durable on disk before the kill is
       // indexed again (only writes in flight at the kill may be missing).
-      const uint64_t after = DiskBlocks(d->socket_path());
+      const uint64_t after = DiskState(d->socket_path()).blocks;
       EXPECT_GE(after + 256, before) << "disk tier cold after restart " << daemon_kills;
       if (before > 0) {
         EXPECT_GT(after, 0u) << "disk tier cold after restart " << daemon_kills;
@@ -278,6 +294,7 @@ TEST(ChaosTest, KillsOfTheDaemonAndOfClientsNeverServeWrongBytes) {
       start_client(slot);
     }
   }
+  regions_reclaimed += DiskState(d->socket_path()).regions_reclaimed;
   uint64_t loaded = 0;
   uint64_t unavailable = 0;
   for (uint32_t i = 0; i < kClients; ++i) {
@@ -295,6 +312,9 @@ TEST(ChaosTest, KillsOfTheDaemonAndOfClientsNeverServeWrongBytes) {
               seconds, daemon_kills, warm_checks, disk_blocks_after_restarts, client_kills, loaded, unavailable);
   EXPECT_GE(daemon_kills + client_kills, 3u);
   EXPECT_GT(disk_blocks_after_restarts, 0u) << "no restart found anything on disk";
+  std::printf("chaos: %lu disk regions reclaimed (the disk wrapped %.1f times)\n", regions_reclaimed,
+              static_cast<double>(regions_reclaimed) / 16);
+  EXPECT_GE(regions_reclaimed, 16u * 3) << "the disk wrapped fewer than three times";
   EXPECT_GT(loaded, 0u);
 }
 

@@ -525,6 +525,28 @@ TEST_F(DiskTierTest, FullDiskReclaimsTheOldestRegion) {
   EXPECT_EQ(adopted_, cache_->Usage(Tier::kDisk).blocks);
 }
 
+TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(40);
+  StoreAll(keys);
+  ASSERT_GT(cache_->FlushToDisk(), 0u);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  std::shared_ptr<const VerifyProgress> p = cache_->VerifyDisk(/*max_inflight=*/1);
+  ASSERT_GT(p->total, 10u);
+  ASSERT_TRUE(Drain([&] { return p->checked >= 2; }));
+  cache_->CancelVerify();
+  ASSERT_TRUE(Drain([&] { return p->done && cache_->inflight_copies() == 0; }));
+  EXPECT_LT(p->checked, p->total) << "the verification read on after its cancel";
+  const uint64_t checked = p->checked;
+  ASSERT_TRUE(Drain([&] { return disk_->inflight() == 0; }));
+  EXPECT_EQ(p->checked, checked);
+  // A new one starts from the beginning and runs to the end.
+  std::shared_ptr<const VerifyProgress> again = cache_->VerifyDisk(4);
+  ASSERT_TRUE(Drain([&] { return again->done; }));
+  EXPECT_EQ(again->checked, again->total);
+  EXPECT_EQ(again->bad, 0u);
+}
+
 TEST_F(DiskTierTest, ADeviceThatFailsEveryWriteCostsNoCpuAndGivesBlocksUp) {
   const TierWatermarks marks{.high = 0.9, .low = 0.5};
   Open(/*hbm_slots=*/0, /*host_slots=*/32, marks);
