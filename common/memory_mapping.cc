@@ -3,6 +3,8 @@
 #include <cerrno>
 #include <string>
 
+#include "common/check.h"
+
 namespace kvtier {
 
 Result<MemoryMapping> MemoryMapping::Map(const Options& options) {
@@ -19,6 +21,12 @@ Result<MemoryMapping> MemoryMapping::Map(const Options& options) {
 
 Result<MemoryMapping> MemoryMapping::Anonymous(size_t size_bytes) {
   return Map(Options{.size_bytes = size_bytes});
+}
+
+void MemoryMapping::Discard(size_t offset, size_t size_bytes) {
+  KVTIER_CHECK(offset <= size_bytes_ && size_bytes <= size_bytes_ - offset);
+  // Fails only for invalid arguments (a misaligned offset), a bug.
+  KVTIER_CHECK(::madvise(data() + offset, size_bytes, MADV_DONTNEED) == 0);
 }
 
 void MemoryMapping::Reset() {

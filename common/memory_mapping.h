@@ -56,6 +56,13 @@ class MemoryMapping {
   // Unmaps now.
   void Reset();
 
+  // Gives the pages of [offset, offset + size_bytes) back to the kernel
+  // (MADV_DONTNEED) without unmapping them, so that a large mapping can be
+  // released a piece at a time instead of in one long munmap. A private
+  // anonymous mapping reads zeros there afterwards. REQUIRES: `offset` is a
+  // multiple of the page size and the range lies inside the mapping.
+  void Discard(size_t offset, size_t size_bytes);
+
  private:
   MemoryMapping(void* data, size_t size_bytes) : data_(data), size_bytes_(size_bytes) {}
 

@@ -13,68 +13,31 @@ const char* TierName(Tier tier) {
   return "?";
 }
 
-size_t BlockIndex::Home(const StoredKey& key) const {
-  // Stored keys are uniform hashes; a Fibonacci multiply spreads keys that
-  // are not (tests' counters) too, then multiply-shift maps onto the table.
-  __extension__ using U128 = unsigned __int128;  // g++ and clang; -Wpedantic asks for the marker
-  const uint64_t h = key.Low64() * 0x9e3779b97f4a7c15ull;
-  return static_cast<size_t>((static_cast<U128>(h) * table_.size()) >> 64);
-}
-
-BlockIndex::Slot* BlockIndex::FindSlot(const StoredKey& key) {
-  if (table_.empty()) return nullptr;
-  for (size_t i = Home(key), n = 0; n < table_.size(); ++n, i = (i + 1 == table_.size() ? 0 : i + 1)) {
-    Slot& s = table_[i];
-    if (s.entry == nullptr) return nullptr;
-    if (s.entry != Tombstone() && s.key == key) return &s;
-  }
-  return nullptr;
-}
-
 BlockEntry* BlockIndex::Find(const StoredKey& key) {
-  Slot* s = FindSlot(key);
+  Slot* s = table_.Find(key);
   return s == nullptr ? nullptr : s->entry;
 }
 
 void BlockIndex::Prefetch(std::span<const StoredKey> keys) const {
-  if (table_.empty()) return;
-  for (const StoredKey& k : keys) __builtin_prefetch(&table_[Home(k)]);
+  for (const StoredKey& k : keys) table_.Prefetch(k);
 }
 
-void BlockIndex::TableInsert(const StoredKey& key, BlockEntry* e) {
-  // At most 3/4 full, tombstones included. map_ already holds `key`, so a
-  // rebuild places it too.
-  if ((map_.size() + table_tombstones_) * 4 > table_.size() * 3) {
-    GrowTable();
-    return;
-  }
-  TablePut(key, e);
+BlockEntry* BlockIndex::NewEntry(const StoredKey& key) {
+  BlockEntry* e = entries_.New();
+  e->key = key;
+  table_.Insert(Slot{key, e});  // checks that the key is absent
+  return e;
 }
 
-void BlockIndex::TablePut(const StoredKey& key, BlockEntry* e) {
-  for (size_t i = Home(key);; i = (i + 1 == table_.size() ? 0 : i + 1)) {
-    Slot& s = table_[i];
-    if (s.entry == nullptr || s.entry == Tombstone()) {
-      if (s.entry == Tombstone()) --table_tombstones_;
-      s = Slot{key, e};
-      return;
-    }
-  }
-}
-
-void BlockIndex::GrowTable() {
-  // Twice what the live entries need at 3/4: tombstones go.
-  table_.assign(std::max<size_t>(64, map_.size() * 8 / 3), Slot{});
-  table_tombstones_ = 0;
-  for (auto& [key, entry] : map_) TablePut(key, &entry);
+void BlockIndex::DeleteEntry(BlockEntry* e) {
+  Slot* slot = table_.Find(e->key);
+  KVTIER_CHECK(slot != nullptr && slot->entry == e);
+  table_.Erase(slot);
+  entries_.Delete(e);
 }
 
 BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey* parent) {
-  auto [it, inserted] = map_.try_emplace(key);
-  KVTIER_CHECK(inserted);
-  BlockEntry* e = &it->second;
-  e->key = key;
-  TableInsert(key, e);
+  BlockEntry* e = NewEntry(key);
   e->tier = tier;
   LinkHot(e);
   if (parent != nullptr) {
@@ -105,12 +68,7 @@ void BlockIndex::Erase(BlockEntry* e) {
     c->parent = c->prev_sibling = c->next_sibling = nullptr;
     c = next;
   }
-  const StoredKey key = e->key;  // erase() must not read the key it is destroying
-  Slot* slot = FindSlot(key);
-  KVTIER_CHECK(slot != nullptr);
-  slot->entry = Tombstone();
-  ++table_tombstones_;
-  map_.erase(key);
+  DeleteEntry(e);
 }
 
 void BlockIndex::Touch(BlockEntry* e) {

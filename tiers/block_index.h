@@ -1,21 +1,26 @@
 // BlockIndex: stored key -> BlockEntry, with per-tier intrusive LRU lists and
-// parent/child links for prefix-aware eviction. About 180 bytes per block,
-// fixed: no allocation beyond the hash-map node.
+// parent/child links for prefix-aware eviction. About 200 to 230 bytes per
+// block, fixed: the entry (168 bytes today) in a chunked pool and a 24-byte
+// slot in the lookup table (at 3/8 to 3/4 load); no allocation per entry.
 //
-// Entries live in an unordered_map, whose nodes never move, so the raw
-// pointers between entries (LRU neighbours, parent, children) stay valid
-// until an entry is erased; Erase unlinks it from everything first.
+// Entries live in a ChunkedPool (tiers/chunked_pool.h) and never move, so the
+// raw pointers between entries (LRU neighbours, parent, children) stay valid
+// until an entry is erased; Erase unlinks it from everything first. Neither
+// the pool nor the lookup table (tiers/open_table.h) ever rebuilds in one
+// pass: the pool grows a chunk at a time and the table migrates a few slots
+// per Insert or Erase, so no call stalls the event loop however many blocks
+// the node holds.
 //
 // Thread-compatible: owned by BlockCache's thread.
 #pragma once
 
 #include <cstdint>
 #include <span>
-#include <unordered_map>
-#include <vector>
 
 #include "common/key128.h"
+#include "tiers/chunked_pool.h"
 #include "tiers/disk/disk_tier.h"
+#include "tiers/open_table.h"
 
 namespace kvtier {
 
@@ -106,14 +111,20 @@ class BlockIndex {
   void AddLease(BlockEntry* e) { ++e->leases; ++total_leases_; }
   void ReleaseLease(BlockEntry* e);
   uint64_t total_leases() const { return total_leases_; }
-  size_t size() const { return map_.size(); }
+  size_t size() const { return entries_.size(); }
+  // The lookup table's capacity, and whether a growth is still migrating and
+  // how far (at most kMigrateSlotsPerCall slots per Insert or Erase).
+  static constexpr size_t kMigrateSlotsPerCall = kOpenTableMigrateSlotsPerCall;
+  OpenTableStats table_stats() const { return table_.stats(); }
 
   // True when `e` has cached children in tier `t` or any tier above it.
   static bool HasChildrenAtOrAbove(const BlockEntry* e, Tier t);
 
+  // f(BlockEntry*) once for every entry, in no particular order. f must not
+  // Insert or Erase.
   template <typename F>
   void ForEach(F&& f) {
-    for (auto& [key, entry] : map_) f(&entry);
+    entries_.ForEach(f);
   }
 
  private:
@@ -125,25 +136,33 @@ class BlockIndex {
   void LinkCold(BlockEntry* e);
   void Unlink(BlockEntry* e);
 
-  // Entries live in map_ (stable addresses, iteration); lookups go through
-  // table_, a compact open-addressed key -> entry table (24-byte slots,
-  // linear probing, indexed by the key's own low bits: stored keys are
-  // uniform hashes), which costs one cache miss where the node-based map
+  // Entries live in entries_ (stable addresses, iteration); lookups go
+  // through table_, a compact open-addressed key -> entry table (24-byte
+  // slots, linear probing, indexed by the key's own low bits: stored keys
+  // are uniform hashes), which costs one cache miss where a node-based map
   // costs two or three.
   struct Slot {
     StoredKey key;
-    BlockEntry* entry = nullptr;  // nullptr: empty; Tombstone(): erased
+    BlockEntry* entry = nullptr;  // nullptr: empty
   };
-  static BlockEntry* Tombstone() { return reinterpret_cast<BlockEntry*>(uintptr_t{1}); }
-  size_t Home(const StoredKey& key) const;
-  Slot* FindSlot(const StoredKey& key);
-  void TableInsert(const StoredKey& key, BlockEntry* e);  // grows first when due
-  void TablePut(const StoredKey& key, BlockEntry* e);
-  void GrowTable();
-  std::vector<Slot> table_;
-  size_t table_tombstones_ = 0;
+  struct SlotTraits {
+    static constexpr bool IsEmpty(const Slot& s) { return s.entry == nullptr; }
+    static const StoredKey& KeyOf(const Slot& s) { return s.key; }
+    // A Fibonacci multiply spreads keys that are not uniform (tests'
+    // counters) too.
+    static uint64_t Hash(const StoredKey& key) { return key.Low64() * 0x9e3779b97f4a7c15ull; }
+    static constexpr size_t kMaxLoadPercent = 75;
+    static constexpr size_t kGrowPercent = 200;
+    static constexpr size_t kMinCapacity = 64;
+  };
+  using Table = OpenTable<Slot, SlotTraits>;
+  // A new entry for `key` in entries_ and table_ (REQUIRES: absent), and
+  // its removal from both.
+  BlockEntry* NewEntry(const StoredKey& key);
+  void DeleteEntry(BlockEntry* e);
+  Table table_;
+  ChunkedPool<BlockEntry> entries_;
 
-  std::unordered_map<StoredKey, BlockEntry, Key128Hash> map_;
   List lru_[kNumTiers];
   uint64_t total_leases_ = 0;
 };

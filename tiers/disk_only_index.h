@@ -1,19 +1,22 @@
 // DiskOnlyIndex: the blocks that live only on disk, in 32 bytes each.
 //
 // A block in a memory tier, or one being read or leased, is a full
-// BlockEntry (block_index.h, ~180 bytes with its LRU and prefix links); a
+// BlockEntry (block_index.h, ~170 bytes with its LRU and prefix links); a
 // block that only sits on disk needs just enough to find and account for it,
 // and a node may hold millions of those. Open addressing with linear probing
-// in one flat array, grown by half when 80% full, so the table costs 40 to 60
-// bytes per block.
+// in one flat array (tiers/open_table.h), grown by half when 80% full, so the
+// table costs 40 to 60 bytes per block. A growth moves the blocks over a few
+// at a time, in the Inserts and Erases that follow it, so no call stalls the
+// event loop for a rebuild; while it runs the old table is given back as it
+// empties, so the peak is about 100 bytes per block and falls from there.
 //
 // Thread-compatible: owned by BlockCache's thread.
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "common/key128.h"
+#include "tiers/open_table.h"
 
 namespace kvtier {
 
@@ -25,41 +28,54 @@ struct DiskOnlyBlock {
   uint16_t ns = 0;
   uint16_t hits = 0;
   uint8_t device = 0;
-  uint8_t used = 0;  // kEmpty, kUsed or kTombstone
+  uint8_t used = 0;  // set by the index: 0 marks an empty slot
 };
 static_assert(sizeof(DiskOnlyBlock) == 32);
 
 class DiskOnlyIndex {
  public:
+  // The most slots of an old table that one Insert or Erase moves while the
+  // table grows.
+  static constexpr size_t kMigrateSlotsPerCall = kOpenTableMigrateSlotsPerCall;
+
   DiskOnlyIndex() = default;
   DiskOnlyIndex(const DiskOnlyIndex&) = delete;
   DiskOnlyIndex& operator=(const DiskOnlyIndex&) = delete;
 
-  // Null when absent. Valid until the next Insert or Erase.
-  DiskOnlyBlock* Find(const StoredKey& key);
-  // REQUIRES: the key is absent.
+  // Null when absent. Valid until the next Insert or Erase: both may move
+  // blocks (a growth step, or the shift that closes an erased slot).
+  DiskOnlyBlock* Find(const StoredKey& key) { return table_.Find(key); }
+  // REQUIRES: the key is absent (checked).
   void Insert(const DiskOnlyBlock& block);
-  // REQUIRES: `block` came from Find (and nothing was inserted since).
+  // REQUIRES: `block` came from Find, with no Insert or Erase since.
   void Erase(DiskOnlyBlock* block);
 
-  size_t size() const { return size_; }
-  size_t capacity() const { return slots_.size(); }
+  size_t size() const { return table_.size(); }
+  // Slots of the table Inserts go to (while growing, the old one is extra:
+  // table_stats().bytes has both).
+  size_t capacity() const { return table_.stats().capacity; }
+  OpenTableStats table_stats() const { return table_.stats(); }
 
+  // f(DiskOnlyBlock&) once for every block, in no particular order. f must
+  // not Insert or Erase.
   template <typename F>
   void ForEach(F&& f) {
-    for (DiskOnlyBlock& b : slots_) {
-      if (b.used == kUsed) f(b);
-    }
+    table_.ForEach(f);
   }
 
  private:
-  static constexpr uint8_t kEmpty = 0, kUsed = 1, kTombstone = 2;
-  size_t Home(const StoredKey& key) const;
-  void Grow();
+  struct Traits {
+    static constexpr bool IsEmpty(const DiskOnlyBlock& b) { return b.used == 0; }
+    static const StoredKey& KeyOf(const DiskOnlyBlock& b) { return b.key; }
+    // Stored keys are uniform hashes: their low 64 bits serve directly.
+    static uint64_t Hash(const StoredKey& key) { return key.Low64(); }
+    static constexpr size_t kMaxLoadPercent = 80;
+    static constexpr size_t kGrowPercent = 150;
+    static constexpr size_t kMinCapacity = 64;
+  };
+  using Table = OpenTable<DiskOnlyBlock, Traits>;
 
-  std::vector<DiskOnlyBlock> slots_;
-  size_t size_ = 0;
-  size_t tombstones_ = 0;
+  Table table_;
 };
 
 }  // namespace kvtier

@@ -10,7 +10,10 @@
 #include <random>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
+
+#include "tests/tiers/open_table_test_util.h"
 
 namespace kvtier {
 namespace {
@@ -114,6 +117,157 @@ TEST(BlockIndexTest, LookupTableAgreesWithAReferenceUnderChurn) {
   const std::vector<StoredKey> some = Keys({1, 2, 3, 4999});
   index.Prefetch(some);  // only a hint; must not disturb anything
   for (uint32_t m : {1u, 2u, 3u, 4999u}) EXPECT_EQ(index.Find(K(m)) != nullptr, present.count(m) != 0);
+}
+
+// Random inserts and erases (counter keys and random ones) through many
+// growths of the lookup table and of the entry pool: after every batch
+// (every few calls while the table migrates), each live key is found at the
+// address Insert returned (entries never move), erased and never-inserted
+// keys are not, and during a migration ForEach visits exactly the live set
+// once.
+TEST(BlockIndexTest, ModelHoldsAcrossTableGrowthMigrations) {
+  BlockIndex index;
+  std::mt19937_64 rng(11);
+  std::unordered_map<StoredKey, BlockEntry*, Key128Hash> model;
+  std::vector<StoredKey> keys, erased;
+  uint32_t next = 0;
+  int migrations = 0, checked_during_migration = 0;
+  bool was_migrating = false;
+  auto random_key = [&] {
+    StoredKey k;
+    for (auto& b : k.bytes) b = static_cast<uint8_t>(rng());
+    return k;
+  };
+  auto check = [&](int step) {
+    ASSERT_EQ(index.size(), model.size()) << "step " << step;
+    for (const auto& [key, entry] : model) {
+      ASSERT_EQ(index.Find(key), entry) << "step " << step;
+      ASSERT_EQ(entry->key, key);
+    }
+    for (size_t i = erased.size() > 16 ? erased.size() - 16 : 0; i < erased.size(); ++i) {
+      ASSERT_EQ(index.Find(erased[i]), nullptr) << "erased key found at step " << step;
+    }
+    for (int i = 0; i < 4; ++i) ASSERT_EQ(index.Find(random_key()), nullptr);
+    if (index.table_stats().migrating) {
+      ++checked_during_migration;
+      std::set<const BlockEntry*> seen;
+      index.ForEach([&](BlockEntry* e) {
+        EXPECT_TRUE(seen.insert(e).second) << "visited twice at step " << step;
+        auto it = model.find(e->key);
+        EXPECT_TRUE(it != model.end() && it->second == e)
+            << "visited a dead entry at step " << step;
+      });
+      ASSERT_EQ(seen.size(), model.size()) << "step " << step;
+    }
+  };
+  for (int step = 0; step < 40000; ++step) {
+    if (rng() % 3 != 0 || keys.empty()) {
+      const StoredKey key = rng() % 2 ? K(next++) : random_key();
+      BlockEntry* e = index.Insert(key, static_cast<Tier>(rng() % kNumTiers), nullptr);
+      ASSERT_EQ(e->key, key);
+      model[key] = e;
+      keys.push_back(key);
+    } else {
+      const size_t i = rng() % keys.size();
+      index.Erase(index.Find(keys[i]));
+      model.erase(keys[i]);
+      erased.push_back(keys[i]);
+      keys[i] = keys.back();
+      keys.pop_back();
+    }
+    const bool migrating = index.table_stats().migrating;
+    if (migrating && !was_migrating) ++migrations;
+    was_migrating = migrating;
+    if (step % (migrating ? 53 : 997) == 0) {
+      check(step);
+      if (HasFatalFailure()) return;
+    }
+  }
+  check(40000);
+  EXPECT_GE(migrations, 6) << "the test should cross several growths";
+  EXPECT_GE(checked_during_migration, 20);
+}
+
+// Erase leaves no tombstone behind: churn at a constant size never starts a
+// growth and never touches the capacity; the pool reuses the freed entries.
+TEST(BlockIndexTest, ChurnAtConstantSizeNeverRebuilds) {
+  BlockIndex index;
+  std::vector<uint32_t> live;
+  uint32_t next = 0;
+  for (; next < 3000; ++next) {
+    index.Insert(K(next), Tier::kHost, nullptr);
+    live.push_back(next);
+  }
+  std::mt19937 rng(12);
+  auto churn = [&] {
+    const size_t i = rng() % live.size();
+    index.Erase(index.Find(K(live[i])));
+    index.Insert(K(next), Tier::kHost, nullptr);
+    live[i] = next++;
+  };
+  while (index.table_stats().migrating) churn();
+  const size_t capacity = index.table_stats().capacity;
+  for (int step = 0; step < 100000; ++step) {
+    churn();
+    ASSERT_FALSE(index.table_stats().migrating) << "step " << step;
+  }
+  EXPECT_EQ(index.table_stats().capacity, capacity);
+  EXPECT_EQ(index.size(), live.size());
+  for (uint32_t n : live) ASSERT_NE(index.Find(K(n)), nullptr);
+  size_t seen = 0;
+  index.ForEach([&](BlockEntry*) { ++seen; });
+  EXPECT_EQ(seen, live.size());
+}
+
+// While the lookup table migrates, each Insert or Erase moves at most
+// kMigrateSlotsPerCall slots of the old table and at least one.
+TEST(BlockIndexTest, EachCallMigratesABoundedNumberOfSlots) {
+  BlockIndex index;
+  std::vector<uint32_t> live;
+  std::mt19937 rng(13);
+  uint32_t next = 0;
+  int migrations = 0;
+  for (int step = 0; step < 60000; ++step) {
+    const OpenTableStats before = index.table_stats();
+    if (rng() % 4 != 0 || live.empty()) {
+      index.Insert(K(next), Tier::kHost, nullptr);
+      live.push_back(next++);
+    } else {
+      const size_t i = rng() % live.size();
+      index.Erase(index.Find(K(live[i])));
+      live[i] = live.back();
+      live.pop_back();
+    }
+    const OpenTableStats after = index.table_stats();
+    if (tiers_test::ExpectBoundedMigrationStep(before, after)) {
+      ++migrations;
+      EXPECT_GE(after.capacity, before.capacity * 2 - 2) << "doubles";
+    }
+    if (HasFailure()) {
+      ADD_FAILURE() << "at step " << step;
+      return;
+    }
+  }
+  EXPECT_GE(migrations, 6);
+}
+
+// Entries keep their addresses, and the links between them hold, while the
+// pool adds chunks and the table migrates underneath.
+TEST(BlockIndexTest, LinksSurviveGrowth) {
+  BlockIndex index;
+  BlockEntry* root = index.Insert(K(0), Tier::kHost, nullptr);
+  std::vector<BlockEntry*> entries = {root};
+  for (uint32_t n = 1; n < 20000; ++n) {
+    const StoredKey parent = entries[n / 2]->key;
+    entries.push_back(index.Insert(K(n), n % 2 ? Tier::kHost : Tier::kHbm, &parent));
+  }
+  for (uint32_t n = 0; n < entries.size(); ++n) {
+    ASSERT_EQ(index.Find(K(n)), entries[n]);
+    if (n > 0) {
+      ASSERT_EQ(entries[n]->parent, entries[n / 2]);
+    }
+  }
+  EXPECT_EQ(Order(index, Tier::kHost).size() + Order(index, Tier::kHbm).size(), entries.size());
 }
 
 TEST(BlockIndexTest, InsertIsHottestAndTouchMovesToHotEnd) {
