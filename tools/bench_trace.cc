@@ -374,7 +374,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
   }
   Watch watch;
   watch.reclaimed_before = before->Counter("disk_regions_reclaimed");
-  auto tick = [&](uint64_t started, double elapsed_s) {
+  auto tick = [&](uint64_t requests_started, double elapsed_s) {
     if (!watch.client) {
       auto c = Client::Connect({.socket_path = o.socket, .client_name = "kvtier-bench-watch"});
       if (!c) return;
@@ -386,7 +386,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
     watch.lag_ms.push_back(*ms);
     if (!watch.filled_at_s && st->Counter("disk_regions_reclaimed") > watch.reclaimed_before) {
       watch.filled_at_s = elapsed_s;
-      watch.requests_at_fill = started;
+      watch.requests_at_fill = requests_started;
     }
   };
   auto replay = Replay(plan, o.clients, tick);

@@ -7,6 +7,9 @@ set -euo pipefail
 PACKAGES=(
   # toolchain
   build-essential cmake pkg-config git clang
+  # clang's sanitizer runtimes (ASan, UBSan, TSan, libFuzzer): only recommended by clang,
+  # and this script installs without recommends
+  libclang-rt-14-dev
   # libraries (see ../shared/DESIGN.md, "Dependencies")
   liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
