@@ -54,10 +54,10 @@ class IoEngine {
     // While reads and writes (or syncs) both wait, at most this many read
     // chunks start in a row before a write or sync chunk does: writes and
     // syncs get at least 1 / (reads_per_write + 1) of the chunks started
-    // then, and a read waits behind at most one write chunk (of at most
-    // max_write_chunk_bytes) per reads_per_write reads. Default 4: writes
-    // keep at least a fifth of the starts under a sustained read load, and
-    // reads keep the rest. At least 1.
+    // then, and queued reads give up one turn, to one write chunk of at most
+    // max_write_chunk_bytes, per reads_per_write reads started. Default 4:
+    // writes keep at least a fifth of the starts under a sustained read
+    // load, and reads keep the rest. At least 1 (Create refuses 0).
     uint32_t reads_per_write = 4;
   };
 
