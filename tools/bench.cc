@@ -8,6 +8,11 @@
 //   kvtier-bench redis  [--blocks 64] [--reps 7] [--socket PATH]
 //       the same store then load through kvtierd and through a Redis the
 //       bench starts on a unix socket (pipelined SET/GET; tools/bench_redis.h)
+//   kvtier-bench disk   [--blocks 256] [--queue-depth 32] [--io-threads 2] [--reps 5] [--set K=V]
+//       demotion (host -> disk) and promotion (disk -> host, disk -> engine)
+//       of 2 MiB blocks through kvtierd, next to fio (same bytes, block
+//       size, queues and depth, writes ending in an fsync) and a
+//       file-per-block store; a fresh daemon and segment per repetition
 //   kvtier-bench lookup [--keys 128] [--reps 20000] [--index-keys N] [--socket PATH]
 //       round-trip latency of one 128-key prompt lookup, next to a SEQPACKET
 //       echo and to Redis' pipelined EXISTS; the daemon's index on one core
@@ -18,22 +23,22 @@
 //
 // Without --socket the daemon workloads start their own kvtierd (next to this
 // binary) on a temporary socket, and stop it afterwards.
-#include <signal.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "common/block_pattern.h"
 #include "ipc/seqpacket.h"
@@ -216,13 +221,21 @@ double RawRoundTripMicros(uint32_t reps) {
   return Median(us);
 }
 
-// fio's bandwidth for one job, in MB/s (1e6 bytes); 0 if fio fails.
-double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
-           uint32_t queue_depth) {
-  const std::string cmd = "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
-                          " --size=" + std::to_string(size_bytes) + " --bs=" + std::to_string(block_bytes) +
-                          " --iodepth=" + std::to_string(queue_depth) +
-                          " --ioengine=io_uring --direct=1 --numjobs=1 --output-format=json 2>/dev/null";
+// fio's bandwidth in MB/s (1e6 bytes), all jobs together; 0 if fio fails.
+// `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread, each with
+// its own ring of that depth), over disjoint parts of one file, and for
+// writes an fsync at the end inside the timed run, since a demotion counts
+// only once it is durable.
+double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes,
+           uint64_t block_bytes, uint32_t queue_depth, uint32_t jobs) {
+  const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;
+  const std::string cmd =
+      "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
+      " --size=" + std::to_string(per_job) + " --offset_increment=" + std::to_string(per_job) +
+      " --numjobs=" + std::to_string(jobs) +
+      " --group_reporting --bs=" + std::to_string(block_bytes) +
+      " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
+      " --ioengine=io_uring --direct=1 --output-format=json 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return 0;
   std::string out;
@@ -275,64 +288,91 @@ std::pair<double, double> FilePerBlock(const std::string& dir, uint32_t blocks, 
   return {mb / write_s, mb / read_s};
 }
 
+// Polls the daemon until `counter` reaches `target`. Every 500 us: often
+// enough to time 0.2 s to 0.5%, rarely enough that the polls do not compete
+// with the demotions for the event loop on a small machine.
+bool WaitForCounter(kvtier::Client& client, const char* counter, uint64_t target) {
+  for (;;) {
+    auto st = client.Stats();
+    if (!st) return false;
+    if (st->Counter(counter) >= target) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+struct DiskConfig {
+  uint32_t blocks = 256;
+  uint32_t queue_depth = 32;
+  uint32_t io_threads = 2;
+  std::string dir;
+};
+
+// One repetition's figures, in MB/s of record bytes (header and payload,
+// what goes to the disk), next to its baselines.
+struct DiskRep {
+  double write = 0, promote = 0, load = 0;
+  double fio_write = 0, fio_read = 0, fpb_write = 0, fpb_read = 0;
+  uint64_t group_commits = 0;
+  uint64_t mismatches = 0;
+};
+
 // Demotion (host -> disk) and promotion (disk -> host -> engine) of 2 MiB
-// blocks through a running kvtierd, next to fio and a file-per-block store
-// on the same file system with the same block size and queue depth.
-int Disk(kvtier::Client& client, uint32_t blocks, uint32_t queue_depth, const std::string& dir,
-         const std::string& json) {
+// blocks through a running kvtierd, then fio and a file-per-block store on
+// the same file system, with the same bytes, block size, queue depth and
+// number of queues (fio writes a fresh preallocated file, as the started
+// daemon does; both end durable). `rep` keeps each repetition's keys apart.
+// Returns false when a request fails.
+bool DiskOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, DiskRep* out) {
+  const uint32_t blocks = config.blocks;
   const kvtier::Layout layout = Llama8BLayout();
   const uint64_t block_bytes = layout.block_bytes();
-  const double mb = static_cast<double>(blocks) * static_cast<double>(block_bytes) / 1e6;
+  const uint64_t record_bytes = kvtier::RecordBytes(block_bytes);
+  const double mb = static_cast<double>(blocks) * static_cast<double>(record_bytes) / 1e6;
   // Room to store from (32 blocks) and to load every block into its own
   // engine block, so that all loads can be in flight at once.
   auto cache = kvtier::ShmKvCache::Create(layout, 32 + blocks);
-  if (!cache) return 1;
+  if (!cache) return false;
   const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
-  std::printf("config:   %u blocks of %.1f MiB (%.0f MB), queue depth %u, in %s\n", blocks,
-              static_cast<double>(block_bytes) / (1 << 20), mb, queue_depth, dir.c_str());
 
   // Store everything into the host tier (no watermark demotion), then flush
   // it to disk and time the writes.
   std::vector<kvtier::BlockKey> keys;
   for (uint32_t i = 0; i < blocks; i += 32) {
     const uint32_t n = std::min(32u, blocks - i);
-    const std::vector<kvtier::BlockKey> k = client.ComputeKeys(id, Tokens(1000 + i, n * 16)).value();
+    const std::vector<kvtier::BlockKey> k =
+        client.ComputeKeys(id, Tokens(1000 + uint64_t{rep} * 1000000 + i, n * 16)).value();
     for (uint32_t j = 0; j < n; ++j) kvtier::FillFromKey(k[j], cache->block(j));
     auto r = client.Store(id, k, Iota(0, n));
     if (!r || r->blocks != n) {
       std::fprintf(stderr, "kvtier-bench: store failed\n");
-      return 1;
+      return false;
     }
     keys.insert(keys.end(), k.begin(), k.end());
   }
-  const uint64_t before = client.Stats().value().Counter("disk_demotions");
+  const kvtier::DaemonStats at_start = client.Stats().value();
   const auto w0 = Clock::now();
   auto flushed = client.Flush();
   if (!flushed || *flushed != blocks) {
     std::fprintf(stderr, "kvtier-bench: flush queued %lu of %u\n", flushed ? *flushed : 0, blocks);
-    return 1;
+    return false;
   }
-  while (client.Stats().value().Counter("disk_demotions") < before + blocks) {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  const double write_mbs = mb / Seconds(Clock::now() - w0);
+  if (!WaitForCounter(client, "disk_demotions", at_start.Counter("disk_demotions") + blocks))
+    return false;
+  out->write = mb / Seconds(Clock::now() - w0);
 
   // Every block is now on disk only. Promotion: prefetch them all (disk ->
   // host) and time until every read is done.
-  const uint64_t promoted_before = client.Stats().value().Counter("disk_promotions");
   const auto p0 = Clock::now();
   for (uint32_t i = 0; i < blocks; i += 512) {
     const uint32_t n = std::min(512u, blocks - i);
-    if (!client.Prefetch(id, std::span(keys).subspan(i, n))) return 1;
+    if (!client.Prefetch(id, std::span(keys).subspan(i, n))) return false;
   }
-  while (client.Stats().value().Counter("disk_promotions") < promoted_before + blocks) {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  const double promote_mbs = mb / Seconds(Clock::now() - p0);
+  if (!WaitForCounter(client, "disk_promotions", at_start.Counter("disk_promotions") + blocks))
+    return false;
+  out->promote = mb / Seconds(Clock::now() - p0);
   // Back to disk only (the host copies are clean: dropping them costs no
   // write), then load everything into the engine, all requests in flight.
-  if (!client.Evict("", kvtier::BlockTier::kHost)) return 1;
-  uint64_t mismatches = 0;
+  if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
   const auto r0 = Clock::now();
   std::vector<kvtier::OpHandle> ops;
   for (uint32_t i = 0; i < blocks; i += 32) {
@@ -340,7 +380,7 @@ int Disk(kvtier::Client& client, uint32_t blocks, uint32_t queue_depth, const st
     auto op = client.LoadAsync(id, std::span(keys).subspan(i, n), Iota(32 + i, n));
     if (!op) {
       std::fprintf(stderr, "kvtier-bench: load: %s\n", op.error().ToString().c_str());
-      return 1;
+      return false;
     }
     ops.push_back(*op);
   }
@@ -348,35 +388,103 @@ int Disk(kvtier::Client& client, uint32_t blocks, uint32_t queue_depth, const st
     auto r = client.Wait(op);
     if (!r || r->blocks == 0) {
       std::fprintf(stderr, "kvtier-bench: a load returned no blocks\n");
-      return 1;
+      return false;
     }
   }
-  const double read_mbs = mb / Seconds(Clock::now() - r0);
-  for (uint32_t i = 0; i < blocks; ++i) mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
-  const kvtier::DaemonStats st = client.Stats().value();
+  out->load = mb / Seconds(Clock::now() - r0);
+  for (uint32_t i = 0; i < blocks; ++i)
+    out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
+  out->group_commits =
+      client.Stats().value().Counter("disk_group_commits") - at_start.Counter("disk_group_commits");
+  (void)client.Evict("", kvtier::BlockTier::kHost);  // room for the next repetition
 
-  const std::string fio_file = dir + "/fio-baseline.dat";
-  const double fio_w = Fio(fio_file, "write", blocks * block_bytes, block_bytes, queue_depth);
-  const double fio_r = Fio(fio_file, "read", blocks * block_bytes, block_bytes, queue_depth);
+  const std::string fio_file = config.dir + "/fio-baseline.dat";
   std::filesystem::remove(fio_file);
-  const auto [fpb_w, fpb_r] = FilePerBlock(dir + "/file-per-block", blocks, block_bytes);
+  const uint64_t bytes = uint64_t{blocks} * record_bytes;
+  out->fio_write =
+      Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
+  out->fio_read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads);
+  std::filesystem::remove(fio_file);
+  std::tie(out->fpb_write, out->fpb_read) =
+      FilePerBlock(config.dir + "/file-per-block", blocks, block_bytes);
+  return true;
+}
 
-  const std::vector<Comparison> cs = {
-      {"demotion write (host -> disk)", write_mbs, fio_w, "fio io_uring direct write", "MB/s"},
-      {"promotion read (disk -> host)", promote_mbs, fio_r, "fio io_uring direct read", "MB/s"},
-      {"load from disk (disk -> engine)", read_mbs, fio_r, "fio io_uring direct read", "MB/s"},
-      {"durable write vs file per block", write_mbs, fpb_w, "file per block, fsync each", "MB/s"},
-      {"read vs file per block", promote_mbs, fpb_r, "file per block, page cache dropped", "MB/s"},
+// `reps` repetitions of DiskOnce, each against the daemon `connect` returns
+// (the bench starts a fresh one per repetition unless --socket is given),
+// every repetition's ratios printed, and the medians compared.
+int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& connect,
+         const DiskConfig& config, uint32_t reps, const std::string& json) {
+  const uint64_t record_bytes = kvtier::RecordBytes(Llama8BLayout().block_bytes());
+  std::printf(
+      "config:   %u records of %.1f MiB (2 MiB block + 4 KiB header; %.0f MB), queue depth %u x %u "
+      "I/O threads (fio: %u jobs x iodepth %u, end_fsync=1 on writes), %u reps, in %s\n",
+      config.blocks, static_cast<double>(record_bytes) / (1 << 20),
+      static_cast<double>(config.blocks) * static_cast<double>(record_bytes) / 1e6,
+      config.queue_depth, config.io_threads, config.io_threads, config.queue_depth, reps,
+      config.dir.c_str());
+  std::fflush(stdout);
+  std::vector<DiskRep> runs;
+  uint64_t mismatches = 0;
+  for (uint32_t rep = 1; rep <= reps; ++rep) {
+    std::unique_ptr<kvtier::Client> client = connect(rep);
+    DiskRep r;
+    if (!client || !DiskOnce(*client, config, rep, &r)) return 1;
+    mismatches += r.mismatches;
+    std::printf(
+        "rep %u/%u: demotion %.0f MB/s vs fio write %.0f = %.2fx; promotion %.0f vs fio read %.0f "
+        "= %.2fx; "
+        "load %.0f = %.2fx; %lu group commits\n",
+        rep, reps, r.write, r.fio_write, r.fio_write > 0 ? r.write / r.fio_write : 0, r.promote,
+        r.fio_read, r.fio_read > 0 ? r.promote / r.fio_read : 0, r.load,
+        r.fio_read > 0 ? r.load / r.fio_read : 0, r.group_commits);
+    std::fflush(stdout);
+    runs.push_back(r);
+  }
+  auto median = [&runs](auto field) {
+    std::vector<double> v;
+    for (const DiskRep& r : runs) v.push_back(static_cast<double>(std::invoke(field, r)));
+    return Median(v);
   };
+  auto median_ratio = [&runs](double DiskRep::*num, double DiskRep::*den) {
+    std::vector<double> v;
+    for (const DiskRep& r : runs) v.push_back(r.*den > 0 ? r.*num / r.*den : 0);
+    return Median(v);
+  };
+  const std::vector<Comparison> cs = {
+      {"demotion write (host -> disk)", median(&DiskRep::write), median(&DiskRep::fio_write),
+       "fio io_uring direct write, end_fsync", "MB/s"},
+      {"promotion read (disk -> host)", median(&DiskRep::promote), median(&DiskRep::fio_read),
+       "fio io_uring direct read", "MB/s"},
+      {"load from disk (disk -> engine)", median(&DiskRep::load), median(&DiskRep::fio_read),
+       "fio io_uring direct read", "MB/s"},
+      {"durable write vs file per block", median(&DiskRep::write), median(&DiskRep::fpb_write),
+       "file per block, fsync each", "MB/s"},
+      {"read vs file per block", median(&DiskRep::promote), median(&DiskRep::fpb_read),
+       "file per block, page cache dropped", "MB/s"},
+  };
+  std::printf("\nmedians of %u reps:\n", reps);
   PrintComparisons(cs);
-  std::printf("group commits: %lu for %u records; verified %lu of %u loaded blocks byte-exact\n",
-              st.Counter("disk_group_commits"), blocks, uint64_t{blocks} - mismatches, blocks);
-  if (fio_w == 0 || fio_r == 0) std::printf("(fio did not run: install Debian's fio package)\n");
-  if (!json.empty() &&
-      !WriteJson(json, {{"workload", "disk"}, {"blocks", std::to_string(blocks)},
-                        {"block_bytes", std::to_string(block_bytes)}, {"queue_depth", std::to_string(queue_depth)},
-                        {"dir", dir}},
-                 cs)) {
+  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx of fio\n",
+              median_ratio(&DiskRep::write, &DiskRep::fio_write),
+              median_ratio(&DiskRep::promote, &DiskRep::fio_read),
+              median_ratio(&DiskRep::load, &DiskRep::fio_read));
+  std::printf(
+      "group commits: median %.0f for %u records; verified %lu of %lu loaded blocks byte-exact\n",
+      median(&DiskRep::group_commits), config.blocks, uint64_t{config.blocks} * reps - mismatches,
+      uint64_t{config.blocks} * reps);
+  if (median(&DiskRep::fio_write) == 0 || median(&DiskRep::fio_read) == 0) {
+    std::printf("(fio did not run: install Debian's fio package)\n");
+  }
+  if (!json.empty() && !WriteJson(json,
+                                  {{"workload", "disk"},
+                                   {"blocks", std::to_string(config.blocks)},
+                                   {"record_bytes", std::to_string(record_bytes)},
+                                   {"queue_depth", std::to_string(config.queue_depth)},
+                                   {"io_threads", std::to_string(config.io_threads)},
+                                   {"reps", std::to_string(reps)},
+                                   {"dir", config.dir}},
+                                  cs)) {
     std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
     return 1;
   }
@@ -610,11 +718,24 @@ int main(int argc, char** argv) {
   redis->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   redis->add_option("--reps", host_reps, "repetitions (median reported; +1 warm-up)")->check(CLI::Range(1, 1000));
   CLI::App* disk = app.add_subcommand("disk", "disk tier write/read vs fio and a file-per-block store");
-  uint32_t disk_blocks = 256, disk_qd = 32;
-  std::string disk_dir = "./var/kvtier-bench", json;
-  disk->add_option("--blocks", disk_blocks, "2 MiB blocks to write and read")->check(CLI::Range(32, 100000));
-  disk->add_option("--queue-depth", disk_qd, "io_uring queue depth (kvtier and fio)")->check(CLI::Range(1, 4096));
-  disk->add_option("--dir", disk_dir, "directory on the file system to measure (started daemon only)");
+  DiskConfig disk_config{.dir = "./var/kvtier-bench"};
+  uint32_t disk_reps = 5;
+  std::vector<std::string> disk_sets;
+  std::string json;
+  disk->add_option("--blocks", disk_config.blocks, "2 MiB blocks to write and read")
+      ->check(CLI::Range(32, 100000));
+  disk->add_option("--queue-depth", disk_config.queue_depth,
+                   "io_uring queue depth per I/O thread (kvtier and fio)")
+      ->check(CLI::Range(1, 4096));
+  disk->add_option("--io-threads", disk_config.io_threads,
+                   "kvtierd I/O threads (rings); fio runs as many jobs")
+      ->check(CLI::Range(1, 64));
+  disk->add_option("--reps", disk_reps,
+                   "repetitions, each with a fresh daemon and segment (median reported)")
+      ->check(CLI::Range(1, 100));
+  disk->add_option("--dir", disk_config.dir,
+                   "directory on the file system to measure (started daemon only)");
+  disk->add_option("--set", disk_sets, "extra kvtierd --set key=value (started daemon only)");
   app.add_option("--json", json, "also write the comparisons as JSON to this file");
   CLI::App* restart = app.add_subcommand("restart", "warm restart time and memory per indexed block");
   uint32_t restart_blocks = 1000000;
@@ -678,24 +799,54 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(restart_dir);
     return Restart(restart_blocks, std::filesystem::absolute(restart_dir).string(), json);
   }
+  if (disk->parsed()) {
+    std::unique_ptr<OwnDaemon> daemon;
+    if (socket.empty()) {
+      std::filesystem::create_directories(disk_config.dir);
+      disk_config.dir = std::filesystem::absolute(disk_config.dir).lexically_normal().string();
+    }
+    std::printf("daemon:   %s\n",
+                socket.empty() ? "started by kvtier-bench, one per rep" : socket.c_str());
+    auto connect = [&](uint32_t) -> std::unique_ptr<kvtier::Client> {
+      std::string path = socket;
+      if (path.empty()) {
+        daemon.reset();  // the previous repetition's, and its segment
+        const std::string segments = disk_config.dir + "/segments";
+        std::filesystem::remove_all(segments);
+        const uint64_t data = uint64_t{disk_config.blocks} * (2 << 20);
+        std::vector<std::string> sets = {
+            "tiers.disk.enabled=true",
+            "tiers.disk.paths=[" + segments + "]",
+            "tiers.disk.bytes=" + std::to_string(data * 2),
+            "tiers.disk.region_bytes=64MiB",
+            "tiers.disk.queue_depth=" + std::to_string(disk_config.queue_depth),
+            "tiers.disk.io_threads=" + std::to_string(disk_config.io_threads),
+            "policy.watermarks.host={high: 1.0, low: 0.99}",
+            "tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]"};
+        sets.insert(sets.end(), disk_sets.begin(), disk_sets.end());
+        daemon =
+            std::make_unique<OwnDaemon>(std::to_string(data + (256ull << 20)), std::move(sets));
+        path = daemon->socket();
+      }
+      auto c = kvtier::Client::Connect({.socket_path = path, .client_name = "kvtier-bench"});
+      if (!c) {
+        std::fprintf(stderr, "kvtier-bench: %s\n", c.error().ToString().c_str());
+        return nullptr;
+      }
+      return std::move(*c);
+    };
+    const int rc = Disk(connect, disk_config, disk_reps, json);
+    if (daemon) {
+      daemon.reset();
+      std::filesystem::remove_all(disk_config.dir + "/segments");
+    }
+    return rc;
+  }
   std::unique_ptr<OwnDaemon> own;
   if (socket.empty()) {
-    if (disk->parsed()) {
-      std::filesystem::create_directories(disk_dir);
-      disk_dir = std::filesystem::absolute(disk_dir).string();
-      const uint64_t data = uint64_t{disk_blocks} * (2 << 20);
-      own = std::make_unique<OwnDaemon>(
-          std::to_string(data + (256ull << 20)),
-          std::vector<std::string>{
-              "tiers.disk.enabled=true", "tiers.disk.paths=[" + disk_dir + "/segments]",
-              "tiers.disk.bytes=" + std::to_string(data * 2), "tiers.disk.region_bytes=64MiB",
-              "tiers.disk.queue_depth=" + std::to_string(disk_qd), "policy.watermarks.host={high: 1.0, low: 0.99}",
-              "tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]"});
-    } else {
-      const uint64_t host_bytes = std::max<uint64_t>({256ull << 20, uint64_t{blocks} * 4 * (2 << 20),
-                                                      uint64_t{nkeys} * (2 << 20) + (256ull << 20)});
-      own = std::make_unique<OwnDaemon>(std::to_string(host_bytes));
-    }
+    const uint64_t host_bytes = std::max<uint64_t>({256ull << 20, uint64_t{blocks} * 4 * (2 << 20),
+                                                    uint64_t{nkeys} * (2 << 20) + (256ull << 20)});
+    own = std::make_unique<OwnDaemon>(std::to_string(host_bytes));
     socket = own->socket();
   }
   const std::string daemon = own ? "started by kvtier-bench" : socket;
@@ -706,7 +857,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (host->parsed()) return Host(**client, blocks, host_reps, daemon, json);
-  if (redis->parsed()) return kvtier::bench::RedisWorkload(**client, Llama8BLayout(), blocks, host_reps, daemon, json);
-  if (disk->parsed()) return Disk(**client, disk_blocks, disk_qd, disk_dir, json);
+  if (redis->parsed())
+    return kvtier::bench::RedisWorkload(**client, Llama8BLayout(), blocks, host_reps, daemon, json);
   return Lookup(**client, nkeys, lookup_reps, index_keys, daemon, json);
 }

@@ -4,7 +4,9 @@
 //
 // Both engines keep reads ahead of writes and syncs, and cut writes into
 // chunks of max_write_chunk_bytes, so a read submitted while a large write is
-// running waits for at most one chunk, never for the whole write. Everything
+// running waits for at most one chunk, never for the whole write; and both
+// let a write or sync chunk through after every reads_per_write reads while
+// both kinds wait (PickNextChunk), so writes are never starved. Everything
 // submitted before destruction runs to completion; Submit during destruction
 // is answered kCancelled, inline.
 #include "tiers/disk/io_engine.h"
@@ -34,15 +36,19 @@ using io_internal::IsRead;
 using io_internal::kMaxRetries;
 using io_internal::kMaxTransferBytes;
 using io_internal::Op;
+using io_internal::Pick;
+using io_internal::PickNextChunk;
 using io_internal::Step;
 using io_internal::TakeChunk;
+using io_internal::Turn;
 
 // Thread-safe. One mutex for the whole pool: this is the fallback engine, and
 // blocking system calls, not the lock, bound its throughput.
 class ThreadPoolEngine final : public IoEngine {
  public:
   explicit ThreadPoolEngine(const Options& options)
-      : max_write_chunk_bytes_(options.max_write_chunk_bytes) {
+      : max_write_chunk_bytes_(options.max_write_chunk_bytes),
+        reads_per_write_(options.reads_per_write) {
     for (uint32_t i = 0; i < options.threads; ++i) threads_.emplace_back([this] { Work(); });
   }
 
@@ -77,19 +83,26 @@ class ThreadPoolEngine final : public IoEngine {
   void Work() {
     mu_.Lock();
     for (;;) {
-      std::deque<std::unique_ptr<Op>>* queue = !reads_.empty()    ? &reads_
-                                               : !writes_.empty() ? &writes_
-                                                                  : nullptr;
-      if (queue == nullptr) {
+      // Ops with nothing (left) to start, empty or failed while queued, go
+      // first: they need no thread and count as no turn.
+      std::deque<std::unique_ptr<Op>>* done_queue =
+          !reads_.empty() && !HasChunksToStart(*reads_.front())     ? &reads_
+          : !writes_.empty() && !HasChunksToStart(*writes_.front()) ? &writes_
+                                                                    : nullptr;
+      if (done_queue != nullptr) {
+        PopLocked(done_queue);
+        continue;
+      }
+      const Pick pick =
+          PickNextChunk(!reads_.empty(), !writes_.empty(), reads_in_a_row_, reads_per_write_);
+      if (pick.turn == Turn::kNone) {
         if (stopping_) break;
         work_cv_.Wait(&mu_);
         continue;
       }
+      reads_in_a_row_ = pick.reads_in_a_row;
+      std::deque<std::unique_ptr<Op>>* queue = pick.turn == Turn::kRead ? &reads_ : &writes_;
       Op* op = queue->front().get();
-      if (!HasChunksToStart(*op)) {  // empty, or failed while queued
-        PopLocked(queue);
-        continue;
-      }
       const Chunk chunk = TakeChunk(op, max_write_chunk_bytes_);
       if (!HasChunksToStart(*op)) PopLocked(queue);
       // The request's fields never change once queued: read them unlocked.
@@ -146,10 +159,13 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
   const uint64_t max_write_chunk_bytes_;
+  const uint32_t reads_per_write_;
   Mutex mu_;
   CondVar work_cv_;  // signalled when work is queued or stopping_ is set
   std::deque<std::unique_ptr<Op>> reads_ KVTIER_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Op>> writes_ KVTIER_GUARDED_BY(mu_);  // and syncs
+  // Read chunks started in a row while writes waited (PickNextChunk).
+  uint32_t reads_in_a_row_ KVTIER_GUARDED_BY(mu_) = 0;
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
@@ -182,6 +198,10 @@ Result<std::unique_ptr<IoEngine>> IoEngine::Create(const Options& options) {
   if (options.queue_depth == 0 || options.queue_depth > 4096) {
     return Err(InvalidArgument("IoEngine: queue_depth must be in [1, 4096], got " +
                                std::to_string(options.queue_depth)));
+  }
+  if (options.reads_per_write == 0) {
+    // A write first whenever one waits would queue reads behind writes.
+    return Err(InvalidArgument("IoEngine: reads_per_write must be at least 1"));
   }
   if (options.max_write_chunk_bytes == 0 || options.max_write_chunk_bytes % 4096 != 0 ||
       options.max_write_chunk_bytes > kMaxTransferBytes) {

@@ -1,10 +1,14 @@
 // IoEngine: runs positioned reads, writes and fdatasyncs on file descriptors,
 // asynchronously. Two implementations, chosen at start-up (and logged):
 //   - io_uring: one ring per I/O thread, batched submission, queue depth from
-//     the config, registered (fixed) buffers for the host pool, reads queued
-//     ahead of writes and large writes split so a read never waits behind one;
+//     the config, registered (fixed) buffers for the host pool;
 //   - a preadv/pwritev thread pool, for kernels or seccomp profiles without
 //     io_uring.
+// Both schedule alike (one policy, PickNextChunk in io_engine_internal.h):
+// reads start ahead of writes and syncs, and large writes are split, so a
+// read never waits behind a whole write; but while both kinds wait, writes
+// and syncs get a guaranteed share (Options::reads_per_write), so a
+// sustained read load cannot starve them.
 //
 // The retry rules (short transfers continue where they stopped; EINTR and
 // EAGAIN are retried; any other error is final with its errno) live in one
@@ -47,6 +51,14 @@ class IoEngine {
     uint32_t queue_depth = 64;
     // Writes larger than this are split, so that reads can run in between.
     uint64_t max_write_chunk_bytes = 1 << 20;
+    // While reads and writes (or syncs) both wait, at most this many read
+    // chunks start in a row before a write or sync chunk does: writes and
+    // syncs get at least 1 / (reads_per_write + 1) of the chunks started
+    // then, and queued reads give up one turn, to one write chunk of at most
+    // max_write_chunk_bytes, per reads_per_write reads started. Default 4:
+    // writes keep at least a fifth of the starts under a sustained read
+    // load, and reads keep the rest. At least 1 (Create refuses 0).
+    uint32_t reads_per_write = 4;
   };
 
   // Errors: kUnimplemented when io_uring was asked for and is unavailable
@@ -64,10 +76,12 @@ class IoEngine {
 
   // Queues `request`; its done runs once, on an engine thread, with the full
   // length (0 for a sync) or the first error. Reads are started ahead of
-  // queued writes and syncs; a sync covers the writes whose done ran before
-  // it was submitted. A read or write of length 0 completes with 0 without a
-  // system call (a way to run a callback on an engine thread). During
-  // destruction, done runs inline with kCancelled instead.
+  // queued writes and syncs, except that while both wait, a write or sync
+  // chunk starts after every Options::reads_per_write read chunks; a sync
+  // covers the writes whose done ran before it was submitted. A read or
+  // write of length 0 completes with 0 without a system call (a way to run a
+  // callback on an engine thread). During destruction, done runs inline with
+  // kCancelled instead.
   virtual void Submit(IoRequest request) = 0;
 };
 

@@ -1,7 +1,8 @@
 // Internals shared by the IoEngine implementations (io_engine.cc: the thread
 // pool, RunToCompletion and Create; io_uring_engine.cc: the io_uring engine):
-// the retry rules, and the bookkeeping of requests cut into chunks. Not part
-// of the tiers API; include only from those two files.
+// the retry rules, the bookkeeping of requests cut into chunks, and the
+// policy that picks which chunk starts next (PickNextChunk). Not part
+// of the tiers API; include only from those two files and their tests.
 //
 // Op and Chunk are thread-compatible: each is touched only by the scheduler
 // that owns it (an io_uring thread, or the thread pool under its mutex).
@@ -100,6 +101,38 @@ inline bool HasChunksToStart(const Op& op) {
   if (!op.error.ok()) return false;
   if (op.request.op == IoOp::kSync) return !op.sync_started;
   return op.started_bytes < op.request.length;
+}
+
+// Which kind of chunk a scheduler starts next.
+enum class Turn : uint8_t {
+  kNone,   // nothing startable
+  kRead,   // the front read's next chunk
+  kWrite,  // the front write's or sync's next chunk
+};
+
+struct Pick {
+  Turn turn = Turn::kNone;
+  // The caller's new count of read chunks started in a row while a write or
+  // sync could have started instead.
+  uint32_t reads_in_a_row = 0;
+};
+
+// The scheduling policy of both engines, in one pure function so that they
+// cannot drift apart. `read_ready` / `write_ready`: a read / a write or sync
+// chunk could start now (queued, and the engine has room for it).
+// Reads go first, so that a read waits for at most one write chunk; but while
+// both could start, at most `reads_per_write` read chunks start in a row
+// (counted in `reads_in_a_row`) before a write or sync chunk does. So of
+// every reads_per_write + 1 chunks started while both kinds wait, at least
+// one is a write or sync, and a sustained read load cannot starve demotions
+// or group commits. Reads started while no write could start are not
+// counted: writes that cannot start lose no share to them.
+// REQUIRES: reads_per_write >= 1 (0 would queue every read behind writes).
+constexpr Pick PickNextChunk(bool read_ready, bool write_ready, uint32_t reads_in_a_row,
+                             uint32_t reads_per_write) {
+  if (!write_ready) return {read_ready ? Turn::kRead : Turn::kNone, reads_in_a_row};
+  if (!read_ready || reads_in_a_row >= reads_per_write) return {Turn::kWrite, 0};
+  return {Turn::kRead, reads_in_a_row + 1};
 }
 
 // A piece of an Op: bytes [begin, begin + length) of its request.

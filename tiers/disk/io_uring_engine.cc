@@ -96,6 +96,7 @@ class UringWorker {
         // write chunk to complete before it can be submitted.
         write_slots_(std::max<uint32_t>(1, options.queue_depth / 2)),
         max_write_chunk_bytes_(options.max_write_chunk_bytes),
+        reads_per_write_(options.reads_per_write),
         ring_(std::move(ring)),
         event_fd_(std::move(event_fd)) {}
 
@@ -224,38 +225,42 @@ class UringWorker {
     CancelEventRead();
   }
 
-  // Fills the SQ: reads first, then writes and syncs within write_slots_,
-  // at most queue_depth_ chunks in flight. Submitted by the next
-  // SubmitAndWait, in one system call.
+  // Fills the SQ in PickNextChunk's order: reads first, a write or sync
+  // chunk after every reads_per_write_ reads while both wait; writes and
+  // syncs within write_slots_, at most queue_depth_ chunks in flight.
+  // Submitted by the next SubmitAndWait, in one system call.
   void StartChunks() {
     for (;;) {
-      std::deque<std::unique_ptr<Op>>* queue = nullptr;
-      if (!reads_.empty()) {
-        queue = &reads_;
-      } else if (!writes_.empty() && writes_in_flight_ < write_slots_) {
-        queue = &writes_;
-      } else {
-        return;
-      }
-      Op* op = queue->front().get();
-      if (HasChunksToStart(*op)) {
-        if (in_flight_ >= queue_depth_) return;
-        auto chunk = std::make_unique<Chunk>(TakeChunk(op, max_write_chunk_bytes_));
-        ++in_flight_;
-        if (!IsRead(*op)) ++writes_in_flight_;
-        PrepareChunk(chunk.release());  // owned by the SQE until its completion
-      }
-      if (!HasChunksToStart(*op)) {
-        std::unique_ptr<Op> owned = std::move(queue->front());
-        queue->pop_front();
-        owned->queued = false;
-        if (owned->in_flight == 0) {
-          FinishOp(std::move(owned));
-        } else {
-          (void)owned.release();  // owned by its chunks; the last one finishes it
-        }
-      }
+      // Ops with nothing (left) to start need no slot and count as no turn.
+      if (PopIfStarted(&reads_) || PopIfStarted(&writes_)) continue;
+      const bool room = in_flight_ < queue_depth_;
+      const Pick pick = PickNextChunk(room && !reads_.empty(),
+                                      room && !writes_.empty() && writes_in_flight_ < write_slots_,
+                                      reads_in_a_row_, reads_per_write_);
+      if (pick.turn == Turn::kNone) return;
+      reads_in_a_row_ = pick.reads_in_a_row;
+      Op* op = (pick.turn == Turn::kRead ? reads_ : writes_).front().get();
+      auto chunk = std::make_unique<Chunk>(TakeChunk(op, max_write_chunk_bytes_));
+      ++in_flight_;
+      if (!IsRead(*op)) ++writes_in_flight_;
+      PrepareChunk(chunk.release());  // owned by the SQE until its completion
     }
+  }
+
+  // Takes the front op off `queue` once all its chunks started (or it has
+  // none, or failed while queued); the last chunk to complete finishes it.
+  // Returns whether it took one.
+  bool PopIfStarted(std::deque<std::unique_ptr<Op>>* queue) {
+    if (queue->empty() || HasChunksToStart(*queue->front())) return false;
+    std::unique_ptr<Op> owned = std::move(queue->front());
+    queue->pop_front();
+    owned->queued = false;
+    if (owned->in_flight == 0) {
+      FinishOp(std::move(owned));
+    } else {
+      (void)owned.release();  // owned by its chunks; the last one finishes it
+    }
+    return true;
   }
 
   io_uring_sqe* GetSqe() {
@@ -391,6 +396,7 @@ class UringWorker {
   const uint32_t queue_depth_;
   const uint32_t write_slots_;
   const uint64_t max_write_chunk_bytes_;
+  const uint32_t reads_per_write_;
 
   Mutex mu_;
   std::deque<std::unique_ptr<Op>> incoming_ KVTIER_GUARDED_BY(mu_);
@@ -407,6 +413,7 @@ class UringWorker {
   std::deque<std::unique_ptr<Op>> writes_;  // and syncs
   uint32_t in_flight_ = 0;                  // chunks in the kernel
   uint32_t writes_in_flight_ = 0;
+  uint32_t reads_in_a_row_ = 0;     // read chunks started while a write could (PickNextChunk)
   std::vector<FixedRegion> fixed_;  // sorted by start
 
   std::thread thread_;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "common/mutex.h"
 #include "common/unique_fd.h"
 #include "tests/tiers/disk/io_test_util.h"
+#include "tiers/disk/io_engine_internal.h"
 
 namespace kvtier {
 namespace {
@@ -142,13 +144,88 @@ TEST(RunToCompletionTest, ZeroLengthMakesNoCall) {
 }
 
 // ---------------------------------------------------------------------------
+// PickNextChunk, the scheduling policy of both engines: no engine, no file.
+
+using io_internal::Pick;
+using io_internal::PickNextChunk;
+using io_internal::Turn;
+
+// Runs the policy over `reads` and `writes` queued chunks, all ready at
+// once, until both are started; returns the start order ("R"/"W").
+std::string StartOrder(uint32_t reads, uint32_t writes, uint32_t reads_per_write) {
+  std::string order;
+  uint32_t in_a_row = 0;
+  for (;;) {
+    const Pick pick = PickNextChunk(reads > 0, writes > 0, in_a_row, reads_per_write);
+    if (pick.turn == Turn::kNone) return order;
+    in_a_row = pick.reads_in_a_row;
+    if (pick.turn == Turn::kRead) {
+      --reads;
+      order += 'R';
+    } else {
+      --writes;
+      order += 'W';
+    }
+  }
+}
+
+TEST(PickNextChunkTest, NothingReadyIsNone) {
+  const Pick pick = PickNextChunk(false, false, 3, 4);
+  EXPECT_EQ(pick.turn, Turn::kNone);
+  EXPECT_EQ(pick.reads_in_a_row, 3u);
+}
+
+TEST(PickNextChunkTest, ReadsGoFirstAndWritesGetEveryNthTurnWhileBothWait) {
+  EXPECT_EQ(StartOrder(12, 3, 4), "RRRRWRRRRWRRRRW");
+  EXPECT_EQ(StartOrder(6, 6, 1), "RWRWRWRWRWRW");
+  EXPECT_EQ(StartOrder(5, 1, 2), "RRWRRR");
+  // Once the reads are gone the writes run back to back, and vice versa.
+  EXPECT_EQ(StartOrder(2, 4, 4), "RRWWWW");
+  EXPECT_EQ(StartOrder(9, 1, 4), "RRRRWRRRRR");
+}
+
+TEST(PickNextChunkTest, AtLeastOneWriteInEveryWindowWhileBothWait) {
+  for (uint32_t reads_per_write : {1u, 2u, 4u, 7u, 16u}) {
+    const std::string order = StartOrder(1000, 1000, reads_per_write);
+    // While both kinds remain (the first 1000 reads), every window of
+    // reads_per_write + 1 starts holds a write.
+    const size_t last_read = order.rfind('R');
+    for (size_t at = 0; at + reads_per_write + 1 <= last_read; ++at) {
+      ASSERT_NE(order.substr(at, reads_per_write + 1).find('W'), std::string::npos)
+          << "reads_per_write " << reads_per_write << ", window at " << at;
+    }
+    // And reads still get their share: never two writes in a row then.
+    EXPECT_EQ(order.substr(0, last_read).find("WW"), std::string::npos);
+  }
+}
+
+TEST(PickNextChunkTest, ReadsWhileNoWriteCanStartAreNotCounted) {
+  // Writes queued but without room (io_uring: every write slot in flight):
+  // reads go, and the count stays where it was.
+  Pick pick = PickNextChunk(true, false, 1, 2);
+  EXPECT_EQ(pick.turn, Turn::kRead);
+  EXPECT_EQ(pick.reads_in_a_row, 1u);
+  pick = PickNextChunk(true, true, pick.reads_in_a_row, 2);
+  EXPECT_EQ(pick.turn, Turn::kRead);
+  EXPECT_EQ(pick.reads_in_a_row, 2u);
+  pick = PickNextChunk(true, true, pick.reads_in_a_row, 2);
+  EXPECT_EQ(pick.turn, Turn::kWrite);
+  EXPECT_EQ(pick.reads_in_a_row, 0u);
+  // A write alone starts, and resets the count.
+  pick = PickNextChunk(false, true, 5, 2);
+  EXPECT_EQ(pick.turn, Turn::kWrite);
+  EXPECT_EQ(pick.reads_in_a_row, 0u);
+}
+
+// ---------------------------------------------------------------------------
 // Create.
 
 TEST(IoEngineCreateTest, RejectsBadOptions) {
   for (IoEngine::Options options :
        {IoEngine::Options{.threads = 0}, IoEngine::Options{.queue_depth = 0},
         IoEngine::Options{.max_write_chunk_bytes = 0},
-        IoEngine::Options{.max_write_chunk_bytes = 1000}}) {
+        IoEngine::Options{.max_write_chunk_bytes = 1000},
+        IoEngine::Options{.reads_per_write = 0}}) {
     Result<std::unique_ptr<IoEngine>> engine = IoEngine::Create(options);
     ASSERT_FALSE(engine.has_value());
     EXPECT_EQ(engine.error().code(), StatusCode::kInvalidArgument) << engine.error();
@@ -436,6 +513,72 @@ TEST_P(IoEngineTest, ReadSubmittedDuringALargeWriteCompletesFirst) {
   std::memset(buffer_.data(), 0, kWriteBytes);
   ASSERT_TRUE(RunSync(*engine_, Request(IoOp::kRead, 0, 0, kWriteBytes)).has_value());
   EXPECT_EQ(FirstMismatch({buffer_.data(), kWriteBytes}, 0, kSeed), -1);
+}
+
+// Many reads queued ahead of two writes and a sync: the writes and the sync
+// still get every third turn, and complete while most reads wait. One thread
+// and one chunk in flight, so completions come in the order the engine
+// started them: the gate holds the thread until everything is queued, and
+// the order is then the policy's (PickNextChunk), the same for both engines.
+TEST_P(IoEngineTest, WritesAndSyncsGetTheirShareWhileReadsWait) {
+  KVTIER_INIT_OR_SKIP((IoEngine::Options{
+      .threads = 1, .queue_depth = 1, .max_write_chunk_bytes = kBlock, .reads_per_write = 2}));
+  constexpr int kReads = 64;
+  constexpr uint64_t kWriteAt = 8 << 20;  // in the file and in the buffer
+  constexpr uint32_t kSeed = 9;
+  FillPattern({buffer_.data() + kWriteAt, 3 * kBlock}, kWriteAt, kSeed);
+
+  Mutex mu;
+  std::vector<std::string> order;
+  auto record = [&](std::string what) {
+    MutexLock lock(&mu);
+    order.push_back(std::move(what));
+  };
+
+  std::latch gate_entered(1), gate_release(1);
+  IoRequest gate{.op = IoOp::kRead, .fd = fd_.get()};  // zero bytes: no system call
+  gate.done = [&](Result<uint64_t>) {
+    gate_entered.count_down();
+    gate_release.wait();
+  };
+  engine_->Submit(std::move(gate));
+  gate_entered.wait();  // the engine's only thread is now inside the gate
+
+  std::atomic<int> failures{0};
+  std::vector<Completion> done(kReads + 3);
+  auto submit = [&](IoRequest request, std::string name, Completion* completion) {
+    request.done = [&, name = std::move(name), completion](Result<uint64_t> result) {
+      if (!result.has_value()) ++failures;
+      record(name);
+      completion->Callback()(std::move(result));
+    };
+    engine_->Submit(std::move(request));
+  };
+  for (int i = 0; i < kReads; ++i) {
+    submit(Request(IoOp::kRead, i * kBlock, i * kBlock, kBlock), "R", &done[i]);
+  }
+  // W1 is two chunks, W2 one.
+  submit(Request(IoOp::kWrite, kWriteAt, kWriteAt, 2 * kBlock), "W1", &done[kReads]);
+  submit(Request(IoOp::kWrite, kWriteAt + 2 * kBlock, kWriteAt + 2 * kBlock, kBlock), "W2",
+         &done[kReads + 1]);
+  submit(IoRequest{.op = IoOp::kSync, .fd = fd_.get()}, "S", &done[kReads + 2]);
+  gate_release.count_down();
+  for (Completion& c : done) (void)c.Wait();
+  ASSERT_EQ(failures.load(), 0);
+
+  // Starts: R R W1 R R W1 R R W2 R R S, then the other 56 reads.
+  std::vector<std::string> expected = {"R", "R", "R", "R", "W1", "R", "R", "W2", "R", "R", "S"};
+  expected.resize(kReads + 3, "R");
+  {
+    MutexLock lock(&mu);
+    EXPECT_EQ(order, expected);
+    const auto sync_at = std::find(order.begin(), order.end(), "S") - order.begin();
+    EXPECT_EQ(std::count(order.begin(), order.begin() + sync_at, "R"), 8)
+        << "the sync completed while 56 reads were still queued";
+  }
+  std::memset(buffer_.data() + kWriteAt, 0, 3 * kBlock);
+  ASSERT_TRUE(RunSync(*engine_, Request(IoOp::kRead, kWriteAt, kWriteAt, 3 * kBlock)).has_value());
+  EXPECT_EQ(FirstMismatch({buffer_.data() + kWriteAt, 3 * kBlock}, kWriteAt, kSeed), -1);
 }
 
 TEST_P(IoEngineTest, ErrorsKeepTheirErrno) {
