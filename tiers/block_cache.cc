@@ -501,7 +501,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         e->checksum = result.checksums[i];
         e->has_checksum = e->tier == Tier::kHost;
         if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
-          disk_write_queue_.push_back(QueuedDiskWrite{e->key, /*keep_in_memory=*/true});
+          QueueDiskWrite(e->key, /*keep_in_memory=*/true);
         }
       } else {
         Drop(e);

@@ -344,6 +344,8 @@ class BlockCache {
   // disk_max_writes_in_flight are in flight and write-back is not backing
   // off after a failure. Bounded work per call (it posts itself to go on).
   void PumpDiskWrites();
+  // Puts a write of `key` in line (write-through, flush).
+  void QueueDiskWrite(const StoredKey& key, bool keep_in_memory);
   // Moves `e` to `dst` in tier `to` in the background.
   void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
   // host -> disk (write-back) and disk -> host (before a load, or prefetch).

@@ -383,7 +383,7 @@ uint64_t BlockCache::FlushToDisk() {
   uint64_t queued = 0;
   index_.ForEach([&](BlockEntry* e) {
     if (!DirtyInHost(e)) return;
-    disk_write_queue_.push_back(QueuedDiskWrite{e->key, /*keep_in_memory=*/false});
+    QueueDiskWrite(e->key, /*keep_in_memory=*/false);
     ++queued;
   });
   PumpDiskWrites();
@@ -391,6 +391,15 @@ uint64_t BlockCache::FlushToDisk() {
 }
 
 void BlockCache::CancelFlush() { disk_write_queue_.clear(); }
+
+void BlockCache::QueueDiskWrite(const StoredKey& key, bool keep_in_memory) {
+  // Each entry names a block in memory, or a stale one that is skipped; while
+  // writes cannot keep up (or the disk is down), the oldest go first, so the
+  // line stays within a few times what memory holds.
+  const uint64_t in_memory = tier(Tier::kHost)->blocks + tier(Tier::kHbm)->blocks;
+  if (disk_write_queue_.size() >= 2 * in_memory + 1024) disk_write_queue_.pop_front();
+  disk_write_queue_.push_back(QueuedDiskWrite{key, keep_in_memory});
+}
 
 void BlockCache::PumpDiskWrites() {
   if (options_.disk == nullptr) return;

@@ -84,7 +84,12 @@ TEST_P(DiskRoundTripTest, BurstFasterThanTheDiskDropsColdBlocksButNeverServesWro
     ASSERT_NE(r, -1) << "wrong bytes served";
     exact += r;
   }
-  const DaemonStats st = s.client->Stats().value();
+  // Demotions finish in the background: wait for the first (at most 10 s).
+  DaemonStats st = s.client->Stats().value();
+  for (int i = 0; i < 1000 && st.Counter("disk_demotions") == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    st = s.client->Stats().value();
+  }
   EXPECT_GT(st.Counter("disk_demotions"), 0u);
   EXPECT_GT(exact, 0);
   EXPECT_EQ(st.Counter("disk_checksum_failures"), 0u);
