@@ -525,6 +525,34 @@ TEST_F(DiskTierTest, FullDiskReclaimsTheOldestRegion) {
   EXPECT_EQ(adopted_, cache_->Usage(Tier::kDisk).blocks);
 }
 
+TEST_F(DiskTierTest, StoresIntoAHostFullOfBlocksBeingWrittenSayWhy) {
+  // Write-back of every block (low watermark near 0), onto a disk that
+  // stalls: every host block ends up being written, out of the eviction
+  // path, and nothing is leased.
+  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.1, .low = 0.01});
+  faulty_->HoldWrites();
+  std::vector<StoredKey> keys = NewKeys(8);
+  for (uint32_t i = 0; i < keys.size(); ++i) {
+    const OpOutcome o = Store(keys[i], i);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+  }
+  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == keys.size(); }));
+  ASSERT_EQ(cache_->leases(), 0u);
+  // Refused at once, with the truth: no block is leased; they are being
+  // written.
+  const StoredKey extra = NewKeys(1)[0];
+  const OpOutcome refused = Store(extra, 9);
+  EXPECT_EQ(refused.status.code(), StatusCode::kResourceExhausted) << refused.status;
+  EXPECT_NE(refused.status.message().find("0 leases held, 8 blocks being written to disk"), std::string::npos)
+      << refused.status;
+  // Once the disk catches up, the same store is taken, and nothing was lost.
+  faulty_->ReleaseWrites();
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  const OpOutcome again = Store(extra, 9);
+  EXPECT_TRUE(again.status.ok()) << again.status;
+  for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
+}
+
 TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(40);

@@ -4,6 +4,7 @@
 //   FailNth       the nth matching op from now fails with a chosen errno (EIO,
 //                 ENOSPC, ...) and never reaches the wrapped device;
 //   FailAll       every matching op fails so, until ClearFaults (a dead disk);
+//   HoldWrites    writes wait, unstarted, until ReleaseWrites (a slow disk);
 //   TornWriteNth  only an aligned prefix of the nth write reaches the device,
 //                 yet `done` reports success — what a crash in the middle of a
 //                 write looks like after restart;
@@ -75,6 +76,26 @@ class FaultyDevice : public BlockDevice {
     fail_rules_.push_back({op, 0, err, /*every=*/true});
   }
 
+  // Writes issued from now wait until ReleaseWrites, which starts them in
+  // order (a disk that cannot keep up, frozen for the test).
+  void HoldWrites() {
+    MutexLock lock(&mu_);
+    hold_writes_ = true;
+  }
+  void ReleaseWrites() {
+    std::vector<HeldWrite> held;
+    {
+      MutexLock lock(&mu_);
+      hold_writes_ = false;
+      held.swap(held_);
+    }
+    for (HeldWrite& w : held) Write(w.offset, w.buffer, std::move(w.done));
+  }
+  size_t held_writes() const {
+    MutexLock lock(&mu_);
+    return held_.size();
+  }
+
   // Of the nth write from now (1 = the next), only the first `keep_bytes`
   // reach the wrapped device (all of it if the write is shorter; none for 0);
   // `done` reports the full length. A write the wrapped device would reject
@@ -143,6 +164,10 @@ class FaultyDevice : public BlockDevice {
     std::optional<uint64_t> keep_bytes;
     {
       MutexLock lock(&mu_);
+      if (hold_writes_) {
+        held_.push_back(HeldWrite{offset, buffer, std::move(done)});
+        return;
+      }
       err = TakeFailure(FaultOp::kWrite);
       keep_bytes = TakeTornWrite();
       if (err != 0) {
@@ -185,6 +210,11 @@ class FaultyDevice : public BlockDevice {
     uint64_t remaining;  // matching ops until it fires, counting the firing one
     int err;
     bool every = false;  // fires on every matching op, and stays
+  };
+  struct HeldWrite {
+    uint64_t offset;
+    std::span<const uint8_t> buffer;
+    Done done;
   };
   struct TornRule {
     uint64_t remaining;
@@ -244,6 +274,8 @@ class FaultyDevice : public BlockDevice {
   std::vector<FailRule> fail_rules_ KVTIER_GUARDED_BY(mu_);
   std::vector<TornRule> torn_rules_ KVTIER_GUARDED_BY(mu_);
   std::set<std::pair<uint64_t, uint8_t>> flips_ KVTIER_GUARDED_BY(mu_);
+  bool hold_writes_ KVTIER_GUARDED_BY(mu_) = false;
+  std::vector<HeldWrite> held_ KVTIER_GUARDED_BY(mu_);
   Counters counters_ KVTIER_GUARDED_BY(mu_);
   // Last: destroyed first, completing queued injected failures while the
   // members above still exist.
