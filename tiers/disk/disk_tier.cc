@@ -57,7 +57,11 @@ class SpdlogLogger : public rocksdb::Logger {
   void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
     if (level < GetInfoLogLevel()) return;
     char line[1024];
+    // RocksDB's own printf-style format: not a literal, by design.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wformat-nonliteral"
     std::vsnprintf(line, sizeof(line), format, ap);
+#pragma GCC diagnostic pop
     if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
       spdlog::error("disk index (RocksDB): {}", line);
     } else {
