@@ -39,7 +39,7 @@ void BlockIndex::DeleteEntry(BlockEntry* e) {
 BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey* parent) {
   BlockEntry* e = NewEntry(key);
   e->tier = tier;
-  LinkHot(e);
+  Link(e, /*hot=*/true);
   if (parent != nullptr) {
     if (BlockEntry* p = Find(*parent); p != nullptr && p != e) {
       e->parent = p;
@@ -74,7 +74,7 @@ void BlockIndex::Erase(BlockEntry* e) {
 void BlockIndex::Touch(BlockEntry* e) {
   if (e->parked) return;
   Unlink(e);
-  LinkHot(e);
+  Link(e, /*hot=*/true);
 }
 
 void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
@@ -84,7 +84,7 @@ void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
     ++e->parent->children_in_tier[static_cast<size_t>(to)];
   }
   e->tier = to;
-  if (!e->parked) LinkHot(e);
+  if (!e->parked) Link(e, /*hot=*/true);
 }
 
 void BlockIndex::Park(BlockEntry* e) {
@@ -96,11 +96,7 @@ void BlockIndex::Park(BlockEntry* e) {
 void BlockIndex::Unpark(BlockEntry* e, bool hot) {
   if (!e->parked) return;
   e->parked = false;
-  if (hot) {
-    LinkHot(e);
-  } else {
-    LinkCold(e);
-  }
+  Link(e, hot);
 }
 
 void BlockIndex::ReleaseLease(BlockEntry* e) {
@@ -116,22 +112,15 @@ bool BlockIndex::HasChildrenAtOrAbove(const BlockEntry* e, Tier t) {
   return false;
 }
 
-void BlockIndex::LinkHot(BlockEntry* e) {
+void BlockIndex::Link(BlockEntry* e, bool hot) {
   List& l = lru_[static_cast<size_t>(e->tier)];
-  e->lru_prev = l.hottest;
-  e->lru_next = nullptr;
-  if (l.hottest != nullptr) l.hottest->lru_next = e;
-  l.hottest = e;
-  if (l.coldest == nullptr) l.coldest = e;
-}
-
-void BlockIndex::LinkCold(BlockEntry* e) {
-  List& l = lru_[static_cast<size_t>(e->tier)];
-  e->lru_next = l.coldest;
-  e->lru_prev = nullptr;
-  if (l.coldest != nullptr) l.coldest->lru_prev = e;
-  l.coldest = e;
-  if (l.hottest == nullptr) l.hottest = e;
+  BlockEntry*& end = hot ? l.hottest : l.coldest;  // where e goes
+  BlockEntry*& other = hot ? l.coldest : l.hottest;
+  (hot ? e->lru_prev : e->lru_next) = end;
+  (hot ? e->lru_next : e->lru_prev) = nullptr;
+  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = e;
+  end = e;
+  if (other == nullptr) other = e;
 }
 
 void BlockIndex::Unlink(BlockEntry* e) {

@@ -132,8 +132,8 @@ class BlockIndex {
     BlockEntry* coldest = nullptr;
     BlockEntry* hottest = nullptr;
   };
-  void LinkHot(BlockEntry* e);
-  void LinkCold(BlockEntry* e);
+  // Links `e` into its tier's list at the hot or the cold end.
+  void Link(BlockEntry* e, bool hot);
   void Unlink(BlockEntry* e);
 
   // Entries live in entries_ (stable addresses, iteration); lookups go

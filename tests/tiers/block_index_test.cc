@@ -297,6 +297,45 @@ TEST(BlockIndexTest, EraseKeepsTheListLinked) {
   EXPECT_EQ(Order(index, Tier::kHbm), Keys({2, 4, 6}));
 }
 
+TEST(BlockIndexTest, ParkedEntriesAreOutOfTheListsUntilUnparked) {
+  BlockIndex index;
+  BlockEntry* p = index.Insert(K(1), Tier::kHost, nullptr);
+  for (uint32_t n : {2, 3, 4}) index.Insert(K(n), Tier::kHost, nullptr);
+  BlockEntry* c = index.Insert(K(5), Tier::kHost, &p->key);
+  index.Park(index.Find(K(2)));
+  index.Park(index.Find(K(2)));  // twice is once
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1, 3, 4, 5})) << "eviction never sees a parked entry";
+  index.Touch(index.Find(K(2)));  // a hit while it moves leaves it out
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({1, 3, 4, 5}));
+  // It changes tier while parked (a finished move), still out of the lists,
+  // with its parent's counts right.
+  index.Park(c);
+  index.ChangeTier(c, Tier::kDisk);
+  EXPECT_TRUE(Order(index, Tier::kDisk).empty());
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kDisk)], 1u);
+  EXPECT_EQ(p->children_in_tier[static_cast<size_t>(Tier::kHost)], 0u);
+  index.Unpark(c, /*hot=*/true);
+  EXPECT_EQ(Order(index, Tier::kDisk), Keys({5}));
+  // Back at the cold end (a failed write, first in line again) or the hot end.
+  index.Unpark(index.Find(K(2)), /*hot=*/false);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 1, 3, 4}));
+  index.Park(index.Find(K(3)));
+  index.Unpark(index.Find(K(3)), /*hot=*/true);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 1, 4, 3}));
+  // Unparking what is not parked changes nothing; erasing a parked entry is safe.
+  index.Unpark(index.Find(K(1)), /*hot=*/true);
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 1, 4, 3}));
+  index.Park(index.Find(K(4)));
+  index.Erase(index.Find(K(4)));
+  EXPECT_EQ(Order(index, Tier::kHost), Keys({2, 1, 3}));
+  // Alone in a list: cold and hot are one end.
+  BlockEntry* only = index.Insert(K(9), Tier::kHbm, nullptr);
+  index.Park(only);
+  EXPECT_TRUE(Order(index, Tier::kHbm).empty());
+  index.Unpark(only, /*hot=*/false);
+  EXPECT_EQ(Order(index, Tier::kHbm), Keys({9}));
+}
+
 TEST(BlockIndexTest, ChangeTierMovesListsAndParentCounts) {
   BlockIndex index;
   BlockEntry* p = index.Insert(K(1), Tier::kHost, nullptr);

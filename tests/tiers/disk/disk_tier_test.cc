@@ -174,6 +174,14 @@ class DiskTierTest : public ::testing::Test {
     }
     return t;
   }
+  // Stores `n` new blocks and flushes them; returns those now on disk.
+  std::vector<StoredKey> StoreFlushed(size_t n) {
+    const std::vector<StoredKey> keys = NewKeys(n);
+    StoreAll(keys);
+    EXPECT_GT(cache_->FlushToDisk(), 0u);
+    EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+    return OnDisk(keys);
+  }
   std::vector<StoredKey> OnDisk(const std::vector<StoredKey>& keys) {
     std::vector<StoredKey> out;
     const std::vector<Tier> t = TiersOf(keys);
@@ -578,11 +586,7 @@ TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
 TEST_F(DiskTierTest, ADeviceThatFailsEveryWriteCostsNoCpuAndGivesBlocksUp) {
   const TierWatermarks marks{.high = 0.9, .low = 0.5};
   Open(/*hbm_slots=*/0, /*host_slots=*/32, marks);
-  const std::vector<StoredKey> early = NewKeys(6);
-  StoreAll(early);
-  ASSERT_GT(cache_->FlushToDisk(), 0u);
-  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
-  const std::vector<StoredKey> on_disk = OnDisk(early);
+  const std::vector<StoredKey> on_disk = StoreFlushed(6);
   ASSERT_FALSE(on_disk.empty());
   // The disk dies for writes; host fills past its high watermark.
   faulty_->FailAll(FaultOp::kWrite, EIO);
@@ -649,11 +653,7 @@ TEST_F(DiskTierTest, AFullIndexVolumeKeepsServingAndStops) {
   } unmount{mnt};
   index_path_ = mnt + "/index";
   Open();
-  const std::vector<StoredKey> early = NewKeys(10);
-  StoreAll(early);
-  ASSERT_GT(cache_->FlushToDisk(), 0u);
-  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
-  const std::vector<StoredKey> on_disk = OnDisk(early);
+  const std::vector<StoredKey> on_disk = StoreFlushed(10);
   ASSERT_FALSE(on_disk.empty());
   // Fill the volume to the last byte.
   {
