@@ -152,6 +152,14 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               Delta(b, a, "disk_demotions"), Delta(b, a, "evictions_hbm"),
               Delta(b, a, "evictions_host"), Delta(b, a, "evictions_disk"),
               Delta(b, a, "prefix_fallbacks"), Delta(b, a, "disk_not_admitted"));
+  // What the tiers hold once the replay is done: against their capacity,
+  // the room the watermarks and the disk's free regions keep.
+  std::printf("held:    ");
+  for (const TierStats& t : a.tiers) {
+    const char* name = t.tier == BlockTier::kHbm ? "hbm" : t.tier == BlockTier::kHost ? "host" : "disk";
+    std::printf(" %s %" PRIu64 " blocks (%.0f%% of its bytes)", name, t.blocks, Pct(t.used_bytes, t.capacity_bytes));
+  }
+  std::printf("\n");
   std::printf("disk:     %" PRId64 " regions reclaimed, %" PRId64 " blocks carried forward, %" PRId64
               " hot blocks dropped past the carry budget, %" PRId64 " appends waited for a region; %" PRId64
               " write failures, %" PRId64 " writes given up\n",
