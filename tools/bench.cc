@@ -36,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,12 +140,25 @@ std::vector<uint32_t> Iota(uint32_t first, uint32_t n) {
 
 std::vector<uint32_t> Tokens(uint64_t seed, uint32_t n) { return kvtier::PseudoTokens(seed, n); }
 
+// Registers `cache`; on a refusal (e.g. blocks larger than the daemon's disk
+// regions) prints why and returns nullopt.
+std::optional<kvtier::CacheId> Register(kvtier::Client& client, const kvtier::ShmKvCache& cache) {
+  kvtier::Result<kvtier::CacheId> id = client.RegisterKvCache(cache);
+  if (!id) {
+    std::fprintf(stderr, "kvtier-bench: the daemon refused the KV cache: %s\n", id.error().ToString().c_str());
+    return std::nullopt;
+  }
+  return *id;
+}
+
 int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::string& daemon, const std::string& json) {
   const kvtier::Layout layout = Llama8BLayout();
   const uint64_t block_bytes = layout.block_bytes();
   auto cache = kvtier::ShmKvCache::Create(layout, 2 * blocks);
   if (!cache) return 1;
-  const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
+  const std::optional<kvtier::CacheId> registered = Register(client, *cache);
+  if (!registered) return 1;
+  const kvtier::CacheId id = *registered;
   const double bytes = 2.0 * blocks * static_cast<double>(block_bytes);  // stored + loaded
   std::printf("config:   %u blocks of %.1f MiB per op, store then load, %u reps (+1 warm-up)\n", blocks,
               static_cast<double>(block_bytes) / (1 << 20), reps);
@@ -332,7 +346,9 @@ bool DiskOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, Di
   // engine block, so that all loads can be in flight at once.
   auto cache = kvtier::ShmKvCache::Create(layout, 32 + blocks);
   if (!cache) return false;
-  const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
+  const std::optional<kvtier::CacheId> registered = Register(client, *cache);
+  if (!registered) return false;
+  const kvtier::CacheId id = *registered;
 
   // Store everything into the host tier (no watermark demotion), then flush
   // it to disk and time the writes.
@@ -525,7 +541,9 @@ int Restart(uint32_t blocks, const std::string& dir, const std::string& json) {
   constexpr uint32_t kBatch = 4096;
   auto cache = kvtier::ShmKvCache::Create(layout, kBatch + 1);
   if (!cache) return 1;
-  const kvtier::CacheId id = (*c)->RegisterKvCache(*cache).value();
+  const std::optional<kvtier::CacheId> registered = Register(**c, *cache);
+  if (!registered) return 1;
+  const kvtier::CacheId id = *registered;
   kvtier::BlockKey probe;
   const auto s0 = Clock::now();
   for (uint32_t i = 0; i < blocks; i += kBatch) {
@@ -632,7 +650,9 @@ int Lookup(kvtier::Client& client, uint32_t nkeys, uint32_t reps, uint64_t index
   const kvtier::Layout layout = Llama8BLayout();
   auto cache = kvtier::ShmKvCache::Create(layout, nkeys);
   if (!cache) return 1;
-  const kvtier::CacheId id = client.RegisterKvCache(*cache).value();
+  const std::optional<kvtier::CacheId> registered = Register(client, *cache);
+  if (!registered) return 1;
+  const kvtier::CacheId id = *registered;
   const std::vector<kvtier::BlockKey> keys = client.ComputeKeys(id, Tokens(7, nkeys * 16)).value();
   std::printf("config:   %u-key prompt, %u lookups per measurement; in-process index of %lu keys\n", nkeys, reps,
               index_keys);
