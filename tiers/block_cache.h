@@ -346,6 +346,8 @@ class BlockCache {
   void PumpDiskWrites();
   // Puts a write of `key` in line (write-through, flush).
   void QueueDiskWrite(const StoredKey& key, bool keep_in_memory);
+  // PumpDiskWrites on a later turn of the loop (once, however often asked).
+  void SchedulePump();
   // Moves `e` to `dst` in tier `to` in the background.
   void StartMove(BlockEntry* e, Tier to, uint8_t* dst);
   // host -> disk (write-back) and disk -> host (before a load, or prefetch).
@@ -405,6 +407,7 @@ class BlockCache {
   uint32_t disk_writes_in_flight_ = 0;
   bool host_demoting_ = false;  // host passed its high watermark and is not below its low one yet
   bool pump_posted_ = false;
+  bool flushing_ = false;  // a FlushToDisk's writes are still in line
   // After a failed disk write, write-back waits until then (doubling per
   // failure in a row), so a failing device costs no CPU.
   std::chrono::steady_clock::time_point disk_backoff_until_{};

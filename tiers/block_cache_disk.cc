@@ -269,7 +269,13 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   }
   if (e != nullptr && e->tier != Tier::kDisk) {
     // Also in memory: only the disk copy goes (the block is dirty again).
+    // Where every host block was promised to disk (write-through, or a
+    // flush under way), it goes back in line to be written.
     e->on_disk = false;
+    if (e->tier == Tier::kHost && (options_.disk_write_through || flushing_)) {
+      QueueDiskWrite(key, /*keep_in_memory=*/!flushing_);
+      SchedulePump();
+    }
     return {ReclaimAction::kDropped};
   }
   if (e != nullptr && (e->moving || e->leases > 0)) {
@@ -332,6 +338,7 @@ bool BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
     } else if (e->leases == 0) {
       Drop(e);
     }
+    SchedulePump();
     return true;
   }
   if (e->on_disk) {
@@ -386,11 +393,15 @@ uint64_t BlockCache::FlushToDisk() {
     QueueDiskWrite(e->key, /*keep_in_memory=*/false);
     ++queued;
   });
+  flushing_ = queued > 0;
   PumpDiskWrites();
   return queued;
 }
 
-void BlockCache::CancelFlush() { disk_write_queue_.clear(); }
+void BlockCache::CancelFlush() {
+  disk_write_queue_.clear();
+  flushing_ = false;
+}
 
 void BlockCache::QueueDiskWrite(const StoredKey& key, bool keep_in_memory) {
   // Each entry names a block in memory, or a stale one that is skipped; while
@@ -423,8 +434,11 @@ void BlockCache::PumpDiskWrites() {
   // low one. Without a disk tier there is nowhere to write them: dropping
   // blocks early would only lose hits, so the host tier fills up and evicts
   // on demand (AllocateSlot), which is plain prefix-aware LRU.
+  // A flush writes every host block anyway: write-back waits for it, so a
+  // clean block is not handed back to an old region that the flush's own
+  // appends then reclaim.
   if (AboveHigh(Tier::kHost)) host_demoting_ = true;
-  while (host_demoting_ && disk_writes_in_flight_ < cap && steps < kPumpStepsPerCall) {
+  while (host_demoting_ && !flushing_ && disk_writes_in_flight_ < cap && steps < kPumpStepsPerCall) {
     ++steps;
     if (!AboveLow(Tier::kHost)) {
       host_demoting_ = false;
@@ -447,16 +461,23 @@ void BlockCache::PumpDiskWrites() {
       Drop(v);
     }
   }
-  if (steps >= kPumpStepsPerCall && !pump_posted_) {
-    // More to do: on a later turn of the loop, after other work.
-    pump_posted_ = true;
-    options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
-      auto cache = self.lock();
-      if (!cache) return;
-      (*cache)->pump_posted_ = false;
-      (*cache)->PumpDiskWrites();
-    });
+  // A flush ends once the tier is idle: until then a reclaim (also one that
+  // carried blocks' appends start) may still take a host block's disk copy.
+  if (disk_write_queue_.empty() && disk_writes_in_flight_ == 0 && options_.disk->inflight() == 0) {
+    flushing_ = false;
   }
+  if (steps >= kPumpStepsPerCall) SchedulePump();  // more to do, after other work
+}
+
+void BlockCache::SchedulePump() {
+  if (pump_posted_) return;
+  pump_posted_ = true;
+  options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
+    auto cache = self.lock();
+    if (!cache) return;
+    (*cache)->pump_posted_ = false;
+    (*cache)->PumpDiskWrites();
+  });
 }
 
 }  // namespace kvtier

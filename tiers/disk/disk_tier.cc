@@ -345,9 +345,11 @@ void DiskTier::MaybeReclaim() {
     for (FailedReclaim& f : retry) SubmitReclaimDeletes(f.device, f.region, std::move(f.batch));
   }
   if (!failed_reclaims_.empty()) return;  // the index cannot be written: wait
+  // Regions free or on their way: a reclaim under way counts, or appends
+  // waiting for its index write would start one reclaim after another.
   const uint64_t available = free_regions_ + reclaiming_;
-  if (available < FreeTarget(options_.high_watermark) || !waiting_.empty()) reclaim_burst_ = true;
-  if (available >= FreeTarget(options_.low_watermark) && waiting_.empty()) reclaim_burst_ = false;
+  if (available < FreeTarget(options_.high_watermark)) reclaim_burst_ = true;
+  if (available >= FreeTarget(options_.low_watermark)) reclaim_burst_ = false;
   if (!reclaim_burst_ || sealed_.empty()) return;
   const auto [di, ri] = sealed_.front();
   // Oldest first; its last appends finish before it can go (FinishAppend

@@ -354,6 +354,26 @@ TEST_F(DiskTierTest, WriteThroughKeepsBlocksInMemoryAndMakesRestartsWarm) {
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
 }
 
+TEST_F(DiskTierTest, WriteThroughStaysWarmWhileTheDiskWraps) {
+  // Write-through promises every host block is on disk. When the disk wraps
+  // and a reclaim drops the disk copy of a block still in host, that block
+  // is written again, so a restart finds whatever host held.
+  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.9, .low = 0.5}, /*budget_per_day=*/0, /*write_through=*/true);
+  const std::vector<StoredKey> keys = NewKeys(400);  // the disk holds 80: it wraps more than three times
+  StoreAll(keys);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  ASSERT_GT(disk_->counters().regions_reclaimed, 3u * 16);
+  std::vector<StoredKey> in_host;
+  const std::vector<Tier> tiers = TiersOf(keys);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (tiers[i] == Tier::kHost) in_host.push_back(keys[i]);
+  }
+  ASSERT_FALSE(in_host.empty());
+  Close();
+  Open(0, 8, {.high = 0.9, .low = 0.5}, 0, true);
+  for (const StoredKey& k : in_host) EXPECT_TRUE(LoadExact(k)) << "a write-through block in host was not on disk";
+}
+
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(12);
@@ -581,6 +601,44 @@ TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
   ASSERT_TRUE(Drain([&] { return again->done; }));
   EXPECT_EQ(again->checked, again->total);
   EXPECT_EQ(again->bad, 0u);
+}
+
+TEST_F(DiskTierTest, AFlushOntoAFullDiskKeepsWhatHostHeld) {
+  // A host tier half the size of the disk, both full, then a flush (what a
+  // stop does): what host held must all be on disk afterwards. (Appends
+  // waiting for a reclaim's index write once started reclaim after
+  // reclaim, sweeping the whole disk, the flushed blocks included.)
+  for (int round = 0; round < 8; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    Open(/*hbm_slots=*/0, /*host_slots=*/40, {.high = 0.9, .low = 0.8});
+    const std::vector<StoredKey> keys = NewKeys(400);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto b = static_cast<uint32_t>(i % 32);
+      engine_->Fill(b, keys[i]);
+      bool done = false;
+      cache_->Store(kTenant, std::span(&keys[i], 1), std::span(&b, 1), std::nullopt, Target(), owner_,
+                    [&](OpOutcome) { done = true; });
+      ASSERT_TRUE(Drain([&] { return done; }));  // at the pace of the engine, not of the disk
+    }
+    std::vector<StoredKey> in_host;
+    for (size_t i = keys.size() - 60; i < keys.size(); ++i) {
+      const CacheLookup r = cache_->Lookup(kTenant, std::span(&keys[i], 1));
+      if (r.hits == 1 && r.tiers[0] == Tier::kHost) in_host.push_back(keys[i]);
+    }
+    ASSERT_GT(in_host.size(), 30u);
+    const uint64_t reclaimed = disk_->counters().regions_reclaimed;
+    cache_->FlushToDisk();
+    ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+    // At most 40 records of 5 per region, and what that sweeps on the way.
+    EXPECT_LE(disk_->counters().regions_reclaimed - reclaimed, 12u) << "the flush reclaimed far more than it needed";
+    Close();
+    Open(0, 40, {.high = 0.9, .low = 0.8});
+    for (const StoredKey& k : in_host) EXPECT_TRUE(LoadExact(k)) << "a block host held was lost to the flush";
+    Close();
+    memory_ = std::make_unique<MemoryDevice>(16 * kRegionBytes);
+    faulty_ = std::make_unique<FaultyDevice>(memory_.get());
+    std::filesystem::remove_all(index_path_);
+  }
 }
 
 TEST_F(DiskTierTest, ADeviceThatFailsEveryWriteCostsNoCpuAndGivesBlocksUp) {
