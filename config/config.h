@@ -107,6 +107,11 @@ struct Config {
     EvictionKind eviction = EvictionKind::kLru;
     bool prefix_aware = true;
     WritePolicy write_policy = WritePolicy::kWriteBack;
+    // A block read from disk for a load stays in host only once it was hit
+    // this many times since it was written (lookups and loads both count);
+    // before that its host copy goes once loaded, and its record serves it
+    // again. 0: every block read stays in host.
+    uint32_t disk_promotion_min_hits = 4;
     struct DiskAdmission {
       uint32_t min_hits = 0;
       std::optional<uint64_t> write_budget_bytes_per_day;  // unset: unlimited

@@ -577,6 +577,8 @@ void ReadPolicy(Context* ctx, const YAML::Node& node, Config::Policy* p) {
     return ParseEnum<WritePolicy>(
         n, {{"write_back", WritePolicy::kWriteBack}, {"write_through", WritePolicy::kWriteThrough}}, v);
   });
+  r.Read("disk_promotion_min_hits", &p->disk_promotion_min_hits,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 1000000, v); });
   {
     MapReader a(ctx, r.Take("disk_admission"), "policy.disk_admission");
     a.Read("min_hits", &p->disk_admission.min_hits,

@@ -520,6 +520,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_promotions", c.disk_promotions},
                         {"disk_demotions", c.disk_demotions},
                         {"disk_returns", c.disk_returns},
+                        {"disk_hits_not_promoted", c.disk_hits_not_promoted},
                         {"disk_read_failures", c.disk_read_failures},
                         {"disk_write_failures", c.disk_write_failures},
                         {"disk_not_admitted", c.disk_not_admitted},

@@ -164,6 +164,7 @@ Status Server::Setup() {
       .eviction_scan_limit = 1024,
       .disk = disk_.get(),
       .disk_min_hits = c.policy.disk_admission.min_hits,
+      .disk_promotion_min_hits = c.policy.disk_promotion_min_hits,
       .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
       .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
       .disk_max_writes_in_flight = std::max<uint32_t>(1024, 16 * c.tiers.disk.queue_depth),

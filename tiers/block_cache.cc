@@ -389,6 +389,12 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
     std::vector<BlockEntry*> promote;
     for (BlockEntry* e : leased) {
       Unlease(e, tenant);
+      // A block not hot yet goes back to disk (where its record still is);
+      // a hot one stays, and may move up to hbm.
+      if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits && BackToDisk(e)) {
+        ++counters_.disk_hits_not_promoted;
+        continue;
+      }
       if (e->tier == Tier::kHost) promote.push_back(e);
     }
     if (result.status.ok()) {

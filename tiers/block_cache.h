@@ -103,6 +103,7 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_write_failures = 0;
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
+  uint64_t disk_hits_not_promoted = 0;  // blocks read from disk for a load, not hot enough to stay in host
   uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
   uint64_t disk_reinsertions = 0;    // hot blocks carried forward (read up to host) by a region's reclaim
   uint64_t disk_reinsertions_dropped = 0;  // hot blocks a reclaim dropped: carry budget spent, or no host room
@@ -174,6 +175,11 @@ class BlockCache {
     // room: a token bucket that holds a day's budget and refills evenly, so
     // KV offload cannot wear the flash out faster than the operator allows.
     uint32_t disk_min_hits = 0;
+    // A block a load read from disk stays in host only with this many hits
+    // since it was written (0: always); else it goes back to the disk tier
+    // once loaded, no write needed (its record serves the next hit), since
+    // a host copy of a block on disk takes room in both tiers.
+    uint32_t disk_promotion_min_hits = 0;
     uint64_t disk_write_budget_bytes_per_day = 0;
     // Write-through: every block stored into the host tier is also written to
     // disk at once (kept in memory, clean), so a restart finds it warm.

@@ -85,6 +85,7 @@ class DiskTierTest : public ::testing::Test {
                           .eviction_scan_limit = 1024,
                           .disk = disk_.get(),
                           .disk_min_hits = 0,
+                          .disk_promotion_min_hits = promotion_min_hits_,
                           .disk_write_budget_bytes_per_day = budget_per_day,
                           .disk_write_through = write_through,
                           .clock = [this] { return now_; }};
@@ -193,6 +194,7 @@ class DiskTierTest : public ::testing::Test {
 
   std::string dir_;
   std::string index_path_;
+  uint32_t promotion_min_hits_ = 0;
   std::mt19937_64 rng_{42};
   std::unique_ptr<HostBackend> backend_;
   std::unique_ptr<EngineMemory> engine_;
@@ -372,6 +374,28 @@ TEST_F(DiskTierTest, WriteThroughStaysWarmWhileTheDiskWraps) {
   Close();
   Open(0, 8, {.high = 0.9, .low = 0.5}, 0, true);
   for (const StoredKey& k : in_host) EXPECT_TRUE(LoadExact(k)) << "a write-through block in host was not on disk";
+}
+
+TEST_F(DiskTierTest, ABlockReadFromDiskStaysInHostOnlyOnceItIsHot) {
+  promotion_min_hits_ = 4;
+  Open();
+  const std::vector<StoredKey> on_disk = StoreFlushed(6);  // written: no hits since
+  ASSERT_FALSE(on_disk.empty());
+  const StoredKey k = on_disk[0];
+  // One hit so far (StoreFlushed's lookup). Each load is exact; while the
+  // block has had fewer than 4 hits since it was written, it goes back to
+  // disk once loaded.
+  ASSERT_TRUE(LoadExact(k));                      // 2 hits
+  EXPECT_EQ(TiersOf({k})[0], Tier::kDisk);        // 3
+  EXPECT_EQ(cache_->counters().disk_hits_not_promoted, 1u);
+  EXPECT_EQ(cache_->counters().disk_promotions, 1u) << "the load read it from disk";
+  // Hot now: the next load leaves it in host.
+  ASSERT_TRUE(LoadExact(k));                      // 4
+  EXPECT_EQ(TiersOf({k})[0], Tier::kHost);
+  EXPECT_EQ(cache_->counters().disk_hits_not_promoted, 1u);
+  EXPECT_EQ(cache_->counters().disk_promotions, 2u);
+  ASSERT_TRUE(LoadExact(k));  // from host: no read
+  EXPECT_EQ(cache_->counters().disk_promotions, 2u);
 }
 
 TEST_F(DiskTierTest, TwoLoadsOfADiskBlockShareOneRead) {
