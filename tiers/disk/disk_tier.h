@@ -131,9 +131,11 @@ class DiskTier {
     double low_watermark = 0.96;
     // At most this fraction of a region's records are carried forward by its
     // reclaim (the rest of its hot records are dropped), so that a reclaim
-    // always frees most of a region. Each carried record takes a staging
-    // buffer of its size until it is written again.
-    double carry_fraction = 0.5;
+    // always frees a good part of a region (and a block is carried once per
+    // hit: carrying resets its hits). Each carried record takes a staging
+    // buffer of its size until it is written again. 3/4 measured best on
+    // the Mooncake trace (59.9% hits at 20x, against 59.3% at 1/2).
+    double carry_fraction = 0.75;
     // For the retry delay after a failed reclaim; steady_clock if unset.
     Clock clock = nullptr;
   };

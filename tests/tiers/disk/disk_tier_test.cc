@@ -314,7 +314,7 @@ TEST_F(DiskTierTest, AReclaimAlwaysFreesItsRegionWhenEveryBlockIsHot) {
   Open();
   // Every block is read after it reached disk, so every region is full of
   // hot blocks, and the disk wraps ten times over. Each reclaim carries
-  // forward at most half of its region and drops the rest: regions are
+  // forward at most three quarters of its region and drops the rest: regions are
   // reclaimed, no write waits for good, and every load is exact or a miss.
   std::vector<StoredKey> all;
   for (int round = 0; round < 20; ++round) {
