@@ -90,6 +90,8 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   Result<DaemonProcess> d = DaemonProcess::Start(
       {"metrics.enabled=true", "metrics.listen=127.0.0.1:0", "tiers.hbm.enabled=true", "tiers.hbm.bytes=1MiB",
        "tiers.host.bytes=2MiB", "tiers.disk.enabled=true", "tiers.disk.bytes=64MiB", "tiers.disk.region_bytes=4MiB",
+       // Blocks loaded from disk stay in host at once, so every tier shows some.
+       "policy.disk_promotion_min_hits=0",
        "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true}]"});
   ASSERT_TRUE(d.has_value()) << d.error();
   Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path(), .client_name = "metrics"});
@@ -107,7 +109,7 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(before.at("kvtier_tier_capacity_bytes{tier=\"hbm\"}"), 1 << 20);
 
   // 96 blocks of 16 KiB: more than hbm holds, so the rest goes to host, and
-  // a flush writes those to disk (keeping them in host too).
+  // a flush moves those to disk; the loads bring some back to host.
   Result<ShmKvCache> cache = ShmKvCache::Create(SmallLayout(), 128);
   ASSERT_TRUE(cache.has_value()) << cache.error();
   const CacheId id = client.RegisterKvCache(*cache).value();
