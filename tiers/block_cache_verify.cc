@@ -106,8 +106,10 @@ void BlockCache::PumpVerify() {
           uint64_t{b->offset_pages} * kRecordAlignBytes == item.location.offset) {
         block_bytes = b->block_bytes;
       }
-    } else if (const BlockEntry* e = index_.Find(item.key); e != nullptr && e->on_disk &&
+    } else if (const BlockEntry* e = index_.Find(item.key); e != nullptr && e->on_disk && !e->moving &&
                                                               SameRecord(e->disk, item.location)) {
+      // (A moving block on disk is being read, or carried forward by a
+      // reclaim, whose region may already hold other records.)
       block_bytes = e->block_bytes;
     }
     if (block_bytes == 0) {
