@@ -662,7 +662,11 @@ MetricsSnapshot Server::Snapshot() const {
     m.tiers.push_back({std::string(TierName(t)), cache_->Usage(t)});
   }
   m.cache = cache_->counters();
-  if (disk_) m.disk = disk_->counters();
+  if (disk_) {
+    m.disk = disk_->counters();
+    m.disk_free_regions = disk_->free_regions();
+  }
+  m.disk_writes_pending = cache_->pending_disk_writes();
   m.sessions = sessions_.size();
   m.leases = cache_->leases();
   m.mappings = backend_->live_mappings();

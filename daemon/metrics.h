@@ -45,6 +45,8 @@ struct MetricsSnapshot {
   std::vector<TierRow> tiers;
   CacheCounters cache;
   DiskCounters disk;
+  uint64_t disk_free_regions = 0;
+  uint64_t disk_writes_pending = 0;
   uint64_t sessions = 0;
   uint64_t leases = 0;
   uint64_t mappings = 0;

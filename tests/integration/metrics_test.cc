@@ -147,6 +147,15 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_GT(after.at("kvtier_bytes_moved_total{direction=\"host_to_disk\"}"), 0);
   EXPECT_GT(after.at("kvtier_moves_total{from=\"host\",to=\"disk\"}"), 0);
   EXPECT_GT(after.at("kvtier_tier_used_bytes{tier=\"disk\"}"), 0);
+  // The disk tier's reclaim and write-back figures: free regions kept ahead
+  // of need (16 regions, one open), nothing failed, nothing left in line.
+  EXPECT_GT(after.at("kvtier_disk_free_regions"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_writes_pending"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_records_carried_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_hot_blocks_dropped_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_reclaim_failures_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_index_errors_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_writes_given_up_total"), 0);
   EXPECT_GT(after.at("kvtier_tier_blocks{tier=\"host\"}"), 0);
   EXPECT_EQ(after.at("kvtier_lookup_duration_seconds_count"), 1);
   EXPECT_EQ(after.at("kvtier_store_duration_seconds_count"), 1);
