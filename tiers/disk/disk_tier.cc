@@ -386,7 +386,8 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
   const uint64_t start = uint64_t{region} * options_.region_bytes;
   for (const Member& m : r.members) {
     const DiskLocation where{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0};
-    const ReclaimAnswer answer = options_.reclaim(m.key, where, carried < carry_budget);
+    const bool may_carry = carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
+    const ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
     if (answer.action == ReclaimAction::kStale) continue;
     batch.Delete(blocks_cf_, KeySlice(m.key));
     ++counters_.records_reclaimed;
@@ -409,7 +410,12 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
   // of its own: it is written again from there.
   auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, record_bytes));
   KVTIER_CHECK(raw != nullptr);
-  std::shared_ptr<uint8_t> staging(raw, std::free);
+  carry_staging_bytes_ += record_bytes;
+  // Freed, and counted off, once the record is written again (or failed).
+  std::shared_ptr<uint8_t> staging(raw, [this, record_bytes, self = std::weak_ptr<DiskTier*>(self_)](uint8_t* p) {
+    std::free(p);
+    if (self.lock()) carry_staging_bytes_ -= record_bytes;
+  });
   auto finish = [this, key, where, record_bytes, staging, self = std::weak_ptr<DiskTier*>(self_)](
                     Result<RecordHeader> header) mutable {
     auto tier = self.lock();

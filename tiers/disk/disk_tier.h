@@ -136,6 +136,9 @@ class DiskTier {
     // buffer of its size until it is written again. 3/4 measured best on
     // the Mooncake trace (59.9% hits at 20x, against 59.3% at 1/2).
     double carry_fraction = 0.75;
+    // Staging buffers of carried records in flight at most (past it, hot
+    // records of a reclaim are dropped, not carried).
+    uint64_t max_carry_staging_bytes = 256ull << 20;
     // For the retry delay after a failed reclaim; steady_clock if unset.
     Clock clock = nullptr;
   };
@@ -310,6 +313,7 @@ class DiskTier {
   rocksdb::WriteBatch forgotten_;  // unsynced deletes, not yet handed to the writer
   uint32_t forgotten_count_ = 0;
   uint64_t forget_failures_ = 0;  // for rate-limited warnings
+  uint64_t carry_staging_bytes_ = 0;  // staging buffers of carried records in flight
   DiskCounters counters_;
   std::shared_ptr<DiskTier*> self_;  // completions check the tier still exists
 };
