@@ -261,7 +261,7 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
 
 ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry) {
   auto is_here = [&](uint32_t device, uint64_t offset) { return device == where.device && offset == where.offset; };
-  const DiskOnlyBlock* b = disk_only_.Find(key);
+  DiskOnlyBlock* b = disk_only_.Find(key);
   BlockEntry* e = b == nullptr ? index_.Find(key) : nullptr;
   if (b != nullptr ? !is_here(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes)
                    : (e == nullptr || !e->on_disk || !is_here(e->disk.device, e->disk.offset))) {
@@ -287,7 +287,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   if (b != nullptr && b->hits == 0) {
     CountEviction(Tier::kDisk, b->owner);
     Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
-    disk_only_.Erase(const_cast<DiskOnlyBlock*>(b));
+    disk_only_.Erase(b);
     return {ReclaimAction::kDropped};
   }
   if (e == nullptr) e = Materialize(key);
