@@ -388,7 +388,13 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
                                        done = std::move(done)](CopyResult result) {
     std::vector<BlockEntry*> promote;
     for (BlockEntry* e : leased) {
+      const StoredKey key = e->key;
       Unlease(e, tenant);
+      // The last lease of a block whose disk write finished meanwhile frees
+      // its retired host slot, and the block may go back to the disk-only
+      // table: the entry is gone then.
+      e = index_.Find(key);
+      if (e == nullptr) continue;
       // A block not hot yet goes back to disk (where its record still is);
       // a hot one stays, and may move up to hbm.
       if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits && BackToDisk(e)) {

@@ -11,10 +11,14 @@
 // slab), and each chunk keeps a bitmap of its live cells for ForEach.
 //
 // Memory: sizeof(T) per object plus a bit, and the chunks stay allocated at
-// the pool's high-water mark (freed cells are reused first).
+// the pool's high-water mark (freed cells are reused first). Under
+// AddressSanitizer a free cell is poisoned, so a use after Delete is caught
+// even though the memory stays with the pool.
 //
 // Thread-compatible.
 #pragma once
+
+#include <sanitizer/asan_interface.h>
 
 #include <bit>
 #include <cstddef>
@@ -36,6 +40,7 @@ class ChunkedPool {
       ForEach([](T* p) { p->~T(); });
     }
     for (Chunk* c : chunks_) {
+      ASAN_UNPOISON_MEMORY_REGION(c, sizeof(Chunk));
       c->~Chunk();
       ::operator delete (c, std::align_val_t{kChunkBytes});
     }
@@ -48,6 +53,7 @@ class ChunkedPool {
     std::byte* cell;
     if (free_ != nullptr) {
       cell = static_cast<std::byte*>(static_cast<void*>(free_));
+      ASAN_UNPOISON_MEMORY_REGION(cell, sizeof(T));
       free_ = free_->next;
     } else {
       if (chunks_.empty() || bump_ == kCellsPerChunk) AddChunk();
@@ -70,6 +76,7 @@ class ChunkedPool {
     c->live[i / 64] &= ~bit;
     p->~T();
     free_ = new (cell) FreeCell{free_};
+    ASAN_POISON_MEMORY_REGION(cell, sizeof(T));
     --size_;
   }
 

@@ -605,6 +605,33 @@ TEST_F(DiskTierTest, StoresIntoAHostFullOfBlocksBeingWrittenSayWhy) {
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
 }
 
+TEST_F(DiskTierTest, ALoadWhoseBlockMovesToDiskMeanwhileFinishesCleanly) {
+  // A load leases a host block whose disk write is in flight; the write
+  // finishes first, so the block moves to disk and keeps its host slot only
+  // for that load. When the load's copy completes, its release frees the
+  // slot and the block goes back to the disk-only table: its entry is gone
+  // (the pool poisons it under ASan), and the completion must not touch it.
+  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.1, .low = 0.01});  // every block is written at once
+  faulty_->HoldWrites();
+  const StoredKey key = NewKeys(1)[0];
+  ASSERT_TRUE(Store(key, 0).status.ok());
+  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 1 && faulty_->held_writes() > 0; }));
+  std::shared_ptr<std::pair<bool, OpOutcome>> load;
+  {
+    // Both copy workers busy: the load's copy waits behind them.
+    tiers_test::WorkerGate a(*backend_), b(*backend_);
+    load = LoadAsync(key, 40);
+    faulty_->ReleaseWrites();
+    ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 0; }));
+    EXPECT_EQ(TiersOf({key})[0], Tier::kDisk) << "the write finished while the load held the block";
+  }  // the copy runs now
+  ASSERT_TRUE(Drain([&] { return load->first; }));
+  ASSERT_EQ(load->second.blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(40, key));
+  EXPECT_EQ(cache_->leases(), 0u);
+  EXPECT_TRUE(LoadExact(key));
+}
+
 TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(40);
