@@ -214,7 +214,7 @@ class BlockCache {
   // FinishRelocation; loads of it meanwhile wait for that.
   ReclaimAnswer ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry);
   // DiskTier's relocated callback (DiskTier::RelocatedFn).
-  bool FinishRelocation(const StoredKey& key, Result<DiskLocation> now);
+  void FinishRelocation(const StoredKey& key, Result<DiskLocation> now);
   void SetWatermarks(TierWatermarks hbm, TierWatermarks host);
 
   // Counted for `tenant`, who asked.

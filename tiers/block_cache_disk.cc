@@ -111,18 +111,17 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     e->checksum = checksum;
     e->has_checksum = true;
     Charge(e, +1);
-    index_.Unpark(e, /*hot=*/true);
     ++counters_.disk_promotions;
     counters_.bytes_disk_to_host += e->block_bytes;
   } else {
     tier(Tier::kHost)->pool->Free(dst, e->block_bytes);
-    index_.Unpark(e, /*hot=*/true);
     ++counters_.disk_read_failures;
     // The record is bad: it is no disk copy any more (and the block must not
     // go back to the disk-only table when the loads below let go of it).
     if (e->on_disk) options_.disk->Forget(e->key, e->disk);
     e->on_disk = false;
   }
+  index_.Unpark(e, /*hot=*/true);  // in host now, or still on disk after a failure
   auto it = disk_waiters_.find(key);
   std::vector<std::function<void(bool)>> waiters;
   if (it != disk_waiters_.end()) {
@@ -311,13 +310,13 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   return {ReclaimAction::kDropped};
 }
 
-bool BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now) {
+void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now) {
   --inflight_copies_;
   BlockEntry* e = index_.Find(key);  // moving entries are never dropped
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
   e->moving = false;
   index_.Unpark(e, /*hot=*/true);
-  if (!now && options_.disk_write_budget_bytes_per_day > 0) RefundWriteBudget(RecordBytes(e->block_bytes));
+  if (!now) RefundWriteBudget(RecordBytes(e->block_bytes));
   if (now) {
     e->disk = *now;
     e->on_disk = true;
@@ -326,31 +325,24 @@ bool BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
   } else {
     e->on_disk = false;  // its old record went with the reclaim: nothing is left
   }
+  SchedulePump();  // a flush may have been waiting for this append
   // Loads that came meanwhile wait in disk_waiters_: read it for them now.
-  auto it = disk_waiters_.find(key);
-  if (it != disk_waiters_.end() && it->second.empty()) {
+  std::vector<std::function<void(bool)>> waiters;
+  if (auto it = disk_waiters_.find(key); it != disk_waiters_.end()) {
+    waiters = std::move(it->second);
     disk_waiters_.erase(it);
-    it = disk_waiters_.end();
   }
-  if (it == disk_waiters_.end()) {
+  if (waiters.empty()) {
     if (e->on_disk) {
       Dematerialize(e);
     } else if (e->leases == 0) {
       Drop(e);
     }
-    SchedulePump();
-    return true;
-  }
-  if (e->on_disk) {
-    std::vector<std::function<void(bool)>> waiters = std::move(it->second);
-    disk_waiters_.erase(it);
+  } else if (e->on_disk) {
     for (auto& w : waiters) PromoteFromDisk(e, std::move(w));  // the first starts the read; the rest share it
   } else {
-    std::vector<std::function<void(bool)>> waiters = std::move(it->second);
-    disk_waiters_.erase(it);
     for (const auto& w : waiters) w(false);  // their Unlease erases it
   }
-  return true;
 }
 
 bool BlockCache::TakeWriteBudget(uint64_t bytes) {
@@ -367,7 +359,7 @@ bool BlockCache::TakeWriteBudget(uint64_t bytes) {
 }
 
 void BlockCache::RefundWriteBudget(uint64_t bytes) {
-  if (bytes == 0) return;
+  if (options_.disk_write_budget_bytes_per_day == 0) return;  // unlimited: nothing was taken
   budget_tokens_ = std::min(static_cast<double>(options_.disk_write_budget_bytes_per_day),
                             budget_tokens_ + static_cast<double>(bytes));
 }
@@ -455,7 +447,7 @@ void BlockCache::PumpDiskWrites() {
                           QuotaAllows(v->owner, Tier::kDisk, v->block_bytes);
     const uint64_t record = RecordBytes(v->block_bytes);
     if (admitted && TakeWriteBudget(record)) {
-      StartDiskWrite(v, /*keep_in_memory=*/false, options_.disk_write_budget_bytes_per_day > 0 ? record : 0);
+      StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
     } else {
       ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
       Drop(v);

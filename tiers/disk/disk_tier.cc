@@ -433,9 +433,7 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
       counters_.read_bytes += record_bytes;
       const uint8_t* payload = staging.get() + RecordHeader::kBytes;
       Append(std::move(*header), payload, [this, key, staging](Result<DiskLocation> now) {
-        const bool ok = now.has_value();
-        const DiskLocation at = ok ? *now : DiskLocation{};
-        if (!options_.relocated(key, std::move(now)) && ok) Forget(key, at);
+        options_.relocated(key, std::move(now));
       });
     }
     if (region.state == RegionState::kReclaiming) MaybeFree(where.device, where.region);

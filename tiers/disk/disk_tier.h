@@ -113,9 +113,9 @@ class DiskTier {
   using ReclaimFn =
       std::function<ReclaimAnswer(const StoredKey& key, const DiskLocation& location, bool may_carry)>;
   // A carried record is durable at its new location, or could not be
-  // carried (`now` has the error; the block is gone). Returns whether the
-  // owner still wants the new record; if not, the tier forgets it.
-  using RelocatedFn = std::function<bool(const StoredKey& key, Result<DiskLocation> now)>;
+  // carried (`now` has the error; the block is gone). The owner keeps the
+  // block (it must not drop it while it is carried).
+  using RelocatedFn = std::function<void(const StoredKey& key, Result<DiskLocation> now)>;
 
   struct Options {
     std::vector<BlockDevice*> devices;  // REQUIRED, borrowed, one per path
