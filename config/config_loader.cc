@@ -1,3 +1,6 @@
+// The whole configuration schema is read here, one reader per section, so
+// that every key, its bound and its error sit in one place (past 800 lines
+// on purpose: splitting the sections apart would scatter the schema).
 #include "config/config_loader.h"
 
 #include <fcntl.h>

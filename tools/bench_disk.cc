@@ -1,0 +1,292 @@
+#include "tools/bench_disk.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/block_pattern.h"
+#include "tiers/disk/record.h"
+#include "tools/bench_engine.h"
+#include "tools/bench_report.h"
+
+namespace kvtier::bench {
+namespace {
+
+// fio's bandwidth in MB/s (1e6 bytes), all jobs together; 0 if fio fails.
+// `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread, each with
+// its own ring of that depth), over disjoint parts of one file, and for
+// writes an fsync at the end inside the timed run, since a demotion counts
+// only once it is durable.
+double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes,
+           uint64_t block_bytes, uint32_t queue_depth, uint32_t jobs) {
+  const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;
+  const std::string cmd =
+      "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
+      " --size=" + std::to_string(per_job) + " --offset_increment=" + std::to_string(per_job) +
+      " --numjobs=" + std::to_string(jobs) +
+      " --group_reporting --bs=" + std::to_string(block_bytes) +
+      " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
+      " --ioengine=io_uring --direct=1 --output-format=json 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return 0;
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
+  ::pclose(p);
+  // "read": {... "bw_bytes" : N ...}, "write": {...}: the section of this job's direction.
+  const std::string section = rw == "write" ? "\"write\" : {" : "\"read\" : {";
+  const size_t at = out.find(section);
+  const size_t bw = at == std::string::npos ? std::string::npos : out.find("\"bw_bytes\"", at);
+  if (bw == std::string::npos) return 0;
+  return std::strtod(out.c_str() + out.find(':', bw) + 1, nullptr) / 1e6;
+}
+
+// One file per block, each fsynced before it counts as stored; read back
+// after dropping those files from the page cache. Returns MB/s.
+std::pair<double, double> FilePerBlock(const std::string& dir, uint32_t blocks,
+                                       uint64_t block_bytes) {
+  std::filesystem::create_directories(dir);
+  std::vector<uint8_t> data(block_bytes, 0x5a);
+  const auto t0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const std::string path = dir + "/" + std::to_string(i) + ".blk";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || ::write(fd, data.data(), data.size()) != static_cast<ssize_t>(data.size()) ||
+        ::fsync(fd) != 0) {
+      if (fd >= 0) ::close(fd);
+      return {0, 0};
+    }
+    ::close(fd);
+  }
+  const double write_s = Seconds(Clock::now() - t0);
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const int fd = ::open((dir + "/" + std::to_string(i) + ".blk").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+      ::close(fd);
+    }
+  }
+  const auto r0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; ++i) {
+    const int fd = ::open((dir + "/" + std::to_string(i) + ".blk").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::read(fd, data.data(), data.size()) != static_cast<ssize_t>(data.size())) {
+      if (fd >= 0) ::close(fd);
+      return {0, 0};
+    }
+    ::close(fd);
+  }
+  const double read_s = Seconds(Clock::now() - r0);
+  std::filesystem::remove_all(dir);
+  const double mb = static_cast<double>(blocks) * static_cast<double>(block_bytes) / 1e6;
+  return {mb / write_s, mb / read_s};
+}
+
+// Polls the daemon until `counter` reaches `target`. Every 500 us: often
+// enough to time 0.2 s to 0.5%, rarely enough that the polls do not compete
+// with the demotions for the event loop on a small machine.
+bool WaitForCounter(kvtier::Client& client, const char* counter, uint64_t target) {
+  for (;;) {
+    auto st = client.Stats();
+    if (!st) return false;
+    if (st->Counter(counter) >= target) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+// One repetition's figures, in MB/s of record bytes (header and payload,
+// what goes to the disk), next to its baselines.
+struct DiskRep {
+  double write = 0, promote = 0, load = 0;
+  double fio_write = 0, fio_read = 0, fpb_write = 0, fpb_read = 0;
+  uint64_t group_commits = 0;
+  uint64_t mismatches = 0;
+};
+
+// Demotion (host -> disk) and promotion (disk -> host -> engine) of 2 MiB
+// blocks through a running kvtierd, then fio and a file-per-block store on
+// the same file system, with the same bytes, block size, queue depth and
+// number of queues (fio writes a fresh preallocated file, as the started
+// daemon does; both end durable). `rep` keeps each repetition's keys apart.
+// Returns false when a request fails.
+bool DiskOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, DiskRep* out) {
+  const uint32_t blocks = config.blocks;
+  const kvtier::Layout layout = Llama8BLayout();
+  const uint64_t block_bytes = layout.block_bytes();
+  const uint64_t record_bytes = kvtier::RecordBytes(block_bytes);
+  const double mb = static_cast<double>(blocks) * static_cast<double>(record_bytes) / 1e6;
+  // Room to store from (32 blocks) and to load every block into its own
+  // engine block, so that all loads can be in flight at once.
+  auto cache = kvtier::ShmKvCache::Create(layout, 32 + blocks);
+  if (!cache) return false;
+  const std::optional<kvtier::CacheId> registered = Register(client, *cache);
+  if (!registered) return false;
+  const kvtier::CacheId id = *registered;
+
+  // Store everything into the host tier (no watermark demotion), then flush
+  // it to disk and time the writes.
+  std::vector<kvtier::BlockKey> keys;
+  for (uint32_t i = 0; i < blocks; i += 32) {
+    const uint32_t n = std::min(32u, blocks - i);
+    const std::vector<kvtier::BlockKey> k =
+        client.ComputeKeys(id, Tokens(1000 + uint64_t{rep} * 1000000 + i, n * 16)).value();
+    for (uint32_t j = 0; j < n; ++j) kvtier::FillFromKey(k[j], cache->block(j));
+    auto r = client.Store(id, k, Iota(0, n));
+    if (!r || r->blocks != n) {
+      std::fprintf(stderr, "kvtier-bench: store failed\n");
+      return false;
+    }
+    keys.insert(keys.end(), k.begin(), k.end());
+  }
+  const kvtier::DaemonStats at_start = client.Stats().value();
+  const auto w0 = Clock::now();
+  auto flushed = client.Flush();
+  if (!flushed || *flushed != blocks) {
+    std::fprintf(stderr, "kvtier-bench: flush queued %lu of %u\n", flushed ? *flushed : 0, blocks);
+    return false;
+  }
+  if (!WaitForCounter(client, "disk_demotions", at_start.Counter("disk_demotions") + blocks))
+    return false;
+  out->write = mb / Seconds(Clock::now() - w0);
+
+  // Every block is now on disk only. Promotion: prefetch them all (disk ->
+  // host) and time until every read is done.
+  const auto p0 = Clock::now();
+  for (uint32_t i = 0; i < blocks; i += 512) {
+    const uint32_t n = std::min(512u, blocks - i);
+    if (!client.Prefetch(id, std::span(keys).subspan(i, n))) return false;
+  }
+  if (!WaitForCounter(client, "disk_promotions", at_start.Counter("disk_promotions") + blocks))
+    return false;
+  out->promote = mb / Seconds(Clock::now() - p0);
+  // Back to disk only (the host copies are clean: dropping them costs no
+  // write), then load everything into the engine, all requests in flight.
+  if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
+  const auto r0 = Clock::now();
+  std::vector<kvtier::OpHandle> ops;
+  for (uint32_t i = 0; i < blocks; i += 32) {
+    const uint32_t n = std::min(32u, blocks - i);
+    auto op = client.LoadAsync(id, std::span(keys).subspan(i, n), Iota(32 + i, n));
+    if (!op) {
+      std::fprintf(stderr, "kvtier-bench: load: %s\n", op.error().ToString().c_str());
+      return false;
+    }
+    ops.push_back(*op);
+  }
+  for (const kvtier::OpHandle& op : ops) {
+    auto r = client.Wait(op);
+    if (!r || r->blocks == 0) {
+      std::fprintf(stderr, "kvtier-bench: a load returned no blocks\n");
+      return false;
+    }
+  }
+  out->load = mb / Seconds(Clock::now() - r0);
+  for (uint32_t i = 0; i < blocks; ++i)
+    out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
+  out->group_commits =
+      client.Stats().value().Counter("disk_group_commits") - at_start.Counter("disk_group_commits");
+  (void)client.Evict("", kvtier::BlockTier::kHost);  // room for the next repetition
+
+  const std::string fio_file = config.dir + "/fio-baseline.dat";
+  std::filesystem::remove(fio_file);
+  const uint64_t bytes = uint64_t{blocks} * record_bytes;
+  out->fio_write =
+      Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
+  out->fio_read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads);
+  std::filesystem::remove(fio_file);
+  std::tie(out->fpb_write, out->fpb_read) =
+      FilePerBlock(config.dir + "/file-per-block", blocks, block_bytes);
+  return true;
+}
+
+}  // namespace
+
+// `reps` repetitions of DiskOnce, each against the daemon `connect` returns
+// (the bench starts a fresh one per repetition unless --socket is given),
+// every repetition's ratios printed, and the medians compared.
+int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& connect,
+         const DiskConfig& config, uint32_t reps, const std::string& json) {
+  const uint64_t record_bytes = kvtier::RecordBytes(Llama8BLayout().block_bytes());
+  std::printf(
+      "config:   %u records of %.1f MiB (2 MiB block + 4 KiB header; %.0f MB), queue depth %u x %u "
+      "I/O threads (fio: %u jobs x iodepth %u, end_fsync=1 on writes), %u reps, in %s\n",
+      config.blocks, static_cast<double>(record_bytes) / (1 << 20),
+      static_cast<double>(config.blocks) * static_cast<double>(record_bytes) / 1e6,
+      config.queue_depth, config.io_threads, config.io_threads, config.queue_depth, reps,
+      config.dir.c_str());
+  std::fflush(stdout);
+  std::vector<DiskRep> runs;
+  uint64_t mismatches = 0;
+  for (uint32_t rep = 1; rep <= reps; ++rep) {
+    std::unique_ptr<kvtier::Client> client = connect(rep);
+    DiskRep r;
+    if (!client || !DiskOnce(*client, config, rep, &r)) return 1;
+    mismatches += r.mismatches;
+    std::printf(
+        "rep %u/%u: demotion %.0f MB/s vs fio write %.0f = %.2fx; promotion %.0f vs fio read %.0f "
+        "= %.2fx; "
+        "load %.0f = %.2fx; %lu group commits\n",
+        rep, reps, r.write, r.fio_write, r.fio_write > 0 ? r.write / r.fio_write : 0, r.promote,
+        r.fio_read, r.fio_read > 0 ? r.promote / r.fio_read : 0, r.load,
+        r.fio_read > 0 ? r.load / r.fio_read : 0, r.group_commits);
+    std::fflush(stdout);
+    runs.push_back(r);
+  }
+  auto median = [&runs](auto field) {
+    std::vector<double> v;
+    for (const DiskRep& r : runs) v.push_back(static_cast<double>(std::invoke(field, r)));
+    return Median(v);
+  };
+  auto median_ratio = [&runs](double DiskRep::*num, double DiskRep::*den) {
+    std::vector<double> v;
+    for (const DiskRep& r : runs) v.push_back(r.*den > 0 ? r.*num / r.*den : 0);
+    return Median(v);
+  };
+  const std::vector<Comparison> cs = {
+      {"demotion write (host -> disk)", median(&DiskRep::write), median(&DiskRep::fio_write),
+       "fio io_uring direct write, end_fsync", "MB/s"},
+      {"promotion read (disk -> host)", median(&DiskRep::promote), median(&DiskRep::fio_read),
+       "fio io_uring direct read", "MB/s"},
+      {"load from disk (disk -> engine)", median(&DiskRep::load), median(&DiskRep::fio_read),
+       "fio io_uring direct read", "MB/s"},
+      {"durable write vs file per block", median(&DiskRep::write), median(&DiskRep::fpb_write),
+       "file per block, fsync each", "MB/s"},
+      {"read vs file per block", median(&DiskRep::promote), median(&DiskRep::fpb_read),
+       "file per block, page cache dropped", "MB/s"},
+  };
+  std::printf("\nmedians of %u reps:\n", reps);
+  PrintComparisons(cs);
+  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx of fio\n",
+              median_ratio(&DiskRep::write, &DiskRep::fio_write),
+              median_ratio(&DiskRep::promote, &DiskRep::fio_read),
+              median_ratio(&DiskRep::load, &DiskRep::fio_read));
+  std::printf(
+      "group commits: median %.0f for %u records; verified %lu of %lu loaded blocks byte-exact\n",
+      median(&DiskRep::group_commits), config.blocks, uint64_t{config.blocks} * reps - mismatches,
+      uint64_t{config.blocks} * reps);
+  if (median(&DiskRep::fio_write) == 0 || median(&DiskRep::fio_read) == 0) {
+    std::printf("(fio did not run: install Debian's fio package)\n");
+  }
+  if (!json.empty() && !WriteJson(json,
+                                  {{"workload", "disk"},
+                                   {"blocks", std::to_string(config.blocks)},
+                                   {"record_bytes", std::to_string(record_bytes)},
+                                   {"queue_depth", std::to_string(config.queue_depth)},
+                                   {"io_threads", std::to_string(config.io_threads)},
+                                   {"reps", std::to_string(reps)},
+                                   {"dir", config.dir}},
+                                  cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
+    return 1;
+  }
+  return mismatches == 0 ? 0 : 1;
+}
+
+}  // namespace kvtier::bench
