@@ -2,10 +2,10 @@
 // index and length it reads from the (already verified) message before use,
 // and answers with a reply or an Error; a handler that returns no bytes has
 // deferred its reply (Wait, or Load/Store with wait=true).
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <future>
-
-#include <spdlog/spdlog.h>
 
 #include "common/chain_hash.h"
 #include "daemon/server.h"
@@ -167,10 +167,12 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     // Such a block could never be written to disk: refused now, not at
     // every demotion.
     return ipc::ErrorMessage(
-        id, InvalidArgument("a block of this layout (" + std::to_string(layout->block_bytes()) +
-                            " bytes, " + std::to_string(RecordBytes(layout->block_bytes())) +
-                            " on disk with its header) is larger than a disk region (tiers.disk.region_bytes = " +
-                            std::to_string(disk_->max_record_bytes()) + "); raise tiers.disk.region_bytes"));
+        id,
+        InvalidArgument(
+            "a block of this layout (" + std::to_string(layout->block_bytes()) + " bytes, " +
+            std::to_string(RecordBytes(layout->block_bytes())) +
+            " on disk with its header) is larger than a disk region (tiers.disk.region_bytes = " +
+            std::to_string(disk_->max_record_bytes()) + "); raise tiers.disk.region_bytes"));
   }
   const auto* regions = m.regions();
   if (regions == nullptr || regions->size() == 0 || regions->size() > kMaxRegions) {

@@ -132,19 +132,23 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(c.disk_not_admitted + c.disk_over_budget));
   f.Counter("kvtier_disk_regions_reclaimed_total", "Disk regions reclaimed.",
             static_cast<double>(s.disk.regions_reclaimed));
-  f.Counter("kvtier_disk_records_carried_total",
-            "Blocks hit since they were written, read out of a region being reclaimed and written again.",
-            static_cast<double>(s.disk.records_carried));
+  f.Counter(
+      "kvtier_disk_records_carried_total",
+      "Blocks hit since they were written, read out of a region being reclaimed and written again.",
+      static_cast<double>(s.disk.records_carried));
   f.Counter("kvtier_disk_hot_blocks_dropped_total",
-            "Blocks hit since they were written that a reclaim dropped (carry budget or write budget spent).",
+            "Blocks hit since they were written that a reclaim dropped (carry budget or write "
+            "budget spent).",
             static_cast<double>(c.disk_reinsertions_dropped));
   f.Counter("kvtier_disk_reclaim_failures_total", "Reclaims whose index deletes failed (retried).",
             static_cast<double>(s.disk.reclaim_failures));
   f.Counter("kvtier_disk_index_errors_total", "Disk index writes that failed.",
             static_cast<double>(s.disk.index_errors));
-  f.Counter("kvtier_disk_writes_given_up_total", "Blocks whose disk writes kept failing (or can never fit): not tried again.",
+  f.Counter("kvtier_disk_writes_given_up_total",
+            "Blocks whose disk writes kept failing (or can never fit): not tried again.",
             static_cast<double>(c.disk_writes_given_up));
-  f.Gauge("kvtier_disk_free_regions", "Disk regions free to write (reclaim keeps some ahead of need).",
+  f.Gauge("kvtier_disk_free_regions",
+          "Disk regions free to write (reclaim keeps some ahead of need).",
           static_cast<double>(s.disk_free_regions));
   f.Gauge("kvtier_disk_writes_pending", "Disk writes in flight or waiting in line.",
           static_cast<double>(s.disk_writes_pending));

@@ -86,18 +86,21 @@ Status Server::SetupDisk() {
     disk_devices_.push_back(std::move(*dev));
   }
   KVTIER_ASSIGN_OR_RETURN(
-      disk_, DiskTier::Open({.devices = devices,
-                             .index_path = options_.config.state_dir + "/disk-index",
-                             .region_bytes = d.region_bytes,
-                             .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
-                             .reclaim = [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
-                               return cache_->ReclaimFromDisk(key, where, may_carry);
-                             },
-         .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
-           return cache_->FinishRelocation(key, std::move(now));
-         },
-                             .high_watermark = options_.config.policy.watermarks.disk.high,
-                             .low_watermark = options_.config.policy.watermarks.disk.low}));
+      disk_,
+      DiskTier::Open({.devices = devices,
+                      .index_path = options_.config.state_dir + "/disk-index",
+                      .region_bytes = d.region_bytes,
+                      .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
+                      .reclaim =
+                          [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
+                            return cache_->ReclaimFromDisk(key, where, may_carry);
+                          },
+                      .relocated =
+                          [this](const StoredKey& key, Result<DiskLocation> now) {
+                            return cache_->FinishRelocation(key, std::move(now));
+                          },
+                      .high_watermark = options_.config.policy.watermarks.disk.high,
+                      .low_watermark = options_.config.policy.watermarks.disk.low}));
   return Status::Ok();
 }
 
@@ -165,7 +168,8 @@ Status Server::Setup() {
       .disk = disk_.get(),
       .disk_min_hits = c.policy.disk_admission.min_hits,
       .disk_promotion_min_hits = c.policy.disk_promotion_min_hits,
-      .disk_write_budget_bytes_per_day = c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
+      .disk_write_budget_bytes_per_day =
+          c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
       .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
       .disk_max_writes_in_flight = std::max<uint32_t>(1024, 16 * c.tiers.disk.queue_depth),
       .clock = nullptr};
@@ -282,7 +286,9 @@ Status Server::Run() {
     }
     if (stop_flush_until_ && std::chrono::steady_clock::now() >= *stop_flush_until_) {
       if (const uint64_t left = cache_->pending_disk_writes(); left > 0) {
-        spdlog::warn("stopping: {} host block(s) not written to disk within tiers.disk.stop_flush_seconds", left);
+        spdlog::warn(
+            "stopping: {} host block(s) not written to disk within tiers.disk.stop_flush_seconds",
+            left);
       }
       cache_->CancelFlush();
       stop_flush_until_.reset();

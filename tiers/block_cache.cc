@@ -397,7 +397,8 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       if (e == nullptr) continue;
       // A block not hot yet goes back to disk (where its record still is);
       // a hot one stays, and may move up to hbm.
-      if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits && BackToDisk(e)) {
+      if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits &&
+          BackToDisk(e)) {
         ++counters_.disk_hits_not_promoted;
         continue;
       }
@@ -475,7 +476,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       const bool quota = !QuotaAllows(tenant, Tier::kHost, bytes);
       status = Status(StatusCode::kResourceExhausted,
                       "no room for block " + std::to_string(i) + " of the store: " +
-                          (quota ? "the tenant's host quota is full of leased or moving blocks" : NoRoomReason()));
+                          (quota ? "the tenant's host quota is full of leased or moving blocks"
+                                 : NoRoomReason()));
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }

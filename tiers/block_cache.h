@@ -22,8 +22,8 @@
 
 #include <array>
 #include <chrono>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -103,10 +103,13 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_write_failures = 0;
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
-  uint64_t disk_hits_not_promoted = 0;  // blocks read from disk for a load, not hot enough to stay in host
+  uint64_t disk_hits_not_promoted =
+      0;  // blocks read from disk for a load, not hot enough to stay in host
   uint64_t disk_over_budget = 0;     // demotions dropped because the write budget was spent
-  uint64_t disk_reinsertions = 0;    // hot blocks carried forward (read up to host) by a region's reclaim
-  uint64_t disk_reinsertions_dropped = 0;  // hot blocks a reclaim dropped: carry budget spent, or no host room
+  uint64_t disk_reinsertions =
+      0;  // hot blocks carried forward (read up to host) by a region's reclaim
+  uint64_t disk_reinsertions_dropped =
+      0;  // hot blocks a reclaim dropped: carry budget spent, or no host room
   uint64_t disk_writes_given_up = 0;  // blocks whose disk writes kept failing: no more tries
   uint64_t disk_write_backoffs = 0;   // pauses of write-back after a failed write
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
@@ -361,8 +364,8 @@ class BlockCache {
   // clean; otherwise it moves to the disk tier.
   // `budgeted`: bytes taken from the write budget, given back if it fails.
   void StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t budgeted = 0);
-  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
-                       Result<DiskLocation> where);
+  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
+                       uint64_t budgeted, Result<DiskLocation> where);
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
@@ -387,8 +390,8 @@ class BlockCache {
   // VerifyDisk's steps: keep reads in flight; judge one read.
   struct Verification;
   void PumpVerify();
-  void FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer, const StoredKey& key,
-                        const DiskLocation& where, Status status);
+  void FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer,
+                        const StoredKey& key, const DiskLocation& where, Status status);
 
   Options options_;
   BlockIndex index_;

@@ -165,8 +165,8 @@ constexpr uint8_t kMaxDiskWriteTries = 3;
 constexpr std::chrono::milliseconds kFirstWriteBackoff{10};
 constexpr std::chrono::milliseconds kMaxWriteBackoff{5000};
 
-void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
-                                 Result<DiskLocation> where) {
+void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
+                                 uint64_t budgeted, Result<DiskLocation> where) {
   --inflight_copies_;
   --disk_writes_in_flight_;
   tier(Tier::kHost)->moving_out_bytes -= stride;
@@ -258,8 +258,11 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   return adopted;
 }
 
-ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry) {
-  auto is_here = [&](uint32_t device, uint64_t offset) { return device == where.device && offset == where.offset; };
+ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocation& where,
+                                          bool may_carry) {
+  auto is_here = [&](uint32_t device, uint64_t offset) {
+    return device == where.device && offset == where.offset;
+  };
   DiskOnlyBlock* b = disk_only_.Find(key);
   BlockEntry* e = b == nullptr ? index_.Find(key) : nullptr;
   if (b != nullptr ? !is_here(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes)
@@ -339,7 +342,8 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
       Drop(e);
     }
   } else if (e->on_disk) {
-    for (auto& w : waiters) PromoteFromDisk(e, std::move(w));  // the first starts the read; the rest share it
+    for (auto& w : waiters)
+      PromoteFromDisk(e, std::move(w));  // the first starts the read; the rest share it
   } else {
     for (const auto& w : waiters) w(false);  // their Unlease erases it
   }
@@ -368,8 +372,8 @@ namespace {
 
 // A host block whose only copy is in memory, ready to be written.
 bool DirtyInHost(const BlockEntry* e) {
-  return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving && e->has_checksum &&
-         e->disk_write_failures < kMaxDiskWriteTries;
+  return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
+         e->has_checksum && e->disk_write_failures < kMaxDiskWriteTries;
 }
 
 // Most entries PumpDiskWrites looks at per call before it posts itself.
@@ -410,7 +414,8 @@ void BlockCache::PumpDiskWrites() {
   // After a failure, one write at a time until one succeeds: a failing
   // device costs one try per pause, not a crowd of them (each takes room in
   // the disk's log).
-  const uint32_t cap = disk_failures_in_a_row_ > 0 ? 1 : std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
+  const uint32_t cap =
+      disk_failures_in_a_row_ > 0 ? 1 : std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
   uint32_t steps = 0;
   // Writes in line first (write-through, flush): a stale one is skipped.
   while (disk_writes_in_flight_ < cap && !disk_write_queue_.empty() && steps < kPumpStepsPerCall) {
@@ -430,7 +435,8 @@ void BlockCache::PumpDiskWrites() {
   // clean block is not handed back to an old region that the flush's own
   // appends then reclaim.
   if (AboveHigh(Tier::kHost)) host_demoting_ = true;
-  while (host_demoting_ && !flushing_ && disk_writes_in_flight_ < cap && steps < kPumpStepsPerCall) {
+  while (host_demoting_ && !flushing_ && disk_writes_in_flight_ < cap &&
+         steps < kPumpStepsPerCall) {
     ++steps;
     if (!AboveLow(Tier::kHost)) {
       host_demoting_ = false;

@@ -72,7 +72,8 @@ void BlockCache::CancelVerify() {
   if (!verification_ || verification_->progress->done) return;
   verification_->cancelled = true;
   verification_->records.clear();
-  if (verification_->free_buffers.size() == verification_->buffers.size()) verification_->progress->done = true;
+  if (verification_->free_buffers.size() == verification_->buffers.size())
+    verification_->progress->done = true;
 }
 
 void BlockCache::PumpVerify() {
@@ -106,8 +107,8 @@ void BlockCache::PumpVerify() {
           uint64_t{b->offset_pages} * kRecordAlignBytes == item.location.offset) {
         block_bytes = b->block_bytes;
       }
-    } else if (const BlockEntry* e = index_.Find(item.key); e != nullptr && e->on_disk && !e->moving &&
-                                                              SameRecord(e->disk, item.location)) {
+    } else if (const BlockEntry* e = index_.Find(item.key);
+               e != nullptr && e->on_disk && !e->moving && SameRecord(e->disk, item.location)) {
       // (A moving block on disk is being read, or carried forward by a
       // reclaim, whose region may already hold other records.)
       block_bytes = e->block_bytes;
@@ -136,11 +137,13 @@ void BlockCache::PumpVerify() {
     v.free_buffers.pop_back();
     ++v.next;
     ++inflight_copies_;
-    const DiskLocation where = options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes);
-    options_.disk->Read(item.key, where, block_bytes, v.buffers[buffer].get(),
-                        [this, held, buffer, key = item.key, where](Status st, uint64_t /*checksum*/) {
-                          FinishVerifyRead(held, buffer, key, where, std::move(st));
-                        });
+    const DiskLocation where =
+        options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes);
+    options_.disk->Read(
+        item.key, where, block_bytes, v.buffers[buffer].get(),
+        [this, held, buffer, key = item.key, where](Status st, uint64_t /*checksum*/) {
+          FinishVerifyRead(held, buffer, key, where, std::move(st));
+        });
   }
   const bool idle = v.free_buffers.size() == v.buffers.size();
   const bool walked = v.cancelled || (v.device >= disk.num_devices() && v.next == v.records.size());
@@ -152,8 +155,8 @@ void BlockCache::PumpVerify() {
   }
 }
 
-void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer, const StoredKey& key,
-                                  const DiskLocation& where, Status status) {
+void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer,
+                                  const StoredKey& key, const DiskLocation& where, Status status) {
   --inflight_copies_;
   Verification& v = *held;
   v.free_buffers.push_back(buffer);

@@ -22,7 +22,7 @@ using trace::SimResult;
 using trace::TraceRequest;
 
 constexpr uint64_t kSlotAlignBytes = 4096;  // SlotPool::kSlotAlignBytes: memory tiers' slot stride
-constexpr double kLagTargetMs = 20;  // the loop lag's p99 under load, at most
+constexpr double kLagTargetMs = 20;         // the loop lag's p99 under load, at most
 
 struct Capacity {
   uint64_t hbm = 0, host = 0, disk = 0;  // blocks
@@ -156,16 +156,20 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
   // the room the watermarks and the disk's free regions keep.
   std::printf("held:    ");
   for (const TierStats& t : a.tiers) {
-    const char* name = t.tier == BlockTier::kHbm ? "hbm" : t.tier == BlockTier::kHost ? "host" : "disk";
-    std::printf(" %s %" PRIu64 " blocks (%.0f%% of its bytes)", name, t.blocks, Pct(t.used_bytes, t.capacity_bytes));
+    const char* name = t.tier == BlockTier::kHbm    ? "hbm"
+                       : t.tier == BlockTier::kHost ? "host"
+                                                    : "disk";
+    std::printf(" %s %" PRIu64 " blocks (%.0f%% of its bytes)", name, t.blocks,
+                Pct(t.used_bytes, t.capacity_bytes));
   }
   std::printf("\n");
-  std::printf("disk:     %" PRId64 " regions reclaimed, %" PRId64 " blocks carried forward, %" PRId64
-              " hot blocks dropped past the carry budget, %" PRId64 " appends waited for a region; %" PRId64
-              " write failures, %" PRId64 " writes given up\n",
-              Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
-              Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
-              Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"));
+  std::printf(
+      "disk:     %" PRId64 " regions reclaimed, %" PRId64 " blocks carried forward, %" PRId64
+      " hot blocks dropped past the carry budget, %" PRId64 " appends waited for a region; %" PRId64
+      " write failures, %" PRId64 " writes given up\n",
+      Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
+      Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
+      Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"));
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
@@ -198,29 +202,35 @@ std::optional<double> StatsRoundTrip(Client& c, Result<DaemonStats>* out = nullp
   return ms;
 }
 
-void PrintWatch(const Watch& w, const std::vector<double>& idle_ms, const ReplayCounts& sum, double wall_s,
-                bool has_disk, bool& lag_met) {
+void PrintWatch(const Watch& w, const std::vector<double>& idle_ms, const ReplayCounts& sum,
+                double wall_s, bool has_disk, bool& lag_met) {
   if (has_disk) {
     if (w.filled_at_s && *w.filled_at_s > 0 && *w.filled_at_s < wall_s) {
       const double before = static_cast<double>(w.requests_at_fill) / *w.filled_at_s;
-      const double after = static_cast<double>(sum.requests - std::min(sum.requests, w.requests_at_fill)) /
-                           (wall_s - *w.filled_at_s);
-      std::printf("pace:     %.0f requests/s before the disk first filled (%" PRIu64 " requests in %.1f s), "
+      const double after =
+          static_cast<double>(sum.requests - std::min(sum.requests, w.requests_at_fill)) /
+          (wall_s - *w.filled_at_s);
+      std::printf("pace:     %.0f requests/s before the disk first filled (%" PRIu64
+                  " requests in %.1f s), "
                   "%.0f requests/s after it (%.2fx)\n",
-                  before, w.requests_at_fill, *w.filled_at_s, after, before > 0 ? after / before : 0.0);
+                  before, w.requests_at_fill, *w.filled_at_s, after,
+                  before > 0 ? after / before : 0.0);
     } else {
       std::printf("pace:     the disk tier did not fill during the replay\n");
     }
   }
   const double p99 = Percentile(w.lag_ms, 0.99), idle99 = Percentile(idle_ms, 0.99);
-  std::printf("loop lag: a Stats round trip every 5 ms during the replay (%zu): p50 %.2f ms, p99 %.2f ms, max "
-              "%.2f ms; idle daemon (%zu): p50 %.2f ms, p99 %.2f ms\n",
-              w.lag_ms.size(), Percentile(w.lag_ms, 0.5), p99, Percentile(w.lag_ms, 1.0), idle_ms.size(),
-              Percentile(idle_ms, 0.5), idle99);
+  std::printf(
+      "loop lag: a Stats round trip every 5 ms during the replay (%zu): p50 %.2f ms, p99 %.2f ms, "
+      "max "
+      "%.2f ms; idle daemon (%zu): p50 %.2f ms, p99 %.2f ms\n",
+      w.lag_ms.size(), Percentile(w.lag_ms, 0.5), p99, Percentile(w.lag_ms, 1.0), idle_ms.size(),
+      Percentile(idle_ms, 0.5), idle99);
   // The event loop's work per request is bounded whatever the cache holds:
   // under load its lag stays within a few milliseconds.
   lag_met = p99 <= kLagTargetMs;
-  std::printf("target:   loop lag p99 <= %.0f ms under load: %s\n", kLagTargetMs, lag_met ? "met" : "NOT met");
+  std::printf("target:   loop lag p99 <= %.0f ms under load: %s\n", kLagTargetMs,
+              lag_met ? "met" : "NOT met");
 }
 
 struct Simulated {

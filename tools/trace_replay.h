@@ -81,6 +81,7 @@ std::vector<std::array<uint8_t, 16>> ChainHashes(std::span<const uint64_t> hash_
 // clients run, with the number of requests handed out so far and the time
 // since they started (after the fork: it may open connections).
 using ReplayTick = std::function<void(uint64_t requests_started, double elapsed_s)>;
-Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients, const ReplayTick& tick = nullptr);
+Result<ReplayResult> Replay(const ReplayPlan& plan, uint32_t clients,
+                            const ReplayTick& tick = nullptr);
 
 }  // namespace kvtier::bench

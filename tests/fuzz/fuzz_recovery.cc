@@ -75,12 +75,13 @@ class Rig {
          .index_path = IndexDir(),
          .region_bytes = kRegionBytes,
          .post = post,
-         .reclaim = [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
-           return cache_->ReclaimFromDisk(key, where, may_carry);
-         },
-         .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
-           return cache_->FinishRelocation(key, std::move(now));
-         }});
+         .reclaim = [this](
+                        const StoredKey& key, const DiskLocation& where,
+                        bool may_carry) { return cache_->ReclaimFromDisk(key, where, may_carry); },
+         .relocated =
+             [this](const StoredKey& key, Result<DiskLocation> now) {
+               return cache_->FinishRelocation(key, std::move(now));
+             }});
     // A damaged index may fail to open (RocksDB's own checks); that is a
     // clean refusal, not a crash.
     if (!disk) return;

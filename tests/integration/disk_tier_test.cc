@@ -119,12 +119,19 @@ TEST(DiskRegistrationTest, ABlockLargerThanADiskRegionIsRefusedWithTheKey) {
   // 1 MiB regions; a layout of 2 MiB blocks could never be written to disk.
   Result<DaemonProcess> d = DaemonProcess::Start(DiskSets("auto"));
   ASSERT_TRUE(d.has_value()) << d.error();
-  Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path(), .client_name = "big"});
+  Result<std::unique_ptr<Client>> c =
+      Client::Connect({.socket_path = d->socket_path(), .client_name = "big"});
   ASSERT_TRUE(c.has_value()) << c.error();
-  const Layout big = Layout::Create(LayoutSpec{.model_id = "kvtier/big-blocks", .num_layers = 32,
-                                               .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 8, .head_dim = 128,
-                                               .dtype = DType::kBf16, .block_tokens = 16, .tp_rank = 0,
-                                               .tp_size = 1, .scale_bytes_per_layer = 0})
+  const Layout big = Layout::Create(LayoutSpec{.model_id = "kvtier/big-blocks",
+                                               .num_layers = 32,
+                                               .kv_kind = KvKind::kSeparateKv,
+                                               .num_kv_heads = 8,
+                                               .head_dim = 128,
+                                               .dtype = DType::kBf16,
+                                               .block_tokens = 16,
+                                               .tp_rank = 0,
+                                               .tp_size = 1,
+                                               .scale_bytes_per_layer = 0})
                          .value();
   ASSERT_EQ(big.block_bytes(), 2u << 20);
   Result<ShmKvCache> cache = ShmKvCache::Create(big, 2);
@@ -144,8 +151,9 @@ TEST(DiskRestartTest, StopWithEveryTierFullWritesHostBlocksAndTheRestartIsWarm) 
   // writes what host holds onto a full disk (reclaiming as it goes) while a
   // verify runs, and must still end promptly.
   std::vector<std::string> sets = DiskSets("auto", "8MiB");
-  sets.insert(sets.end(), {"tiers.hbm.enabled=false", "tiers.disk.bytes=16MiB", "tiers.disk.stop_flush_seconds=8",
-                           "policy.watermarks.host={high: 0.9, low: 0.8}"});
+  sets.insert(sets.end(),
+              {"tiers.hbm.enabled=false", "tiers.disk.bytes=16MiB",
+               "tiers.disk.stop_flush_seconds=8", "policy.watermarks.host={high: 0.9, low: 0.8}"});
   Result<DaemonProcess> d = DaemonProcess::Start(sets);
   ASSERT_TRUE(d.has_value()) << d.error();
   std::vector<BlockKey> keys;
@@ -173,7 +181,8 @@ TEST(DiskRestartTest, StopWithEveryTierFullWritesHostBlocksAndTheRestartIsWarm) 
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int status = d->Stop();  // SIGTERM
-  const double stop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double stop_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
   std::printf("stop with every tier full: %.2f s\n", stop_s);
   // A liveness bound, far above the figure (tiers.disk.stop_flush_seconds
@@ -191,7 +200,8 @@ TEST(DiskRestartTest, StopWithEveryTierFullWritesHostBlocksAndTheRestartIsWarm) 
     hits += static_cast<size_t>(r);
   }
   EXPECT_EQ(hits, in_host.size()) << "blocks in host at the stop were not written";
-  std::printf("stop wrote %zu host blocks onto a full disk; all hit after the restart\n", in_host.size());
+  std::printf("stop wrote %zu host blocks onto a full disk; all hit after the restart\n",
+              in_host.size());
   EXPECT_EQ(s.client->Stats().value().Counter("disk_checksum_failures"), 0u);
 }
 

@@ -88,8 +88,9 @@ Layout SmallLayout() {
 
 TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   Result<DaemonProcess> d = DaemonProcess::Start(
-      {"metrics.enabled=true", "metrics.listen=127.0.0.1:0", "tiers.hbm.enabled=true", "tiers.hbm.bytes=1MiB",
-       "tiers.host.bytes=2MiB", "tiers.disk.enabled=true", "tiers.disk.bytes=64MiB", "tiers.disk.region_bytes=4MiB",
+      {"metrics.enabled=true", "metrics.listen=127.0.0.1:0", "tiers.hbm.enabled=true",
+       "tiers.hbm.bytes=1MiB", "tiers.host.bytes=2MiB", "tiers.disk.enabled=true",
+       "tiers.disk.bytes=64MiB", "tiers.disk.region_bytes=4MiB",
        // Blocks loaded from disk stay in host at once, so every tier shows some.
        "policy.disk_promotion_min_hits=0",
        "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true}]"});

@@ -66,9 +66,14 @@ std::vector<std::string> SoakSets() {
   // regions of 1 MiB); the clients' prompts need far more, so every tier
   // evicts, demotes and promotes all the time, the disk wraps many times
   // over, and the sizes take extents from each other.
-  return {"tiers.hbm.enabled=true",     "tiers.hbm.bytes=2MiB",      "tiers.host.bytes=6MiB",
-          "tiers.disk.enabled=true",    "tiers.disk.bytes=16MiB",    "tiers.disk.region_bytes=1MiB",
-          "limits.max_sessions_per_tenant=64", tenants};
+  return {"tiers.hbm.enabled=true",
+          "tiers.hbm.bytes=2MiB",
+          "tiers.host.bytes=6MiB",
+          "tiers.disk.enabled=true",
+          "tiers.disk.bytes=16MiB",
+          "tiers.disk.region_bytes=1MiB",
+          "limits.max_sessions_per_tenant=64",
+          tenants};
 }
 
 // What one client process did; written to a file the parent reads.
@@ -219,12 +224,13 @@ TEST(SoakTest, ThirtyTwoClientsOfThreeTenantsForAMinute) {
   EXPECT_EQ(end.inflight_ops, 0u);
   EXPECT_EQ(end.Counter("disk_checksum_failures"), 0u);
   EXPECT_GT(end.Counter("disk_demotions"), 0u) << "the disk tier was under pressure too";
-  EXPECT_GE(end.Counter("disk_regions_reclaimed"), 10u * 16) << "the disk wrapped fewer than ten times";
+  EXPECT_GE(end.Counter("disk_regions_reclaimed"), 10u * 16)
+      << "the disk wrapped fewer than ten times";
   EXPECT_EQ(end.Counter("disk_reclaim_failures"), 0u);
   EXPECT_EQ(end.Counter("disk_write_failures"), 0u);
   std::printf("soak: disk wrapped %.1f times (%lu regions reclaimed, %lu blocks carried forward)\n",
-              static_cast<double>(end.Counter("disk_regions_reclaimed")) / 16, end.Counter("disk_regions_reclaimed"),
-              end.Counter("disk_reinsertions"));
+              static_cast<double>(end.Counter("disk_regions_reclaimed")) / 16,
+              end.Counter("disk_regions_reclaimed"), end.Counter("disk_reinsertions"));
   EXPECT_GT(end.Counter("demotions"), 0u);
   EXPECT_GT(end.Counter("extents_reclaimed"), 0u)
       << "the two block sizes took room from each other";
@@ -312,8 +318,8 @@ TEST(ChaosTest, KillsOfTheDaemonAndOfClientsNeverServeWrongBytes) {
               seconds, daemon_kills, warm_checks, disk_blocks_after_restarts, client_kills, loaded, unavailable);
   EXPECT_GE(daemon_kills + client_kills, 3u);
   EXPECT_GT(disk_blocks_after_restarts, 0u) << "no restart found anything on disk";
-  std::printf("chaos: %lu disk regions reclaimed (the disk wrapped %.1f times)\n", regions_reclaimed,
-              static_cast<double>(regions_reclaimed) / 16);
+  std::printf("chaos: %lu disk regions reclaimed (the disk wrapped %.1f times)\n",
+              regions_reclaimed, static_cast<double>(regions_reclaimed) / 16);
   EXPECT_GE(regions_reclaimed, 16u * 3) << "the disk wrapped fewer than three times";
   EXPECT_GT(loaded, 0u);
 }

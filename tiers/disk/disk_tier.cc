@@ -5,14 +5,14 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cmath>
-#include <tuple>
 #include <atomic>
-#include <cstdlib>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <tuple>
 
 #include "common/check.h"
 #include "common/layout.h"
@@ -53,7 +53,9 @@ class SpdlogLogger : public rocksdb::Logger {
  public:
   SpdlogLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
   using rocksdb::Logger::Logv;
-  void Logv(const char* format, va_list ap) override { Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap); }
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
   void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
     if (level < GetInfoLogLevel()) return;
     char line[1024];
@@ -178,7 +180,8 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   }
   if (options.region_bytes == 0 || options.region_bytes % kRecordAlignBytes != 0 ||
       options.region_bytes / kRecordAlignBytes > UINT32_MAX) {
-    return Err(InvalidArgument("DiskTier: region_bytes must be a positive multiple of 4 KiB, below 16 TiB"));
+    return Err(InvalidArgument(
+        "DiskTier: region_bytes must be a positive multiple of 4 KiB, below 16 TiB"));
   }
   if (!options.clock) options.clock = [] { return std::chrono::steady_clock::now(); };
   std::unique_ptr<DiskTier> tier(new DiskTier(std::move(options)));
@@ -228,7 +231,8 @@ DiskTier::~DiskTier() {
   KVTIER_CHECK_MSG(inflight_ == 0 && waiting_.empty(), "DiskTier destroyed with I/O in flight");
   writer_.reset();  // runs what was submitted
   if (db_) {
-    if (forgotten_count_ > 0) db_->Write(rocksdb::WriteOptions(), &forgotten_).PermitUncheckedError();
+    if (forgotten_count_ > 0)
+      db_->Write(rocksdb::WriteOptions(), &forgotten_).PermitUncheckedError();
     if (blocks_cf_ != nullptr) db_->DestroyColumnFamilyHandle(blocks_cf_);
     if (regions_cf_ != nullptr) db_->DestroyColumnFamilyHandle(regions_cf_);
     db_->Close().PermitUncheckedError();
@@ -259,7 +263,8 @@ Status DiskTier::Recover() {
     region.sequence = std::max(region.sequence, l.sequence);
     region.write_offset = std::max(region.write_offset, l.offset + l.record_bytes - region_start);
     region.live_bytes += l.record_bytes;
-    region.members.push_back(Member{key, static_cast<uint32_t>((l.offset - region_start) / kRecordAlignBytes)});
+    region.members.push_back(
+        Member{key, static_cast<uint32_t>((l.offset - region_start) / kRecordAlignBytes)});
     used_bytes_ += l.record_bytes;
     next_sequence_ = std::max(next_sequence_, l.sequence + 1);
     recovered_.push_back(std::move(r));
@@ -333,7 +338,8 @@ std::vector<DiskTier::RegionRecord> DiskTier::RecordsIn(uint32_t device, uint32_
   out.reserve(r.members.size());
   const uint64_t start = uint64_t{region} * options_.region_bytes;
   for (const Member& m : r.members) {
-    out.push_back({m.key, DiskLocation{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0}});
+    out.push_back(
+        {m.key, DiskLocation{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0}});
   }
   return out;
 }
@@ -381,12 +387,14 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
   // The owner decides for every record it still has here; nothing can keep
   // the region. Carried records are read out before the region is reused.
   rocksdb::WriteBatch batch;
-  const size_t carry_budget = static_cast<size_t>(options_.carry_fraction * static_cast<double>(r.members.size()));
+  const size_t carry_budget =
+      static_cast<size_t>(options_.carry_fraction * static_cast<double>(r.members.size()));
   size_t carried = 0;
   const uint64_t start = uint64_t{region} * options_.region_bytes;
   for (const Member& m : r.members) {
     const DiskLocation where{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0};
-    const bool may_carry = carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
+    const bool may_carry =
+        carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
     const ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
     if (answer.action == ReclaimAction::kStale) continue;
     batch.Delete(blocks_cf_, KeySlice(m.key));
@@ -397,7 +405,8 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
       StartCarry(m.key, where, answer.payload_bytes);
     }
   }
-  batch.Put(regions_cf_, RegionKey(device, region), RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
+  batch.Put(regions_cf_, RegionKey(device, region),
+            RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
   SubmitReclaimDeletes(device, region, std::move(batch));
 }
 
@@ -412,21 +421,23 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
   KVTIER_CHECK(raw != nullptr);
   carry_staging_bytes_ += record_bytes;
   // Freed, and counted off, once the record is written again (or failed).
-  std::shared_ptr<uint8_t> staging(raw, [this, record_bytes, self = std::weak_ptr<DiskTier*>(self_)](uint8_t* p) {
-    std::free(p);
-    if (self.lock()) carry_staging_bytes_ -= record_bytes;
-  });
-  auto finish = [this, key, where, record_bytes, staging, self = std::weak_ptr<DiskTier*>(self_)](
-                    Result<RecordHeader> header) mutable {
+  std::shared_ptr<uint8_t> staging(
+      raw, [this, record_bytes, self = std::weak_ptr<DiskTier*>(self_)](uint8_t* p) {
+        std::free(p);
+        if (self.lock()) carry_staging_bytes_ -= record_bytes;
+      });
+  auto finish = [this, key, where, record_bytes, staging,
+                 self = std::weak_ptr<DiskTier*>(self_)](Result<RecordHeader> header) mutable {
     auto tier = self.lock();
     if (!tier) return;
     Region& region = devices_[where.device].regions[where.region];
     --region.reads;
     --inflight_;
     if (!header) {
-      ++(header.error().code() == StatusCode::kCorruption ? counters_.checksum_failures : counters_.io_errors);
-      spdlog::warn("disk tier: record at {}:{} not carried forward: {}", devices_[where.device].device->name(),
-                   where.offset, header.error().message());
+      ++(header.error().code() == StatusCode::kCorruption ? counters_.checksum_failures
+                                                          : counters_.io_errors);
+      spdlog::warn("disk tier: record at {}:{} not carried forward: {}",
+                   devices_[where.device].device->name(), where.offset, header.error().message());
       options_.relocated(key, Err(header.error()));
     } else {
       ++counters_.reads;
@@ -440,13 +451,16 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
   };
   devices_[where.device].device->Read(
       where.offset, std::span<uint8_t>(raw, record_bytes),
-      [raw, key, payload_bytes, finish = std::move(finish), post = options_.post](Result<uint64_t> got) mutable {
-        Result<RecordHeader> h = got ? DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes))
-                                     : Result<RecordHeader>(Err(got.error()));
+      [raw, key, payload_bytes, finish = std::move(finish),
+       post = options_.post](Result<uint64_t> got) mutable {
+        Result<RecordHeader> h =
+            got ? DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes))
+                : Result<RecordHeader>(Err(got.error()));
         if (h && (h->key != key || h->payload_bytes != payload_bytes)) {
-          h = Err(Status(StatusCode::kCorruption, "the record at this location is another block's"));
-        } else if (h && PayloadChecksum(std::span<const uint8_t>(raw + RecordHeader::kBytes, payload_bytes)) !=
-                            h->payload_checksum) {
+          h = Err(
+              Status(StatusCode::kCorruption, "the record at this location is another block's"));
+        } else if (h && PayloadChecksum(std::span<const uint8_t>(
+                            raw + RecordHeader::kBytes, payload_bytes)) != h->payload_checksum) {
           h = Err(Status(StatusCode::kCorruption, "payload checksum mismatch"));
         }
         post([finish = std::move(finish), h = std::move(h)]() mutable { finish(std::move(h)); });
@@ -464,17 +478,20 @@ void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::W
       ++counters_.reclaim_failures;
       ++reclaim_failures_in_a_row_;
       // 100 ms, doubling, at most 10 s between tries.
-      const auto delay = std::chrono::milliseconds(100) * (int64_t{1} << std::min<uint32_t>(reclaim_failures_in_a_row_ - 1, 7));
-      retry_reclaims_at_ = options_.clock() + std::min<std::chrono::milliseconds>(delay, std::chrono::seconds(10));
+      const auto delay = std::chrono::milliseconds(100) *
+                         (int64_t{1} << std::min<uint32_t>(reclaim_failures_in_a_row_ - 1, 7));
+      retry_reclaims_at_ =
+          options_.clock() + std::min<std::chrono::milliseconds>(delay, std::chrono::seconds(10));
       if (reclaim_failures_in_a_row_ == 1 || reclaim_failures_in_a_row_ % 100 == 0) {
-        spdlog::error("disk tier: reclaiming region {}/{}: {} ({} failures in a row; retrying)", device, region,
-                      st.ToString(), reclaim_failures_in_a_row_);
+        spdlog::error("disk tier: reclaiming region {}/{}: {} ({} failures in a row; retrying)",
+                      device, region, st.ToString(), reclaim_failures_in_a_row_);
       }
       failed_reclaims_.push_back(FailedReclaim{device, region, std::move(*copy)});
       // Nothing frees a region until the index can be written: appends
       // waiting for one fail now instead of waiting without end.
-      const Status error(StatusCode::kResourceExhausted,
-                         "disk tier: no free region (reclaim cannot write the index: " + st.message() + ")");
+      const Status error(
+          StatusCode::kResourceExhausted,
+          "disk tier: no free region (reclaim cannot write the index: " + st.message() + ")");
       ServeWaiting(&error);
       return;
     }
@@ -486,7 +503,8 @@ void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::W
 
 void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
   Region& r = devices_[device].regions[region];
-  if (r.state != RegionState::kReclaiming || r.deletes_pending || r.reads > 0 || r.writes > 0) return;
+  if (r.state != RegionState::kReclaiming || r.deletes_pending || r.reads > 0 || r.writes > 0)
+    return;
   used_bytes_ -= std::min(used_bytes_, r.live_bytes);
   std::vector<Member> members = std::move(r.members);
   members.clear();  // keeps its capacity for the region's next fill
@@ -556,8 +574,9 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
   const uint64_t record_bytes = RecordBytes(header.payload_bytes);
   if (record_bytes > options_.region_bytes) {
     options_.post([done = std::move(done), record_bytes, region = options_.region_bytes] {
-      done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) + " bytes is larger than a region (" +
-                               std::to_string(region) + " bytes, tiers.disk.region_bytes)")));
+      done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) +
+                               " bytes is larger than a region (" + std::to_string(region) +
+                               " bytes, tiers.disk.region_bytes)")));
     });
     return;
   }
@@ -588,7 +607,8 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
   header.sequence = next_sequence_++;
   const uint64_t region_start = uint64_t{ri} * options_.region_bytes;
   const DiskLocation loc{di, ri, region_start + r.write_offset, record_bytes, header.sequence};
-  r.members.push_back(Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
+  r.members.push_back(
+      Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
   r.write_offset += record_bytes;
   r.sequence = header.sequence;
   ++r.writes;
@@ -771,8 +791,8 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   };
   BlockDevice* device = devices_[loc.device].device;
   device->Read(loc.offset, std::span<uint8_t>(op->page.get(), RecordHeader::kBytes), read);
-  device->Read(loc.offset + RecordHeader::kBytes, std::span<uint8_t>(dst, record_bytes - RecordHeader::kBytes),
-               read);
+  device->Read(loc.offset + RecordHeader::kBytes,
+               std::span<uint8_t>(dst, record_bytes - RecordHeader::kBytes), read);
 }
 
 void DiskTier::Forget(const StoredKey& key, const DiskLocation& loc) {

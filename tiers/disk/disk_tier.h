@@ -23,9 +23,9 @@
 // forward, which the tier does itself: it reads the record out and appends
 // it again (as CacheLib's flash engine reinserts), then tells the owner the
 // new location. The region is free once those reads (and any other) are
-// done and its deletes are durable. Index writes run on the IndexWriter's thread, never on the owner's.
-// An append that finds no free region waits for the next reclaim; it fails
-// only when reclaims fail (the index cannot be written).
+// done and its deletes are durable. Index writes run on the IndexWriter's thread, never on the
+// owner's. An append that finds no free region waits for the next reclaim; it fails only when
+// reclaims fail (the index cannot be written).
 //
 // Threading: owned by one thread (the daemon's event loop), like BlockCache:
 // every method must be called there, and every `done` runs there (through
@@ -39,8 +39,8 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -110,8 +110,8 @@ class DiskTier {
   // whether the region's carry budget has room; without it, the owner must
   // not answer kCarry. The owner must not call into the tier from here,
   // except Read.
-  using ReclaimFn =
-      std::function<ReclaimAnswer(const StoredKey& key, const DiskLocation& location, bool may_carry)>;
+  using ReclaimFn = std::function<ReclaimAnswer(const StoredKey& key, const DiskLocation& location,
+                                                bool may_carry)>;
   // A carried record is durable at its new location, or could not be
   // carried (`now` has the error; the block is gone). The owner keeps the
   // block (it must not drop it while it is carried).
@@ -189,7 +189,9 @@ class DiskTier {
   // not (the owner knows which are current). O(records in the region).
   std::vector<RegionRecord> RecordsIn(uint32_t device, uint32_t region) const;
   uint32_t num_devices() const { return static_cast<uint32_t>(devices_.size()); }
-  uint32_t num_regions(uint32_t device) const { return static_cast<uint32_t>(devices_[device].regions.size()); }
+  uint32_t num_regions(uint32_t device) const {
+    return static_cast<uint32_t>(devices_[device].regions.size());
+  }
 
   // Changes the reclaim watermarks (SIGHUP).
   void SetWatermarks(double high, double low);
@@ -218,8 +220,8 @@ class DiskTier {
     uint64_t sequence = 0;       // newest record's
     uint64_t write_offset = 0;   // bytes used from the region's start
     uint64_t live_bytes = 0;
-    uint32_t reads = 0;          // in flight
-    uint32_t writes = 0;         // appends started and not finished
+    uint32_t reads = 0;            // in flight
+    uint32_t writes = 0;           // appends started and not finished
     bool deletes_pending = false;  // a reclaim's index deletes are not durable yet
     std::vector<Member> members;
   };
@@ -298,12 +300,12 @@ class DiskTier {
   uint32_t next_device_ = 0;
   uint64_t used_bytes_ = 0;
   uint64_t live_records_ = 0;
-  uint64_t inflight_ = 0;      // device reads and appends
-  uint64_t index_jobs_ = 0;    // index writes whose done has not run
+  uint64_t inflight_ = 0;    // device reads and appends
+  uint64_t index_jobs_ = 0;  // index writes whose done has not run
   uint64_t total_regions_ = 0;
   uint64_t free_regions_ = 0;
-  uint64_t reclaiming_ = 0;    // regions in kReclaiming
-  bool reclaim_burst_ = false; // between the high and the low watermark
+  uint64_t reclaiming_ = 0;     // regions in kReclaiming
+  bool reclaim_burst_ = false;  // between the high and the low watermark
   bool reclaim_scheduled_ = false;
   std::deque<std::pair<uint32_t, uint32_t>> sealed_;  // oldest first
   std::deque<WaitingAppend> waiting_;
@@ -312,7 +314,7 @@ class DiskTier {
   uint32_t reclaim_failures_in_a_row_ = 0;
   rocksdb::WriteBatch forgotten_;  // unsynced deletes, not yet handed to the writer
   uint32_t forgotten_count_ = 0;
-  uint64_t forget_failures_ = 0;  // for rate-limited warnings
+  uint64_t forget_failures_ = 0;      // for rate-limited warnings
   uint64_t carry_staging_bytes_ = 0;  // staging buffers of carried records in flight
   DiskCounters counters_;
   std::shared_ptr<DiskTier*> self_;  // completions check the tier still exists

@@ -53,7 +53,8 @@ void IndexWriter::Run() {
       options.sync = need_sync && i + 1 == jobs.size();
       const rocksdb::Status s = db_->Write(options, &jobs[i].batch);
       results.push_back(s.ok() ? Status::Ok()
-                               : Status(StatusCode::kIoError, "writing the disk index: " + s.ToString(),
+                               : Status(StatusCode::kIoError,
+                                        "writing the disk index: " + s.ToString(),
                                         ErrorSource::kRocksDb, static_cast<int>(s.code())));
     }
     const Status synced = results.back();

@@ -6,7 +6,6 @@
 
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
-
 #include <sys/mount.h>
 #include <unistd.h>
 
@@ -65,13 +64,17 @@ class DiskTierTest : public ::testing::Test {
       cv_.SignalAll();
     };
     Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
-        {.devices = {faulty_.get()}, .index_path = index_path_, .region_bytes = kRegionBytes, .post = post,
-         .reclaim = [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
-           return cache_->ReclaimFromDisk(key, where, may_carry);
-         },
-         .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
-           return cache_->FinishRelocation(key, std::move(now));
-         }});
+        {.devices = {faulty_.get()},
+         .index_path = index_path_,
+         .region_bytes = kRegionBytes,
+         .post = post,
+         .reclaim = [this](
+                        const StoredKey& key, const DiskLocation& where,
+                        bool may_carry) { return cache_->ReclaimFromDisk(key, where, may_carry); },
+         .relocated =
+             [this](const StoredKey& key, Result<DiskLocation> now) {
+               return cache_->FinishRelocation(key, std::move(now));
+             }});
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
@@ -360,8 +363,10 @@ TEST_F(DiskTierTest, WriteThroughStaysWarmWhileTheDiskWraps) {
   // Write-through promises every host block is on disk. When the disk wraps
   // and a reclaim drops the disk copy of a block still in host, that block
   // is written again, so a restart finds whatever host held.
-  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.9, .low = 0.5}, /*budget_per_day=*/0, /*write_through=*/true);
-  const std::vector<StoredKey> keys = NewKeys(400);  // the disk holds 80: it wraps more than three times
+  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.9, .low = 0.5}, /*budget_per_day=*/0,
+       /*write_through=*/true);
+  const std::vector<StoredKey> keys =
+      NewKeys(400);  // the disk holds 80: it wraps more than three times
   StoreAll(keys);
   ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
   ASSERT_GT(disk_->counters().regions_reclaimed, 3u * 16);
@@ -373,7 +378,8 @@ TEST_F(DiskTierTest, WriteThroughStaysWarmWhileTheDiskWraps) {
   ASSERT_FALSE(in_host.empty());
   Close();
   Open(0, 8, {.high = 0.9, .low = 0.5}, 0, true);
-  for (const StoredKey& k : in_host) EXPECT_TRUE(LoadExact(k)) << "a write-through block in host was not on disk";
+  for (const StoredKey& k : in_host)
+    EXPECT_TRUE(LoadExact(k)) << "a write-through block in host was not on disk";
 }
 
 TEST_F(DiskTierTest, ABlockReadFromDiskStaysInHostOnlyOnceItIsHot) {
@@ -385,12 +391,12 @@ TEST_F(DiskTierTest, ABlockReadFromDiskStaysInHostOnlyOnceItIsHot) {
   // One hit so far (StoreFlushed's lookup). Each load is exact; while the
   // block has had fewer than 4 hits since it was written, it goes back to
   // disk once loaded.
-  ASSERT_TRUE(LoadExact(k));                      // 2 hits
-  EXPECT_EQ(TiersOf({k})[0], Tier::kDisk);        // 3
+  ASSERT_TRUE(LoadExact(k));                // 2 hits
+  EXPECT_EQ(TiersOf({k})[0], Tier::kDisk);  // 3
   EXPECT_EQ(cache_->counters().disk_hits_not_promoted, 1u);
   EXPECT_EQ(cache_->counters().disk_promotions, 1u) << "the load read it from disk";
   // Hot now: the next load leaves it in host.
-  ASSERT_TRUE(LoadExact(k));                      // 4
+  ASSERT_TRUE(LoadExact(k));  // 4
   EXPECT_EQ(TiersOf({k})[0], Tier::kHost);
   EXPECT_EQ(cache_->counters().disk_hits_not_promoted, 1u);
   EXPECT_EQ(cache_->counters().disk_promotions, 2u);
@@ -595,7 +601,8 @@ TEST_F(DiskTierTest, StoresIntoAHostFullOfBlocksBeingWrittenSayWhy) {
   const StoredKey extra = NewKeys(1)[0];
   const OpOutcome refused = Store(extra, 9);
   EXPECT_EQ(refused.status.code(), StatusCode::kResourceExhausted) << refused.status;
-  EXPECT_NE(refused.status.message().find("0 leases held, 8 blocks being written to disk"), std::string::npos)
+  EXPECT_NE(refused.status.message().find("0 leases held, 8 blocks being written to disk"),
+            std::string::npos)
       << refused.status;
   // Once the disk catches up, the same store is taken, and nothing was lost.
   faulty_->ReleaseWrites();
@@ -611,11 +618,13 @@ TEST_F(DiskTierTest, ALoadWhoseBlockMovesToDiskMeanwhileFinishesCleanly) {
   // for that load. When the load's copy completes, its release frees the
   // slot and the block goes back to the disk-only table: its entry is gone
   // (the pool poisons it under ASan), and the completion must not touch it.
-  Open(/*hbm_slots=*/0, /*host_slots=*/8, {.high = 0.1, .low = 0.01});  // every block is written at once
+  Open(/*hbm_slots=*/0, /*host_slots=*/8,
+       {.high = 0.1, .low = 0.01});  // every block is written at once
   faulty_->HoldWrites();
   const StoredKey key = NewKeys(1)[0];
   ASSERT_TRUE(Store(key, 0).status.ok());
-  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 1 && faulty_->held_writes() > 0; }));
+  ASSERT_TRUE(
+      Drain([&] { return cache_->pending_disk_writes() == 1 && faulty_->held_writes() > 0; }));
   std::shared_ptr<std::pair<bool, OpOutcome>> load;
   {
     // Both copy workers busy: the load's copy waits behind them.
@@ -667,8 +676,8 @@ TEST_F(DiskTierTest, AFlushOntoAFullDiskKeepsWhatHostHeld) {
       auto b = static_cast<uint32_t>(i % 32);
       engine_->Fill(b, keys[i]);
       bool done = false;
-      cache_->Store(kTenant, std::span(&keys[i], 1), std::span(&b, 1), std::nullopt, Target(), owner_,
-                    [&](OpOutcome) { done = true; });
+      cache_->Store(kTenant, std::span(&keys[i], 1), std::span(&b, 1), std::nullopt, Target(),
+                    owner_, [&](OpOutcome) { done = true; });
       ASSERT_TRUE(Drain([&] { return done; }));  // at the pace of the engine, not of the disk
     }
     std::vector<StoredKey> in_host;
@@ -681,10 +690,12 @@ TEST_F(DiskTierTest, AFlushOntoAFullDiskKeepsWhatHostHeld) {
     cache_->FlushToDisk();
     ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
     // At most 40 records of 5 per region, and what that sweeps on the way.
-    EXPECT_LE(disk_->counters().regions_reclaimed - reclaimed, 12u) << "the flush reclaimed far more than it needed";
+    EXPECT_LE(disk_->counters().regions_reclaimed - reclaimed, 12u)
+        << "the flush reclaimed far more than it needed";
     Close();
     Open(0, 40, {.high = 0.9, .low = 0.8});
-    for (const StoredKey& k : in_host) EXPECT_TRUE(LoadExact(k)) << "a block host held was lost to the flush";
+    for (const StoredKey& k : in_host)
+      EXPECT_TRUE(LoadExact(k)) << "a block host held was lost to the flush";
     Close();
     memory_ = std::make_unique<MemoryDevice>(16 * kRegionBytes);
     faulty_ = std::make_unique<FaultyDevice>(memory_.get());
@@ -719,7 +730,8 @@ TEST_F(DiskTierTest, ADeviceThatFailsEveryWriteCostsNoCpuAndGivesBlocksUp) {
     pump();
   }
   EXPECT_GT(cache_->counters().disk_writes_given_up, 1u);
-  EXPECT_LE(cache_->counters().disk_write_failures, 3 * cache_->counters().disk_writes_given_up + 3);
+  EXPECT_LE(cache_->counters().disk_write_failures,
+            3 * cache_->counters().disk_writes_given_up + 3);
   // What it holds is still served: the blocks on disk from before, exactly,
   // and the newest blocks from memory.
   for (const StoredKey& k : on_disk) EXPECT_TRUE(LoadExact(k));
