@@ -123,6 +123,11 @@ struct Config {
     uint32_t max_keys_per_request = 4096;
     uint32_t max_sessions_per_tenant = 256;
     uint32_t max_inflight_ops_per_session = 1024;
+    // Layouts one tenant may hold blocks in at once (BlockCache).
+    uint32_t max_namespaces_per_tenant = 256;
+    // Evict and ListNamespaces calls per second of a tenant that is no
+    // admin (a token bucket holding a second's worth).
+    uint32_t bulk_calls_per_second = 10;
   } limits;
 
   struct Metrics {

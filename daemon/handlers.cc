@@ -257,7 +257,6 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping), std::move(completions)};
   spdlog::info("session {}: registered KV cache {}: {} blocks, {}", s.id, ns_id, m.num_blocks(),
                layout->ToString());
-  layout_descriptions_.try_emplace(layout->fingerprint(), layout->ToString());
   FlatBufferBuilder b(128);
   const w::Key fp = ipc::ToWire(layout->fingerprint());
   const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes());
@@ -581,45 +580,71 @@ Result<std::optional<TenantId>> Server::TargetTenant(const Session& s, const fla
   return std::optional<TenantId>(other->id);
 }
 
+Status Server::TakeBulkCall(Tenant& t, std::string_view what) {
+  if (t.config.admin) return Status::Ok();
+  const double rate = options_.config.limits.bulk_calls_per_second;
+  const auto now = std::chrono::steady_clock::now();
+  if (t.bulk_tokens < 0) {
+    t.bulk_tokens = rate;
+  } else {
+    const double elapsed = std::chrono::duration<double>(now - t.bulk_refilled).count();
+    t.bulk_tokens = std::min(rate, t.bulk_tokens + elapsed * rate);
+  }
+  t.bulk_refilled = now;
+  if (t.bulk_tokens < 1) {
+    return Status(StatusCode::kResourceExhausted,
+                  std::string(what) + ": limits.bulk_calls_per_second (" +
+                      std::to_string(options_.config.limits.bulk_calls_per_second) +
+                      ") reached for this tenant; retry later");
+  }
+  t.bulk_tokens -= 1;
+  return Status::Ok();
+}
+
 std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict& m) {
   Result<std::optional<TenantId>> target = TargetTenant(s, m.tenant(), "evict");
   if (!target) return ipc::ErrorMessage(id, target.error());
-  std::optional<std::vector<TenantId>> owners;
-  if (*target) owners = std::vector<TenantId>{**target};
-  std::optional<uint32_t> ns;
-  if (m.fingerprint() != nullptr) {
-    ns = cache_->FindNamespaceId(ipc::FromWire<LayoutFingerprint>(*m.fingerprint()));
-    if (!ns) {  // nothing was ever stored under that layout
-      FlatBufferBuilder b(64);
-      return ipc::FinishMessage(b, id, w::CreateEvictReply(b, 0));
-    }
-  }
-  std::optional<Tier> tier;
+  EvictFilter filter;
+  if (*target) filter.owners = std::vector<TenantId>{**target};
+  if (m.fingerprint() != nullptr) filter.layout = ipc::FromWire<LayoutFingerprint>(*m.fingerprint());
   switch (m.tier()) {
     case w::Tier::None: break;
-    case w::Tier::Hbm: tier = Tier::kHbm; break;
-    case w::Tier::Host: tier = Tier::kHost; break;
-    case w::Tier::Disk: tier = Tier::kDisk; break;
+    case w::Tier::Hbm: filter.tier = Tier::kHbm; break;
+    case w::Tier::Host: filter.tier = Tier::kHost; break;
+    case w::Tier::Disk: filter.tier = Tier::kDisk; break;
     default:
       return ipc::ErrorMessage(id, InvalidArgument("unknown tier " + std::to_string(static_cast<int>(m.tier()))));
   }
-  const uint64_t evicted = cache_->Evict(owners, ns, tier);
-  spdlog::info("session {}: evicted {} block(s)", s.id, evicted);
-  FlatBufferBuilder b(64);
-  return ipc::FinishMessage(b, id, w::CreateEvictReply(b, evicted));
+  Tenant& caller = *s.tenant;
+  if (!caller.config.admin && caller.evicting) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
+                                        "evict: one of this tenant's evicts is still running; retry later"));
+  }
+  if (Status st = TakeBulkCall(caller, "evict"); !st.ok()) return ipc::ErrorMessage(id, st);
+  // The walk runs in the background; the reply goes out when it is done (to
+  // the session, if it is still there).
+  if (!caller.config.admin) caller.evicting = true;
+  cache_->Evict(std::move(filter), [this, session = s.id, id, tenant = &caller](uint64_t evicted) {
+    tenant->evicting = false;  // tenants live as long as the server
+    auto it = sessions_.find(session);
+    if (it == sessions_.end()) return;
+    spdlog::info("session {}: evicted {} block(s)", session, evicted);
+    FlatBufferBuilder b(64);
+    Send(*it->second, ipc::FinishMessage(b, id, w::CreateEvictReply(b, evicted)));
+  });
+  return {};
 }
 
 std::vector<uint8_t> Server::HandleListNamespaces(Session& s, uint64_t id, const w::ListNamespaces& m) {
   Result<std::optional<TenantId>> target = TargetTenant(s, m.tenant(), "list");
   if (!target) return ipc::ErrorMessage(id, target.error());
+  if (Status st = TakeBulkCall(*s.tenant, "namespaces"); !st.ok()) return ipc::ErrorMessage(id, st);
   FlatBufferBuilder b(1024);
   std::vector<flatbuffers::Offset<w::NamespaceInfo>> list;
   for (const NamespaceUsage& u : cache_->UsageByNamespace(*target)) {
     const w::Key fp = ipc::ToWire(u.fingerprint);
-    auto it = layout_descriptions_.find(u.fingerprint);
-    const std::string description = it != layout_descriptions_.end() ? it->second : "";
     const std::vector<uint64_t> used(std::begin(u.used_bytes), std::end(u.used_bytes));
-    list.push_back(w::CreateNamespaceInfoDirect(b, &fp, description.c_str(), u.blocks, &used));
+    list.push_back(w::CreateNamespaceInfoDirect(b, &fp, u.description.c_str(), u.blocks, &used));
   }
   return ipc::FinishMessage(b, id, w::CreateNamespaceListDirect(b, &list));
 }

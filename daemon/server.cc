@@ -172,6 +172,8 @@ Status Server::Setup() {
           c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),
       .disk_write_through = c.policy.write_policy == WritePolicy::kWriteThrough,
       .disk_max_writes_in_flight = std::max<uint32_t>(1024, 16 * c.tiers.disk.queue_depth),
+      .max_namespaces = NamespaceTable::kMaxIds,
+      .max_namespaces_per_tenant = c.limits.max_namespaces_per_tenant,
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {

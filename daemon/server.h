@@ -86,6 +86,9 @@ class Server {
                                         std::optional<uint32_t> timeout_ms);
   std::vector<uint8_t> HandleStats(Session& s, uint64_t id);
   std::vector<uint8_t> HandleEvict(Session& s, uint64_t id, const wire::Evict& m);
+  // One of `t`'s Evict or ListNamespaces calls (limits.bulk_calls_per_second;
+  // admins are not limited), or kResourceExhausted.
+  Status TakeBulkCall(Tenant& t, std::string_view what);
   std::vector<uint8_t> HandleListTenants(Session& s, uint64_t id);
   std::vector<uint8_t> HandleListNamespaces(Session& s, uint64_t id, const wire::ListNamespaces& m);
   std::vector<uint8_t> HandleVerify(Session& s, uint64_t id, const wire::VerifyDisk& m);
@@ -127,8 +130,6 @@ class Server {
   LatencyHistogram load_latency_;
   LatencyHistogram store_latency_;
   std::unique_ptr<MetricsExporter> metrics_;  // null when metrics.enabled is false
-  // Layouts registered since start, for kvtierctl namespaces.
-  std::unordered_map<LayoutFingerprint, std::string, Key128Hash> layout_descriptions_;
   std::shared_ptr<const VerifyProgress> verify_progress_;  // the last kvtierctl verify
 
   struct PendingWait {

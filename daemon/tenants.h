@@ -11,6 +11,7 @@
 // Owned by the event-loop thread; thread-compatible.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,6 +32,11 @@ struct Tenant {
   Secret salt;
   Secret hash_secret;
   uint32_t sessions = 0;  // live sessions
+  // Its Evict and ListNamespaces calls (limits.bulk_calls_per_second): a
+  // token bucket, and whether one of its evicts is waiting or running.
+  double bulk_tokens = -1;  // < 0: full (not used yet)
+  std::chrono::steady_clock::time_point bulk_refilled{};
+  bool evicting = false;
 };
 
 class TenantRegistry {

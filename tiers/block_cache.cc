@@ -38,7 +38,9 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
 }
 
 BlockCache::BlockCache(Options options)
-    : options_(std::move(options)), self_(std::make_shared<BlockCache*>(this)) {}
+    : options_(std::move(options)),
+      namespaces_(std::max(1u, options_.max_namespaces), std::max(1u, options_.max_namespaces_per_tenant)),
+      self_(std::make_shared<BlockCache*>(this)) {}
 
 BlockCache::~BlockCache() {
   // Copies in flight write into the arenas freed below.
@@ -56,21 +58,9 @@ void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
   MaybeDemote();
 }
 
-uint32_t BlockCache::NamespaceId(const LayoutFingerprint& fingerprint) {
-  auto [it, inserted] = namespaces_.try_emplace(fingerprint, static_cast<uint32_t>(namespaces_.size()));
-  if (inserted) namespace_fingerprints_.push_back(fingerprint);
-  return it->second;
-}
-
 void BlockCache::SetTenantName(TenantId tenant, std::string name) {
   if (tenant_names_.size() <= tenant) tenant_names_.resize(tenant + 1);
   tenant_names_[tenant] = std::move(name);
-}
-
-std::optional<uint32_t> BlockCache::FindNamespaceId(const LayoutFingerprint& fingerprint) const {
-  auto it = namespaces_.find(fingerprint);
-  if (it == namespaces_.end()) return std::nullopt;
-  return it->second;
 }
 
 bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
@@ -150,9 +140,14 @@ bool BlockCache::AboveLow(Tier t) const {
                         s->marks.low * static_cast<double>(s->pool->capacity_bytes());
 }
 
-void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->block_bytes, sign); }
+void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->ns, e->block_bytes, sign); }
 
-void BlockCache::Charge(Tier tier_id, TenantId owner, uint64_t bytes, int sign) {
+void BlockCache::Charge(const DiskOnlyBlock& b, int sign) {
+  Charge(Tier::kDisk, b.owner, b.ns, b.block_bytes, sign);
+}
+
+void BlockCache::Charge(Tier tier_id, TenantId owner, uint32_t ns, uint64_t bytes, int sign) {
+  namespaces_.Charge(ns, owner, tier_id, bytes, sign);
   const size_t t = static_cast<size_t>(tier_id);
   TenantShare& mine = Counted(owner);
   if (sign > 0) {
@@ -440,8 +435,16 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                        std::span<const uint32_t> block_ids, std::optional<StoredKey> parent,
                        EngineTarget target, std::weak_ptr<void> owner, OpDone done) {
   KVTIER_CHECK(keys.size() == block_ids.size());
-  const uint32_t ns = NamespaceId(target.layout->layout().fingerprint());
-  const uint64_t bytes = target.layout->layout().block_bytes();
+  const Layout& layout = target.layout->layout();
+  // A new layout takes a namespace id while ids and the tenant's bound last.
+  Result<uint32_t> ns = namespaces_.IdFor(layout.fingerprint(), [&] { return layout.ToString(); });
+  Status admitted = ns ? namespaces_.Admit(tenant, *ns) : ns.error();
+  if (!admitted.ok()) {
+    Counted(tenant).store_rejected += keys.size();
+    options_.post([done = std::move(done), admitted] { done(OpOutcome{.status = admitted}); });
+    return 0;
+  }
+  const uint64_t bytes = layout.block_bytes();
   std::vector<BlockEntry*> filling;
   uint32_t already = 0;
   Status status;
@@ -484,7 +487,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     BlockEntry* e = index_.Insert(keys[i], t, prev);
     e->slot = slot;
     e->block_bytes = static_cast<uint32_t>(bytes);
-    e->ns = ns;
+    e->ns = *ns;
     e->owner = tenant;
     e->state = EntryState::kFilling;
     Lease(e, tenant);
@@ -639,44 +642,6 @@ void BlockCache::MaybeDemote() {
     }
   }
   PumpDiskWrites();
-}
-
-uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
-                           std::optional<Tier> t) {
-  std::vector<StoredKey> victims;
-  uint64_t evicted_disk_only = 0;
-  index_.ForEach([&](BlockEntry* e) {
-    if (e->leases != 0 || e->moving || e->state != EntryState::kReady) return;
-    if (owners && std::find(owners->begin(), owners->end(), e->owner) == owners->end()) return;
-    if (ns && e->ns != *ns) return;
-    if (t && e->tier != *t) return;
-    victims.push_back(e->key);
-  });
-  if (options_.disk != nullptr && (!t || *t == Tier::kDisk)) {
-    std::vector<StoredKey> disk_victims;
-    disk_only_.ForEach([&](const DiskOnlyBlock& b) {
-      if (owners && std::find(owners->begin(), owners->end(), b.owner) == owners->end()) return;
-      if (ns && b.ns != *ns) return;
-      disk_victims.push_back(b.key);
-    });
-    for (const StoredKey& key : disk_victims) {
-      DiskOnlyBlock* b = disk_only_.Find(key);
-      options_.disk->Forget(key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
-                                                           b->block_bytes));
-      Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
-      CountEviction(Tier::kDisk, b->owner);
-      disk_only_.Erase(b);
-    }
-    evicted_disk_only = disk_victims.size();
-  }
-  for (const StoredKey& key : victims) {
-    BlockEntry* e = index_.Find(key);
-    if (e == nullptr) continue;
-    // Evicting from host a block that is also on disk leaves it on disk.
-    if (t == Tier::kHost && BackToDisk(e)) continue;
-    Drop(e);
-  }
-  return victims.size() + evicted_disk_only;
 }
 
 }  // namespace kvtier

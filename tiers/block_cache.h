@@ -39,6 +39,7 @@
 #include "tiers/block_index.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk_only_index.h"
+#include "tiers/namespace_table.h"
 #include "tiers/slot_pool.h"
 
 namespace kvtier {
@@ -138,11 +139,11 @@ struct TierUsage {
   uint64_t blocks = 0;
 };
 
-// Blocks and bytes of one namespace (layout), per tier.
-struct NamespaceUsage {
-  LayoutFingerprint fingerprint;
-  uint64_t blocks = 0;
-  uint64_t used_bytes[kNumTiers] = {};
+// Which blocks an Evict drops (nullopt = any).
+struct EvictFilter {
+  std::optional<std::vector<TenantId>> owners;
+  std::optional<LayoutFingerprint> layout;
+  std::optional<Tier> tier;
 };
 
 // A disk verification's progress (BlockCache::VerifyDisk).
@@ -191,6 +192,11 @@ class BlockCache {
     // Disk writes in flight at most (write-back, write-through and flush
     // together); more wait in line, so completions never rescan a crowd.
     uint32_t disk_max_writes_in_flight = 1024;
+    // Namespaces (layouts) that may hold blocks at once, on the node (at
+    // most NamespaceTable::kMaxIds) and per tenant; a store of a new layout
+    // past either is refused (limits.max_namespaces_per_tenant).
+    uint32_t max_namespaces = NamespaceTable::kMaxIds;
+    uint32_t max_namespaces_per_tenant = 256;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
@@ -260,13 +266,21 @@ class BlockCache {
   // Disk writes in flight or waiting in line.
   uint64_t pending_disk_writes() const { return disk_writes_in_flight_ + disk_write_queue_.size(); }
 
-  // Drops unleased, settled blocks matching the filters (nullopt = any). With
-  // tier = host, a block that also has its disk record stays on disk.
-  uint64_t Evict(std::optional<std::vector<TenantId>> owners, std::optional<uint32_t> ns,
-                 std::optional<Tier> tier);
+  // Drops unleased, settled blocks matching `filter`. With tier = host, a
+  // block that also has its disk record stays on disk. Runs in the
+  // background, a bounded step per turn of the loop (memory blocks a chunk
+  // of the index at a time, disk blocks a region at a time), one Evict at a
+  // time in the order asked; `done` gets how many blocks went. A block that
+  // is leased, moving, or stored after the walk passed its place stays.
+  void Evict(EvictFilter filter, std::function<void(uint64_t)> done);
+  // Evicts waiting or running.
+  size_t pending_evicts() const { return evicts_.size(); }
 
-  // Per namespace with blocks, of `owner` (nullopt: every tenant's).
-  std::vector<NamespaceUsage> UsageByNamespace(std::optional<TenantId> owner);
+  // Per namespace with blocks, of `owner` (O(its namespaces)), or of every
+  // tenant (O(namespaces)).
+  std::vector<NamespaceUsage> UsageByNamespace(std::optional<TenantId> owner) const {
+    return namespaces_.Usage(owner);
+  }
 
   // Reads back every record on disk, at most `max_inflight` at a time, and
   // checks it as a load would (header, key, XXH3): a record that fails is
@@ -279,10 +293,13 @@ class BlockCache {
   // finish), and its progress says done.
   void CancelVerify();
 
-  // Namespace ids for Evict's filter: a small integer per fingerprint.
-  uint32_t NamespaceId(const LayoutFingerprint& fingerprint);
-  // The id of a fingerprint that has blocks stored, without creating one.
-  std::optional<uint32_t> FindNamespaceId(const LayoutFingerprint& fingerprint) const;
+  // The namespace id of a fingerprint that has blocks stored (or did, and
+  // its id was not reused yet), without creating one.
+  std::optional<uint32_t> FindNamespaceId(const LayoutFingerprint& fingerprint) const {
+    return namespaces_.Find(fingerprint);
+  }
+  // Namespaces holding blocks now.
+  uint32_t live_namespaces() const { return namespaces_.live(); }
 
   TierUsage Usage(Tier tier) const;
   // The host tier's memory, e.g. for registering it with io_uring as fixed
@@ -330,7 +347,8 @@ class BlockCache {
   bool BackToDisk(BlockEntry* e);
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
-  void Charge(Tier t, TenantId owner, uint64_t bytes, int sign);
+  void Charge(const DiskOnlyBlock& b, int sign);
+  void Charge(Tier t, TenantId owner, uint32_t ns, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.
   TenantShare& Counted(TenantId tenant);
   void CountEviction(Tier t, TenantId owner);
@@ -387,6 +405,38 @@ class BlockCache {
   // Why a store found no slot: what holds the blocks that could go.
   std::string NoRoomReason() const;
   bool AboveLow(Tier t) const;
+  // A walk over the disk tier's records a region at a time (Evict,
+  // VerifyDisk): each listing is O(records in the region).
+  struct DiskWalk {
+    uint32_t device = 0;
+    uint32_t region = 0;
+    std::vector<DiskTier::RegionRecord> records;
+    size_t next = 0;
+    // The record the walk is at, listing the next region when this one is
+    // done while `listings` last (each takes one); nullptr at the end, or
+    // when out of listings.
+    const DiskTier::RegionRecord* At(const DiskTier& disk, uint32_t& listings);
+    bool Finished(const DiskTier& disk) const {
+      return device >= disk.num_devices() && next == records.size();
+    }
+    void Stop() {
+      records.clear();
+      next = 0;
+      device = UINT32_MAX;
+    }
+  };
+  // An Evict: its filter, where its walk is, what it dropped so far.
+  struct Eviction {
+    EvictFilter filter;
+    std::optional<uint32_t> ns;  // the filter's layout's id, pinned until the end
+    std::function<void(uint64_t)> done;
+    size_t chunk = 0;  // the memory walk's next chunk of the index
+    DiskWalk disk;
+    uint64_t evicted = 0;
+  };
+  // Evict's steps: the running one goes on for a bounded step.
+  void PumpEvict();
+  bool EvictMatches(const Eviction& job, TenantId owner, uint32_t ns) const;
   // VerifyDisk's steps: keep reads in flight; judge one read.
   struct Verification;
   void PumpVerify();
@@ -400,8 +450,7 @@ class BlockCache {
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;
   std::vector<TenantShare> tenant_shares_;  // by TenantId
-  std::unordered_map<LayoutFingerprint, uint32_t, Key128Hash> namespaces_;
-  std::vector<LayoutFingerprint> namespace_fingerprints_;  // by id
+  NamespaceTable namespaces_;
   std::vector<std::string> tenant_names_;
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
@@ -425,6 +474,7 @@ class BlockCache {
   std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
   std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
+  std::deque<std::unique_ptr<Eviction>> evicts_;  // the front one runs (a step posted)
   // Lets completions that arrive after destruction (none should: the daemon
   // drains first) see that the cache is gone.
   std::shared_ptr<BlockCache*> self_;

@@ -147,7 +147,7 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   ++disk_writes_in_flight_;
   RecordHeader h;
   h.key = e->key;
-  h.ns = namespace_fingerprints_.at(e->ns);
+  h.ns = namespaces_.FingerprintOf(e->ns);
   h.payload_bytes = e->block_bytes;
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
@@ -249,10 +249,15 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     b.offset_pages = static_cast<uint32_t>(r.location.offset / kRecordAlignBytes);
     b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
     b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
-    b.ns = static_cast<uint16_t>(NamespaceId(r.header.ns));
+    Result<uint32_t> ns = namespaces_.IdFor(r.header.ns);
+    if (!ns) {  // more layouts on disk than the node may hold now
+      options_.disk->Forget(r.header.key, r.location);
+      continue;
+    }
+    b.ns = static_cast<uint16_t>(*ns);
     b.device = static_cast<uint8_t>(r.location.device);
     disk_only_.Insert(b);
-    Charge(Tier::kDisk, b.owner, b.block_bytes, +1);
+    Charge(b, +1);
     ++adopted;
   }
   return adopted;
@@ -288,7 +293,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   }
   if (b != nullptr && b->hits == 0) {
     CountEviction(Tier::kDisk, b->owner);
-    Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
+    Charge(*b, -1);
     disk_only_.Erase(b);
     return {ReclaimAction::kDropped};
   }

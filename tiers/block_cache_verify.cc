@@ -1,6 +1,7 @@
-// BlockCache's inspection of itself: usage per namespace, and VerifyDisk,
-// which reads back every disk record and checks it (kvtierctl namespaces,
-// kvtierctl verify).
+// BlockCache's operator calls that walk the cache: Evict (kvtierctl evict)
+// and VerifyDisk (kvtierctl verify), which reads back every disk record and
+// checks it. Both walk in bounded steps, one per turn of the loop.
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 
@@ -9,32 +10,9 @@
 
 namespace kvtier {
 
-std::vector<NamespaceUsage> BlockCache::UsageByNamespace(std::optional<TenantId> owner) {
-  std::vector<NamespaceUsage> by_id(namespace_fingerprints_.size());
-  for (size_t i = 0; i < by_id.size(); ++i) by_id[i].fingerprint = namespace_fingerprints_[i];
-  auto add = [&](uint32_t ns, TenantId o, Tier t, uint64_t bytes) {
-    if ((owner && o != *owner) || ns >= by_id.size()) return;
-    ++by_id[ns].blocks;
-    by_id[ns].used_bytes[static_cast<size_t>(t)] += bytes;
-  };
-  index_.ForEach([&](BlockEntry* e) {
-    if (e->state == EntryState::kReady) add(e->ns, e->owner, e->tier, e->block_bytes);
-  });
-  disk_only_.ForEach([&](const DiskOnlyBlock& b) { add(b.ns, b.owner, Tier::kDisk, b.block_bytes); });
-  std::vector<NamespaceUsage> out;
-  for (NamespaceUsage& u : by_id) {
-    if (u.blocks > 0) out.push_back(u);
-  }
-  return out;
-}
-
 struct BlockCache::Verification {
   std::shared_ptr<VerifyProgress> progress = std::make_shared<VerifyProgress>();
-  // Where the walk is: a region at a time, its records listed when reached.
-  uint32_t device = 0;
-  uint32_t region = 0;
-  std::vector<DiskTier::RegionRecord> records;
-  size_t next = 0;
+  DiskWalk walk;
   bool cancelled = false;
   // Scratch payload buffers, 4 KiB aligned (the disk tier reads with
   // O_DIRECT), of the largest block size seen; one per read in flight.
@@ -51,8 +29,99 @@ bool SameRecord(const DiskLocation& a, const DiskLocation& b) { return a.device 
 // Regions whose records PumpVerify lists per call at most (each listing is
 // O(records in the region)).
 constexpr uint32_t kVerifyRegionsPerStep = 4;
+// What one step of an Evict looks at, at most: a chunk of the block index
+// (a few thousand entries), or this many disk records and one listing.
+constexpr uint32_t kEvictRecordsPerStep = 4096;
 
 }  // namespace
+
+const DiskTier::RegionRecord* BlockCache::DiskWalk::At(const DiskTier& disk, uint32_t& listings) {
+  while (next == records.size()) {
+    if (device >= disk.num_devices() || listings == 0) return nullptr;
+    --listings;
+    records = disk.RecordsIn(device, region);
+    next = 0;
+    if (++region == disk.num_regions(device)) {
+      region = 0;
+      ++device;
+    }
+  }
+  return &records[next];
+}
+
+void BlockCache::Evict(EvictFilter filter, std::function<void(uint64_t)> done) {
+  auto job = std::make_unique<Eviction>();
+  if (filter.layout) {
+    job->ns = namespaces_.Find(*filter.layout);
+    if (!job->ns) {  // nothing is stored under that layout
+      options_.post([done = std::move(done)] { done(0); });
+      return;
+    }
+    namespaces_.Pin(*job->ns);  // so the id names the same layout until the end
+  }
+  if (options_.disk == nullptr || (filter.tier && *filter.tier != Tier::kDisk)) job->disk.Stop();
+  job->filter = std::move(filter);
+  job->done = std::move(done);
+  evicts_.push_back(std::move(job));
+  if (evicts_.size() == 1) PumpEvict();
+}
+
+bool BlockCache::EvictMatches(const Eviction& job, TenantId owner, uint32_t ns) const {
+  const EvictFilter& f = job.filter;
+  if (f.owners && std::find(f.owners->begin(), f.owners->end(), owner) == f.owners->end()) return false;
+  return !job.ns || ns == *job.ns;
+}
+
+void BlockCache::PumpEvict() {
+  if (evicts_.empty()) return;
+  Eviction& job = *evicts_.front();
+  const std::optional<Tier> t = job.filter.tier;
+  if (job.chunk < index_.chunks()) {
+    std::vector<StoredKey> victims;
+    index_.ForEachInChunk(job.chunk++, [&](BlockEntry* e) {
+      if (e->leases != 0 || e->moving || e->state != EntryState::kReady) return;
+      if ((t && e->tier != *t) || !EvictMatches(job, e->owner, e->ns)) return;
+      victims.push_back(e->key);
+    });
+    for (const StoredKey& key : victims) {
+      BlockEntry* e = index_.Find(key);
+      if (e == nullptr) continue;
+      ++job.evicted;
+      // Evicting from host a block that is also on disk leaves it on disk.
+      if (t == Tier::kHost && BackToDisk(e)) continue;
+      Drop(e);
+    }
+  } else if (options_.disk != nullptr && !job.disk.Finished(*options_.disk)) {
+    // Blocks only on disk, by their records: a record that is still its
+    // block's (blocks in memory were the memory walk's).
+    uint32_t listings = 1;
+    for (uint32_t n = 0; n < kEvictRecordsPerStep; ++n) {
+      const DiskTier::RegionRecord* r = job.disk.At(*options_.disk, listings);
+      if (r == nullptr) break;
+      ++job.disk.next;
+      DiskOnlyBlock* b = disk_only_.Find(r->key);
+      if (b == nullptr || b->device != r->location.device ||
+          uint64_t{b->offset_pages} * kRecordAlignBytes != r->location.offset ||
+          !EvictMatches(job, b->owner, b->ns)) {
+        continue;
+      }
+      options_.disk->Forget(r->key, r->location);
+      Charge(*b, -1);
+      CountEviction(Tier::kDisk, b->owner);
+      disk_only_.Erase(b);
+      ++job.evicted;
+    }
+  } else {
+    std::unique_ptr<Eviction> finished = std::move(evicts_.front());
+    evicts_.pop_front();
+    if (finished->ns) namespaces_.Unpin(*finished->ns);
+    finished->done(finished->evicted);
+    if (evicts_.empty()) return;
+  }
+  options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
+    if (auto cache = self.lock()) (*cache)->PumpEvict();
+  });
+}
 
 std::shared_ptr<const VerifyProgress> BlockCache::VerifyDisk(uint32_t max_inflight) {
   if (verification_ && !verification_->progress->done) return verification_->progress;
@@ -71,7 +140,7 @@ std::shared_ptr<const VerifyProgress> BlockCache::VerifyDisk(uint32_t max_inflig
 void BlockCache::CancelVerify() {
   if (!verification_ || verification_->progress->done) return;
   verification_->cancelled = true;
-  verification_->records.clear();
+  verification_->walk.Stop();
   if (verification_->free_buffers.size() == verification_->buffers.size())
     verification_->progress->done = true;
 }
@@ -81,24 +150,15 @@ void BlockCache::PumpVerify() {
   const std::shared_ptr<Verification> held = verification_;
   Verification& v = *held;
   DiskTier& disk = *options_.disk;
-  uint32_t listed = 0;
+  uint32_t listings = kVerifyRegionsPerStep;
   bool paused = false;
-  while (!v.cancelled && v.device < disk.num_devices()) {
-    if (v.next == v.records.size()) {
-      if (listed == kVerifyRegionsPerStep) {
-        paused = true;  // goes on at the next read's completion, or on a later turn
-        break;
-      }
-      v.records = disk.RecordsIn(v.device, v.region);
-      v.next = 0;
-      ++listed;
-      if (++v.region == disk.num_regions(v.device)) {
-        v.region = 0;
-        ++v.device;
-      }
-      continue;
+  while (!v.cancelled) {
+    const DiskTier::RegionRecord* at = v.walk.At(disk, listings);
+    if (at == nullptr) {
+      paused = !v.walk.Finished(disk);  // goes on at the next read's completion, or on a later turn
+      break;
     }
-    const DiskTier::RegionRecord& item = v.records[v.next];
+    const DiskTier::RegionRecord& item = *at;
     // Still that block's record? Records left behind by blocks that moved
     // or left are no records to check.
     uint32_t block_bytes = 0;
@@ -114,7 +174,7 @@ void BlockCache::PumpVerify() {
       block_bytes = e->block_bytes;
     }
     if (block_bytes == 0) {
-      ++v.next;
+      ++v.walk.next;
       continue;
     }
     const uint64_t need = SlotPool::StrideFor(block_bytes);
@@ -135,7 +195,7 @@ void BlockCache::PumpVerify() {
     }
     const size_t buffer = v.free_buffers.back();
     v.free_buffers.pop_back();
-    ++v.next;
+    ++v.walk.next;
     ++inflight_copies_;
     const DiskLocation where =
         options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes);
@@ -146,7 +206,7 @@ void BlockCache::PumpVerify() {
         });
   }
   const bool idle = v.free_buffers.size() == v.buffers.size();
-  const bool walked = v.cancelled || (v.device >= disk.num_devices() && v.next == v.records.size());
+  const bool walked = v.cancelled || v.walk.Finished(disk);
   if (walked && idle) v.progress->done = true;
   if (paused && idle) {
     options_.post([this, held, self = std::weak_ptr<BlockCache*>(self_)] {
@@ -170,7 +230,7 @@ void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, siz
     if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
       if (b->device == where.device && uint64_t{b->offset_pages} * kRecordAlignBytes == where.offset) {
         options_.disk->Forget(key, where);
-        Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
+        Charge(*b, -1);
         CountEviction(Tier::kDisk, b->owner);
         disk_only_.Erase(b);
       }

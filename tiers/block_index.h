@@ -126,6 +126,14 @@ class BlockIndex {
   void ForEach(F&& f) {
     entries_.ForEach(f);
   }
+  // The same a chunk of entries (a few thousand) at a time: chunk i <
+  // chunks(). Entries never move, so a walk over the chunks sees every entry
+  // that lives throughout it.
+  size_t chunks() const { return entries_.chunks(); }
+  template <typename F>
+  void ForEachInChunk(size_t i, F&& f) {
+    entries_.ForEachIn(i, f);
+  }
 
  private:
   struct List {

@@ -87,12 +87,19 @@ class ChunkedPool {
   // f must not New or Delete.
   template <typename F>
   void ForEach(F&& f) {
-    for (Chunk* c : chunks_) {
-      for (size_t w = 0; w < kWords; ++w) {
-        for (uint64_t bits = c->live[w]; bits != 0; bits &= bits - 1) {
-          f(std::launder(
-              static_cast<T*>(static_cast<void*>(c->cells[w * 64 + std::countr_zero(bits)]))));
-        }
+    for (size_t i = 0; i < chunks_.size(); ++i) ForEachIn(i, f);
+  }
+  // Chunks never go away, so a walk a chunk at a time (ForEachIn(0), (1),
+  // ... while i < chunks()) sees every object that lives throughout it.
+  size_t chunks() const { return chunks_.size(); }
+  // f(T*) for every live object of chunk `i` (< chunks()), in address order.
+  // f must not New or Delete.
+  template <typename F>
+  void ForEachIn(size_t i, F&& f) {
+    Chunk* c = chunks_[i];
+    for (size_t w = 0; w < kWords; ++w) {
+      for (uint64_t bits = c->live[w]; bits != 0; bits &= bits - 1) {
+        f(std::launder(static_cast<T*>(static_cast<void*>(c->cells[w * 64 + std::countr_zero(bits)]))));
       }
     }
   }

@@ -45,6 +45,7 @@
 #include "ipc/seqpacket.h"
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
+#include "tools/bench_abuse.h"
 #include "tools/bench_disk.h"
 #include "tools/bench_engine.h"
 #include "tools/bench_gpu.h"
@@ -506,6 +507,12 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   trace->add_option("--dir", trace_options.dir, "directory for the disk tier's segments (started daemon only)");
   trace->add_option("--set", trace_options.sets, "extra kvtierd --set key=value (started daemon only)");
+  CLI::App* abuse = app.add_subcommand("abuse", "one tenant's lookup latency while another loops namespaces/evict");
+  kvtier::bench::AbuseOptions abuse_options;
+  abuse->add_option("--blocks", abuse_options.blocks, "4 KiB blocks the victim stores")
+      ->check(CLI::Range(4096, 100000000));
+  abuse->add_option("--seconds", abuse_options.seconds, "seconds per phase")->check(CLI::Range(1, 3600));
+  abuse->add_option("--reps", abuse_options.reps, "repetitions (medians reported)")->check(CLI::Range(1, 100));
   CLI11_PARSE(app, argc, argv);
 
   if (gpu->parsed()) {
@@ -520,6 +527,15 @@ int main(int argc, char** argv) {
     return kvtier::bench::Trace(trace_options, [&](uint64_t host_bytes, std::vector<std::string> sets) {
       daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
       return kvtier::bench::StartedDaemon{daemon->socket(), [&] { daemon->Stop(); }};
+    });
+  }
+  if (abuse->parsed()) {
+    abuse_options.json = json;
+    std::unique_ptr<OwnDaemon> daemon;
+    return kvtier::bench::Abuse(abuse_options, [&](uint64_t host_bytes, std::vector<std::string> sets) {
+      if (!socket.empty()) return socket;  // a running kvtierd, configured with the three tenants
+      daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
+      return daemon->socket();
     });
   }
   if (restart->parsed()) {

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/integration/disk_helpers.h"
+#include "tests/integration/stats_when.h"
 
 namespace kvtier::testing {
 namespace {
@@ -161,11 +162,15 @@ TEST(DiskRestartTest, StopWithEveryTierFullWritesHostBlocksAndTheRestartIsWarm) 
   {
     DiskSession s = Open(*d);
     ASSERT_NE(s.client, nullptr);
+    // A prompt at a time, at the pace of the disk: on a busy machine a
+    // store that outruns write-back drops dirty host blocks instead, and
+    // the disk would not wrap.
     for (uint64_t p = 0; p < 100; ++p) {
       const std::vector<BlockKey> k = s.client->ComputeKeys(s.id, Prompt(500 + p, 32)).value();
       keys.insert(keys.end(), k.begin(), k.end());
+      StoreAck(s, k);
+      StatsWhen(*s.client, [](const DaemonStats& st) { return st.Counter("disk_writes_pending") == 0; });
     }
-    StoreAck(s, keys);
     const DaemonStats st = s.client->Stats().value();
     ASSERT_GT(st.Counter("disk_regions_reclaimed"), 16u) << "the disk did not wrap";
     // Host holds at most 512 blocks, all among the newest: look there only.

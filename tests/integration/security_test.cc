@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -267,6 +268,72 @@ TEST(SecurityTest, SessionsPerTenantAndOpsPerSessionAreBounded) {
   EXPECT_TRUE(first->LoadAsync(id, keys, std::vector<uint32_t>{3}).has_value()) << "collected ops free their places";
   // The other session was never affected.
   EXPECT_TRUE(second->Stats().has_value());
+}
+
+Layout LayoutOfModel(const std::string& model) {
+  return Layout::Create(LayoutSpec{.model_id = model, .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
+                                   .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
+      .value();
+}
+
+// A tenant that loops `kvtierctl namespaces` or `kvtierctl evict` is held to
+// limits.bulk_calls_per_second (an admin is not), and one that stores under
+// ever new layouts to limits.max_namespaces_per_tenant, with errors that
+// name the limit; the other tenants are not held back by either.
+TEST(SecurityTest, BulkCallsAreRateLimitedAndLayoutsPerTenantBounded) {
+  std::optional<ThreeTenants> tenants = StartThreeTenants(
+      "", {"limits.bulk_calls_per_second=5", "limits.max_namespaces_per_tenant=2"});
+  ASSERT_TRUE(tenants.has_value());
+  auto& [d, a, b, ops] = *tenants;
+
+  uint64_t served = 0;
+  std::optional<Status> refusal;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 40; ++i) {
+    Result<std::vector<NamespaceStats>> r = i % 2 ? b->ListNamespaces() : b->Evict().transform([](uint64_t) {
+      return std::vector<NamespaceStats>{};
+    });
+    if (r) {
+      ++served;
+    } else {
+      ASSERT_EQ(r.error().code(), StatusCode::kResourceExhausted) << r.error();
+      refusal = r.error();
+    }
+  }
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LE(served, static_cast<uint64_t>(5 + 5 * elapsed + 1)) << "a second's worth, then 5 a second";
+  EXPECT_GE(served, 5u);
+  ASSERT_TRUE(refusal.has_value()) << "40 calls in " << elapsed << " s were all served";
+  EXPECT_THAT(refusal->message(), ::testing::HasSubstr("limits.bulk_calls_per_second")) << *refusal;
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(ops->ListNamespaces("*").has_value()) << "admins are not limited";
+  EXPECT_TRUE(a->ListNamespaces().has_value()) << "another tenant has its own allowance";
+
+  // Layouts: a holds blocks under two; a third is refused, b may use it.
+  std::vector<ShmKvCache> caches;
+  std::vector<CacheId> ids;
+  for (int m = 0; m < 3; ++m) {
+    caches.push_back(ShmKvCache::Create(LayoutOfModel("kvtier/model-" + std::to_string(m)), 4).value());
+    ids.push_back(a->RegisterKvCache(caches.back()).value());
+  }
+  auto store = [&](Client& c, CacheId id, uint64_t seed) {
+    const std::vector<BlockKey> keys = c.ComputeKeys(id, PseudoTokens(seed, 16)).value();
+    return c.Store(id, keys, std::vector<uint32_t>{0});
+  };
+  ASSERT_EQ(store(*a, ids[0], 1).value().blocks, 1u);
+  ASSERT_EQ(store(*a, ids[1], 2).value().blocks, 1u);
+  Result<OpResult> third = store(*a, ids[2], 3);
+  ASSERT_FALSE(third.has_value()) << "a third layout of a tenant bound to two";
+  EXPECT_EQ(third.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.error().message(), ::testing::HasSubstr("limits.max_namespaces_per_tenant"));
+  const CacheId b_third = b->RegisterKvCache(caches[2]).value();
+  EXPECT_EQ(store(*b, b_third, 4).value().blocks, 1u) << "b is not held back by a's layouts";
+  EXPECT_EQ(a->ListNamespaces().value().size(), 2u);
+  // Once one of a's layouts holds nothing, a third one is fine.
+  EXPECT_EQ(ops->Evict("a", std::nullopt, LayoutOfModel("kvtier/model-0").fingerprint()).value(), 1u);
+  EXPECT_EQ(store(*a, ids[2], 3).value().blocks, 1u);
+  const std::vector<NamespaceStats> listed = ops->ListNamespaces("*").value();
+  EXPECT_EQ(listed.size(), 2u) << "model-1 (a) and model-2 (a and b); model-0 holds nothing";
+  for (const NamespaceStats& ns : listed) EXPECT_THAT(ns.description, ::testing::HasSubstr("kvtier/model-"));
 }
 
 }  // namespace

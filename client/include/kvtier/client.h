@@ -119,7 +119,7 @@ struct DaemonStats {
 
 struct NamespaceStats {
   LayoutFingerprint fingerprint;
-  std::string description;  // the layout, if registered since the daemon started
+  std::string description;  // the layout, as its stores described it ("" if only known from disk after a restart)
   uint64_t blocks = 0;
   uint64_t used_bytes[3] = {};  // hbm, host, disk
 };

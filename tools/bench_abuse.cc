@@ -1,0 +1,210 @@
+#include "tools/bench_abuse.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "kvtier/client.h"
+#include "kvtier/shm_kv_cache.h"
+#include "tools/bench_engine.h"
+#include "tools/bench_report.h"
+
+namespace kvtier::bench {
+namespace {
+
+constexpr uint32_t kPromptBlocks = 4096;  // limits.max_keys_per_request
+constexpr uint32_t kLookupKeys = 128;
+
+std::string Tok(char c) { return std::string(24, c); }
+
+template <typename T>
+Status StatusOf(const Result<T>& r) {
+  return r ? Status::Ok() : r.error();
+}
+
+// 4 KiB blocks: 1 layer, 1 KV head x 64, bf16, 16 tokens.
+Layout SmallLayout() {
+  return Layout::Create({.model_id = "kvtier-bench/abuse",
+                         .num_layers = 1,
+                         .kv_kind = KvKind::kSeparateKv,
+                         .num_kv_heads = 1,
+                         .head_dim = 64,
+                         .dtype = DType::kBf16,
+                         .block_tokens = 16,
+                         .tp_rank = 0,
+                         .tp_size = 1,
+                         .scale_bytes_per_layer = 0})
+      .value();
+}
+
+struct Latencies {
+  double p50_us = 0;
+  double p99_us = 0;
+  uint64_t lookups = 0;
+};
+
+Latencies Percentiles(std::vector<double> us) {
+  Latencies l;
+  l.lookups = us.size();
+  if (us.empty()) return l;
+  std::sort(us.begin(), us.end());
+  l.p50_us = us[us.size() / 2];
+  l.p99_us = us[std::min(us.size() - 1, us.size() * 99 / 100)];
+  return l;
+}
+
+// What the abuser's loop did.
+struct AbuserCalls {
+  uint64_t served = 0;
+  uint64_t refused = 0;  // kResourceExhausted: the rate limit
+  uint64_t failed = 0;
+};
+
+}  // namespace
+
+int Abuse(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon) {
+  const Layout layout = SmallLayout();
+  const uint32_t prompts = std::max<uint32_t>(1, (o.blocks + kPromptBlocks - 1) / kPromptBlocks);
+  const uint64_t host_bytes = uint64_t{prompts} * kPromptBlocks * layout.block_bytes() * 5 / 4 + (64ull << 20);
+  const std::string uid = std::to_string(::getuid());
+  const std::string socket = start_daemon(
+      host_bytes, {"tenants=[{name: victim, token: " + Tok('v') + "}, {name: abuser, token: " + Tok('a') +
+                       "}, {name: ops, token: " + Tok('o') + ", admin: true}]",
+                   "policy.watermarks.host={high: 1.0, low: 1.0}"});
+  auto connect = [&](char token) -> std::unique_ptr<Client> {
+    Result<std::unique_ptr<Client>> c =
+        Client::Connect({.socket_path = socket, .token = Tok(token), .client_name = "kvtier-bench abuse"});
+    if (!c) {
+      std::fprintf(stderr, "kvtier-bench: %s\n", c.error().ToString().c_str());
+      return nullptr;
+    }
+    return std::move(*c);
+  };
+  std::unique_ptr<Client> victim = connect('v');
+  std::unique_ptr<Client> abuser = connect('a');
+  std::unique_ptr<Client> ops = connect('o');
+  if (!victim || !abuser || !ops) return 1;
+
+  Result<ShmKvCache> cache = ShmKvCache::Create(layout, kPromptBlocks);
+  if (!cache) {
+    std::fprintf(stderr, "kvtier-bench: %s\n", cache.error().ToString().c_str());
+    return 1;
+  }
+  std::optional<CacheId> id = Register(*victim, *cache);
+  if (!id) return 1;
+  std::vector<BlockKey> first;
+  for (uint32_t p = 0; p < prompts; ++p) {
+    Result<std::vector<BlockKey>> keys = victim->ComputeKeys(*id, Tokens(1000 + p, kPromptBlocks * 16));
+    Result<OpResult> stored = keys ? victim->Store(*id, *keys, Iota(0, kPromptBlocks)) : Err(keys.error());
+    if (!stored || stored->blocks != kPromptBlocks) {
+      std::fprintf(stderr, "kvtier-bench: storing the victim's blocks failed: %s\n",
+                   stored ? "some were refused" : stored.error().ToString().c_str());
+      return 1;
+    }
+    if (p == 0) first.assign(keys->begin(), keys->begin() + kLookupKeys);
+  }
+  std::printf("workload: victim holds %u 4 KiB blocks; its %u-key lookups, %u s a phase, %u reps\n",
+              prompts * kPromptBlocks, kLookupKeys, o.seconds, o.reps);
+
+  // One phase: the victim's lookups while `abuse` (if any) loops on its own
+  // thread.
+  auto phase = [&](const std::function<Status()>& abuse, AbuserCalls* calls) -> std::optional<Latencies> {
+    std::atomic<bool> stop{false};
+    std::thread abuser_thread;
+    if (abuse) {
+      abuser_thread = std::thread([&] {
+        while (!stop.load(std::memory_order_relaxed)) {
+          const Status st = abuse();
+          if (st.ok()) {
+            ++calls->served;
+          } else if (st.code() == StatusCode::kResourceExhausted) {
+            ++calls->refused;
+          } else {
+            ++calls->failed;
+          }
+        }
+      });
+    }
+    std::vector<double> us;
+    const Clock::time_point end = Clock::now() + std::chrono::seconds(o.seconds);
+    bool ok = true;
+    while (Clock::now() < end) {
+      const Clock::time_point t0 = Clock::now();
+      Result<LookupResult> r = victim->Lookup(*id, first);
+      us.push_back(Seconds(Clock::now() - t0) * 1e6);
+      if (!r || r->hits != kLookupKeys) {
+        std::fprintf(stderr, "kvtier-bench: the victim's lookup %s\n",
+                     r ? "missed blocks it stored" : r.error().ToString().c_str());
+        ok = false;
+        break;
+      }
+    }
+    stop = true;
+    if (abuser_thread.joinable()) abuser_thread.join();
+    if (!ok) return std::nullopt;
+    return Percentiles(std::move(us));
+  };
+
+  struct Abuser {
+    const char* name;
+    std::function<Status()> call;
+  };
+  const std::vector<Abuser> abusers = {
+      {"tenant loops namespaces", [&] { return StatusOf(abuser->ListNamespaces()); }},
+      {"admin loops namespaces *", [&] { return StatusOf(ops->ListNamespaces("*")); }},
+      {"tenant loops evict", [&] { return StatusOf(abuser->Evict()); }},
+  };
+  std::vector<double> alone_p50, alone_p99;
+  std::vector<std::vector<double>> p50(abusers.size()), p99(abusers.size());
+  std::vector<AbuserCalls> calls(abusers.size());
+  for (uint32_t rep = 0; rep < o.reps; ++rep) {
+    std::optional<Latencies> alone = phase(nullptr, nullptr);
+    if (!alone) return 1;
+    alone_p50.push_back(alone->p50_us);
+    alone_p99.push_back(alone->p99_us);
+    for (size_t a = 0; a < abusers.size(); ++a) {
+      std::optional<Latencies> l = phase(abusers[a].call, &calls[a]);
+      if (!l) return 1;
+      p50[a].push_back(l->p50_us);
+      p99[a].push_back(l->p99_us);
+    }
+  }
+  std::vector<Comparison> cs;
+  for (size_t a = 0; a < abusers.size(); ++a) {
+    cs.push_back({.name = std::string("victim lookup p50, ") + abusers[a].name,
+                  .kvtier = Median(p50[a]),
+                  .baseline = Median(alone_p50),
+                  .baseline_name = "nobody else calling",
+                  .unit = "us",
+                  .lower_is_better = true});
+    cs.push_back({.name = std::string("victim lookup p99, ") + abusers[a].name,
+                  .kvtier = Median(p99[a]),
+                  .baseline = Median(alone_p99),
+                  .baseline_name = "nobody else calling",
+                  .unit = "us",
+                  .lower_is_better = true});
+  }
+  PrintComparisons(cs);
+  for (size_t a = 0; a < abusers.size(); ++a) {
+    const double s = static_cast<double>(o.seconds) * o.reps;
+    std::printf("%-26s %8.0f calls/s served, %8.0f/s refused (rate limit), %llu failed\n", abusers[a].name,
+                static_cast<double>(calls[a].served) / s, static_cast<double>(calls[a].refused) / s,
+                static_cast<unsigned long long>(calls[a].failed));
+  }
+  if (!o.json.empty() &&
+      !WriteJson(o.json,
+                 {{"workload", "abuse"}, {"blocks", std::to_string(prompts * kPromptBlocks)},
+                  {"seconds", std::to_string(o.seconds)}, {"reps", std::to_string(o.reps)}},
+                 cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", o.json.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace kvtier::bench

@@ -1,0 +1,28 @@
+// kvtier-bench abuse: one tenant's prompt lookups (128 keys) while another
+// calls ListNamespaces or Evict as fast as it can, next to the same lookups
+// with nobody else calling (the baseline, from the same run). A call that
+// walked the whole cache on the event loop shows here as the victim's p99.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace kvtier::bench {
+
+struct AbuseOptions {
+  uint32_t blocks = 100000;  // 4 KiB blocks the victim stores first
+  uint32_t seconds = 3;      // per phase
+  uint32_t reps = 3;         // each phase; medians reported
+  std::string json;
+};
+
+// Starts a kvtierd with `tiers.host.bytes` and --set overrides; returns its
+// socket (the caller stops it).
+using StartAbuseDaemonFn = std::function<std::string(uint64_t host_bytes, std::vector<std::string> sets)>;
+
+// Returns the process exit code: 0, or 1 after printing what failed.
+int Abuse(const AbuseOptions& options, const StartAbuseDaemonFn& start_daemon);
+
+}  // namespace kvtier::bench
