@@ -544,6 +544,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_index_errors", disk_ ? disk_->counters().index_errors : 0},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
                         {"disk_writes_pending", cache_->pending_disk_writes()},
+                        {"namespaces", cache_->live_namespaces()},
+                        {"evicts_pending", cache_->pending_evicts()},
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                     });

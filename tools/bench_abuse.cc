@@ -75,7 +75,7 @@ int Abuse(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon) {
   const std::string socket = start_daemon(
       host_bytes, {"tenants=[{name: victim, token: " + Tok('v') + "}, {name: abuser, token: " + Tok('a') +
                        "}, {name: ops, token: " + Tok('o') + ", admin: true}]",
-                   "policy.watermarks.host={high: 1.0, low: 1.0}"});
+                   "policy.watermarks.host={high: 1.0, low: 0.99}"});
   auto connect = [&](char token) -> std::unique_ptr<Client> {
     Result<std::unique_ptr<Client>> c =
         Client::Connect({.socket_path = socket, .token = Tok(token), .client_name = "kvtier-bench abuse"});
