@@ -265,10 +265,16 @@ class Client::Impl {
     FlatBufferBuilder b(64);
     const uint64_t rid = next_id_++;
     const auto ms = static_cast<uint32_t>(std::min<int64_t>(timeout.count(), UINT32_MAX));
-    KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid,
-                                          w::Body::OpResult));
-    if (r.msg->body_as_OpResult()->done()) ReleaseOpEvent(op.op);
-    return ToOpResult(*r.msg->body_as_OpResult());
+    Result<Reply> r =
+        Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid, w::Body::OpResult);
+    if (!r) {
+      // NotFound: the daemon no longer holds the op, so it is over (its result
+      // was taken, or dropped unread after it finished): its event is free.
+      if (r.error().code() == StatusCode::kNotFound) ReleaseOpEvent(op.op);
+      return Err(r.error());
+    }
+    if (r->msg->body_as_OpResult()->done()) ReleaseOpEvent(op.op);
+    return ToOpResult(*r->msg->body_as_OpResult());
   }
 
   Result<DaemonStats> Stats() {

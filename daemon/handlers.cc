@@ -43,7 +43,7 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
   const uint64_t id = msg.id();
   if (s.tenant == nullptr && msg.body_type() != w::Body::Hello) {
     Send(s, ipc::ErrorMessage(id, Status(StatusCode::kUnauthenticated, "send Hello first")));
-    s.close_reason = "request before Hello";
+    MarkClosing(s, "request before Hello");
     return;
   }
   if (!fds.empty() && msg.body_type() != w::Body::RegisterKvCache) {
@@ -114,7 +114,7 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
 std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello& m) {
   if (s.tenant != nullptr) return ipc::ErrorMessage(id, InvalidArgument("Hello was already sent"));
   if (m.version() != ipc::kProtocolVersion) {
-    s.close_reason = "protocol version mismatch";
+    MarkClosing(s, "protocol version mismatch");
     return ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition,
                                         "protocol version " + std::to_string(m.version()) +
                                             " is not supported; kvtierd speaks " +
@@ -122,7 +122,7 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
   }
   if ((m.token() != nullptr && m.token()->size() > kMaxTokenBytes) ||
       (m.client_name() != nullptr && m.client_name()->size() > kMaxClientNameBytes)) {
-    s.close_reason = "oversized Hello";
+    MarkClosing(s, "oversized Hello");
     return ipc::ErrorMessage(id, InvalidArgument("token or client name too long"));
   }
   std::optional<std::string_view> token;
@@ -131,13 +131,13 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
   if (!tenant) {
     ++sessions_refused_;
     spdlog::warn("session {}: refused: {}", s.id, tenant.error().message());
-    s.close_reason = "unauthenticated";
+    MarkClosing(s, "unauthenticated");
     return ipc::ErrorMessage(id, tenant.error());
   }
   Tenant& t = **tenant;
   if (t.sessions >= options_.config.limits.max_sessions_per_tenant) {
     ++sessions_refused_;
-    s.close_reason = "too many sessions";
+    MarkClosing(s, "too many sessions");
     return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
                                         "tenant " + t.config.name + " has reached limits.max_sessions_per_tenant"));
   }
@@ -348,9 +348,10 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
       return ipc::ErrorMessage(id, InvalidArgument("a Load names the same engine block twice"));
     }
   }
-  if (s.ops.size() >= options_.config.limits.max_inflight_ops_per_session) {
-    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
-                                        "limits.max_inflight_ops_per_session reached: wait for ops first"));
+  if (s.ops.full()) {
+    return ipc::ErrorMessage(
+        id, Status(StatusCode::kResourceExhausted,
+                   "limits.max_inflight_ops_per_session ops are running: wait for one first"));
   }
   const int32_t event = load ? l->event() : st->event();
   if (event < -1 || (event >= 0 && static_cast<uint32_t>(event) >= (*ns)->mapping->num_events())) {
@@ -365,16 +366,16 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  " needs a completion page and a slot below " +
                                                  std::to_string(CompletionPage::kSlots)));
   }
-  const uint64_t op = s.next_op_id++;
-  SessionOp& o = s.ops[op];
+  const std::pair<uint64_t, SessionOp*> started = s.ops.Start();
+  const uint64_t op = started.first;
+  SessionOp& o = *started.second;
   o.load = load;
-  if (wait) o.waiters.push_back(id);
+  if (wait) o.waiters.push_back(OpWaiter{.request = id, .deadline = std::nullopt});
   if (completion_slot >= 0) {
     o.completions = (*ns)->completions;
     o.completion_slot = static_cast<uint32_t>(completion_slot);
     o.completion_value = st->completion_value();
   }
-  ++s.pending_ops;
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
   uint32_t queued = 0;  // blocks whose copies were queued just now
@@ -399,19 +400,18 @@ void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
   auto sit = sessions_.find(session_id);
   if (sit == sessions_.end()) return;  // the client is gone; nothing to tell
   Session& s = *sit->second;
-  auto oit = s.ops.find(op_id);
-  if (oit == s.ops.end()) return;
-  SessionOp& o = oit->second;
-  o.done = true;
-  o.outcome = std::move(outcome);
-  (o.load ? load_latency_ : store_latency_).RecordSince(o.started);
+  SessionOp* o = s.ops.Finish(op_id, std::move(outcome));
+  if (o == nullptr) return;
+  (o->load ? load_latency_ : store_latency_).RecordSince(o->started);
   // Over, whether it succeeded or not: an engine stream waiting for the value
   // must never hang on a failed store.
-  if (o.completions) o.completions->Write(o.completion_slot, o.completion_value);
-  --s.pending_ops;
-  if (o.waiters.empty()) return;  // kept for a later Wait or Poll
-  for (uint64_t request : o.waiters) Send(s, OpResultMessage(request, op_id, o));
-  s.ops.erase(oit);
+  if (o->completions) o->completions->Write(o->completion_slot, o->completion_value);
+  if (o->waiters.empty()) return;  // kept for a later Wait or Poll (SessionOps bounds how many)
+  for (const OpWaiter& w : o->waiters) {
+    if (w.deadline) wait_deadlines_.erase(*w.deadline);
+    Send(s, OpResultMessage(w.request, op_id, *o));
+  }
+  s.ops.Take(op_id);
 }
 
 std::vector<uint8_t> Server::OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o) {
@@ -424,25 +424,24 @@ std::vector<uint8_t> Server::OpResultMessage(uint64_t id, uint64_t op, const Ses
 
 std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,
                                               std::optional<uint32_t> timeout_ms) {
-  auto it = s.ops.find(op);
-  if (it == s.ops.end()) {
-    return ipc::ErrorMessage(id, Status(StatusCode::kNotFound, "no op " + std::to_string(op) +
-                                                                   " (unknown, or its result was taken)"));
-  }
-  if (it->second.done) {
-    std::vector<uint8_t> reply = OpResultMessage(id, op, it->second);
-    s.ops.erase(it);
+  Result<SessionOp*> found = s.ops.Find(op);
+  if (!found) return ipc::ErrorMessage(id, found.error());
+  SessionOp& o = **found;
+  if (o.done) {
+    std::vector<uint8_t> reply = OpResultMessage(id, op, o);
+    s.ops.Take(op);
     return reply;
   }
-  if (!timeout_ms) return OpResultMessage(id, op, it->second);  // Poll: not done yet
-  if (it->second.waiters.size() >= kMaxWaitersPerOp) {
+  if (!timeout_ms) return OpResultMessage(id, op, o);  // Poll: not done yet
+  if (o.waiters.size() >= kMaxWaitersPerOp) {
     return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
                                         "too many Waits on op " + std::to_string(op)));
   }
-  it->second.waiters.push_back(id);
+  OpWaiter& w = o.waiters.emplace_back(OpWaiter{.request = id, .deadline = std::nullopt});
   if (*timeout_ms > 0) {
-    wait_deadlines_.emplace(std::chrono::steady_clock::now() + std::chrono::milliseconds(*timeout_ms),
-                            PendingWait{s.id, op, id});
+    w.deadline = wait_deadlines_.emplace(
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(*timeout_ms),
+        PendingWait{s.id, op, id});
   }
   return {};
 }
@@ -486,7 +485,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   for (const auto& [sid, session] : sessions_) {
     if (only != nullptr && session->tenant != only) continue;
     ++sessions;
-    inflight += session->pending_ops;
+    inflight += session->ops.in_flight();
     mappings += session->namespaces.size();
   }
   if (only != nullptr) {
@@ -546,6 +545,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_writes_pending", cache_->pending_disk_writes()},
                         {"namespaces", cache_->live_namespaces()},
                         {"evicts_pending", cache_->pending_evicts()},
+                        {"timed_waits_pending", wait_deadlines_.size()},
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                     });
@@ -699,7 +699,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.sessions = sessions_.size();
   m.leases = cache_->leases();
   m.mappings = backend_->live_mappings();
-  for (const auto& [sid, session] : sessions_) m.inflight_ops += session->pending_ops;
+  for (const auto& [sid, session] : sessions_) m.inflight_ops += session->ops.in_flight();
   m.sessions_refused = sessions_refused_;
   m.messages_rejected = messages_rejected_;
   m.lookup_latency = lookup_latency_;

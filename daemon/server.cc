@@ -348,7 +348,7 @@ void Server::AcceptAll() {
       spdlog::warn("peer credentials: {}", peer.error().ToString());
       continue;
     }
-    auto s = std::make_unique<Session>();
+    auto s = std::make_unique<Session>(options_.config.limits.max_inflight_ops_per_session);
     s->id = next_session_id_++;
     s->fd = std::move(*fd);
     s->peer = *peer;
@@ -378,19 +378,20 @@ void Server::ExpireHellos() {
   while (!hello_deadlines_.empty() && hello_deadlines_.front().first <= now) {
     auto it = sessions_.find(hello_deadlines_.front().second);
     hello_deadlines_.pop_front();
-    if (it != sessions_.end() && it->second->tenant == nullptr) it->second->close_reason = "no Hello in time";
+    if (it != sessions_.end() && it->second->tenant == nullptr)
+      MarkClosing(*it->second, "no Hello in time");
   }
 }
 
 void Server::OnSessionReadable(Session& s) {
-  for (int i = 0; i < kMaxMessagesPerWakeup && s.close_reason == nullptr; ++i) {
+  for (int i = 0; i < kMaxMessagesPerWakeup && s.close_reason() == nullptr; ++i) {
     Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(s.fd.get(), options_.config.limits.max_message_bytes);
     if (!m) {
-      if (m.error().code() != StatusCode::kUnavailable) s.close_reason = "receive failed";
+      if (m.error().code() != StatusCode::kUnavailable) MarkClosing(s, "receive failed");
       return;
     }
     if (m->eof) {
-      s.close_reason = "client closed the connection";
+      MarkClosing(s, "client closed the connection");
       return;
     }
     if (m->truncated) {
@@ -398,14 +399,14 @@ void Server::OnSessionReadable(Session& s) {
       Send(s, ipc::ErrorMessage(0, InvalidArgument("message larger than limits.max_message_bytes (" +
                                                    std::to_string(options_.config.limits.max_message_bytes) +
                                                    ") or with too many descriptors")));
-      s.close_reason = "oversized message";
+      MarkClosing(s, "oversized message");
       return;
     }
     Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
     if (!msg) {
       ++messages_rejected_;
       Send(s, ipc::ErrorMessage(0, msg.error()));
-      s.close_reason = "malformed message";
+      MarkClosing(s, "malformed message");
       return;
     }
     Handle(s, **msg, std::move(m->fds));
@@ -419,12 +420,12 @@ void Server::Send(Session& s, std::vector<uint8_t> bytes) {
     const Status st = ipc::SendMessage(s.fd.get(), bytes);
     if (st.ok()) return;
     if (st.code() != StatusCode::kUnavailable) {
-      s.close_reason = "send failed";
+      MarkClosing(s, "send failed");
       return;
     }
   }
   if (s.outbox.size() >= kMaxOutbox) {
-    s.close_reason = "client does not read its replies";
+    MarkClosing(s, "client does not read its replies");
     return;
   }
   s.outbox.push_back(std::move(bytes));
@@ -442,7 +443,7 @@ void Server::OnSessionWritable(Session& s) {
     const Status st = ipc::SendMessage(s.fd.get(), s.outbox.front());
     if (st.code() == StatusCode::kUnavailable) return;
     if (!st.ok()) {
-      s.close_reason = "send failed";
+      MarkClosing(s, "send failed");
       return;
     }
     s.outbox.pop_front();
@@ -455,11 +456,12 @@ void Server::OnSessionWritable(Session& s) {
 }
 
 void Server::CloseMarkedSessions() {
-  std::vector<std::pair<uint64_t, const char*>> marked;
-  for (const auto& [id, s] : sessions_) {
-    if (s->close_reason != nullptr) marked.emplace_back(id, s->close_reason);
+  if (closing_.empty()) return;
+  for (uint64_t id : closing_.Take()) {
+    // Gone already if it was closed another way (a stop closes every session).
+    if (auto it = sessions_.find(id); it != sessions_.end())
+      CloseSession(id, it->second->close_reason());
   }
-  for (const auto& [id, why] : marked) CloseSession(id, why);
 }
 
 void Server::CloseSession(uint64_t id, const char* why) {
@@ -473,7 +475,13 @@ void Server::CloseSession(uint64_t id, const char* why) {
   else --unauthenticated_;
   spdlog::info("session {} ({}{}): closed: {}; {} op(s) in flight are abandoned", id,
                s.tenant != nullptr ? s.tenant->config.name : "unauthenticated",
-               s.client_name.empty() ? "" : ", " + s.client_name, why, s.pending_ops);
+               s.client_name.empty() ? "" : ", " + s.client_name, why, s.ops.in_flight());
+  // Its pending Waits go with it, and so do their deadlines.
+  s.ops.ForEach([this](SessionOp& o) {
+    for (const OpWaiter& w : o.waiters) {
+      if (w.deadline) wait_deadlines_.erase(*w.deadline);
+    }
+  });
   // Dropping the session drops `alive` (so its in-flight stores are discarded
   // when they finish) and its namespaces; each mapping goes once the last
   // copy that uses it is done.
@@ -483,19 +491,30 @@ void Server::CloseSession(uint64_t id, const char* why) {
 void Server::ExpireWaits() {
   const auto now = std::chrono::steady_clock::now();
   while (!wait_deadlines_.empty() && wait_deadlines_.begin()->first <= now) {
-    const PendingWait w = wait_deadlines_.begin()->second;
-    wait_deadlines_.erase(wait_deadlines_.begin());
-    auto sit = sessions_.find(w.session);
-    if (sit == sessions_.end()) continue;
-    auto oit = sit->second->ops.find(w.op);
-    if (oit == sit->second->ops.end() || oit->second.done) continue;
-    auto& waiters = oit->second.waiters;
-    auto wit = std::find(waiters.begin(), waiters.end(), w.request);
-    if (wit == waiters.end()) continue;
-    waiters.erase(wit);
+    const WaitDeadlines::iterator entry = wait_deadlines_.begin();
+    const PendingWait w = entry->second;
+    // The waiter that holds this entry (matched by entry: a client may reuse
+    // request ids) goes with it. Closed sessions and finished ops took their
+    // waiters' entries along, so it is there.
+    Session* s = nullptr;
+    bool found = false;
+    if (auto sit = sessions_.find(w.session); sit != sessions_.end()) {
+      s = sit->second.get();
+      if (Result<SessionOp*> op = s->ops.Find(w.op); op) {
+        auto& waiters = (*op)->waiters;
+        auto wit = std::find_if(waiters.begin(), waiters.end(),
+                                [&](const OpWaiter& x) { return x.deadline == entry; });
+        if (wit != waiters.end()) {
+          waiters.erase(wit);
+          found = true;
+        }
+      }
+    }
+    wait_deadlines_.erase(entry);
+    if (!found) continue;
     SessionOp timed_out;
     timed_out.outcome.status = Status(StatusCode::kDeadlineExceeded, "op still running");
-    Send(*sit->second, OpResultMessage(w.request, w.op, timed_out));
+    Send(*s, OpResultMessage(w.request, w.op, timed_out));
   }
 }
 

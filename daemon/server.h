@@ -24,6 +24,7 @@
 #include "common/unique_fd.h"
 #include "config/config.h"
 #include "config/config_loader.h"
+#include "daemon/close_list.h"
 #include "daemon/metrics.h"
 #include "daemon/session.h"
 #include "daemon/tenants.h"
@@ -62,7 +63,10 @@ class Server {
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
   void CloseSession(uint64_t id, const char* why);
+  // Closes the sessions marked in closing_: O(sessions marked).
   void CloseMarkedSessions();
+  // Marks `s` to be closed once the current handler has returned.
+  void MarkClosing(Session& s, const char* why) { closing_.Mark(s, why); }
   void Send(Session& s, std::vector<uint8_t> bytes);
   void Post(std::function<void()> fn);
   void RunPosted();
@@ -132,12 +136,10 @@ class Server {
   std::unique_ptr<MetricsExporter> metrics_;  // null when metrics.enabled is false
   std::shared_ptr<const VerifyProgress> verify_progress_;  // the last kvtierctl verify
 
-  struct PendingWait {
-    uint64_t session;
-    uint64_t op;
-    uint64_t request;
-  };
-  std::multimap<std::chrono::steady_clock::time_point, PendingWait> wait_deadlines_;
+  // Timed Waits still pending; each waiter holds its entry and erases it
+  // when the Wait is answered, times out or its session closes.
+  WaitDeadlines wait_deadlines_;
+  CloseList closing_;  // sessions to close after the current handler
   // Sessions that must have said Hello by then (FIFO: deadlines only grow).
   std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> hello_deadlines_;
   size_t unauthenticated_ = 0;

@@ -9,12 +9,14 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/device_backend.h"
 #include "common/memory_mapping.h"
 #include "common/unique_fd.h"
+#include "daemon/session_ops.h"
 #include "ipc/seqpacket.h"
 #include "tiers/block_cache.h"
 
@@ -45,19 +47,15 @@ struct SessionNamespace {
   std::shared_ptr<CompletionPage> completions = nullptr;  // optional
 };
 
-struct SessionOp {
-  bool load = false;
-  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-  bool done = false;
-  OpOutcome outcome;
-  std::vector<uint64_t> waiters;  // request ids of Waits (and wait=true requests) to answer
-  // A store's completion write, made when it is over.
-  std::shared_ptr<CompletionPage> completions = nullptr;
-  uint32_t completion_slot = 0;
-  uint32_t completion_value = 0;
-};
+class CloseList;
 
 struct Session {
+  // `max_inflight_ops`: limits.max_inflight_ops_per_session; as many
+  // finished results are kept for a later Wait (SessionOps).
+  explicit Session(uint32_t max_inflight_ops) : ops(max_inflight_ops, max_inflight_ops) {}
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
   uint64_t id = 0;
   UniqueFd fd;
   ipc::PeerCredentials peer;
@@ -65,18 +63,22 @@ struct Session {
   std::string client_name;
   std::map<uint32_t, SessionNamespace> namespaces;
   uint32_t next_namespace_id = 1;
-  std::map<uint64_t, SessionOp> ops;
-  uint64_t next_op_id = 1;
-  uint32_t pending_ops = 0;  // not yet done
+  SessionOps ops;
   // Replies that did not fit in the socket buffer, sent on EPOLLOUT.
   std::deque<std::vector<uint8_t>> outbox;
   bool want_write = false;
-  // Set by a handler that must end the session; the loop closes it once the
-  // handler has returned (so no handler sees its session destroyed).
-  const char* close_reason = nullptr;
   // Expires when the session closes: copies finishing later see that their
   // client is gone (stores are discarded).
   std::shared_ptr<void> alive = std::make_shared<int>(0);
+
+  // Why the session must end, once a handler or the loop marked it through
+  // the server's CloseList (the loop closes it once the handler has
+  // returned, so no handler sees its session destroyed); null while it lives on.
+  const char* close_reason() const { return close_reason_; }
+
+ private:
+  friend class CloseList;
+  const char* close_reason_ = nullptr;
 };
 
 }  // namespace kvtier

@@ -21,6 +21,7 @@
 #include "ipc/wire.h"
 #include "kvtier/client.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/raw_session.h"
 #include "tests/integration/stats_when.h"
 
 namespace kvtier::testing {
@@ -327,48 +328,6 @@ TEST(HostPathTest, PeerWhoseUidIsNotConfiguredIsRefused) {
   ASSERT_EQ(::stat(d->socket_path().c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0660u);
 }
-
-// A raw protocol session, for sending what the client library never would.
-class RawSession {
- public:
-  explicit RawSession(const std::string& path) : fd_(ipc::Connect(path).value()) {}
-  Status Send(std::span<const uint8_t> bytes, std::span<const int> fds = {}) {
-    return ipc::SendMessage(fd_.get(), bytes, fds);
-  }
-  // The next reply: its body type and, for an Error, the code; or eof.
-  struct Reply {
-    bool eof = false;
-    wire::Body body = wire::Body::NONE;
-    StatusCode code = StatusCode::kOk;
-    std::string message;
-    bool event_recorded = false;  // OpStarted
-  };
-  Reply Receive() {
-    Reply r;
-    Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(fd_.get(), 1 << 20);
-    if (!m || m->eof) {
-      r.eof = true;
-      return r;
-    }
-    Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
-    if (!msg) return r;
-    r.body = (*msg)->body_type();
-    if (r.body == wire::Body::Error) {
-      r.code = ipc::CodeFromWire((*msg)->body_as_Error()->code());
-      r.message = (*msg)->body_as_Error()->message()->str();
-    }
-    if (r.body == wire::Body::OpStarted) r.event_recorded = (*msg)->body_as_OpStarted()->event_recorded();
-    return r;
-  }
-  void Hello() {
-    flatbuffers::FlatBufferBuilder b;
-    ASSERT_TRUE(Send(ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion))).ok());
-    ASSERT_EQ(Receive().body, wire::Body::Welcome);
-  }
-
- private:
-  UniqueFd fd_;
-};
 
 TEST(HostPathTest, MalformedAndOutOfRangeMessagesAreRefusedAndOthersUnaffected) {
   Result<DaemonProcess> d = DaemonProcess::Start({"limits.max_message_bytes=64KiB", "limits.max_keys_per_request=64"});

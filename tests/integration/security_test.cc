@@ -2,7 +2,7 @@
 // a tenant that is no admin cannot evict, flush, verify, list or probe
 // another tenant's blocks through any call, and sees only its own share in
 // Stats; a peer of another uid is refused unless configured; tokens must
-// match exactly; and the per-session and per-tenant bounds hold.
+// match exactly; and the per-tenant bound on sessions holds.
 #include <gmock/gmock.h>
 #include <grp.h>
 #include <gtest/gtest.h>
@@ -248,10 +248,11 @@ TEST(SecurityTest, TokensMustMatchExactly) {
   }
 }
 
-TEST(SecurityTest, SessionsPerTenantAndOpsPerSessionAreBounded) {
-  Result<DaemonProcess> d = DaemonProcess::Start({"tenants=[{name: a, token: " + Tok('a') + "}]",
-                                                  "limits.max_sessions_per_tenant=2",
-                                                  "limits.max_inflight_ops_per_session=3"});
+// The bound on ops per session: sessions_test.cc (it needs ops that are
+// certainly still running, which takes pipelined requests).
+TEST(SecurityTest, SessionsPerTenantAreBounded) {
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tenants=[{name: a, token: " + Tok('a') + "}]", "limits.max_sessions_per_tenant=2"});
   ASSERT_TRUE(d.has_value()) << d.error();
   auto first = Connect(*d, Tok('a'));
   auto second = Connect(*d, Tok('a'));
@@ -259,18 +260,8 @@ TEST(SecurityTest, SessionsPerTenantAndOpsPerSessionAreBounded) {
   Result<std::unique_ptr<Client>> third = Client::Connect({.socket_path = d->socket_path(), .token = Tok('a')});
   ASSERT_FALSE(third.has_value()) << "a third session of a tenant limited to two";
   EXPECT_EQ(third.error().code(), StatusCode::kResourceExhausted);
-
-  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
-  const CacheId id = first->RegisterKvCache(cache).value();
-  const std::vector<BlockKey> keys = first->ComputeKeys(id, PseudoTokens(9, 16)).value();
-  std::vector<OpHandle> ops;
-  for (uint32_t i = 0; i < 3; ++i) ops.push_back(first->LoadAsync(id, keys, std::vector<uint32_t>{i}).value());
-  Result<OpHandle> over = first->LoadAsync(id, keys, std::vector<uint32_t>{3});
-  ASSERT_FALSE(over.has_value());
-  EXPECT_EQ(over.error().code(), StatusCode::kResourceExhausted);
-  for (const OpHandle& op : ops) EXPECT_TRUE(first->Wait(op).has_value());
-  EXPECT_TRUE(first->LoadAsync(id, keys, std::vector<uint32_t>{3}).has_value()) << "collected ops free their places";
-  // The other session was never affected.
+  // The others were never affected.
+  EXPECT_TRUE(first->Stats().has_value());
   EXPECT_TRUE(second->Stats().has_value());
 }
 

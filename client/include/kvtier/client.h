@@ -201,7 +201,10 @@ class Client {
                               const std::optional<BlockKey>& parent, CudaStream stream);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
   // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
-  // op keeps running; wait again), kUnavailable if the daemon restarted.
+  // op keeps running; wait again), kUnavailable if the daemon restarted,
+  // kNotFound if its result was taken already or dropped unread (a session
+  // keeps the results of only its last max_inflight_ops finished ops that
+  // nobody waited for; an op handle may be dropped without a Wait).
   Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Blocking forms: one round trip.
   Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
