@@ -106,12 +106,9 @@ Status Server::SetupDisk() {
 
 Status Server::SetupBackend() {
   const Config& c = options_.config;
+  // LoadConfig refused more than one hbm device, and cuda in a build without
+  // it (config/startup_rules.h), so that --check-config refuses them too.
   const std::vector<uint32_t>& hbm_devices = c.tiers.hbm.devices;
-  if (c.tiers.hbm.enabled && hbm_devices.size() > 1) {
-    return Status(StatusCode::kUnimplemented,
-                  "tiers.hbm.devices: the hbm tier uses one device per daemon in this version; list one "
-                  "(run one kvtierd per GPU group for more)");
-  }
   hbm_device_ = hbm_devices.empty() ? 0 : static_cast<int>(hbm_devices.front());
   if (c.device.backend != DeviceBackendKind::kHost) {
 #if KVTIER_HAVE_CUDA
@@ -123,11 +120,6 @@ Status Server::SetupBackend() {
     }
     if (c.device.backend == DeviceBackendKind::kCuda) return cuda.error().WithContext("device.backend: cuda");
     spdlog::info("device backend: no usable GPU ({}); using host", cuda.error().ToString());
-#else
-    if (c.device.backend == DeviceBackendKind::kCuda) {
-      return Status(StatusCode::kUnimplemented,
-                    "device.backend: cuda, but this kvtierd was built without the CUDA toolkit; use host");
-    }
 #endif
   }
   const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
