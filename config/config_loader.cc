@@ -25,6 +25,7 @@
 
 #include "common/secret.h"
 #include "config/size.h"
+#include "config/startup_rules.h"
 
 namespace kvtier {
 namespace {
@@ -762,6 +763,8 @@ Result<Config> LoadConfig(const ConfigSource& source) {
   Context ctx(source.file.value_or(""), std::move(overridden));
   Config config;
   ReadAll(&ctx, root, &config);
+  CheckStartupRules(
+      config, [&ctx](const std::string& key, const std::string& what) { ctx.ErrorAt(key, what); });
   errors.insert(errors.end(), ctx.errors().begin(), ctx.errors().end());
   if (!errors.empty()) {
     std::string message;

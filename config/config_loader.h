@@ -1,5 +1,7 @@
 // LoadConfig: reads kvtierd's YAML config, applies --set overrides and
-// validates everything (docs/config.md lists every key with its default).
+// validates everything (docs/config.md lists every key with its default),
+// including what start-up would refuse from the config alone
+// (config/startup_rules.h), so --check-config refuses it too.
 //
 // Errors name the key, where it came from (file and line, or the --set
 // argument) and what is wrong; all errors found are reported, one per line.

@@ -12,6 +12,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "config/size.h"
 #include "daemon/logging.h"
 #include "tiers/disk/file_device.h"
 #include "tiers/host_backend.h"
@@ -48,6 +49,7 @@ Status EpollAdd(int epoll, int fd, uint32_t events, uint64_t tag) {
 Result<std::unique_ptr<Server>> Server::Create(Options options) {
   std::unique_ptr<Server> server(new Server(std::move(options)));
   KVTIER_RETURN_IF_ERROR(server->Setup());
+  server->undo_.Commit();
   return server;
 }
 
@@ -76,19 +78,31 @@ Status Server::SetupDisk() {
   }
   std::vector<BlockDevice*> devices;
   for (const std::string& path : d.paths) {
-    std::error_code ec;
-    std::filesystem::create_directories(path, ec);
-    if (ec) return Status::FromErrno(ec.value(), "creating disk path " + path);
-    Result<std::unique_ptr<FileDevice>> dev = FileDevice::Open(
-        {.path = path + "/segment-0.kvt", .size_bytes = d.bytes, .direct_io = d.direct_io, .engine = io_engine_.get()});
-    if (!dev) return dev.error().WithContext("tiers.disk.paths: " + path);
+    KVTIER_RETURN_IF_ERROR(undo_.CreateDirectories(path).WithContext("tiers.disk.paths"));
+    const std::string segment = path + "/segment-0.kvt";
+    Result<std::unique_ptr<FileDevice>> dev = FileDevice::Open({.path = segment,
+                                                                .size_bytes = d.bytes,
+                                                                .direct_io = d.direct_io,
+                                                                .engine = io_engine_.get()});
+    if (!dev) {
+      // Too large for its file system: the key to change is the size.
+      return dev.error().WithContext(dev.error().code() == StatusCode::kResourceExhausted
+                                         ? "tiers.disk.bytes: " + FormatSize(d.bytes) + " per path"
+                                         : "tiers.disk.paths: " + path);
+    }
+    if ((*dev)->created()) undo_.AddFile(segment);
     devices.push_back(dev->get());
     disk_devices_.push_back(std::move(*dev));
   }
+  // A new index goes with a failed start-up; an existing one holds the warm
+  // cache and stays.
+  const std::string index_path = options_.config.state_dir + "/disk-index";
+  KVTIER_RETURN_IF_ERROR(
+      undo_.CreateDirectories(index_path, /*whole=*/true).WithContext("state_dir"));
   KVTIER_ASSIGN_OR_RETURN(
       disk_,
       DiskTier::Open({.devices = devices,
-                      .index_path = options_.config.state_dir + "/disk-index",
+                      .index_path = index_path,
                       .region_bytes = d.region_bytes,
                       .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
                       .reclaim =
@@ -106,12 +120,9 @@ Status Server::SetupDisk() {
 
 Status Server::SetupBackend() {
   const Config& c = options_.config;
+  // LoadConfig refused more than one hbm device, and cuda in a build without
+  // it (config/startup_rules.h), so that --check-config refuses them too.
   const std::vector<uint32_t>& hbm_devices = c.tiers.hbm.devices;
-  if (c.tiers.hbm.enabled && hbm_devices.size() > 1) {
-    return Status(StatusCode::kUnimplemented,
-                  "tiers.hbm.devices: the hbm tier uses one device per daemon in this version; list one "
-                  "(run one kvtierd per GPU group for more)");
-  }
   hbm_device_ = hbm_devices.empty() ? 0 : static_cast<int>(hbm_devices.front());
   if (c.device.backend != DeviceBackendKind::kHost) {
 #if KVTIER_HAVE_CUDA
@@ -123,11 +134,6 @@ Status Server::SetupBackend() {
     }
     if (c.device.backend == DeviceBackendKind::kCuda) return cuda.error().WithContext("device.backend: cuda");
     spdlog::info("device backend: no usable GPU ({}); using host", cuda.error().ToString());
-#else
-    if (c.device.backend == DeviceBackendKind::kCuda) {
-      return Status(StatusCode::kUnimplemented,
-                    "device.backend: cuda, but this kvtierd was built without the CUDA toolkit; use host");
-    }
 #endif
   }
   const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
@@ -209,9 +215,7 @@ Status Server::Setup() {
   }
   const std::filesystem::path dir = std::filesystem::path(c.socket.path).parent_path();
   if (!dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return Status::FromErrno(ec.value(), "creating socket directory " + dir.string());
+    KVTIER_RETURN_IF_ERROR(undo_.CreateDirectories(dir.string()).WithContext("socket.path"));
   }
   KVTIER_ASSIGN_OR_RETURN(listen_, ipc::Listen(c.socket.path, c.socket.mode));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), listen_.get(), EPOLLIN, kListenTag));

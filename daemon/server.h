@@ -27,6 +27,7 @@
 #include "daemon/close_list.h"
 #include "daemon/metrics.h"
 #include "daemon/session.h"
+#include "daemon/startup_undo.h"
 #include "daemon/tenants.h"
 #include "ipc/wire.h"
 #include "tiers/block_cache.h"
@@ -110,6 +111,9 @@ class Server {
                                             const flatbuffers::Vector<const wire::Key*>* keys);
 
   Options options_;
+  // What a failed Setup created is removed when the Server goes: declared
+  // first, so it runs after every member that uses those files is gone.
+  StartupUndo undo_;
   std::unique_ptr<DeviceBackend> backend_;
   int hbm_device_ = 0;  // the GPU whose memory holds the hbm tier (cuda)
   // The disk tier's parts, destroyed after the cache (which uses them) and

@@ -13,8 +13,9 @@ PACKAGES=(
   # libraries (see ../shared/DESIGN.md, "Dependencies")
   liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
-  # tests and benchmarks (fio: kvtier-bench disk's baseline)
-  libgtest-dev libgmock-dev libbenchmark-dev fio
+  # tests and benchmarks (fio: kvtier-bench disk's baseline; e2fsprogs: mkfs.ext4 for
+  # startup_test's small loop-mounted file system)
+  libgtest-dev libgmock-dev libbenchmark-dev fio e2fsprogs
   # tools/plot-bench.sh (gnuplot without X11; it has the png and pngcairo terminals)
   gnuplot-nox
   # promtool (package prometheus): the metrics test checks /metrics with it

@@ -88,7 +88,7 @@ TEST_F(ConfigLoaderTest, ExampleConfigLoads) {
   EXPECT_FALSE(c->tenants[1].quotas.hbm_bytes.has_value());
   EXPECT_TRUE(c->tenants[2].token.has_value());
   EXPECT_TRUE(c->tenants[3].admin);
-  EXPECT_EQ(c->tiers.hbm.devices.size(), 8u);
+  EXPECT_EQ(c->tiers.hbm.devices, std::vector<uint32_t>{0});  // one kvtierd per GPU
   EXPECT_EQ(c->tiers.disk.paths.size(), 2u);
   EXPECT_EQ(c->tiers.disk.bytes, 3ull << 40);
   EXPECT_DOUBLE_EQ(c->policy.watermarks.disk.low, 0.90);
@@ -96,6 +96,21 @@ TEST_F(ConfigLoaderTest, ExampleConfigLoads) {
   EXPECT_EQ(c->policy.disk_admission.write_budget_bytes_per_day, 20'000'000'000'000ull);
   EXPECT_EQ(c->log.format, LogFormat::kJson);
 }
+
+TEST_F(ConfigLoaderTest, HbmDevicesMatterOnlyWithTheHbmTier) {
+  // Off, the hbm tier's devices do not matter.
+  const Result<Config> c = LoadYaml("tiers:\n  hbm:\n    devices: [0, 1]\n");
+  EXPECT_TRUE(c.has_value()) << c.error();
+}
+
+#if !KVTIER_HAVE_CUDA
+TEST_F(ConfigLoaderTest, CudaBackendNeedsACudaBuild) {
+  const Result<Config> c = LoadYaml("", {"device.backend=cuda"});
+  ASSERT_FALSE(c.has_value());
+  EXPECT_THAT(c.error().message(), HasSubstr("--set device.backend=cuda: device.backend: cuda, but this kvtierd "
+                                             "was built without the CUDA toolkit"));
+}
+#endif
 
 TEST_F(ConfigLoaderTest, EveryKeyIsDocumented) {
   std::ifstream in(std::string(KVTIER_SOURCE_DIR) + "/docs/config.md");
@@ -219,6 +234,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"RegionUnaligned", "", {"tiers.disk.region_bytes=1000000"}, "tiers.disk.region_bytes: must be a multiple of 4KiB and at least 1MiB"},
         BadCase{"DiskSmallerThanTwoRegions", "", {"tiers.disk.bytes=100MiB"}, "tiers.disk.bytes: must hold at least two regions of 64MiB, got 100MiB"},
         BadCase{"HbmDuplicateDevice", "", {"tiers.hbm.devices=[0, 1, 0]"}, "tiers.hbm.devices: lists a device twice"},
+        BadCase{"HbmTwoDevices", "", {"tiers.hbm.enabled=true", "tiers.hbm.devices=[0, 1]"}, "--set tiers.hbm.devices=[0, 1]: tiers.hbm.devices: lists 2 devices, but one kvtierd serves the hbm tier of one GPU"},
+        BadCase{"DiskBytesUnaligned", "tiers:\n  disk:\n    bytes: 100GB\n", {}, ":3: tiers.disk.bytes: must be a multiple of 4KiB (e.g. in MiB or GiB), got 100GB (100000000000 bytes)"},
+        BadCase{"RegionTooLarge", "", {"tiers.disk.region_bytes=16TiB", "tiers.disk.bytes=32TiB"}, "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"},
         BadCase{"HbmBadDevice", "", {"tiers.hbm.devices=[0, -1]"}, "tiers.hbm.devices: item 1: expected a whole number from 0 to 1023, got '-1'"},
         BadCase{"IoEngine", "", {"tiers.disk.io_engine=spdk"}, "tiers.disk.io_engine: expected one of auto, io_uring, threadpool, got 'spdk'"},
         BadCase{"Eviction", "", {"policy.eviction=random"}, "policy.eviction: expected one of lru, got 'random'"},

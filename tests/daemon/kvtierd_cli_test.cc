@@ -5,7 +5,9 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,8 +21,9 @@ struct CmdResult {
   std::string output;  // stdout and stderr
 };
 
-CmdResult Kvtierd(const std::string& args) {
-  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/bin/kvtierd " + args + " 2>&1";
+CmdResult Kvtierd(const std::string& args, const std::string& prefix = "") {
+  const std::string cmd =
+      prefix + std::string(KVTIER_BINARY_DIR) + "/bin/kvtierd " + args + " 2>&1";
   CmdResult run;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return run;
@@ -64,6 +67,76 @@ TEST(KvtierdCliTest, UnknownKeyExitsTwoNamingKeyAndLine) {
   ::unlink(path);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr(std::string(path) + ":5: metrics.colour: unknown key"));
+}
+
+// What start-up refuses from the config alone, --check-config refuses too,
+// with the same words; and start-up refuses it as a config error (exit 2),
+// before it creates anything.
+struct StartupRule {
+  const char* name;
+  std::string sets;
+  std::string error;
+};
+
+class StartupRuleTest : public ::testing::TestWithParam<StartupRule> {};
+
+TEST_P(StartupRuleTest, CheckConfigAndStartUpRefuseIt) {
+  const CmdResult check =
+      Kvtierd("--config " + kExample + " " + GetParam().sets + " --check-config");
+  EXPECT_EQ(check.exit_code, 2) << check.output;
+  EXPECT_THAT(check.output, HasSubstr(GetParam().error));
+  // The example, scaled to this machine, in a temporary directory.
+  char dir[] = "/tmp/kvtier-cli-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  const std::string here = " --set socket.path=" + d + "/kvtierd.sock --set state_dir=" + d +
+                           "/state --set 'tiers.disk.paths=[" + d +
+                           "/disk]' --set tiers.host.bytes=64MiB" +
+                           " --set tiers.hbm.bytes=16MiB --set metrics.enabled=false ";
+  const CmdResult start =
+      Kvtierd("--config " + kExample + here + GetParam().sets + " --foreground", "timeout 30 ");
+  EXPECT_EQ(start.exit_code, 2) << start.output;
+  EXPECT_THAT(start.output, HasSubstr(GetParam().error));
+  std::error_code ec;
+  EXPECT_TRUE(std::filesystem::is_empty(d, ec)) << "start-up created files before refusing";
+  std::filesystem::remove_all(d, ec);
+}
+
+std::vector<StartupRule> StartupRules() {
+  std::vector<StartupRule> rules = {
+      {"TwoHbmDevices", "--set 'tiers.hbm.devices=[0, 1]'",
+       "--set tiers.hbm.devices=[0, 1]: tiers.hbm.devices: lists 2 devices, but one kvtierd "
+       "serves"},
+      {"DecimalDiskSize", "--set tiers.disk.bytes=100GB",
+       "tiers.disk.bytes: must be a multiple of 4KiB (e.g. in MiB or GiB), got 100GB"},
+      {"HugeRegions", "--set tiers.disk.region_bytes=16TiB --set tiers.disk.bytes=32TiB",
+       "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"}};
+#if !KVTIER_HAVE_CUDA
+  rules.push_back({"CudaWithoutToolkit", "--set device.backend=cuda",
+                   "device.backend: cuda, but this kvtierd was built without the CUDA toolkit"});
+#endif
+  return rules;
+}
+
+std::string RuleName(const ::testing::TestParamInfo<StartupRule>& rule) { return rule.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(Rules, StartupRuleTest, ::testing::ValuesIn(StartupRules()), RuleName);
+
+TEST(KvtierdCliTest, TwoHbmDevicesAreRefusedAtTheirLine) {
+  char path[] = "/tmp/kvtier-cli-XXXXXX.yaml";
+  const int fd = ::mkstemps(path, 5);
+  ASSERT_GE(fd, 0);
+  const std::string yaml = "tiers:\n  hbm:\n    enabled: true\n    devices: [0, 1]\n";
+  ASSERT_EQ(::write(fd, yaml.data(), yaml.size()), static_cast<ssize_t>(yaml.size()));
+  ::close(fd);
+  const CmdResult r = Kvtierd(std::string("--config ") + path + " --check-config");
+  ::unlink(path);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(std::string(path) + ":4: tiers.hbm.devices: lists 2 devices"));
+  // Off, the hbm tier's devices do not matter.
+  EXPECT_EQ(Kvtierd("--set tiers.hbm.enabled=false --set 'tiers.hbm.devices=[0, 1]' --check-config")
+                .exit_code,
+            0);
 }
 
 TEST(KvtierdCliTest, BadCommandLineExitsTwo) {

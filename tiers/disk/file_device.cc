@@ -11,6 +11,8 @@
 #include <thread>
 #include <utility>
 
+#include "tiers/disk/free_space.h"
+
 namespace kvtier {
 namespace {
 
@@ -40,10 +42,18 @@ Result<std::unique_ptr<FileDevice>> FileDevice::Open(const Options& options) {
   const std::string& path = options.path;
 
   // Created (not opened) here, so that its directory entry is synced below.
-  bool created = false;
+  // A file this call created goes again if it fails; an existing one (a
+  // warm disk tier) is never removed.
+  struct RemoveCreatedOnFailure {
+    const std::string& path;
+    bool armed = false;
+    ~RemoveCreatedOnFailure() {
+      if (armed) ::unlink(path.c_str());
+    }
+  } created{path};
   UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (fd) {
-    created = true;
+    created.armed = true;
   } else if (errno != EEXIST) {
     return Err(Status::FromErrno(errno, "create " + path));
   }
@@ -88,6 +98,10 @@ Result<std::unique_ptr<FileDevice>> FileDevice::Open(const Options& options) {
   if (fstat(fd.get(), &st) != 0) return Err(Status::FromErrno(errno, "fstat " + path));
   if (!S_ISREG(st.st_mode)) return Err(InvalidArgument(path + " is not a regular file"));
   if (static_cast<uint64_t>(st.st_size) < options.size_bytes) {
+    // What the file holds already counts (a tier grown across a restart).
+    KVTIER_ASSIGN_OR_RETURN(const FileSystemSpace space, FileSystemSpaceOf(fd.get(), path));
+    KVTIER_RETURN_IF_ERROR(CheckRoomToPreallocate(
+        path, options.size_bytes, static_cast<uint64_t>(st.st_blocks) * 512, space));
     // Mode 0 allocates the blocks and extends the size: later writes cannot
     // fail with ENOSPC, and the segment's extents stay contiguous.
     int ret;
@@ -103,10 +117,12 @@ Result<std::unique_ptr<FileDevice>> FileDevice::Open(const Options& options) {
     // The new size is metadata a later fdatasync might not cover.
     if (fsync(fd.get()) != 0) return Err(Status::FromErrno(errno, "fsync " + path));
   }
-  if (created) KVTIER_RETURN_IF_ERROR(SyncParentDirectory(path));
+  if (created.armed) KVTIER_RETURN_IF_ERROR(SyncParentDirectory(path));
 
-  return std::unique_ptr<FileDevice>(
+  std::unique_ptr<FileDevice> device(
       new FileDevice(path, std::move(fd), options.size_bytes, options.engine));
+  device->created_ = std::exchange(created.armed, false);
+  return device;
 }
 
 FileDevice::~FileDevice() {

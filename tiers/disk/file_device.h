@@ -40,9 +40,14 @@ class FileDevice final : public BlockDevice {
   // size_bytes with fallocate unless the file is already at least that large
   // (a larger file is kept as is; only its first size_bytes are used). A new
   // file's size and directory entry are made durable before returning.
+  // Before preallocating it checks the file system's free space
+  // (free_space.h): it never fills the file system. A failed Open removes
+  // the file if it created it, never an existing one.
   // Errors: kInvalidArgument for bad options or a path that is not a regular
   // file; kFailedPrecondition when the file system refuses O_DIRECT (the
-  // message says to set tiers.disk.direct_io=false); the errno of open,
+  // message says to set tiers.disk.direct_io=false); kResourceExhausted
+  // (ENOSPC) when the preallocation would not leave the reserve free (the
+  // message has the path, the size and the free space); the errno of open,
   // fallocate (EOPNOTSUPP where the file system cannot preallocate, ENOSPC)
   // or fsync otherwise.
   static Result<std::unique_ptr<FileDevice>> Open(const Options& options);
@@ -54,6 +59,8 @@ class FileDevice final : public BlockDevice {
   uint64_t size_bytes() const override { return size_bytes_; }
   uint32_t alignment() const override { return kAlignment; }
   const std::string& name() const override { return path_; }
+  // Whether Open created the file (so a start-up that fails later may remove it).
+  bool created() const { return created_; }
 
   // Argument errors, through `done`: kInvalidArgument (errno EINVAL) for an
   // offset, length or buffer address that is not a multiple of alignment(),
@@ -78,6 +85,7 @@ class FileDevice final : public BlockDevice {
   const UniqueFd fd_;
   const uint64_t size_bytes_;
   IoEngine* const engine_;
+  bool created_ = false;  // set once by Open
 
   Mutex mu_;
   CondVar idle_cv_;  // signalled when in_flight_ drops to 0
