@@ -50,6 +50,10 @@ BlockCache::~BlockCache() {
 void BlockCache::SetQuota(TenantId tenant, const TenantQuota& quota) {
   if (quotas_.size() <= tenant) quotas_.resize(tenant + 1);
   quotas_[tenant] = quota;
+  // Without a disk quota its record log is not kept (nor needed).
+  if (!quota.bytes[static_cast<size_t>(Tier::kDisk)] && tenant < quota_state_.size()) {
+    quota_state_[tenant].disk_log = DiskWriteLog();
+  }
 }
 
 void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
@@ -66,7 +70,30 @@ void BlockCache::SetTenantName(TenantId tenant, std::string name) {
 bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
   if (tenant >= quotas_.size()) return true;
   const std::optional<uint64_t>& q = quotas_[tenant].bytes[static_cast<size_t>(t)];
-  return !q || TenantUsedBytes(tenant, t) + bytes <= *q;
+  if (!q) return true;
+  uint64_t used = TenantUsedBytes(tenant, t);
+  // Host blocks being written out to disk are leaving (block_cache.h, "Quotas").
+  if (t == Tier::kHost && tenant < quota_state_.size())
+    used -= quota_state_[tenant].host_bytes_leaving;
+  return used + bytes <= *q;
+}
+
+BlockCache::QuotaState& BlockCache::QuotaStateOf(TenantId tenant) {
+  if (quota_state_.size() <= tenant) quota_state_.resize(size_t{tenant} + 1);
+  return quota_state_[tenant];
+}
+
+bool BlockCache::MakeHostQuotaRoom(TenantId tenant, uint64_t bytes) {
+  while (!QuotaAllows(tenant, Tier::kHost, bytes)) {
+    BlockEntry* own = PickVictim(Tier::kHost, 0, tenant);
+    if (own == nullptr) return false;
+    if (options_.disk == nullptr) {
+      Drop(own);
+    } else {
+      DemoteFromHost(own);
+    }
+  }
+  return true;
 }
 
 uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
@@ -220,7 +247,12 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
       const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
       if (coldest != nullptr &&
           SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
-        if (EmptyExtent(t, bytes, coldest->slot)) continue;
+        // Draining: refused until its blocks have left (this size's own
+        // blocks are hotter than the coldest). Busy: this size's own
+        // coldest may still go below.
+        const ExtentReclaim r = EmptyExtent(t, bytes, coldest->slot);
+        if (r == ExtentReclaim::kRoom) continue;
+        if (r == ExtentReclaim::kDraining) return nullptr;
       }
     }
     // A block that still has its disk record costs nothing to let go; a
@@ -233,31 +265,49 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
   }
 }
 
-bool BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
+// Extents one EmptyExtent looks at, at most.
+constexpr size_t kExtentCandidates = 4;
+
+BlockCache::ExtentReclaim BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
   SlotPool& pool = *tier(t)->pool;
-  const std::optional<std::span<uint8_t>> extent = pool.ExtentToReclaim(bytes, coldest);
-  if (!extent) return false;
-  auto inside = [&](const uint8_t* p) {
-    return p >= extent->data() && p < extent->data() + extent->size();
-  };
-  // Its blocks: every one must be free to go (a lease, a move or a retired
-  // slot keeps the extent this time).
-  std::vector<StoredKey> blocks;
-  for (BlockEntry* e = index_.Coldest(t); e != nullptr; e = BlockIndex::Hotter(e)) {
-    if (!inside(e->slot)) continue;
-    if (e->leases != 0 || e->moving || e->state != EntryState::kReady || e->retired_slot != nullptr)
-      return false;
-    blocks.push_back(e->key);
+  const bool write_back = t == Tier::kHost && options_.disk != nullptr;
+  for (const std::span<uint8_t> extent : pool.ExtentsToReclaim(bytes, coldest, kExtentCandidates)) {
+    // Its blocks, found through the slots' owners: each must be settled
+    // to go now (a lease, a copy in flight, a retired slot or a move's
+    // destination keeps the extent this time).
+    std::vector<BlockEntry*> blocks;
+    bool busy = false;
+    pool.ForEachSlotInUse(extent.data(), [&](uint8_t* slot, void* owner) {
+      ++counters_.extent_slots_examined;
+      auto* e = static_cast<BlockEntry*>(owner);
+      busy = e == nullptr || e->slot != slot || e->tier != t || e->leases != 0 || e->moving ||
+             e->state != EntryState::kReady || e->retired_slot != nullptr;
+      if (!busy) blocks.push_back(e);
+      return !busy;
+    });
+    // One drain at a time: one under way (listed first) is waited for while
+    // its blocks leave; any other extent that cannot go now is skipped.
+    const bool draining = pool.draining(extent.data());
+    if (busy) {
+      if (draining) return ExtentReclaim::kDraining;
+      continue;
+    }
+    // Everything here can go: clean blocks back to disk, dirty ones written
+    // back (they leave once written; one that cannot start now waits for
+    // the next try) or, without a disk tier, dropped.
+    for (BlockEntry* e : blocks) {
+      if (!write_back) {
+        Drop(e);
+      } else if (!BackToDisk(e)) {
+        DemoteFromHost(e, /*may_drop=*/false);
+      }
+    }
+    if (!draining) ++counters_.extents_reclaimed;
+    if (pool.CanAllocate(bytes)) return ExtentReclaim::kRoom;
+    if (!draining) pool.Drain(extent.data());
+    return ExtentReclaim::kDraining;
   }
-  // Moving blocks are out of the lists (and retired slots never were in
-  // them): a slot of the extent that no listed block holds keeps it too.
-  if (blocks.size() != pool.SlotsInUse(extent->data())) return false;
-  for (const StoredKey& key : blocks) {
-    BlockEntry* e = index_.Find(key);
-    if (e != nullptr && !BackToDisk(e)) Drop(e);
-  }
-  ++counters_.extents_reclaimed;
-  return pool.CanAllocate(bytes);
+  return ExtentReclaim::kBusy;
 }
 
 void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }
@@ -461,31 +511,31 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       ++already;  // present (in memory or only on disk), or its copy is in flight
       continue;
     }
-    // hbm first when it has a free slot; otherwise host, dropping its coldest
-    // unleased blocks (the tenant's own first when its quota is the limit).
+    // hbm first when it has a free slot; otherwise host, evicting its coldest
+    // unleased blocks (the tenant's own first when its quota is the limit:
+    // demoted to disk when there is one, see "Quotas" in block_cache.h).
     uint8_t* slot = nullptr;
     Tier t = Tier::kHbm;
     if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, false);
     if (slot == nullptr) {
       t = Tier::kHost;
-      while (!QuotaAllows(tenant, Tier::kHost, bytes)) {
-        BlockEntry* own = PickVictim(Tier::kHost, 0, tenant);
-        if (own == nullptr) break;
-        Drop(own);
-      }
-      if (QuotaAllows(tenant, Tier::kHost, bytes)) slot = AllocateSlot(Tier::kHost, bytes, true);
+      if (MakeHostQuotaRoom(tenant, bytes)) slot = AllocateSlot(Tier::kHost, bytes, true);
     }
     if (slot == nullptr) {
       const bool quota = !QuotaAllows(tenant, Tier::kHost, bytes);
+      const bool draining = tier(Tier::kHost)->pool->draining();
       status = Status(StatusCode::kResourceExhausted,
                       "no room for block " + std::to_string(i) + " of the store: " +
-                          (quota ? "the tenant's host quota is full of leased or moving blocks"
-                                 : NoRoomReason()));
+                          (quota      ? "the tenant's host quota is full of leased or moving blocks"
+                           : draining ? "an extent of another block size is being emptied for this "
+                                        "size (its blocks are being written to disk); retry shortly"
+                                      : NoRoomReason()));
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
     BlockEntry* e = index_.Insert(keys[i], t, prev);
     e->slot = slot;
+    tier(t)->pool->SetOwner(slot, e);
     e->block_bytes = static_cast<uint32_t>(bytes);
     e->ns = *ns;
     e->owner = tenant;
@@ -602,6 +652,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   index_.ChangeTier(e, to);
   index_.Unpark(e, /*hot=*/true);
   e->slot = dst;
+  tier(to)->pool->SetOwner(dst, e);
   Charge(e, +1);
   if (e->leases > 0) {
     // Loads that leased the block before the move still read the old slot.
@@ -630,8 +681,11 @@ void BlockCache::MaybeDemote() {
     while (AboveLow(Tier::kHbm)) {
       BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt);
       if (v == nullptr) break;
-      if (!QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
-        Drop(v);  // the owner has no host quota left: the coldest block goes
+      // The owner's host quota is full: with a disk tier its host coldest
+      // make room there; else (or when nothing of it can go) this block goes.
+      if (options_.disk != nullptr ? !MakeHostQuotaRoom(v->owner, v->block_bytes)
+                                   : !QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
+        Drop(v);
         continue;
       }
       // With a disk tier, host blocks are on their way there: wait for room

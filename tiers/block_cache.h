@@ -14,6 +14,26 @@
 //   - An op whose owner is gone when its copy completes commits nothing:
 //     a dead client's stores are discarded, and its leases released.
 //
+// Quotas (TenantQuota) never bypass the disk tier:
+//   - host: a tenant at its host quota makes room by demoting its own
+//     coldest host blocks as the tier itself would: a clean one goes back to
+//     disk, a dirty one is written back (dropped only without a disk tier,
+//     or when admission, the write budget or the writes in flight say no).
+//     A store does not wait for those writes: a block being written out
+//     counts as leaving, so the quota is checked against the tenant's host
+//     bytes minus its bytes being written out. A tenant thus holds at most
+//     its quota plus its writes in flight (disk_max_writes_in_flight blocks
+//     in all), and its quota once they complete. hbm blocks demoted for a
+//     tenant at its host quota make room the same way.
+//   - disk: a tenant at its disk quota keeps writing; each of its disk
+//     writes is followed by forgetting its oldest disk records (a per-tenant
+//     DiskWriteLog in write order, stale entries skipped) until its disk
+//     bytes are within the quota again, at most kDiskQuotaStepsPerWrite
+//     entries per write. A record whose block is in memory or busy (read,
+//     leased, carried) goes to the back of the line instead. Only records
+//     written (or adopted) while the tenant has a disk quota are in its
+//     line: older ones leave as the disk's regions are reclaimed.
+//
 // Threading: owned by one thread (the daemon's event loop): every method
 // must be called there. Copies run on the backend's threads; their
 // completions come back through Options::post, which must run the closure on
@@ -39,6 +59,7 @@
 #include "tiers/block_index.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk_only_index.h"
+#include "tiers/disk_write_log.h"
 #include "tiers/namespace_table.h"
 #include "tiers/slot_pool.h"
 
@@ -115,6 +136,12 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_write_backoffs = 0;   // pauses of write-back after a failed write
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
+  // Slots (blocks) looked at to empty extents for another block size: a few
+  // extents' worth per try, however many blocks the tier holds.
+  uint64_t extent_slots_examined = 0;
+  // A tenant's oldest disk blocks forgotten to keep it within its disk quota
+  // (also counted in its disk evictions).
+  uint64_t disk_quota_evictions = 0;
   uint64_t bytes_hbm_to_host = 0;
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
@@ -329,19 +356,28 @@ class BlockCache {
   bool QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const;
   // A slot in tier `t` for a block of `bytes`, dropping unleased blocks of
   // that tier (prefix-aware LRU) when `may_drop`; nullptr when impossible.
-  // When the coldest block is of another size, its whole extent is emptied
-  // instead (EmptyExtent).
+  // When the coldest block is of another size, an extent of that size is
+  // emptied instead (EmptyExtent); nullptr while one drains to disk.
   uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
   // The eviction victim in tier `t` with the given block size (0 = any).
   // With clean_only, only blocks that still have their disk record.
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
-  // Evicts every block in the extent of another size that SlotPool offers
-  // for `bytes`, the one holding the `coldest` block's slot when it can (back
-  // to disk when clean). Returns whether `bytes` now fits: false, with nothing
-  // evicted, when a block there is leased or moving, and false when a move in
-  // flight still holds a slot there.
-  bool EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest);
+  // Empties an extent of another size for `bytes`. Candidates (at most
+  // kExtentCandidates, from SlotPool::ExtentsToReclaim): an extent already
+  // draining, the one holding the `coldest` block's slot, then those with
+  // the fewest slots in use; their blocks are found through the pool's slot
+  // owners (no LRU walk: bounded by the candidates' slots). An extent with
+  // a block that cannot go now (leased, filling, moving, a retired slot or a
+  // move's destination) is skipped. The chosen one's blocks go: clean ones
+  // back to disk; dirty ones, with a disk tier, written back (the extent
+  // drains: SlotPool::Drain) — without one, dropped.
+  enum class ExtentReclaim : uint8_t {
+    kRoom,      // `bytes` fits now
+    kDraining,  // an extent is being emptied for it: try again shortly
+    kBusy,      // no candidate could go now
+  };
+  ExtentReclaim EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest);
   // A host block that still has its disk record goes back to the disk tier,
   // no write needed. Returns whether it did.
   bool BackToDisk(BlockEntry* e);
@@ -404,6 +440,24 @@ class BlockCache {
   void RefundWriteBudget(uint64_t bytes);
   // Why a store found no slot: what holds the blocks that could go.
   std::string NoRoomReason() const;
+  // Host-quota room for `bytes` of `tenant`, demoting its own coldest host
+  // blocks (DemoteFromHost; dropped without a disk tier). False when its
+  // quota is still full (of leased, moving or filling blocks).
+  bool MakeHostQuotaRoom(TenantId tenant, uint64_t bytes);
+  // Sends unleased, settled host block `v` on its way down: back to disk when
+  // it still has its record, else written back; dropped when admission or
+  // the write budget says no. When no write may start now (writes in flight
+  // at the cap, or backing off after a failure) it is dropped if `may_drop`,
+  // else it stays for a later try. Returns whether it left or is leaving.
+  bool DemoteFromHost(BlockEntry* v, bool may_drop = true);
+  // Whether a write-back may start now (writes in flight under the cap, no
+  // back-off after a failure).
+  bool DiskWriteMayStart() const;
+  // The disk quota: its line of records; forgetting the oldest while over.
+  void LogDiskRecord(TenantId owner, const StoredKey& key, const DiskLocation& where);
+  // Looks at most `max_steps` entries; never forgets `newest`'s record.
+  void EnforceDiskQuota(TenantId owner, uint32_t max_steps, const StoredKey* newest);
+  bool IsCurrentRecord(const DiskWriteLog::Record& r);
   bool AboveLow(Tier t) const;
   // A walk over the disk tier's records a region at a time (Evict,
   // VerifyDisk): each listing is O(records in the region).
@@ -449,6 +503,13 @@ class BlockCache {
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];
   std::vector<TenantQuota> quotas_;
+  // What the quotas need per tenant (by TenantId, created on first use).
+  struct QuotaState {
+    uint64_t host_bytes_leaving = 0;  // its host blocks being written out to disk
+    DiskWriteLog disk_log;            // its disk records, while it has a disk quota
+  };
+  std::vector<QuotaState> quota_state_;
+  QuotaState& QuotaStateOf(TenantId tenant);
   std::vector<TenantShare> tenant_shares_;  // by TenantId
   NamespaceTable namespaces_;
   std::vector<std::string> tenant_names_;

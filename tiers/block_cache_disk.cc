@@ -11,6 +11,16 @@
 
 namespace kvtier {
 
+namespace {
+
+// Disk quota (block_cache.h, "Quotas"): entries of a tenant's DiskWriteLog
+// looked at per write (or return to disk) to bring it back within its
+// quota, and entries compacted per record logged.
+constexpr uint32_t kDiskQuotaStepsPerWrite = 64;
+constexpr uint32_t kDiskLogCompactSteps = 4;
+
+}  // namespace
+
 bool BlockCache::BackToDisk(BlockEntry* e) {
   if (!e->on_disk || e->tier != Tier::kHost || e->leases != 0 || e->moving || e->retired_slot != nullptr) {
     return false;
@@ -22,7 +32,10 @@ bool BlockCache::BackToDisk(BlockEntry* e) {
   Charge(e, +1);
   tier(Tier::kHost)->pool->Free(slot, e->block_bytes);
   ++counters_.disk_returns;
+  const TenantId owner = e->owner;
+  const StoredKey key = e->key;
   Dematerialize(e);
+  EnforceDiskQuota(owner, kDiskQuotaStepsPerWrite, &key);  // its disk bytes grew
   return true;
 }
 
@@ -108,6 +121,7 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     Charge(e, -1);
     index_.ChangeTier(e, Tier::kHost);
     e->slot = dst;
+    tier(Tier::kHost)->pool->SetOwner(dst, e);
     e->checksum = checksum;
     e->has_checksum = true;
     Charge(e, +1);
@@ -143,6 +157,7 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   // A write-through copy leaves nothing in host: no space is on its way out.
   const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(e->block_bytes);
   tier(Tier::kHost)->moving_out_bytes += stride;
+  if (!keep_in_memory) QuotaStateOf(e->owner).host_bytes_leaving += e->block_bytes;
   ++inflight_copies_;
   ++disk_writes_in_flight_;
   RecordHeader h;
@@ -173,6 +188,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   BlockEntry* e = index_.Find(key);
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kHost);
   e->moving = false;
+  if (stride != 0) QuotaStateOf(e->owner).host_bytes_leaving -= e->block_bytes;
   if (!where) {
     ++counters_.disk_write_failures;
     RefundWriteBudget(budgeted);
@@ -207,6 +223,8 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   e->hits = 0;  // hits since it was written: what a reclaim will ask
   ++counters_.disk_demotions;
   counters_.bytes_host_to_disk += e->block_bytes;
+  const TenantId owner = e->owner;
+  LogDiskRecord(owner, key, *where);
   if (keep_in_memory) {  // write-through: now clean, still served from memory
     e->disk = *where;
     e->on_disk = true;
@@ -230,6 +248,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
     tier(Tier::kHost)->pool->Free(old, e->block_bytes);
     Dematerialize(e);
   }
+  EnforceDiskQuota(owner, kDiskQuotaStepsPerWrite, &key);  // its disk bytes grew
   MaybeDemote();
 }
 
@@ -258,7 +277,13 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     b.device = static_cast<uint8_t>(r.location.device);
     disk_only_.Insert(b);
     Charge(b, +1);
+    LogDiskRecord(b.owner, b.key, r.location);  // oldest first: records is in write order
     ++adopted;
+  }
+  // A quota lowered across the restart: once, over every adopted record.
+  for (size_t t = 0; t < quota_state_.size(); ++t) {
+    const auto steps = static_cast<uint32_t>(std::min<uint64_t>(2 * adopted + 1, UINT32_MAX));
+    EnforceDiskQuota(static_cast<TenantId>(t), steps, nullptr);
   }
   return adopted;
 }
@@ -330,6 +355,7 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
     e->on_disk = true;
     e->hits = 0;
     ++counters_.disk_reinsertions;
+    LogDiskRecord(e->owner, key, *now);  // written again: the newest now
   } else {
     e->on_disk = false;  // its old record went with the reclaim: nothing is left
   }
@@ -449,20 +475,7 @@ void BlockCache::PumpDiskWrites() {
     }
     BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
     if (v == nullptr) break;
-    if (BackToDisk(v)) continue;
-    if (v->disk_write_failures >= kMaxDiskWriteTries) {
-      Drop(v);  // given up: it cannot be written
-      continue;
-    }
-    const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits &&
-                          QuotaAllows(v->owner, Tier::kDisk, v->block_bytes);
-    const uint64_t record = RecordBytes(v->block_bytes);
-    if (admitted && TakeWriteBudget(record)) {
-      StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
-    } else {
-      ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
-      Drop(v);
-    }
+    DemoteFromHost(v);
   }
   // A flush ends once the tier is idle: until then a reclaim (also one that
   // carried blocks' appends start) may still take a host block's disk copy.
@@ -470,6 +483,87 @@ void BlockCache::PumpDiskWrites() {
     flushing_ = false;
   }
   if (steps >= kPumpStepsPerCall) SchedulePump();  // more to do, after other work
+}
+
+bool BlockCache::DiskWriteMayStart() const {
+  if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return false;
+  const uint32_t cap =
+      disk_failures_in_a_row_ > 0 ? 1 : std::max<uint32_t>(1, options_.disk_max_writes_in_flight);
+  return disk_writes_in_flight_ < cap;
+}
+
+bool BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
+  if (BackToDisk(v)) return true;
+  if (v->disk_write_failures >= kMaxDiskWriteTries) {
+    Drop(v);  // given up: it cannot be written
+    return true;
+  }
+  if (!DiskWriteMayStart()) {
+    if (may_drop) Drop(v);
+    return may_drop;
+  }
+  // A disk quota evicts the tenant's own oldest records as it writes
+  // (EnforceDiskQuota): only a block larger than the whole quota is refused.
+  const std::optional<uint64_t>& disk_quota =
+      v->owner < quotas_.size() ? quotas_[v->owner].bytes[static_cast<size_t>(Tier::kDisk)]
+                                : std::nullopt;
+  const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits &&
+                        (!disk_quota || *disk_quota >= v->block_bytes);
+  const uint64_t record = RecordBytes(v->block_bytes);
+  if (admitted && TakeWriteBudget(record)) {
+    StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
+  } else {
+    ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
+    Drop(v);
+  }
+  return true;
+}
+
+bool BlockCache::IsCurrentRecord(const DiskWriteLog::Record& r) {
+  if (DiskOnlyBlock* b = disk_only_.Find(r.key); b != nullptr) {
+    return DiskWriteLog::Where(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes) == r.where;
+  }
+  const BlockEntry* e = index_.Find(r.key);
+  return e != nullptr && e->on_disk &&
+         DiskWriteLog::Where(e->disk.device, e->disk.offset) == r.where;
+}
+
+void BlockCache::LogDiskRecord(TenantId owner, const StoredKey& key, const DiskLocation& where) {
+  if (owner >= quotas_.size() || !quotas_[owner].bytes[static_cast<size_t>(Tier::kDisk)]) return;
+  DiskWriteLog& log = QuotaStateOf(owner).disk_log;
+  log.Push(DiskWriteLog::Record{key, DiskWriteLog::Where(where.device, where.offset)});
+  // Its live entries are records of its blocks: at most the blocks it holds.
+  const TenantShare& share = Counted(owner);
+  log.Compact([this](const DiskWriteLog::Record& r) { return IsCurrentRecord(r); },
+              share.blocks[0] + share.blocks[1] + share.blocks[2], kDiskLogCompactSteps);
+}
+
+void BlockCache::EnforceDiskQuota(TenantId owner, uint32_t max_steps, const StoredKey* newest) {
+  if (owner >= quotas_.size() || owner >= quota_state_.size()) return;
+  const std::optional<uint64_t>& quota = quotas_[owner].bytes[static_cast<size_t>(Tier::kDisk)];
+  if (!quota) return;
+  DiskWriteLog& log = quota_state_[owner].disk_log;
+  for (uint32_t step = 0; step < max_steps && TenantUsedBytes(owner, Tier::kDisk) > *quota;
+       ++step) {
+    const DiskWriteLog::Record* oldest = log.Oldest();
+    if (oldest == nullptr) break;  // what is left predates its quota: reclaims take it
+    const DiskWriteLog::Record r = *oldest;
+    if (newest != nullptr && r.key == *newest) break;  // all that is left is what just came
+    log.PopOldest();
+    if (!IsCurrentRecord(r)) continue;  // gone, or written again elsewhere
+    DiskOnlyBlock* b = disk_only_.Find(r.key);
+    if (b == nullptr) {
+      log.Push(r);  // in memory (hit since) or busy (read, leased, carried): another round
+      continue;
+    }
+    options_.disk->Forget(
+        r.key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
+                                         b->block_bytes));
+    Charge(*b, -1);
+    CountEviction(Tier::kDisk, owner);
+    ++counters_.disk_quota_evictions;
+    disk_only_.Erase(b);
+  }
 }
 
 void BlockCache::SchedulePump() {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <tuple>
 
 #include "common/check.h"
 
@@ -43,8 +44,9 @@ bool SlotPool::Carve(uint64_t stride) {
   free_ranges_.erase(range);
   if (rest > 0) free_ranges_.emplace(begin + bytes, rest);
   Extent& e = extents_[begin];
-  e = Extent{.bytes = bytes, .stride = stride, .used = 0, .free = {}};
+  e = Extent{.bytes = bytes, .stride = stride, .used = 0, .free = {}, .owners = {}};
   e.free.reserve(slots);
+  e.owners.assign(slots, nullptr);
   // Hand out low addresses first (LIFO free list, so push in reverse).
   for (uint64_t i = slots; i-- > 0;) e.free.push_back(begin + i * stride);
   SizeClass& c = classes_[stride];
@@ -60,6 +62,7 @@ void SlotPool::Release(std::map<uint8_t*, Extent>::iterator it) {
   c.with_free.erase(it->first);
   --c.extents;
   empty_.erase(it->first);
+  draining_.erase(it->first);
   AddRange(free_ranges_, it->first, it->second.bytes);
   extents_.erase(it);
 }
@@ -77,23 +80,51 @@ uint8_t* SlotPool::Allocate(uint64_t block_bytes) {
   Extent& e = extents_.at(begin);
   uint8_t* slot = e.free.back();
   e.free.pop_back();
+  e.owners[static_cast<uint64_t>(slot - begin) / e.stride] = kInUse;
   if (e.used++ == 0) empty_.erase(begin);
   if (e.free.empty()) c.with_free.erase(begin);
   used_bytes_ += stride;
   return slot;
 }
 
-void SlotPool::Free(uint8_t* slot, uint64_t block_bytes) {
-  const uint64_t stride = StrideFor(block_bytes);
-  auto it = extents_.upper_bound(slot);
+SlotPool::Extent& SlotPool::ExtentOf(const uint8_t* slot,
+                                     std::map<uint8_t*, Extent>::iterator* found) {
+  auto it = extents_.upper_bound(const_cast<uint8_t*>(slot));
   KVTIER_CHECK(it != extents_.begin());
   --it;
   Extent& e = it->second;
-  KVTIER_CHECK(e.stride == stride && slot + stride <= it->first + e.bytes &&
-               static_cast<uint64_t>(slot - it->first) % stride == 0);
+  KVTIER_CHECK(slot + e.stride <= it->first + e.bytes &&
+               static_cast<uint64_t>(slot - it->first) % e.stride == 0);
+  if (found != nullptr) *found = it;
+  return e;
+}
+
+void SlotPool::SetOwner(const uint8_t* slot, void* owner) {
+  std::map<uint8_t*, Extent>::iterator it;
+  Extent& e = ExtentOf(slot, &it);
+  void*& tag = e.owners[static_cast<uint64_t>(slot - it->first) / e.stride];
+  KVTIER_CHECK(tag != nullptr);  // in use
+  tag = owner == nullptr ? kInUse : owner;
+}
+
+void SlotPool::Drain(const uint8_t* extent) {
+  auto it = extents_.find(const_cast<uint8_t*>(extent));
+  KVTIER_CHECK(it != extents_.end());
+  draining_.insert(it->first);
+  classes_[it->second.stride].with_free.erase(it->first);
+}
+
+void SlotPool::Free(uint8_t* slot, uint64_t block_bytes) {
+  const uint64_t stride = StrideFor(block_bytes);
+  std::map<uint8_t*, Extent>::iterator it;
+  Extent& e = ExtentOf(slot, &it);
+  KVTIER_CHECK(e.stride == stride);
   KVTIER_CHECK(e.used > 0 && used_bytes_ >= stride);
   e.free.push_back(slot);
-  if (e.free.size() == 1) classes_[stride].with_free.insert(it->first);
+  e.owners[static_cast<uint64_t>(slot - it->first) / stride] = nullptr;
+  // A draining extent's slots are not handed out again.
+  if (e.free.size() == 1 && draining_.count(it->first) == 0)
+    classes_[stride].with_free.insert(it->first);
   if (--e.used == 0) empty_.insert(it->first);
   used_bytes_ -= stride;
 }
@@ -130,6 +161,14 @@ bool SlotPool::holds(uint64_t block_bytes) const {
 
 std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes,
                                                             const uint8_t* prefer) const {
+  std::vector<std::span<uint8_t>> best = ExtentsToReclaim(block_bytes, prefer, 1);
+  if (best.empty()) return std::nullopt;
+  return best.front();
+}
+
+std::vector<std::span<uint8_t>> SlotPool::ExtentsToReclaim(uint64_t block_bytes,
+                                                           const uint8_t* prefer,
+                                                           size_t max) const {
   const uint64_t stride = StrideFor(block_bytes);
   const std::map<uint8_t*, uint64_t> ranges = RangesWithEmptiesReleased();
   // The free bytes right before and right after [begin, end).
@@ -141,18 +180,31 @@ std::optional<std::span<uint8_t>> SlotPool::ExtentToReclaim(uint64_t block_bytes
     }
     return bytes;
   };
-  const std::pair<uint8_t* const, Extent>* best = nullptr;
+  // Ranked: draining first, then the preferred one, then fewest in use
+  // (address order among equals).
+  struct Candidate {
+    int rank = 0;
+    uint64_t used = 0;
+    uint8_t* begin = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::vector<Candidate> all;
   for (const auto& x : extents_) {
     const Extent& e = x.second;
     if (e.stride == stride || e.used == 0) continue;
     if (e.bytes + around(x.first, x.first + e.bytes) < stride) continue;
-    if (prefer != nullptr && prefer >= x.first && prefer < x.first + e.bytes) {
-      return std::span<uint8_t>(x.first, e.bytes);
-    }
-    if (best == nullptr || e.used < best->second.used) best = &x;
+    const bool preferred = prefer != nullptr && prefer >= x.first && prefer < x.first + e.bytes;
+    const int rank = draining_.count(x.first) > 0 ? 0 : preferred ? 1 : 2;
+    all.push_back(Candidate{rank, e.used, x.first, e.bytes});
   }
-  if (best == nullptr) return std::nullopt;
-  return std::span<uint8_t>(best->first, best->second.bytes);
+  const size_t n = std::min(max, all.size());
+  std::partial_sort(all.begin(), all.begin() + static_cast<ptrdiff_t>(n), all.end(),
+                    [](const Candidate& a, const Candidate& b) {
+                      return std::tie(a.rank, a.used, a.begin) < std::tie(b.rank, b.used, b.begin);
+                    });
+  std::vector<std::span<uint8_t>> out;
+  for (size_t i = 0; i < n; ++i) out.emplace_back(all[i].begin, all[i].bytes);
+  return out;
 }
 
 }  // namespace kvtier

@@ -4,9 +4,11 @@
 // all free stays with its size until another size needs the room, and then
 // goes back to the arena (so a second block size is never starved by a
 // first one's empty extents); to empty an extent of another size that still
-// holds blocks, the owner asks ExtentToReclaim and evicts what lives there.
-// Slots are 4 KiB aligned (O_DIRECT-ready) and their stride is the block size
-// rounded up to 4 KiB.
+// holds blocks, the owner asks ExtentsToReclaim, finds what lives there
+// through the slots' owners (SetOwner, ForEachSlotInUse: 8 bytes per slot)
+// and evicts it, or Drains the extent while its blocks leave. Slots are
+// 4 KiB aligned (O_DIRECT-ready) and their stride is the block size rounded
+// up to 4 KiB.
 //
 // Thread-compatible: owned by the event-loop thread (BlockCache).
 #pragma once
@@ -54,6 +56,36 @@ class SlotPool {
   // slot in it is freed, Allocate(block_bytes) can use its room.
   std::optional<std::span<uint8_t>> ExtentToReclaim(uint64_t block_bytes,
                                                     const uint8_t* prefer = nullptr) const;
+  // Up to `max` such extents, best first: those being drained (Drain), then
+  // the one holding `prefer`, then by fewest slots in use. O(extents).
+  std::vector<std::span<uint8_t>> ExtentsToReclaim(uint64_t block_bytes, const uint8_t* prefer,
+                                                   size_t max) const;
+  // The extent that starts at `extent` hands out no more slots: its slots
+  // go back to it as they are freed, and once all are, it goes back to the
+  // arena like any empty extent. REQUIRES: `extent` starts an extent.
+  void Drain(const uint8_t* extent);
+  bool draining() const { return !draining_.empty(); }
+  bool draining(const uint8_t* extent) const {
+    return draining_.count(const_cast<uint8_t*>(extent)) > 0;
+  }
+
+  // The owner's tag of a slot in use (e.g. the block that lives there), kept
+  // until the slot is freed; nullptr until set. REQUIRES: `slot` is in use.
+  void SetOwner(const uint8_t* slot, void* owner);
+  // f(uint8_t* slot, void* owner) for each slot in use in the extent that
+  // starts at `extent`, in address order, while f returns true. O(slots of
+  // the extent).
+  template <typename F>
+  void ForEachSlotInUse(const uint8_t* extent, F&& f) const {
+    auto it = extents_.find(const_cast<uint8_t*>(extent));
+    if (it == extents_.end()) return;
+    const Extent& e = it->second;
+    for (size_t i = 0; i < e.owners.size(); ++i) {
+      void* owner = e.owners[i];
+      if (owner == nullptr) continue;  // free
+      if (!f(it->first + i * e.stride, owner == kInUse ? nullptr : owner)) return;
+    }
+  }
   // Slots handed out from the extent that starts at `extent` (as
   // ExtentToReclaim returned it); 0 for an address that starts none.
   uint64_t SlotsInUse(const uint8_t* extent) const;
@@ -67,7 +99,14 @@ class SlotPool {
     uint64_t stride = 0;
     uint64_t used = 0;           // slots handed out
     std::vector<uint8_t*> free;  // LIFO, low addresses on top at first
+    // Per slot: nullptr when free, kInUse when handed out with no owner
+    // set, else the owner's tag.
+    std::vector<void*> owners;
   };
+  // The tag of a slot handed out whose owner is not set.
+  static inline char in_use_tag_ = 0;
+  static inline void* const kInUse = &in_use_tag_;
+  Extent& ExtentOf(const uint8_t* slot, std::map<uint8_t*, Extent>::iterator* it = nullptr);
   struct SizeClass {
     std::set<uint8_t*> with_free;  // its extents with a free slot, by address
     uint64_t extents = 0;
@@ -89,6 +128,7 @@ class SlotPool {
   std::map<uint8_t*, Extent> extents_;        // carved, by address
   std::map<uint8_t*, uint64_t> free_ranges_;  // not carved: start -> bytes, coalesced
   std::set<uint8_t*> empty_;                  // extents with no slot in use
+  std::set<uint8_t*> draining_;               // extents that hand out no slots (Drain)
   std::map<uint64_t, SizeClass> classes_;  // by stride
 };
 

@@ -501,6 +501,10 @@ int main(int argc, char** argv) {
       ->transform(CLI::AsSizeValue(false));
   trace->add_option("--block-bytes", trace_options.block_bytes, "bytes per 512-token block, a multiple of 4 KiB")
       ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--host-quota", trace_options.host_quota_bytes, "the replaying tenant's host quota, 0 = none")
+      ->transform(CLI::AsSizeValue(false));
+  trace->add_option("--disk-quota", trace_options.disk_quota_bytes, "the replaying tenant's disk quota, 0 = none")
+      ->transform(CLI::AsSizeValue(false));
   trace->add_option("--clients", trace_options.clients, "client processes")->check(CLI::Range(1, 64));
   trace->add_option("--requests", trace_options.requests, "replay the first N requests only (0 = all)");
   trace->add_option("--speed", trace_options.speed, "x the trace's pace (0 = as fast as possible)")

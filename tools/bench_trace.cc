@@ -59,7 +59,14 @@ std::vector<std::string> DaemonSets(const TraceOptions& o, const std::string& se
   } else {
     sets.push_back("tiers.disk.enabled=false");
   }
-  sets.push_back("tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true}]");
+  std::string quotas;
+  if (o.host_quota_bytes > 0) quotas += "host: " + std::to_string(o.host_quota_bytes);
+  if (o.disk_quota_bytes > 0) {
+    quotas +=
+        (quotas.empty() ? "" : ", ") + std::string("disk: ") + std::to_string(o.disk_quota_bytes);
+  }
+  sets.push_back("tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true" +
+                 (quotas.empty() ? "" : ", quotas: {" + quotas + "}") + "}]");
   sets.insert(sets.end(), o.sets.begin(), o.sets.end());
   return sets;
 }
@@ -112,6 +119,10 @@ bool StartDaemon(TraceOptions& o, uint64_t stride, const StartDaemonFn& start_da
   for (const std::string& s : sets) {
     if (s.rfind("tenants=", 0) != 0) std::printf(" %s", s.c_str());
   }
+  if (o.host_quota_bytes > 0)
+    std::printf(" (tenant host quota %s)", Mib(o.host_quota_bytes).c_str());
+  if (o.disk_quota_bytes > 0)
+    std::printf(" (tenant disk quota %s)", Mib(o.disk_quota_bytes).c_str());
   std::printf("\n");
   return true;
 }
@@ -303,6 +314,8 @@ JsonFields JsonConfig(const TraceOptions& o, const ReplayCounts& sum, const Capa
       {"hbm_bytes", std::to_string(o.hbm_bytes)},
       {"host_bytes", std::to_string(o.host_bytes)},
       {"disk_bytes", std::to_string(o.disk_bytes)},
+      {"host_quota_bytes", std::to_string(o.host_quota_bytes)},
+      {"disk_quota_bytes", std::to_string(o.disk_quota_bytes)},
       {"capacity_blocks", std::to_string(cap.total())},
       {"wall_s", std::to_string(wall_s)},
   };
@@ -436,8 +449,10 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
   PrintSimulations(sim, cap, plan.requests);
   std::string target_line;
   const double hit = Pct(sum.hits, sum.accesses);
-  const std::vector<Comparison> cs =
-      Compare(hit, sim, cap, started && cap.disk == 0 && o.sets.empty(), target_line);
+  const std::vector<Comparison> cs = Compare(hit, sim, cap,
+                                             started && cap.disk == 0 && o.sets.empty() &&
+                                                 o.host_quota_bytes == 0 && o.disk_quota_bytes == 0,
+                                             target_line);
   std::printf("\n%-28s %9s %9s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio",
               "baseline is");
   for (const Comparison& c : cs) {

@@ -28,6 +28,9 @@ struct TraceOptions {
   uint64_t host_bytes = 0;
   uint64_t disk_bytes = 0;
   uint64_t block_bytes = 64 << 10;               // a multiple of 4 KiB
+  // The replaying tenant's quotas on a started daemon (0 = none).
+  uint64_t host_quota_bytes = 0;
+  uint64_t disk_quota_bytes = 0;
   uint32_t clients = 4;                          // 1..kMaxReplayClients (64)
   uint64_t requests = 0;                         // the first N requests in timestamp order; 0 = all
   double speed = 0;                              // 0 = as fast as possible; else x the trace's pace

@@ -187,6 +187,53 @@ TEST(SlotPoolTest, ExtentToReclaimIsTheLeastUsedExtentOfAnotherSize) {
   EXPECT_EQ(pool.Allocate(2 * kPage), arena.data() + 4 * kPage);
 }
 
+// The owner finds an extent's blocks through the slots' tags, and a
+// draining extent hands out no more slots until it is empty and goes to the
+// other size.
+TEST(SlotPoolTest, SlotOwnersAndDrainingExtents) {
+  MemoryMapping arena = Arena(12 * kPage);
+  SlotPool pool(arena.data(), arena.size_bytes(), 4 * kPage);
+  std::vector<uint8_t*> small;
+  for (int i = 0; i < 12; ++i) small.push_back(pool.Allocate(kPage));  // extents at 0, 4, 8 pages
+  int tags[12];
+  for (int i = 0; i < 12; ++i) pool.SetOwner(small[i], &tags[i]);
+  pool.Free(small[5], kPage);
+  std::vector<std::pair<uint8_t*, void*>> seen;
+  pool.ForEachSlotInUse(arena.data() + 4 * kPage, [&](uint8_t* slot, void* owner) {
+    seen.emplace_back(slot, owner);
+    return true;
+  });
+  EXPECT_EQ(seen, (std::vector<std::pair<uint8_t*, void*>>{
+                      {small[4], &tags[4]}, {small[6], &tags[6]}, {small[7], &tags[7]}}));
+  // Candidates: the preferred one, then the fewest in use; a draining one first.
+  std::vector<std::span<uint8_t>> c = pool.ExtentsToReclaim(2 * kPage, small[9], 3);
+  ASSERT_EQ(c.size(), 3u);
+  EXPECT_EQ(c[0].data(), arena.data() + 8 * kPage);
+  EXPECT_EQ(c[1].data(), arena.data() + 4 * kPage);
+  EXPECT_EQ(c[2].data(), arena.data());
+  pool.Drain(arena.data() + 4 * kPage);
+  EXPECT_TRUE(pool.draining());
+  EXPECT_EQ(pool.ExtentsToReclaim(2 * kPage, small[9], 3)[0].data(), arena.data() + 4 * kPage);
+  // Its freed slots are not handed out again.
+  pool.Free(small[6], kPage);
+  EXPECT_EQ(pool.Allocate(kPage), nullptr) << "only the draining extent has free slots";
+  // A slot handed out has no owner until one is set.
+  pool.Free(small[0], kPage);
+  uint8_t* again = pool.Allocate(kPage);
+  ASSERT_EQ(again, small[0]);
+  pool.ForEachSlotInUse(arena.data(), [&](uint8_t* slot, void* owner) {
+    if (slot == again) {
+      EXPECT_EQ(owner, nullptr);
+    }
+    return true;
+  });
+  // Once empty, it goes to the other size.
+  pool.Free(small[4], kPage);
+  pool.Free(small[7], kPage);
+  EXPECT_EQ(pool.Allocate(2 * kPage), arena.data() + 4 * kPage);
+  EXPECT_FALSE(pool.draining());
+}
+
 TEST(SlotPoolTest, LastExtentIsShorter) {
   // 5 slots of 2 pages, extents of 4 pages (2 slots): 2 + 2 + 1.
   MemoryMapping arena = Arena(10 * kPage);
