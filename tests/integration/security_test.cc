@@ -365,7 +365,7 @@ TEST(SecurityTest, AnotherTenantsLookupLatencyHoldsWhileOneLoopsNamespacesAndEvi
   std::optional<ThreeTenants> tenants = StartThreeTenants(
       "", {"tiers.host.bytes=320MiB", "policy.watermarks.host={high: 1.0, low: 0.99}"});
   ASSERT_TRUE(tenants.has_value());
-  auto& [d, a, b, ops] = *tenants;
+  auto& a = tenants->a;
   const Layout small = Layout::Create(LayoutSpec{.model_id = "kvtier/latency", .num_layers = 1,
                                                  .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 1,
                                                  .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
@@ -382,15 +382,17 @@ TEST(SecurityTest, AnotherTenantsLookupLatencyHoldsWhileOneLoopsNamespacesAndEvi
     ASSERT_EQ(a->Store(id, keys, ids).value().blocks, kPrompt);
     if (p == 0) first.assign(keys.begin(), keys.begin() + 128);
   }
+  Client& abuser = *tenants->b;  // (lambdas cannot capture structured bindings in C++20)
+  Client& admin_client = *tenants->ops;
   const double alone = LookupP99WhileAbused(*a, id, first, nullptr);
   const double tenant = LookupP99WhileAbused(*a, id, first, [&, i = 0]() mutable {
     if (i++ % 2) {
-      (void)b->ListNamespaces();
+      (void)abuser.ListNamespaces();
     } else {
-      (void)b->Evict();
+      (void)abuser.Evict();
     }
   });
-  const double admin = LookupP99WhileAbused(*a, id, first, [&] { (void)ops->ListNamespaces("*"); });
+  const double admin = LookupP99WhileAbused(*a, id, first, [&] { (void)admin_client.ListNamespaces("*"); });
   // Generous: the abuser's own round trips take CPU from the victim on a
   // small (and, under sanitizers, slow) machine; a walk of the cache costs
   // milliseconds per call.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/mutex.h"
+#include "tests/tiers/disk/cache_loop.h"
 #include "tests/tiers/disk/faulty_device.h"
 #include "tests/tiers/disk/memory_device.h"
 #include "tests/tiers/tiers_test_util.h"
@@ -74,11 +75,7 @@ class QuotaTest : public ::testing::Test {
   uint64_t DiskInflight() const { return disk_ ? disk_->inflight() : 0; }
 
   void Open(const QuotaConfig& c) {
-    BlockCache::Post post = [this](std::function<void()> f) {
-      MutexLock lock(&mu_);
-      posted_.push_back(std::move(f));
-      cv_.SignalAll();
-    };
+    const BlockCache::Post post = loop_.post();
     if (c.disk) OpenDisk(c, post);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
     BlockCache::Options o{.backend = backend_.get(),
@@ -102,43 +99,15 @@ class QuotaTest : public ::testing::Test {
   void OpenDisk(const QuotaConfig& c, const BlockCache::Post& post) {
     memory_ = std::make_unique<MemoryDevice>(c.disk_regions * kRegionBytes);
     faulty_ = std::make_unique<FaultyDevice>(memory_.get());
-    disk_ = DiskTier::Open(
-                {.devices = {faulty_.get()},
-                 .index_path = dir_ + "/index",
-                 .region_bytes = kRegionBytes,
-                 .post = post,
-                 .reclaim =
-                     [this](const StoredKey& key, const DiskLocation& where, bool may_carry) {
-                       return cache_->ReclaimFromDisk(key, where, may_carry);
-                     },
-                 .relocated =
-                     [this](const StoredKey& key, Result<DiskLocation> now) {
-                       cache_->FinishRelocation(key, std::move(now));
-                     }})
-                .value();
+    disk_ = tiers_test::OpenDiskUnder(&cache_, {faulty_.get()}, dir_ + "/index", kRegionBytes, post).value();
   }
 
-  bool Drain(const std::function<bool()>& until, std::chrono::seconds timeout = 30s) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!until()) {
-      std::deque<std::function<void()>> batch;
-      {
-        MutexLock lock(&mu_);
-        while (posted_.empty()) {
-          if (!cv_.WaitFor(&mu_, deadline - std::chrono::steady_clock::now())) return until();
-        }
-        batch.swap(posted_);
-      }
-      for (auto& f : batch) f();
-    }
-    return true;
-  }
+  bool Drain(const std::function<bool()>& until) { return loop_.Drain(until); }
   // Every copy and disk operation done, and what they posted run.
   bool Settle() {
     return Drain([&] {
       if (cache_->inflight_copies() != 0 || DiskInflight() != 0) return false;
-      MutexLock lock(&mu_);
-      return posted_.empty();
+      return loop_.empty();
     });
   }
 
@@ -202,12 +171,10 @@ class QuotaTest : public ::testing::Test {
   }
   uint64_t BlockBytes() const { return engine_->block_bytes(); }
 
+  tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
   std::mt19937_64 rng_{7};
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
   std::unique_ptr<HostBackend> backend_;
   std::unique_ptr<EngineMemory> engine_;
   std::unique_ptr<MemoryDevice> memory_;

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/mutex.h"
+#include "tests/tiers/disk/cache_loop.h"
 #include "tests/tiers/disk/memory_device.h"
 #include "tests/tiers/tiers_test_util.h"
 #include "tiers/block_cache.h"
@@ -128,7 +129,7 @@ class NamespaceCacheTest : public ::testing::Test {
   }
   void TearDown() override {
     if (cache_) {
-      EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+      EXPECT_TRUE(loop_.Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
     }
     cache_.reset();
     disk_.reset();
@@ -136,24 +137,10 @@ class NamespaceCacheTest : public ::testing::Test {
   }
 
   void Open(uint32_t max_namespaces, uint32_t max_per_tenant, uint64_t host_slots = 16) {
-    BlockCache::Post post = [this](std::function<void()> f) {
-      MutexLock lock(&mu_);
-      posted_.push_back(std::move(f));
-      cv_.SignalAll();
-    };
-    disk_ = DiskTier::Open({.devices = {device_.get()},
-                            .index_path = dir_ + "/index",
-                            .region_bytes = kRegionBytes,
-                            .post = post,
-                            .reclaim = [this](const StoredKey& key, const DiskLocation& where,
-                                              bool may_carry) { return cache_->ReclaimFromDisk(key, where, may_carry); },
-                            .relocated = [this](const StoredKey& key, Result<DiskLocation> now) {
-                              cache_->FinishRelocation(key, std::move(now));
-                            }})
-                .value();
+    disk_ = tiers_test::OpenDiskUnder(&cache_, {device_.get()}, dir_ + "/index", kRegionBytes, loop_.post()).value();
     BlockCache::Options o;
     o.backend = backend_.get();
-    o.post = post;
+    o.post = loop_.post();
     o.host_bytes = host_slots * SlotPool::StrideFor(engine_->block_bytes());
     o.host_watermarks = {.high = 0.5, .low = 0.25};
     o.disk = disk_.get();
@@ -164,21 +151,7 @@ class NamespaceCacheTest : public ::testing::Test {
     cache_->SetTenantName(kOther, "t2");
   }
 
-  bool Drain(const std::function<bool()>& until, std::chrono::seconds timeout = 60s) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!until()) {
-      std::deque<std::function<void()>> batch;
-      {
-        MutexLock lock(&mu_);
-        while (posted_.empty()) {
-          if (!cv_.WaitFor(&mu_, deadline - std::chrono::steady_clock::now())) return until();
-        }
-        batch.swap(posted_);
-      }
-      for (auto& f : batch) f();
-    }
-    return true;
-  }
+  bool Drain(const std::function<bool()>& until) { return loop_.Drain(until, 60s); }
 
   // The layout of model `n`: the engine's shape under another model id.
   std::shared_ptr<const KvCacheLayout> LayoutOf(uint64_t n) {
@@ -239,6 +212,7 @@ class NamespaceCacheTest : public ::testing::Test {
     return cache_->Usage(Tier::kHost).blocks + cache_->Usage(Tier::kDisk).blocks;
   }
 
+  tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
   std::mt19937_64 rng_{7};
   std::unique_ptr<HostBackend> backend_;
@@ -247,9 +221,6 @@ class NamespaceCacheTest : public ::testing::Test {
   std::unique_ptr<DiskTier> disk_;
   std::unique_ptr<BlockCache> cache_;
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
 };
 
 // The hostile loop: more distinct layouts than 16 bits can name, one block

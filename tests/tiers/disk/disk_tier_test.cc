@@ -19,6 +19,7 @@
 
 #include "common/block_pattern.h"
 #include "common/mutex.h"
+#include "tests/tiers/disk/cache_loop.h"
 #include "tests/tiers/disk/faulty_device.h"
 #include "tests/tiers/disk/memory_device.h"
 #include "tests/tiers/tiers_test_util.h"
@@ -58,23 +59,9 @@ class DiskTierTest : public ::testing::Test {
   // cache over it, adopting what the index holds.
   void Open(uint64_t hbm_slots = 0, uint64_t host_slots = 8, TierWatermarks host_marks = {.high = 0.9, .low = 0.5},
             uint64_t budget_per_day = 0, bool write_through = false) {
-    BlockCache::Post post = [this](std::function<void()> f) {
-      MutexLock lock(&mu_);
-      posted_.push_back(std::move(f));
-      cv_.SignalAll();
-    };
-    Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
-        {.devices = {faulty_.get()},
-         .index_path = index_path_,
-         .region_bytes = kRegionBytes,
-         .post = post,
-         .reclaim = [this](
-                        const StoredKey& key, const DiskLocation& where,
-                        bool may_carry) { return cache_->ReclaimFromDisk(key, where, may_carry); },
-         .relocated =
-             [this](const StoredKey& key, Result<DiskLocation> now) {
-               return cache_->FinishRelocation(key, std::move(now));
-             }});
+    const BlockCache::Post post = loop_.post();
+    Result<std::unique_ptr<DiskTier>> disk =
+        tiers_test::OpenDiskUnder(&cache_, {faulty_.get()}, index_path_, kRegionBytes, post);
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
@@ -105,19 +92,7 @@ class DiskTierTest : public ::testing::Test {
   }
 
   bool Drain(const std::function<bool()>& until, std::chrono::seconds timeout = 30s) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!until()) {
-      std::deque<std::function<void()>> batch;
-      {
-        MutexLock lock(&mu_);
-        while (posted_.empty()) {
-          if (!cv_.WaitFor(&mu_, deadline - std::chrono::steady_clock::now())) return until();
-        }
-        batch.swap(posted_);
-      }
-      for (auto& f : batch) f();
-    }
-    return true;
+    return loop_.Drain(until, timeout);
   }
 
   EngineTarget Target() { return {engine_->layout(), engine_->mapping()}; }
@@ -195,6 +170,7 @@ class DiskTierTest : public ::testing::Test {
     return out;
   }
 
+  tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
   std::string index_path_;
   uint32_t promotion_min_hits_ = 0;
@@ -208,9 +184,6 @@ class DiskTierTest : public ::testing::Test {
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
   uint64_t adopted_ = 0;
   std::chrono::steady_clock::time_point now_{};  // the manual clock
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
 };
 
 TEST_F(DiskTierTest, RoundTripThroughAllThreeTiersIsByteExact) {
