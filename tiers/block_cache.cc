@@ -661,8 +661,8 @@ uint64_t BlockCache::Evict(std::optional<std::vector<TenantId>> owners, std::opt
     });
     for (const StoredKey& key : disk_victims) {
       DiskOnlyBlock* b = disk_only_.Find(key);
-      options_.disk->Forget(key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
-                                                           b->block_bytes));
+      options_.disk->Forget(
+          key, options_.disk->LocationOf(b->device, b->offset_bytes(), b->block_bytes));
       Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
       CountEviction(Tier::kDisk, b->owner);
       disk_only_.Erase(b);

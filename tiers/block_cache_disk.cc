@@ -39,7 +39,7 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   e->hits = copy.hits;
   e->state = EntryState::kReady;
   e->on_disk = true;
-  e->disk = options_.disk->LocationOf(copy.device, uint64_t{copy.offset_pages} * kRecordAlignBytes, copy.block_bytes);
+  e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes);
   return e;  // its checksum comes with the read (has_checksum stays false until then)
 }
 
@@ -55,11 +55,12 @@ void BlockCache::Dematerialize(BlockEntry* e) {
     index_.Erase(e);
     return;
   }
-  KVTIER_CHECK(e->disk.offset % kRecordAlignBytes == 0 && e->disk.device <= UINT8_MAX &&
-               e->disk.offset / kRecordAlignBytes <= UINT32_MAX && e->ns <= UINT16_MAX);
+  // The tier's devices are at most kMaxDiskPathBytes (DiskTier::Open): every
+  // offset fits (set_offset_bytes checks it).
+  KVTIER_CHECK(e->disk.device <= UINT8_MAX && e->ns <= UINT16_MAX);
   DiskOnlyBlock b;
   b.key = e->key;
-  b.offset_pages = static_cast<uint32_t>(e->disk.offset / kRecordAlignBytes);
+  b.set_offset_bytes(e->disk.offset);
   b.block_bytes = e->block_bytes;
   b.owner = e->owner;
   b.ns = static_cast<uint16_t>(e->ns);
@@ -239,14 +240,16 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   uint64_t adopted = 0;
   for (const DiskRecord& r : records) {
     auto owner = std::find(tenant_names_.begin(), tenant_names_.end(), r.header.owner);
-    if (owner == tenant_names_.end() || r.header.owner.empty() || index_.Find(r.header.key) != nullptr ||
-        disk_only_.Find(r.header.key) != nullptr || r.location.device > UINT8_MAX) {
+    if (owner == tenant_names_.end() || r.header.owner.empty() ||
+        index_.Find(r.header.key) != nullptr || disk_only_.Find(r.header.key) != nullptr ||
+        r.location.device > UINT8_MAX || r.location.offset % kRecordAlignBytes != 0 ||
+        r.location.offset >= DiskOnlyBlock::kOffsetLimitBytes) {
       options_.disk->Forget(r.header.key, r.location);
       continue;
     }
     DiskOnlyBlock b;
     b.key = r.header.key;
-    b.offset_pages = static_cast<uint32_t>(r.location.offset / kRecordAlignBytes);
+    b.set_offset_bytes(r.location.offset);
     b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
     b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
     b.ns = static_cast<uint16_t>(NamespaceId(r.header.ns));
@@ -265,7 +268,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   };
   DiskOnlyBlock* b = disk_only_.Find(key);
   BlockEntry* e = b == nullptr ? index_.Find(key) : nullptr;
-  if (b != nullptr ? !is_here(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes)
+  if (b != nullptr ? !is_here(b->device, b->offset_bytes())
                    : (e == nullptr || !e->on_disk || !is_here(e->disk.device, e->disk.offset))) {
     return {ReclaimAction::kStale};
   }

@@ -103,8 +103,7 @@ void BlockCache::PumpVerify() {
     // or left are no records to check.
     uint32_t block_bytes = 0;
     if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
-      if (b->device == item.location.device &&
-          uint64_t{b->offset_pages} * kRecordAlignBytes == item.location.offset) {
+      if (b->device == item.location.device && b->offset_bytes() == item.location.offset) {
         block_bytes = b->block_bytes;
       }
     } else if (const BlockEntry* e = index_.Find(item.key);
@@ -168,7 +167,7 @@ void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, siz
     // and nothing is reading it right now (a load that is reads it and
     // finds the same fault itself).
     if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
-      if (b->device == where.device && uint64_t{b->offset_pages} * kRecordAlignBytes == where.offset) {
+      if (b->device == where.device && b->offset_bytes() == where.offset) {
         options_.disk->Forget(key, where);
         Charge(Tier::kDisk, b->owner, b->block_bytes, -1);
         CountEviction(Tier::kDisk, b->owner);
