@@ -23,6 +23,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/disk_limits.h"
 #include "common/secret.h"
 #include "config/size.h"
 #include "config/startup_rules.h"
@@ -553,9 +554,17 @@ void ReadTiers(Context* ctx, const YAML::Node& node, Config::Tiers* tiers) {
     }
     constexpr uint64_t kAlign = 4096;
     constexpr uint64_t kMinRegion = 1ull << 20;
+    if (d.bytes > kMaxDiskPathBytes) {
+      ctx->ErrorAt("tiers.disk.bytes", "is " + FormatSize(d.bytes) +
+                                           " per path; the disk tier supports at most " +
+                                           FormatSize(kMaxDiskPathBytes) + " (2 PiB)");
+    }
     if (d.region_bytes % kAlign != 0 || d.region_bytes < kMinRegion) {
       ctx->ErrorAt("tiers.disk.region_bytes", "must be a multiple of 4KiB and at least 1MiB, got " +
                                                   FormatSize(d.region_bytes));
+    } else if (d.region_bytes > kMaxDiskRegionBytes) {
+      ctx->ErrorAt("tiers.disk.region_bytes",
+                   "must be below 16TiB, got " + FormatSize(d.region_bytes));
     } else if (d.bytes / d.region_bytes < 2) {
       ctx->ErrorAt("tiers.disk.bytes", "must hold at least two regions of " +
                                            FormatSize(d.region_bytes) + ", got " + FormatSize(d.bytes));

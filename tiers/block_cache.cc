@@ -215,6 +215,15 @@ void BlockCache::Drop(BlockEntry* e) {
 }
 
 
+void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
+  if (forget) {
+    options_.disk->Forget(b->key, options_.disk->LocationOf(b->device, b->offset_bytes(), b->block_bytes));
+  }
+  CountEviction(Tier::kDisk, b->owner);
+  Charge(*b, -1);
+  disk_only_.Erase(b);
+}
+
 BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {
   BlockEntry* fallback = nullptr;
   uint32_t scanned = 0;

@@ -363,6 +363,9 @@ class BlockCache {
   // With clean_only, only blocks that still have their disk record.
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
+  // Drops a block that lives only on disk (counted as a disk eviction); its
+  // record is forgotten unless `forget` is false (a reclaim deletes it).
+  void DropDiskOnly(DiskOnlyBlock* b, bool forget = true);
   // Empties an extent of another size for `bytes`. Candidates (at most
   // kExtentCandidates, from SlotPool::ExtentsToReclaim): an extent already
   // draining, the one holding the `coldest` block's slot, then those with

@@ -52,7 +52,7 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   e->hits = copy.hits;
   e->state = EntryState::kReady;
   e->on_disk = true;
-  e->disk = options_.disk->LocationOf(copy.device, uint64_t{copy.offset_pages} * kRecordAlignBytes, copy.block_bytes);
+  e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes);
   return e;  // its checksum comes with the read (has_checksum stays false until then)
 }
 
@@ -68,11 +68,12 @@ void BlockCache::Dematerialize(BlockEntry* e) {
     index_.Erase(e);
     return;
   }
-  KVTIER_CHECK(e->disk.offset % kRecordAlignBytes == 0 && e->disk.device <= UINT8_MAX &&
-               e->disk.offset / kRecordAlignBytes <= UINT32_MAX && e->ns <= UINT16_MAX);
+  // The tier's devices are at most kMaxDiskPathBytes (DiskTier::Open): every
+  // offset fits (set_offset_bytes checks it).
+  KVTIER_CHECK(e->disk.device <= UINT8_MAX && e->ns <= UINT16_MAX);
   DiskOnlyBlock b;
   b.key = e->key;
-  b.offset_pages = static_cast<uint32_t>(e->disk.offset / kRecordAlignBytes);
+  b.set_offset_bytes(e->disk.offset);
   b.block_bytes = e->block_bytes;
   b.owner = e->owner;
   b.ns = static_cast<uint16_t>(e->ns);
@@ -258,14 +259,16 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
   uint64_t adopted = 0;
   for (const DiskRecord& r : records) {
     auto owner = std::find(tenant_names_.begin(), tenant_names_.end(), r.header.owner);
-    if (owner == tenant_names_.end() || r.header.owner.empty() || index_.Find(r.header.key) != nullptr ||
-        disk_only_.Find(r.header.key) != nullptr || r.location.device > UINT8_MAX) {
+    if (owner == tenant_names_.end() || r.header.owner.empty() ||
+        index_.Find(r.header.key) != nullptr || disk_only_.Find(r.header.key) != nullptr ||
+        r.location.device > UINT8_MAX || r.location.offset % kRecordAlignBytes != 0 ||
+        r.location.offset >= DiskOnlyBlock::kOffsetLimitBytes) {
       options_.disk->Forget(r.header.key, r.location);
       continue;
     }
     DiskOnlyBlock b;
     b.key = r.header.key;
-    b.offset_pages = static_cast<uint32_t>(r.location.offset / kRecordAlignBytes);
+    b.set_offset_bytes(r.location.offset);
     b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
     b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
     Result<uint32_t> ns = namespaces_.IdFor(r.header.ns);
@@ -295,7 +298,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   };
   DiskOnlyBlock* b = disk_only_.Find(key);
   BlockEntry* e = b == nullptr ? index_.Find(key) : nullptr;
-  if (b != nullptr ? !is_here(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes)
+  if (b != nullptr ? !is_here(b->device, b->offset_bytes())
                    : (e == nullptr || !e->on_disk || !is_here(e->disk.device, e->disk.offset))) {
     return {ReclaimAction::kStale};
   }
@@ -317,9 +320,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
     return {ReclaimAction::kDropped};
   }
   if (b != nullptr && b->hits == 0) {
-    CountEviction(Tier::kDisk, b->owner);
-    Charge(*b, -1);
-    disk_only_.Erase(b);
+    DropDiskOnly(b, /*forget=*/false);
     return {ReclaimAction::kDropped};
   }
   if (e == nullptr) e = Materialize(key);
@@ -521,7 +522,7 @@ bool BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
 
 bool BlockCache::IsCurrentRecord(const DiskWriteLog::Record& r) {
   if (DiskOnlyBlock* b = disk_only_.Find(r.key); b != nullptr) {
-    return DiskWriteLog::Where(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes) == r.where;
+    return DiskWriteLog::Where(b->device, b->offset_bytes()) == r.where;
   }
   const BlockEntry* e = index_.Find(r.key);
   return e != nullptr && e->on_disk &&
@@ -556,13 +557,8 @@ void BlockCache::EnforceDiskQuota(TenantId owner, uint32_t max_steps, const Stor
       log.Push(r);  // in memory (hit since) or busy (read, leased, carried): another round
       continue;
     }
-    options_.disk->Forget(
-        r.key, options_.disk->LocationOf(b->device, uint64_t{b->offset_pages} * kRecordAlignBytes,
-                                         b->block_bytes));
-    Charge(*b, -1);
-    CountEviction(Tier::kDisk, owner);
     ++counters_.disk_quota_evictions;
-    disk_only_.Erase(b);
+    DropDiskOnly(b);
   }
 }
 

@@ -101,14 +101,11 @@ void BlockCache::PumpEvict() {
       ++job.disk.next;
       DiskOnlyBlock* b = disk_only_.Find(r->key);
       if (b == nullptr || b->device != r->location.device ||
-          uint64_t{b->offset_pages} * kRecordAlignBytes != r->location.offset ||
+          b->offset_bytes() != r->location.offset ||
           !EvictMatches(job, b->owner, b->ns)) {
         continue;
       }
-      options_.disk->Forget(r->key, r->location);
-      Charge(*b, -1);
-      CountEviction(Tier::kDisk, b->owner);
-      disk_only_.Erase(b);
+      DropDiskOnly(b);
       ++job.evicted;
     }
   } else {
@@ -163,8 +160,7 @@ void BlockCache::PumpVerify() {
     // or left are no records to check.
     uint32_t block_bytes = 0;
     if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
-      if (b->device == item.location.device &&
-          uint64_t{b->offset_pages} * kRecordAlignBytes == item.location.offset) {
+      if (b->device == item.location.device && b->offset_bytes() == item.location.offset) {
         block_bytes = b->block_bytes;
       }
     } else if (const BlockEntry* e = index_.Find(item.key);
@@ -228,11 +224,8 @@ void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, siz
     // and nothing is reading it right now (a load that is reads it and
     // finds the same fault itself).
     if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
-      if (b->device == where.device && uint64_t{b->offset_pages} * kRecordAlignBytes == where.offset) {
-        options_.disk->Forget(key, where);
-        Charge(*b, -1);
-        CountEviction(Tier::kDisk, b->owner);
-        disk_only_.Erase(b);
+      if (b->device == where.device && b->offset_bytes() == where.offset) {
+        DropDiskOnly(b);
       }
     } else if (BlockEntry* e = index_.Find(key); e != nullptr && e->on_disk && SameRecord(e->disk, where) &&
                                                  !e->moving && e->leases == 0) {

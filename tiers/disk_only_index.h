@@ -15,22 +15,41 @@
 
 #include <cstdint>
 
+#include "common/disk_limits.h"
 #include "common/key128.h"
+#include "tiers/disk/record.h"
 #include "tiers/open_table.h"
 
 namespace kvtier {
 
 struct DiskOnlyBlock {
+  // Record offsets below this fit: 39 bits of 4 KiB pages (2 PiB), as many
+  // as a disk path may have.
+  static constexpr uint64_t kOffsetLimitBytes = (uint64_t{1} << 39) * kRecordAlignBytes;
+
   StoredKey key;
-  uint32_t offset_pages = 0;  // record offset in its device, in 4 KiB pages
   uint32_t block_bytes = 0;
   uint16_t owner = 0;
   uint16_t ns = 0;
   uint16_t hits = 0;
   uint8_t device = 0;
-  uint8_t used = 0;  // set by the index: 0 marks an empty slot
+  uint8_t used : 1 = 0;  // set by the index: 0 marks an empty slot
+
+  // The record's offset in its device.
+  uint64_t offset_bytes() const {
+    return ((uint64_t{offset_pages_high_} << 32) | offset_pages_low_) * kRecordAlignBytes;
+  }
+  // REQUIRES (checked): `offset` is a multiple of 4 KiB below kOffsetLimitBytes.
+  void set_offset_bytes(uint64_t offset);
+
+ private:
+  // The offset in 4 KiB pages, split so that the block stays 32 bytes.
+  uint8_t offset_pages_high_ : 7 = 0;
+  uint32_t offset_pages_low_ = 0;
 };
 static_assert(sizeof(DiskOnlyBlock) == 32);
+static_assert(DiskOnlyBlock::kOffsetLimitBytes >= kMaxDiskPathBytes,
+              "every record offset of a disk path must fit a DiskOnlyBlock");
 
 class DiskOnlyIndex {
  public:

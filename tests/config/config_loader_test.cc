@@ -176,6 +176,18 @@ TEST_F(ConfigLoaderTest, ReportsEveryErrorAtOnce) {
   EXPECT_THAT(e, HasSubstr(":7: log.level: expected one of trace, debug, info, warn, error, critical, off"));
 }
 
+// Paths past 16 TiB (a 30.72 TB NVMe drive) load, up to the 2 PiB the disk
+// tier addresses; one byte more is refused (ConfigValidationTest).
+TEST_F(ConfigLoaderTest, DiskPathsLargerThan16TiBLoad) {
+  for (const auto& [set, bytes] :
+       {std::pair<std::string, uint64_t>{"30720GB", 30720ull * 1000 * 1000 * 1000},
+        {"2048TiB", 2048ull << 40}}) {
+    Result<Config> c = LoadYaml("", {"tiers.disk.bytes=" + set, "tiers.disk.region_bytes=1GiB"});
+    ASSERT_TRUE(c.has_value()) << set << ": " << c.error();
+    EXPECT_EQ(c->tiers.disk.bytes, bytes);
+  }
+}
+
 struct BadCase {
   std::string name;
   std::string yaml;
@@ -233,6 +245,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"DiskPathsNotAList", "", {"tiers.disk.paths=/a"}, "tiers.disk.paths: expected a list such as [a, b], got '/a'"},
         BadCase{"RegionUnaligned", "", {"tiers.disk.region_bytes=1000000"}, "tiers.disk.region_bytes: must be a multiple of 4KiB and at least 1MiB"},
         BadCase{"DiskSmallerThanTwoRegions", "", {"tiers.disk.bytes=100MiB"}, "tiers.disk.bytes: must hold at least two regions of 64MiB, got 100MiB"},
+        BadCase{"DiskPathLargerThanSupported", "", {"tiers.disk.bytes=2049TiB"}, "tiers.disk.bytes: is 2049TiB per path; the disk tier supports at most 2048TiB (2 PiB)"},
+        BadCase{"RegionLargerThanSupported", "", {"tiers.disk.bytes=100TiB", "tiers.disk.region_bytes=16TiB"}, "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"},
         BadCase{"HbmDuplicateDevice", "", {"tiers.hbm.devices=[0, 1, 0]"}, "tiers.hbm.devices: lists a device twice"},
         BadCase{"HbmTwoDevices", "", {"tiers.hbm.enabled=true", "tiers.hbm.devices=[0, 1]"}, "--set tiers.hbm.devices=[0, 1]: tiers.hbm.devices: lists 2 devices, but one kvtierd serves the hbm tier of one GPU"},
         BadCase{"DiskBytesUnaligned", "tiers:\n  disk:\n    bytes: 100GB\n", {}, ":3: tiers.disk.bytes: must be a multiple of 4KiB (e.g. in MiB or GiB), got 100GB (100000000000 bytes)"},

@@ -105,7 +105,7 @@ TEST(DiskOnlyIndexTest, InsertFindEraseAgainstAModel) {
     if (op < 2 || keys.empty()) {
       DiskOnlyBlock b;
       b.key = RandomKey(rng);
-      b.offset_pages = static_cast<uint32_t>(rng());
+      b.set_offset_bytes((rng() % (DiskOnlyBlock::kOffsetLimitBytes / 4096)) * 4096);
       b.block_bytes = static_cast<uint32_t>(step);
       index.Insert(b);
       model[b.key] = b.block_bytes;
@@ -230,6 +230,57 @@ TEST(DiskOnlyIndexTest, EachCallMigratesABoundedNumberOfSlots) {
     }
   }
   EXPECT_GE(migrations, 8);
+}
+
+// Record offsets past 16 TiB (where 32-bit page numbers end) up to the 2 PiB
+// limit come back exactly, next to every other field at its maximum; an
+// offset whose low 32 bits of pages are zero is still a block, not an empty
+// slot.
+TEST(DiskOnlyIndexTest, OffsetsPast16TiBRoundTrip) {
+  constexpr uint64_t k16TiB = uint64_t{1} << 44;
+  const std::vector<uint64_t> offsets = {0,
+                                         4096,
+                                         k16TiB - 4096,
+                                         k16TiB,
+                                         k16TiB + 4096,
+                                         3 * k16TiB,
+                                         30720ull * 1000 * 1000 * 1000 / 4096 * 4096,
+                                         kMaxDiskPathBytes - 8192,
+                                         DiskOnlyBlock::kOffsetLimitBytes - 4096};
+  std::mt19937_64 rng(8);
+  DiskOnlyIndex index;
+  std::vector<StoredKey> keys;
+  for (uint64_t offset : offsets) {
+    DiskOnlyBlock b;
+    b.key = RandomKey(rng);
+    b.set_offset_bytes(offset);
+    b.block_bytes = UINT32_MAX;
+    b.owner = b.ns = b.hits = UINT16_MAX;
+    b.device = UINT8_MAX;
+    ASSERT_EQ(b.offset_bytes(), offset);
+    index.Insert(b);
+    keys.push_back(b.key);
+  }
+  ASSERT_EQ(index.size(), offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    const DiskOnlyBlock* b = index.Find(keys[i]);
+    ASSERT_NE(b, nullptr) << "offset " << offsets[i];
+    EXPECT_EQ(b->offset_bytes(), offsets[i]);
+    EXPECT_EQ(b->block_bytes, UINT32_MAX);
+    EXPECT_EQ(b->hits, UINT16_MAX);
+    EXPECT_EQ(b->device, UINT8_MAX);
+  }
+  size_t seen = 0;
+  index.ForEach([&](const DiskOnlyBlock&) { ++seen; });
+  EXPECT_EQ(seen, offsets.size());
+}
+
+TEST(DiskOnlyIndexDeathTest, AnOffsetPastTheLimitIsABrokenInvariant) {
+  DiskOnlyBlock b;
+  EXPECT_DEATH(b.set_offset_bytes(DiskOnlyBlock::kOffsetLimitBytes),
+               "must be 4 KiB aligned and below 2 PiB");
+  EXPECT_DEATH(b.set_offset_bytes((uint64_t{1} << 44) + 1),
+               "must be 4 KiB aligned and below 2 PiB");
 }
 
 TEST(DiskOnlyIndexTest, CostsAtMostSixtyFourBytesPerBlock) {

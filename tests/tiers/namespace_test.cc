@@ -320,5 +320,34 @@ TEST_F(NamespaceCacheTest, AnEvictByLayoutDropsOnlyThatLayoutEvenAcrossSteps) {
   EXPECT_TRUE(Store(kOther, NewKey(), LayoutOf(2)).status.ok()) << "after the evict, the id is free";
 }
 
+// An Evict of blocks that live only on disk walks the disk's records and
+// gives their room back to the tier (its accounting, and the index).
+TEST_F(NamespaceCacheTest, AnEvictOfDiskBlocksGivesTheirRoomBack) {
+  Open(/*max_namespaces=*/8, /*max_per_tenant=*/8, /*host_slots=*/8);
+  std::vector<StoredKey> keys;
+  for (int i = 0; i < 24; ++i) {
+    keys.push_back(NewKey());
+    ASSERT_TRUE(Store(kTenant, keys.back(), LayoutOf(i % 2)).status.ok());
+  }
+  ASSERT_GT(cache_->FlushToDisk(), 0u);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  const uint64_t on_disk = cache_->Usage(Tier::kDisk).blocks;
+  ASSERT_GT(on_disk, 8u);
+  ASSERT_GT(disk_->used_bytes(), 0u);
+  EvictFilter disk_only;
+  disk_only.tier = Tier::kDisk;
+  EXPECT_EQ(EvictNow(ByLayout(1, kOther)), 0u) << "another tenant's filter matches nothing";
+  const uint64_t evicted = EvictNow(disk_only);
+  EXPECT_GT(evicted, 0u);
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, on_disk - evicted);
+  EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, 0u) << "nothing was leased or moving";
+  EXPECT_EQ(disk_->live_records(), 0u);
+  EXPECT_EQ(disk_->used_bytes(), 0u) << "the records' bytes went back to the tier";
+  for (const StoredKey& k : keys) {
+    const CacheLookup l = cache_->Lookup(kTenant, std::span(&k, 1));
+    EXPECT_TRUE(l.hits == 0 || l.tiers[0] == Tier::kHost);
+  }
+}
+
 }  // namespace
 }  // namespace kvtier

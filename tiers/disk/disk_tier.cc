@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common/check.h"
+#include "common/disk_limits.h"
 #include "common/layout.h"
 #include "common/mutex.h"
 
@@ -179,7 +180,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
     return Err(InvalidArgument("DiskTier: devices, post, reclaim and relocated are required"));
   }
   if (options.region_bytes == 0 || options.region_bytes % kRecordAlignBytes != 0 ||
-      options.region_bytes / kRecordAlignBytes > UINT32_MAX) {
+      options.region_bytes > kMaxDiskRegionBytes) {
     return Err(InvalidArgument(
         "DiskTier: region_bytes must be a positive multiple of 4 KiB, below 16 TiB"));
   }
@@ -187,9 +188,21 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   std::unique_ptr<DiskTier> tier(new DiskTier(std::move(options)));
   tier->SetWatermarks(tier->options_.high_watermark, tier->options_.low_watermark);
   for (BlockDevice* d : tier->options_.devices) {
+    // Record offsets and region numbers past these would not fit the
+    // owner's and the tier's own fields.
+    if (d->size_bytes() > kMaxDiskPathBytes) {
+      return Err(InvalidArgument("disk device " + d->name() + " has " +
+                                 std::to_string(d->size_bytes()) + " bytes; at most " +
+                                 std::to_string(kMaxDiskPathBytes) + " (2 PiB) are supported"));
+    }
     const uint64_t regions = d->size_bytes() / tier->options_.region_bytes;
     if (regions < 2) {
       return Err(InvalidArgument("disk device " + d->name() + " holds fewer than two regions"));
+    }
+    if (regions > UINT32_MAX) {
+      return Err(InvalidArgument("disk device " + d->name() + " holds " + std::to_string(regions) +
+                                 " regions; at most " + std::to_string(UINT32_MAX) +
+                                 "; raise tiers.disk.region_bytes"));
     }
     tier->devices_.push_back(Device{d, std::vector<Region>(regions), -1});
     tier->total_regions_ += regions;
