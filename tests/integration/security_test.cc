@@ -395,8 +395,9 @@ TEST(SecurityTest, AnotherTenantsLookupLatencyHoldsWhileOneLoopsNamespacesAndEvi
   const double admin = LookupP99WhileAbused(*a, id, first, [&] { (void)admin_client.ListNamespaces("*"); });
   // Generous: the abuser's own round trips take CPU from the victim on a
   // small (and, under sanitizers, slow) machine; a walk of the cache costs
-  // milliseconds per call.
-  const double bound = 5 * alone + 5000;
+  // milliseconds per call (before: 2-4 ms p99 here against 0.2 ms alone, in a
+  // Debug build on an idle 2-core machine; 70 ms and more on a busy one).
+  const double bound = 3 * alone + 1000;
   std::printf("victim lookup p99: alone %.0f us, tenant abusing %.0f us, admin abusing %.0f us\n", alone, tenant, admin);
   EXPECT_LT(tenant, bound) << "p99 alone " << alone << " us";
   EXPECT_LT(admin, bound) << "p99 alone " << alone << " us";
