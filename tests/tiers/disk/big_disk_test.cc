@@ -19,6 +19,7 @@
 
 #include "common/disk_limits.h"
 #include "common/mutex.h"
+#include "tests/tiers/disk/cache_loop.h"
 #include "tests/tiers/disk/sparse_device.h"
 #include "tests/tiers/tiers_test_util.h"
 #include "tiers/block_cache.h"
@@ -57,23 +58,9 @@ class BigDiskTest : public ::testing::Test {
   // Opens the tier on the sparse device and a cache over it (8 host slots,
   // write-back above 90%), adopting what the index holds.
   void Open() {
-    BlockCache::Post post = [this](std::function<void()> f) {
-      MutexLock lock(&mu_);
-      posted_.push_back(std::move(f));
-      cv_.SignalAll();
-    };
-    Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
-        {.devices = {device_.get()},
-         .index_path = dir_ + "/index",
-         .region_bytes = kRegionBytes,
-         .post = post,
-         .reclaim = [this](
-                        const StoredKey& key, const DiskLocation& where,
-                        bool may_carry) { return cache_->ReclaimFromDisk(key, where, may_carry); },
-         .relocated =
-             [this](const StoredKey& key, Result<DiskLocation> now) {
-               return cache_->FinishRelocation(key, std::move(now));
-             }});
+    const BlockCache::Post post = loop_.post();
+    Result<std::unique_ptr<DiskTier>> disk =
+        tiers_test::OpenDiskUnder(&cache_, {device_.get()}, dir_ + "/index", kRegionBytes, post);
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
@@ -100,19 +87,7 @@ class BigDiskTest : public ::testing::Test {
   }
 
   bool Drain(const std::function<bool()>& until, std::chrono::seconds timeout = 60s) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!until()) {
-      std::deque<std::function<void()>> batch;
-      {
-        MutexLock lock(&mu_);
-        while (posted_.empty()) {
-          if (!cv_.WaitFor(&mu_, deadline - std::chrono::steady_clock::now())) return until();
-        }
-        batch.swap(posted_);
-      }
-      for (auto& f : batch) f();
-    }
-    return true;
+    return loop_.Drain(until, timeout);
   }
 
   EngineTarget Target() { return {engine_->layout(), engine_->mapping()}; }
@@ -212,6 +187,7 @@ class BigDiskTest : public ::testing::Test {
     ASSERT_TRUE(db->Close().ok());
   }
 
+  tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
   std::mt19937_64 rng_{13};
   std::unique_ptr<HostBackend> backend_;
@@ -222,9 +198,6 @@ class BigDiskTest : public ::testing::Test {
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
   uint64_t adopted_ = 0;
   std::chrono::steady_clock::time_point now_{};  // the manual clock
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(mu_);
 };
 
 TEST_F(BigDiskTest, BlocksPast16TiBAreWrittenLoadedAndFoundAfterARestart) {
