@@ -449,10 +449,9 @@ class BlockCache {
   bool MakeHostQuotaRoom(TenantId tenant, uint64_t bytes);
   // Sends unleased, settled host block `v` on its way down: back to disk when
   // it still has its record, else written back; dropped when admission or
-  // the write budget says no. When no write may start now (writes in flight
-  // at the cap, or backing off after a failure) it is dropped if `may_drop`,
-  // else it stays for a later try. Returns whether it left or is leaving.
-  bool DemoteFromHost(BlockEntry* v, bool may_drop = true);
+  // the write budget says no, or when no write may start now (writes in
+  // flight at the cap, or backing off after a failure).
+  void DemoteFromHost(BlockEntry* v);
   // Whether a write-back may start now (writes in flight under the cap, no
   // back-off after a failure).
   bool DiskWriteMayStart() const;

@@ -493,15 +493,12 @@ bool BlockCache::DiskWriteMayStart() const {
   return disk_writes_in_flight_ < cap;
 }
 
-bool BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
-  if (BackToDisk(v)) return true;
-  if (v->disk_write_failures >= kMaxDiskWriteTries) {
-    Drop(v);  // given up: it cannot be written
-    return true;
-  }
-  if (!DiskWriteMayStart()) {
-    if (may_drop) Drop(v);
-    return may_drop;
+void BlockCache::DemoteFromHost(BlockEntry* v) {
+  if (BackToDisk(v)) return;
+  // Given up (it cannot be written), or no write may start now.
+  if (v->disk_write_failures >= kMaxDiskWriteTries || !DiskWriteMayStart()) {
+    Drop(v);
+    return;
   }
   // A disk quota evicts the tenant's own oldest records as it writes
   // (EnforceDiskQuota): only a block larger than the whole quota is refused.
@@ -517,7 +514,6 @@ bool BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
     ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
     Drop(v);
   }
-  return true;
 }
 
 bool BlockCache::IsCurrentRecord(const DiskWriteLog::Record& r) {

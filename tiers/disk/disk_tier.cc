@@ -1,3 +1,7 @@
+// DiskTier's implementation (its contract is in disk_tier.h). Past 800 lines
+// on purpose: appends, group commits, reclaim with carry-forward and recovery
+// all change the same Region states and their invariants, so they stay side
+// by side; the index writer and the record format already live apart.
 #include "tiers/disk/disk_tier.h"
 
 #include <rocksdb/db.h>
