@@ -29,6 +29,16 @@ namespace {
 
 std::string Tok(char c) { return std::string(24, c); }
 
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kUnderTsan = true;
+#else
+constexpr bool kUnderTsan = false;
+#endif
+#else
+constexpr bool kUnderTsan = false;
+#endif
+
 Layout SmallLayout() {
   return Layout::Create(LayoutSpec{.model_id = "kvtier/security", .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
                                    .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
@@ -399,9 +409,15 @@ TEST(SecurityTest, AnotherTenantsLookupLatencyHoldsWhileOneLoopsNamespacesAndEvi
   // Debug build on an idle 2-core machine; 70 ms and more on a busy one).
   const double bound = 3 * alone + 1000;
   std::printf("victim lookup p99: alone %.0f us, tenant abusing %.0f us, admin abusing %.0f us\n", alone, tenant, admin);
+  EXPECT_EQ(a->ListNamespaces().value().at(0).blocks, 16u * kPrompt);
+  if (kUnderTsan) {
+    // TSan's own cost on every round trip of the abuser (up to 2 ms p99 here
+    // next to other tests) is no walk of the cache: the bound holds in the
+    // Debug and ASan runs; this one checks the calls for races.
+    return;
+  }
   EXPECT_LT(tenant, bound) << "p99 alone " << alone << " us";
   EXPECT_LT(admin, bound) << "p99 alone " << alone << " us";
-  EXPECT_EQ(a->ListNamespaces().value().at(0).blocks, 16u * kPrompt);
 }
 
 }  // namespace
