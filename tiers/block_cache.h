@@ -399,6 +399,16 @@ class BlockCache {
   // BlockEntry while it is read, leased or in memory.
   BlockEntry* Materialize(const StoredKey& key);
   void Dematerialize(BlockEntry* e);
+  // Whether lookups, loads and prefetches may find `e`: it is ready and,
+  // when its tier is disk, its record is still there or a read (or carry)
+  // of it is in flight. A disk block whose record went with a reclaim while
+  // a load held it stays only for that load (it may still read a retired
+  // host slot) and is a miss for everyone else until its last lease erases
+  // it: a read of its old location would find whatever the region holds now.
+  static bool Servable(const BlockEntry* e) {
+    return e->state == EntryState::kReady &&
+           (e->tier != Tier::kDisk || e->on_disk || e->moving);
+  }
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.
   bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
@@ -449,9 +459,10 @@ class BlockCache {
   bool MakeHostQuotaRoom(TenantId tenant, uint64_t bytes);
   // Sends unleased, settled host block `v` on its way down: back to disk when
   // it still has its record, else written back; dropped when admission or
-  // the write budget says no, or when no write may start now (writes in
-  // flight at the cap, or backing off after a failure).
-  void DemoteFromHost(BlockEntry* v);
+  // the write budget says no. When no write may start now (writes in flight
+  // at the cap, or backing off after a failure) it is dropped if `may_drop`,
+  // else it stays for a later try.
+  void DemoteFromHost(BlockEntry* v, bool may_drop = true);
   // Whether a write-back may start now (writes in flight under the cap, no
   // back-off after a failure).
   bool DiskWriteMayStart() const;

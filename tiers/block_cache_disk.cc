@@ -87,9 +87,11 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
   auto [it, first] = disk_waiters_.try_emplace(e->key);
   if (then) it->second.push_back(std::move(then));
   if (!first) return;  // a read of this block is already in flight: share it
-  uint8_t* dst = AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true);
+  // No record left (a reclaim took it while a load held the block): nothing
+  // to read. Otherwise a slot, unless host is all leased: then the block
+  // stays on disk and this load misses it.
+  uint8_t* dst = e->on_disk ? AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true) : nullptr;
   if (dst == nullptr) {
-    // Host is all leased: the block stays on disk and this load misses it.
     auto waiters = std::move(it->second);
     disk_waiters_.erase(it);
     options_.post([waiters = std::move(waiters)] {
@@ -493,11 +495,14 @@ bool BlockCache::DiskWriteMayStart() const {
   return disk_writes_in_flight_ < cap;
 }
 
-void BlockCache::DemoteFromHost(BlockEntry* v) {
+void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
   if (BackToDisk(v)) return;
-  // Given up (it cannot be written), or no write may start now.
-  if (v->disk_write_failures >= kMaxDiskWriteTries || !DiskWriteMayStart()) {
-    Drop(v);
+  if (v->disk_write_failures >= kMaxDiskWriteTries) {
+    Drop(v);  // given up: it cannot be written
+    return;
+  }
+  if (!DiskWriteMayStart()) {
+    if (may_drop) Drop(v);
     return;
   }
   // A disk quota evicts the tenant's own oldest records as it writes

@@ -614,6 +614,49 @@ TEST_F(DiskTierTest, ALoadWhoseBlockMovesToDiskMeanwhileFinishesCleanly) {
   EXPECT_TRUE(LoadExact(key));
 }
 
+TEST_F(DiskTierTest, ABlockWhoseRecordWasReclaimedWhileALoadHeldItIsAMissForOthers) {
+  // As above, a load holds a block whose write finishes meanwhile: the block
+  // is on disk, kept in its old host slot only for that load. Then its
+  // region is reclaimed while the load's copy still waits, so the block has
+  // no record left. Until its last lease erases it, a lookup must not report
+  // it and another load must not read its old location: once the region is
+  // written again that location holds other blocks' bytes (which the record
+  // checks caught under the soak test, as checksum failures).
+  Open(/*hbm_slots=*/0, /*host_slots=*/8,
+       {.high = 0.1, .low = 0.01});  // every block is written at once
+  faulty_->HoldWrites();
+  // Six records of 12 KiB: the first five fill region 0, the sixth seals it.
+  const std::vector<StoredKey> keys = NewKeys(6);
+  for (uint32_t i = 0; i < keys.size(); ++i) ASSERT_TRUE(Store(keys[i], i).status.ok());
+  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == keys.size(); }));
+  const StoredKey& key = keys[0];
+  {
+    tiers_test::WorkerGate a(*backend_), b(*backend_);  // the load's copy waits
+    std::shared_ptr<std::pair<bool, OpOutcome>> load = LoadAsync(key, 40);
+    faulty_->ReleaseWrites();
+    ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 0; }));
+    // Every region reclaimed that can be: region 0, with the block's record.
+    disk_->SetWatermarks(0.0, 0.0);
+    ASSERT_TRUE(Drain([&] { return disk_->counters().regions_reclaimed == 1; }));
+    disk_->SetWatermarks(0.98, 0.96);
+
+    EXPECT_EQ(cache_->Lookup(kTenant, std::span(&key, 1)).hits, 0u)
+        << "a block with no copy left was reported as a hit";
+    const uint64_t reads = disk_->counters().reads + disk_->counters().checksum_failures;
+    std::shared_ptr<std::pair<bool, OpOutcome>> other = LoadAsync(key, 41);
+    ASSERT_TRUE(Drain([&] { return other->first; }, 5s))
+        << "another load of it went to the disk (and waits for a copy worker)";
+    EXPECT_EQ(other->second.blocks, 0u);
+    EXPECT_EQ(disk_->counters().reads + disk_->counters().checksum_failures, reads)
+        << "a load read the reclaimed location";
+    EXPECT_FALSE(load->first);
+  }  // the first load's copy runs now, from the old host slot
+  EXPECT_TRUE(Drain([&] { return cache_->leases() == 0; }));
+  EXPECT_TRUE(engine_->Holds(40, key)) << "the load that held the block still got its bytes";
+  EXPECT_EQ(cache_->Lookup(kTenant, std::span(&key, 1)).hits, 0u);
+  EXPECT_EQ(disk_->counters().checksum_failures, 0u);
+}
+
 TEST_F(DiskTierTest, VerifyIsCancelledAndStopsReading) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(40);
