@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone: installs dependencies, builds Debug
 # (assertions on, warnings as errors, CUDA compiled where the toolkit is) into
 # build/debug and runs every test with ctest; then runs the tests again under
-# ASan+UBSan and under TSan (clang builds), and checks `cmake --install`.
+# ASan+UBSan and under TSan (clang builds), checks `cmake --install`, and
+# builds the GPU check's bundle and runs it in a bare root without a GPU.
 # Exits non-zero on any failure. CI runs this (.ci/run).
 #
 # Environment: KVTIER_BUILD_DIR (default build/debug), KVTIER_TEST_JOBS
@@ -50,4 +51,13 @@ sanitized asan-ubsan 'unit|integration|crash|fuzz'
 sanitized tsan 'unit|integration|crash'
 
 step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
+
+# The GPU check's bundle (Release, CUDA, sm_90) run in a bare Debian root with
+# no network: everything but the GPU itself is proven here.
+step "GPU bundle in a bare root (tools/gpu-bundle-bare-root.sh)"
+if [[ -x "${CUDACXX:-/usr/local/cuda/bin/nvcc}" ]] || command -v nvcc >/dev/null 2>&1; then
+  tools/gpu-bundle-bare-root.sh
+else
+  echo "not run: no CUDA toolkit here (nvcc), so no bundle can be built"
+fi
 step "all tests passed"

@@ -12,6 +12,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/programs.h"
+
 namespace {
 
 using ::testing::HasSubstr;
@@ -23,7 +25,7 @@ struct CmdResult {
 
 CmdResult Kvtierd(const std::string& args, const std::string& prefix = "") {
   const std::string cmd =
-      prefix + std::string(KVTIER_BINARY_DIR) + "/bin/kvtierd " + args + " 2>&1";
+      prefix + kvtier::testing::ProgramPath("kvtierd") + " " + args + " 2>&1";
   CmdResult run;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return run;

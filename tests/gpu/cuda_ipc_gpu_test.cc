@@ -17,6 +17,7 @@
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/stats_when.h"
+#include "tests/programs.h"
 
 namespace kvtier {
 namespace {
@@ -26,7 +27,7 @@ using testing::DaemonProcess;
 constexpr uint32_t kBlocks = 128;  // 256 KiB each: 32 MiB per load, long enough to race
 
 pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t seed) {
-  const std::string binary = std::string(KVTIER_BINARY_DIR) + "/bin/gpu_client";
+  const std::string binary = testing::ProgramPath("gpu_client");
   const std::string seed_arg = std::to_string(seed);
   const std::string blocks_arg = std::to_string(kBlocks);
   // exec at once: a forked child must not touch the parent's CUDA state.

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "ipc/seqpacket.h"
+#include "tests/programs.h"
 
 namespace kvtier::testing {
 
@@ -19,7 +20,7 @@ Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, s
   char tmpl[] = "/tmp/kvtier-it-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) return Err(Status::FromErrno(errno, "mkdtemp"));
   const std::string dir = tmpl;
-  std::vector<std::string> args = {std::string(KVTIER_BINARY_DIR) + "/bin/kvtierd", "--foreground"};
+  std::vector<std::string> args = {ProgramPath("kvtierd"), "--foreground"};
   if (!config_file.empty()) {
     args.push_back("--config");
     args.push_back(config_file);

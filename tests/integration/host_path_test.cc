@@ -23,6 +23,7 @@
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/raw_session.h"
 #include "tests/integration/stats_when.h"
+#include "tests/programs.h"
 
 namespace kvtier::testing {
 namespace {
@@ -665,7 +666,7 @@ TEST(HostPathTest, SighupReloadsWatermarksAndLogLevel) {
 TEST(HostPathTest, CApiEngineStoresAndLoads) {
   Result<DaemonProcess> d = DaemonProcess::Start({});
   ASSERT_TRUE(d.has_value()) << d.error();
-  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/bin/c_api_example " + d->socket_path();
+  const std::string cmd = testing::ProgramPath("c_api_example") + " " + d->socket_path();
   const int status = std::system(cmd.c_str());
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "exit " << WEXITSTATUS(status) << "\n" << d->Log();
 }

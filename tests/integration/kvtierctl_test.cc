@@ -18,6 +18,7 @@
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/disk_helpers.h"
 #include "tests/integration/stats_when.h"
+#include "tests/programs.h"
 
 namespace kvtier::testing {
 namespace {
@@ -31,7 +32,7 @@ struct CtlRun {
 
 // Runs kvtierctl with `args` against the daemon; stderr is left to the log.
 CtlRun Ctl(const DaemonProcess& d, const std::string& args) {
-  const std::string cmd = std::string(KVTIER_BINARY_DIR) + "/bin/kvtierctl --socket " + d.socket_path() + " " +
+  const std::string cmd = testing::ProgramPath("kvtierctl") + " --socket " + d.socket_path() + " " +
                           args + " 2>/dev/null";
   CtlRun r;
   FILE* p = ::popen(cmd.c_str(), "r");

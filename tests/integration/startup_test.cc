@@ -21,6 +21,7 @@
 
 #include "tests/integration/disk_helpers.h"
 #include "tests/integration/loop_fs.h"
+#include "tests/programs.h"
 
 namespace kvtier::testing {
 namespace {
@@ -37,7 +38,7 @@ struct RunResult {
 
 // Runs kvtierd with `args` (no shell: brackets stay literal) to its exit.
 RunResult RunKvtierd(std::vector<std::string> args) {
-  args.insert(args.begin(), std::string(KVTIER_BINARY_DIR) + "/bin/kvtierd");
+  args.insert(args.begin(), testing::ProgramPath("kvtierd"));
   RunResult run;
   int out[2];
   if (::pipe2(out, O_CLOEXEC) != 0) return run;

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# gpu-bundle-bare-root.sh: proves here, without a GPU, that the GPU bundle
+# lacks nothing but the GPU. Builds the bundle (tools/gpu-bundle.sh), makes a
+# minimal Debian root (debootstrap --variant=minbase: the C library, bash,
+# coreutils and little else: none of the build machine's libraries), copies
+# only the bundle into it, and runs the bundle's gpu-check.sh --expect-no-gpu
+# there: chrooted, in new mount, PID and network namespaces, so that nothing
+# of this machine's /usr is visible and there is no network. The host-backend
+# tests must pass from the bundle, the gpu tests must each report that no GPU
+# is usable, and nothing else may fail. tools/test.sh runs it.
+#
+# Usage: tools/gpu-bundle-bare-root.sh   (as root, with debootstrap from
+# tools/setup-deps.sh; fetches the root from Debian's mirror, about 40 MB,
+# once per build/bare-root). Environment: KVTIER_BARE_ROOT (default build/bare-root),
+# KVTIER_DEBIAN_MIRROR (default: the first deb.debian.org-style URI of apt's
+# sources, else http://deb.debian.org/debian). The check's log lands in
+# build/bare-root-results. Exit status: 0 proven, 1 failed, 0 with "not run"
+# when not root (no chroot or namespaces).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+root=$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")
+results=build/bare-root-results
+say() { echo "bare-root: $*"; }
+fail() {
+  echo "bare-root: FAILED: $*" >&2
+  exit 1
+}
+
+if [[ $(id -u) -ne 0 ]]; then
+  say "not run: a chroot and new namespaces need root"
+  exit 0
+fi
+
+tools/gpu-bundle.sh gpu-bundle
+
+if [[ ! -f "$root/etc/debian_version" || ! -x "$root/bin/bash" ]]; then
+  command -v debootstrap >/dev/null 2>&1 || fail "no debootstrap: run tools/setup-deps.sh"
+  suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+  mirror=${KVTIER_DEBIAN_MIRROR:-$(sed -n 's/^URIs: *\(http[^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/*.sources \
+    2>/dev/null | head -1)}
+  mirror=${mirror:-http://deb.debian.org/debian}
+  say "debootstrap --variant=minbase $suite $root $mirror"
+  rm -rf "$root"
+  mkdir -p "$(dirname "$root")"
+  debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$root.debootstrap.log" 2>&1 ||
+    { tail -20 "$root.debootstrap.log"; fail "debootstrap (log: $root.debootstrap.log)"; }
+fi
+say "root: $(du -sh "$root" | cut -f1), $(chroot "$root" dpkg-query -W | wc -l) packages"
+for lib in liburing.so.2 librocksdb.so.7.8 libyaml-cpp.so.0.7 libspdlog.so.1.10; do
+  if [[ -n "$(find "$root/usr" "$root/lib" -name "$lib*" 2>/dev/null | head -1)" ]]; then
+    fail "$root already holds $lib: it is no bare root"
+  fi
+done
+
+rm -rf "$root/bundle" "$results"
+cp -a gpu-bundle "$root/bundle"
+# Inside new namespaces: mounts made there vanish with them, the network is
+# only a loopback (brought up when this machine has `ip`), and /dev/shm is
+# the root's own.
+rc=0
+unshare --mount --pid --net --fork --mount-proc="$root/proc" bash -c '
+  set -e
+  root=$1
+  mount --make-rprivate /
+  mount --rbind /dev "$root/dev"
+  mount -t tmpfs -o size=256m tmpfs "$root/dev/shm"
+  if command -v ip >/dev/null 2>&1; then ip link set lo up; fi
+  exec chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TMPDIR=/tmp \
+    OUT_DIR=/bundle/results /bin/bash /bundle/gpu-check.sh --expect-no-gpu
+' bare-root "$root" || rc=$?
+mkdir -p "$results"
+cp -a "$root/bundle/results/." "$results/" 2>/dev/null || true
+if ((rc != 0)); then
+  fail "gpu-check.sh --expect-no-gpu exited $rc in the bare root (log: $results/gpu-check.log)"
+fi
+say "proven: the bundle runs in a bare Debian root with no network; only the GPU is missing"
