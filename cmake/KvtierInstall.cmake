@@ -30,12 +30,13 @@ install(TARGETS kvtier_shared EXPORT kvtierTargets
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 
 # Public headers and exactly the common/ headers they include, transitively
-# (client.h and shm_kv_cache.h use common types; tl/expected.hpp comes from
+# (client.h, host_memory.h and shm_kv_cache.h use common types; tl/expected.hpp comes from
 # Debian's libexpected-dev). tools/check-install.sh compiles each installed
 # header on its own, so a new include missing here fails the test suite.
 install(FILES
   client/include/kvtier/client.h
   client/include/kvtier/kvtier.h
+  client/include/kvtier/host_memory.h
   client/include/kvtier/shm_kv_cache.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvtier)
 install(FILES

@@ -92,6 +92,23 @@ assert st == 9 and lib.kvtier_last_error(), (st, lib.kvtier_last_error())  # KVT
 PY
 fi
 
+# The Python package, where `cmake --install` put it for the Python the build
+# was configured with (its site-packages under the prefix).
+py_exe=$(sed -n 's/^Python_EXECUTABLE:[A-Z]*=//p' "$build_dir/CMakeCache.txt")
+py_dir=$(sed -n 's/^KVTIER_PYTHON_INSTALL_DIR:[A-Z]*=//p' "$build_dir/CMakeCache.txt")
+if [[ -n "$py_dir" && -n "$py_exe" ]]; then
+  [[ -f "$prefix/$py_dir/kvtier/__init__.py" ]] || fail "the Python package is not in $prefix/$py_dir"
+  (cd "$tmp" && PYTHONPATH="$prefix/$py_dir" PYTHONNOUSERSITE=1 "$py_exe" -c "
+import kvtier, sys
+assert kvtier.__file__.startswith(sys.argv[1]), kvtier.__file__
+try:
+    kvtier.Client.connect('/nonexistent/kvtier/kvtierd.sock')
+except kvtier.UnavailableError:
+    pass
+" "$prefix") || fail "import kvtier from the installed package"
+  say "the Python package imports from $prefix/$py_dir"
+fi
+
 "$prefix/bin/kvtierd" --config "$prefix/share/kvtier/kvtier.example.yaml" --check-config >"$tmp/check.log" 2>&1 ||
   { cat "$tmp/check.log"; fail "installed kvtierd --check-config of the installed example config"; }
 unit=$prefix/lib/systemd/system/kvtierd.service

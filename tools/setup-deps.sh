@@ -22,6 +22,9 @@ PACKAGES=(
   prometheus
   # kvtier-bench redis and lookup's baseline: a redis-server the bench starts, hiredis
   redis-server libhiredis-dev
+  # the Python package (python/): pybind11 and Python's headers; the test
+  # virtual environment (tools/setup-python.sh) is made with venv
+  pybind11-dev python3-dev python3-venv
   # tools/gpu-bundle-bare-root.sh: a minimal Debian root to run the GPU bundle in
   # (binutils' objdump and strip come with build-essential)
   debootstrap

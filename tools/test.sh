@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs dependencies, builds Debug
 # (assertions on, warnings as errors, CUDA compiled where the toolkit is) into
-# build/debug and runs every test with ctest; then runs the tests again under
+# build/debug and runs every test with ctest, and the Python package's tests
+# (pytest, in the virtual environment of tools/setup-python.sh); then runs the tests again under
 # ASan+UBSan and under TSan (clang builds), checks `cmake --install`, and
 # builds the GPU check's bundle and runs it in a bare root without a GPU.
 # Exits non-zero on any failure. CI runs this (.ci/run).
@@ -19,9 +20,14 @@ step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 step "dependencies"
 tools/setup-deps.sh
+# The Python test environment (pinned packages in build/venv); the Python
+# package is built for its interpreter.
+tools/setup-python.sh
+venv_python=$PWD/build/venv/bin/python
 
 step "configure ($build_dir, Debug)"
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_BUILD_TESTS=ON
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_BUILD_TESTS=ON \
+  -DKVTIER_PYTHON=ON -DPython_EXECUTABLE="$venv_python"
 
 step "build (-j$jobs)"
 cmake --build "$build_dir" -j"$jobs"
@@ -30,6 +36,14 @@ step "test (ctest -j$test_jobs)"
 # shellcheck disable=SC2086
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
+
+# The Python package, installed as users install it (pip, offline, through
+# scikit-build-core; CUDA left out to save the build), then its tests against
+# the Debug build's kvtierd.
+step "python package (pip install ./python) and its tests (pytest)"
+KVTIER_CUDA=OFF "$venv_python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+  --force-reinstall ./python
+KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest python/tests -p no:cacheprovider -q -rs
 
 # The same tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++

@@ -20,6 +20,7 @@
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 #include "kvtier/client.h"
+#include "kvtier/host_memory.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/raw_session.h"
 #include "tests/integration/stats_when.h"
@@ -669,6 +670,65 @@ TEST(HostPathTest, CApiEngineStoresAndLoads) {
   const std::string cmd = testing::ProgramPath("c_api_example") + " " + d->socket_path();
   const int status = std::system(cmd.c_str());
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "exit " << WEXITSTATUS(status) << "\n" << d->Log();
+}
+
+TEST(HostPathTest, AnEngineAllocatedCacheIsAdoptedInPlaceAndServed) {
+  // The engine allocates its cache itself (as torch.zeros does: malloc, not
+  // page-aligned), fills some blocks, and only then registers it: the bytes
+  // stay where they are, at the same address, and the daemon copies into
+  // and out of them.
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  const Layout layout = SmallLayout();
+  constexpr uint32_t kBlocks = 64;
+  const uint64_t bytes = kBlocks * layout.block_bytes();
+  auto* raw = static_cast<uint8_t*>(std::malloc(bytes + 64));
+  ASSERT_NE(raw, nullptr);
+  uint8_t* engine = raw + 64;  // not page-aligned
+  auto block = [&](uint32_t i) { return std::span<uint8_t>(engine + i * layout.block_bytes(), layout.block_bytes()); };
+  std::vector<BlockKey> before(4);
+  for (uint32_t i = 0; i < before.size(); ++i) before[i].bytes.fill(static_cast<uint8_t>(7 + i));
+  for (uint32_t i = 0; i < before.size(); ++i) FillFromKey(before[i], block(i));
+
+  Result<AdoptedHostMemory> adopted = AdoptedHostMemory::Adopt(engine, bytes);
+  ASSERT_TRUE(adopted.has_value()) << adopted.error();
+  for (uint32_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(MatchesKey(before[i], block(i))) << "adopting changed the engine's bytes";
+  }
+  std::vector<Placement> placements = KvCacheLayout::Contiguous(layout);
+  for (Placement& p : placements) p.offset_bytes += adopted->offset_bytes();
+  Result<CacheId> id = c->RegisterKvCache(layout, kBlocks, placements, {adopted->region()});
+  ASSERT_TRUE(id.has_value()) << id.error();
+
+  Result<std::vector<BlockKey>> keys = c->ComputeKeys(*id, Prompt(1, 8));
+  ASSERT_TRUE(keys.has_value());
+  for (uint32_t i = 0; i < 8; ++i) FillFromKey((*keys)[i], block(i));
+  Result<OpResult> stored = c->Store(*id, *keys, Range(0, 8));
+  ASSERT_TRUE(stored.has_value()) << stored.error();
+  EXPECT_EQ(stored->blocks, 8u);
+  for (uint32_t i = 16; i < 24; ++i) std::fill(block(i).begin(), block(i).end(), 0);
+  Result<OpResult> loaded = c->Load(*id, *keys, Range(16, 8));
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  ASSERT_EQ(loaded->blocks, 8u);
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_TRUE(MatchesKey((*keys)[i], block(16 + i))) << "block " << i;
+
+  // Memory adopted once is shared memory now: a second adoption is refused.
+  Result<AdoptedHostMemory> again = AdoptedHostMemory::Adopt(engine, bytes);
+  ASSERT_FALSE(again.has_value());
+  EXPECT_EQ(again.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(again.error().message(), HasSubstr("only once"));
+  std::free(raw);
+}
+
+TEST(HostPathTest, MemoryThatIsNotTheEnginesOwnIsNotAdopted) {
+  EXPECT_EQ(AdoptedHostMemory::Adopt(nullptr, 4096).error().code(), StatusCode::kInvalidArgument);
+  // A file mapping (here, the executable's own code) is refused, unchanged.
+  Result<AdoptedHostMemory> code =
+      AdoptedHostMemory::Adopt(reinterpret_cast<void*>(&MustConnect), 4096);
+  ASSERT_FALSE(code.has_value());
+  EXPECT_THAT(code.error().message(), HasSubstr("not anonymous private read-write memory"));
 }
 
 TEST(HostPathTest, SigtermStopsCleanlyAndRemovesTheSocket) {

@@ -1,0 +1,245 @@
+"""The kvtier package against a real kvtierd: round trips through CPU caches
+kvtier allocates and caches the engine allocated itself (torch and NumPy),
+async ops, errors as exceptions, the GIL released while waiting, and daemon
+restarts seen as misses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from conftest import Daemon, small_layout
+
+
+def prompt(seed: int, blocks: int, block_tokens: int = 16) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, 128000, blocks * block_tokens)]
+
+
+def test_cpu_cache_round_trip_is_byte_exact_and_seen_without_copies(client: kvtier.Client) -> None:
+    layout = small_layout()
+    cpu = kvtier.CpuKvCache(layout, 32)
+    view = np.asarray(cpu)
+    assert view.shape == (32, layout.block_bytes) and view.dtype == np.uint8
+    tensor = torch.frombuffer(cpu, dtype=torch.uint8).view(32, layout.block_bytes)
+    tensor[3, :8] = 7  # one memory: torch's write is numpy's
+    assert view[3, :8].tolist() == [7] * 8
+    assert view.ctypes.data == tensor.data_ptr()
+
+    cache = client.register_cpu_cache(cpu)
+    tokens = prompt(1, 8)
+    keys = client.compute_keys(cache, tokens)
+    assert len(keys) == 8 and all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    assert client.compute_keys(cache, np.array(tokens, dtype=np.int64)) == keys
+    assert client.compute_keys(cache, np.array(tokens, dtype=np.uint32)) == keys
+    assert client.compute_keys(cache, tokens + [1, 2, 3]) == keys  # a partial block has no key
+    # Chained: the tail continues from its parent's key.
+    assert client.compute_keys(cache, tokens[64:], parent=keys[3]) == keys[4:]
+
+    rng = np.random.default_rng(2)
+    view[0:8] = rng.integers(0, 256, (8, layout.block_bytes), dtype=np.uint8)
+    expected = view[0:8].copy()
+    assert client.lookup(cache, keys).hits == 0
+    stored = client.store(cache, keys, list(range(8)))
+    assert (stored.blocks, stored.already) == (8, 0)
+    assert client.store(cache, keys, list(range(8))).already == 8
+    hit = client.lookup(cache, keys)
+    assert hit.hits == 8 and set(hit.tiers) <= {"hbm", "host"}
+
+    view[16:24] = 0
+    loaded = client.load(cache, keys, np.arange(16, 24))
+    assert loaded.blocks == 8
+    assert np.array_equal(view[16:24], expected)
+    assert client.prefetch(cache, keys) == 8
+
+
+def test_an_engine_allocated_torch_cache_is_shared_in_place(client: kvtier.Client) -> None:
+    # vLLM's CPU KV cache: one torch.zeros tensor per layer, [2, blocks,
+    # block_tokens, heads, head_dim] (NHD). Registering keeps the tensors'
+    # addresses and bytes; the daemon then copies into and out of them.
+    layout = small_layout()
+    num_blocks = 64
+    shape = (2, num_blocks, layout.block_tokens, layout.num_kv_heads, layout.head_dim)
+    layers = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layout.num_layers)]
+    generator = torch.Generator().manual_seed(3)
+    for t in layers:
+        t.copy_(torch.randn(shape, generator=generator).to(torch.bfloat16))
+    before = [t.clone() for t in layers]
+    pointers = [t.data_ptr() for t in layers]
+
+    cache = client.register_tensors(layout, num_blocks, layers, "vllm_nhd")
+    assert cache.kind == "host" and cache.num_blocks == num_blocks
+    assert [t.data_ptr() for t in layers] == pointers
+    assert all(torch.equal(a, b) for a, b in zip(layers, before)), "registering changed the engine's bytes"
+
+    keys = client.compute_keys(cache, prompt(4, 6))
+    assert client.store(cache, keys, [0, 1, 2, 3, 4, 5]).blocks == 6
+    for t in layers:
+        t[:, 40:46] = 0
+    assert client.load(cache, keys, [40, 41, 42, 43, 44, 45]).blocks == 6
+    for t, b in zip(layers, before):
+        assert torch.equal(t[:, 40:46], b[:, 0:6]), "a loaded block differs from the stored one"
+
+
+def test_an_engine_allocated_numpy_cache_in_the_canonical_layout(client: kvtier.Client) -> None:
+    layout = kvtier.Layout("kvtier/python-fp16", 2, 2, 64, "fp16", 16)
+    array = np.zeros((48, layout.block_bytes // 2), dtype=np.float16)
+    array[:4] = np.random.default_rng(5).standard_normal((4, array.shape[1])).astype(np.float16)
+    expected = array[:4].copy()
+    cache = client.register_tensors(layout, 48, [array], "contiguous")
+    keys = client.compute_keys(cache, prompt(6, 4))
+    assert client.store(cache, keys, [0, 1, 2, 3]).blocks == 4
+    assert client.load(cache, keys, [10, 11, 12, 13]).blocks == 4
+    assert np.array_equal(array[10:14], expected)
+
+
+def test_async_ops_are_waited_for_once(client: kvtier.Client) -> None:
+    cpu = kvtier.CpuKvCache(small_layout(), 16)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(7, 4))
+    np.asarray(cpu)[:4] = 9
+    op = client.store_async(cache, keys, [0, 1, 2, 3])
+    assert op.wait(timeout=10).blocks == 4
+    assert op.done
+    with pytest.raises(kvtier.FailedPreconditionError):
+        op.wait()
+    load = client.load_async(cache, keys, [8, 9, 10, 11])
+    assert load.wait().blocks == 4
+    assert (np.asarray(cpu)[8:12] == 9).all()
+
+
+def test_bad_input_is_a_clear_exception(daemon: Daemon, client: kvtier.Client) -> None:
+    layout = small_layout()
+    cpu = kvtier.CpuKvCache(layout, 8)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(8, 2))
+
+    with pytest.raises(kvtier.InvalidArgumentError, match="differ in length"):
+        client.store(cache, keys, [0])
+    with pytest.raises(kvtier.InvalidArgumentError, match="out of range"):
+        client.load(cache, keys, [0, 8])
+    with pytest.raises(kvtier.InvalidArgumentError, match="16"):
+        client.lookup(cache, [b"short"])
+    with pytest.raises(TypeError):
+        client.lookup(cache, ["not bytes"])
+    with pytest.raises(kvtier.InvalidArgumentError, match="out of range"):
+        client.compute_keys(cache, [-1] * 16)
+    with pytest.raises(kvtier.InvalidArgumentError, match="integer array"):
+        client.compute_keys(cache, np.zeros(16, dtype=np.float32))
+    with pytest.raises(TypeError):
+        client.compute_keys(cache, [1.5] * 16)
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.Layout("m", 0, 2, 64, "bf16", 16)
+    with pytest.raises(kvtier.InvalidArgumentError):
+        kvtier.Layout("m", 2, 2, 64, "int4", 16)
+    with pytest.raises(kvtier.InvalidArgumentError, match="unknown scheme"):
+        kvtier.placements(layout, 8, "nope")
+    assert isinstance(kvtier.InvalidArgumentError("x"), ValueError)
+
+    shape = (2, 8, 16, 2, 64)
+    with pytest.raises(kvtier.InvalidArgumentError, match="holds float32"):
+        client.register_tensors(layout, 8, [torch.zeros(shape), torch.zeros(shape)], "vllm_nhd")
+    strided = torch.zeros((2, 8, 16, 64, 2), dtype=torch.bfloat16).transpose(3, 4)
+    with pytest.raises(kvtier.InvalidArgumentError, match="not contiguous"):
+        client.register_tensors(layout, 8, [strided, strided], "vllm_nhd")
+    with pytest.raises(kvtier.InvalidArgumentError, match="region"):
+        # Tensors too small for the placements: the daemon's checks say so.
+        client.register_tensors(layout, 8, [torch.zeros(16, dtype=torch.bfloat16)] * 1, "vllm_nhd")
+
+    other = kvtier.Client.connect(daemon.socket)
+    with pytest.raises(kvtier.InvalidArgumentError, match="another client"):
+        other.lookup(cache, keys)
+    other.close()
+
+    client.close()
+    assert client.closed
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        client.lookup(cache, keys)
+    client.close()  # twice is fine
+
+
+def test_blocking_waits_release_the_gil(daemon: Daemon, client: kvtier.Client) -> None:
+    cpu = kvtier.CpuKvCache(small_layout(), 8)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(9, 2))
+    assert daemon.process is not None
+    os.kill(daemon.process.pid, signal.SIGSTOP)  # every call now waits
+    try:
+        done = threading.Event()
+
+        def blocked_lookup() -> None:
+            try:
+                client.lookup(cache, keys)
+            except kvtier.Error:
+                pass
+            done.set()
+
+        thread = threading.Thread(target=blocked_lookup)
+        thread.start()
+        # While that thread waits on the daemon, this one runs Python.
+        counted = 0
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            counted += 1
+        assert not done.is_set(), "the lookup did not wait on the stopped daemon"
+        assert counted > 10000, "the waiting call held the GIL"
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    thread.join(timeout=30)
+    assert done.is_set()
+
+
+def test_a_daemon_restart_is_a_miss_then_the_client_reconnects(daemon: Daemon, client: kvtier.Client) -> None:
+    cpu = kvtier.CpuKvCache(small_layout(), 8)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(10, 2))
+    assert client.store(cache, keys, [0, 1]).blocks == 2
+    daemon.stop(signal.SIGKILL)
+    with pytest.raises(kvtier.UnavailableError) as error:
+        client.lookup(cache, keys)
+    assert isinstance(error.value, ConnectionError) and error.value.code == "Unavailable"
+    daemon.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            hit = client.lookup(cache, keys)  # the same handle, re-registered by the client
+            break
+        except kvtier.UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    assert hit.hits == 0  # host memory did not survive the kill
+    assert client.store(cache, keys, [0, 1]).blocks == 2
+
+
+def test_stats_and_engine_hashes(client: kvtier.Client) -> None:
+    cpu = kvtier.CpuKvCache(small_layout(), 8)
+    cache = client.register_cpu_cache(cpu)
+    stats = client.stats()
+    assert {t["tier"] for t in stats["tiers"]} >= {"host"}
+    assert "counters" in stats and stats["sessions"] >= 1
+
+    sha = bytes(range(32))
+    key = client.key_from_engine_hash(cache, sha)
+    assert len(key) == 16 and client.key_from_engine_hash(cache, sha) == key
+    assert client.key_from_engine_hash(cache, kvtier.engine_hash_bytes(12345)) != key
+    assert kvtier.engine_hash_bytes(1) == (1).to_bytes(16, "little")
+    with pytest.raises(kvtier.InvalidArgumentError):
+        client.key_from_engine_hash(cache, b"\x00" * 7)
+
+
+def test_cuda_memory_without_a_usable_gpu_is_a_clear_error(client: kvtier.Client) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tools/gpu-check.sh runs the CUDA path")
+    with pytest.raises(kvtier.Error) as error:
+        client.register_cuda_memory(small_layout(), 8, [(0x7F0000000000, 1 << 20)], "contiguous")
+    # No CUDA in the build (Unimplemented), no driver (Unavailable), or a
+    # pointer that is no device memory (InvalidArgument): never a crash.
+    assert error.value.code in ("Unimplemented", "Unavailable", "InvalidArgument"), error.value
