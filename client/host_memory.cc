@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace kvtier {
 namespace {
@@ -54,23 +56,9 @@ Status CheckAnonymousPrivate(uintptr_t start, uintptr_t end) {
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<AdoptedHostMemory> AdoptedHostMemory::Adopt(void* data, uint64_t size_bytes) {
-  if (data == nullptr || size_bytes == 0) {
-    return Err(InvalidArgument("AdoptedHostMemory: a null or empty range"));
-  }
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(data);
-  uintptr_t last = 0;
-  if (__builtin_add_overflow(begin, size_bytes, &last) || last > UINTPTR_MAX - page) {
-    return Err(InvalidArgument("AdoptedHostMemory: the range overflows"));
-  }
-  const uintptr_t start = begin & ~(page - 1);
-  const uintptr_t end = (last + page - 1) & ~(page - 1);
-  const uint64_t length = end - start;
-  KVTIER_RETURN_IF_ERROR(CheckAnonymousPrivate(start, end));
-
+// Moves the pages [start, start + length) into a new sealed memfd at the same
+// address; returns the memfd.
+Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
   UniqueFd fd(::memfd_create("kvtier-engine-kv-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd) return Err(Status::FromErrno(errno, "memfd_create"));
   if (::ftruncate(fd.get(), static_cast<off_t>(length)) != 0) {
@@ -95,7 +83,75 @@ Result<AdoptedHostMemory> AdoptedHostMemory::Adopt(void* data, uint64_t size_byt
     ::munmap(staging, length);
     return Err(Status::FromErrno(error, "mremap of the KV cache memfd over the engine's pages"));
   }
-  return AdoptedHostMemory(std::move(fd), length, begin - start);
+  return fd;
+}
+
+}  // namespace
+
+Result<AdoptedHostMemory> AdoptedHostMemory::Adopt(std::span<const HostRange> ranges) {
+  if (ranges.empty()) return Err(InvalidArgument("AdoptedHostMemory: no range"));
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  // Each range's whole pages, then groups of overlapping ones, by address.
+  struct Pages {
+    uintptr_t start = 0;
+    uintptr_t end = 0;
+    size_t range = 0;
+  };
+  std::vector<Pages> pages;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto begin = reinterpret_cast<uintptr_t>(ranges[i].data);
+    uintptr_t last = 0;
+    if (begin == 0 || ranges[i].size_bytes == 0) {
+      return Err(InvalidArgument("AdoptedHostMemory: range " + std::to_string(i) + " is null or empty"));
+    }
+    if (__builtin_add_overflow(begin, ranges[i].size_bytes, &last) || last > UINTPTR_MAX - page) {
+      return Err(InvalidArgument("AdoptedHostMemory: range " + std::to_string(i) + " overflows"));
+    }
+    pages.push_back({begin & ~(page - 1), (last + page - 1) & ~(page - 1), i});
+  }
+  std::sort(pages.begin(), pages.end(), [](const Pages& a, const Pages& b) { return a.start < b.start; });
+  struct Group {
+    uintptr_t start = 0;
+    uintptr_t end = 0;
+  };
+  std::vector<Group> groups;
+  std::vector<uint32_t> group_of(ranges.size());
+  for (const Pages& p : pages) {
+    if (groups.empty() || p.start >= groups.back().end) groups.push_back({p.start, p.end});
+    groups.back().end = std::max(groups.back().end, p.end);
+    group_of[p.range] = static_cast<uint32_t>(groups.size() - 1);
+  }
+  // Everything is checked before anything moves.
+  for (const Group& g : groups) KVTIER_RETURN_IF_ERROR(CheckAnonymousPrivate(g.start, g.end));
+  AdoptedHostMemory out;
+  for (const Group& g : groups) {
+    KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, AdoptPages(g.start, g.end - g.start, page));
+    out.spans_.push_back(Span{std::move(fd), g.end - g.start});
+  }
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const uint32_t g = group_of[i];
+    out.ranges_.push_back(Where{g, reinterpret_cast<uintptr_t>(ranges[i].data) - groups[g].start});
+  }
+  return out;
+}
+
+std::vector<KvRegion> AdoptedHostMemory::regions() const {
+  std::vector<KvRegion> out;
+  for (const Span& s : spans_) out.push_back(KvRegion{s.fd.get(), s.size_bytes});
+  return out;
+}
+
+Result<std::vector<Placement>> AdoptedHostMemory::Rebase(std::vector<Placement> placements) const {
+  for (size_t i = 0; i < placements.size(); ++i) {
+    Placement& p = placements[i];
+    if (p.region >= ranges_.size()) {
+      return Err(InvalidArgument("placement " + std::to_string(i) + " names range " + std::to_string(p.region) +
+                                 "; there are " + std::to_string(ranges_.size())));
+    }
+    p.offset_bytes += ranges_[p.region].offset_bytes;
+    p.region = ranges_[p.region].span;
+  }
+  return placements;
 }
 
 }  // namespace kvtier

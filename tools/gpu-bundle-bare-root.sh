@@ -74,4 +74,24 @@ cp -a "$root/bundle/results/." "$results/" 2>/dev/null || true
 if ((rc != 0)); then
   fail "gpu-check.sh --expect-no-gpu exited $rc in the bare root (log: $results/gpu-check.log)"
 fi
-say "proven: the bundle runs in a bare Debian root with no network; only the GPU is missing"
+say "the bundle runs in a bare Debian root with no network; only the GPU is missing"
+
+# The root has no Python. The bundle's Python recipe is proven here instead:
+# the extension built from the bundle alone (its headers and libkvtier.so)
+# for the test venv's Python, and the package's tests run with it against the
+# bundle's kvtierd.
+venv_python=build/venv/bin/python
+if [[ ! -x "$venv_python" ]]; then
+  say "python: not run (no $venv_python: tools/setup-python.sh makes it)"
+  exit 0
+fi
+rm -rf "$results/python"
+PATH="$(dirname "$venv_python"):$PATH" gpu-bundle/python/build-extension.sh "$results/python" ||
+  fail "the bundle's Python extension did not build"
+(cd "$results" && PYTHONPATH="$PWD/python" "$OLDPWD/$venv_python" -c \
+  'import kvtier, sys; assert kvtier.__file__.startswith(sys.argv[1]), kvtier.__file__' "$PWD/python") ||
+  fail "the bundle's Python extension does not import"
+PYTHONPATH="$PWD/$results/python" KVTIER_PROGRAMS_DIR="$PWD/gpu-bundle/bin" \
+  "$venv_python" -m pytest python/tests -p no:cacheprovider -q ||
+  fail "the package's tests with the bundle's extension and kvtierd"
+say "proven: the bundle's Python extension builds from the bundle alone and passes the package's tests"

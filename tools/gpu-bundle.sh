@@ -16,7 +16,10 @@
 #      except the C library's own (the loader, libc, libm, ...: every Linux
 #      machine has them, tied to its kernel) and the driver's (libcuda, which
 #      must be the machine's own);
-#   4. writes tests.txt (label and program, one per line), MANIFEST (what it
+#   4. adds the Python package's sources with the recipe that builds them
+#      there against the bundle (python/build-extension.sh) and the PyTorch
+#      end-to-end script (python/tests/gpu_e2e.py);
+#   5. writes tests.txt (label and program, one per line), MANIFEST (what it
 #      holds, the build, the newest C library symbol version it needs) and
 #      copies tools/gpu-check.sh in; prints what it holds and its size, and
 #      fails if the bundle is over 48 MiB (the working tree that travels is at
@@ -52,7 +55,7 @@ fail() {
 mkdir -p "$(dirname "$build_dir")"
 say "configure $build_dir (Release, CUDA architectures $archs)"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" \
-  -DCMAKE_CUDA_ARCHITECTURES="$archs" -DKVTIER_BUILD_TESTS=ON >"$build_dir.configure.log" 2>&1 ||
+  -DCMAKE_CUDA_ARCHITECTURES="$archs" -DKVTIER_BUILD_TESTS=ON -DKVTIER_PYTHON=OFF >"$build_dir.configure.log" 2>&1 ||
   { cat "$build_dir.configure.log"; fail "cmake configure"; }
 say "build (-j$(nproc))"
 cmake --build "$build_dir" -j"$(nproc)" --target kvtier_shared "${programs[@]}" "${gpu_tests[@]}" \
@@ -112,6 +115,21 @@ for lib in "${!copied[@]}"; do
 done
 strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
 
+# The Python package, built there against its own Python (the machine has
+# pybind11 and, with nvcc, a host compiler): its sources, the recipe, the
+# PyTorch end-to-end script, and the one header of Debian's that the public
+# headers use (tl/expected.hpp).
+if [[ -f python/src/module.cc ]]; then
+  mkdir -p "$bundle/python/src/kvtier" "$bundle/include/tl"
+  cp python/src/module.cc "$bundle/python/src/"
+  cp python/src/kvtier/*.py python/src/kvtier/*.pyi python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
+  install -m 0755 python/build-extension.sh "$bundle/python/"
+  cp python/tests/gpu_e2e.py "$bundle/python/"
+  expected=$(echo '#include <tl/expected.hpp>' | g++ -std=c++20 -x c++ -M - 2>/dev/null | grep -o '[^ ]*tl/expected.hpp' | head -1)
+  [[ -n "$expected" ]] || fail "tl/expected.hpp not found (libexpected-dev)"
+  cp "$expected" "$bundle/include/tl/"
+fi
+
 {
   for t in "${gpu_tests[@]}"; do echo "gpu $t"; done
   for t in "${host_tests[@]}"; do echo "host $t"; done
@@ -137,6 +155,9 @@ size=$(du -sb "$bundle" | cut -f1)
   (cd "$bundle/bin" && ls -1) | sed 's/^/  /'
   echo "lib (bundled shared libraries: ldd's findings less the C library's and the driver's):"
   (cd "$bundle/lib" && ls -1 -- *.so* 2>/dev/null) | sed 's/^/  /'
+  if [[ -d "$bundle/python" ]]; then
+    echo "python: the package's sources, build-extension.sh and gpu_e2e.py (built there for its own Python)"
+  fi
   echo "tests (label, program):"
   sed 's/^/  /' "$bundle/tests.txt"
 } >"$bundle/MANIFEST"

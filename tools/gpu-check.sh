@@ -19,7 +19,12 @@
 #      for the vllm-nhd, vllm-hnd and sglang-page-first layouts, each with its
 #      JSON file, and their summary table (ratios below target are reported,
 #      not failed);
-#   6. the verdict: "gpu-check: PASS" or "gpu-check: FAIL (step: reason; ...)".
+#   6. python: builds the package's extension for this machine's python3
+#      against the bundle (python/build-extension.sh: the machine has pybind11
+#      and a compiler) and runs the PyTorch end to end (python/gpu_e2e.py: CUDA
+#      KV tensors registered through CUDA IPC, blocks stored by one process
+#      and loaded back by another, every byte compared);
+#   7. the verdict: "gpu-check: PASS" or "gpu-check: FAIL (step: reason; ...)".
 #
 # --expect-no-gpu: the same steps on a machine without a GPU (the bare-root
 # proof, tools/gpu-bundle-bare-root.sh): the gpu tests must each report that
@@ -36,7 +41,8 @@
 # Usage: gpu-bundle/gpu-check.sh [--expect-no-gpu]   (the copy in the bundle;
 # tools/gpu-check.sh finds ../gpu-bundle). Environment: KVTIER_BUNDLE (the
 # bundle's folder), OUT_DIR (default $OUT when set, else BUNDLE/results):
-# where gpu-check.log, each program's log and the benchmark JSON files go.
+# where gpu-check.log, tests.log, bench.log, python.log and the benchmark
+# JSON files go.
 # Exit status: 0 PASS, 1 FAIL, 2 usage or no bundle.
 set -uo pipefail
 
@@ -65,6 +71,13 @@ out_dir=${OUT_DIR:-${OUT:-$bundle/results}}
 mkdir -p "$out_dir"
 out_dir=$(cd "$out_dir" && pwd)
 layouts=(vllm-nhd vllm-hnd sglang-page-first)
+
+# Each program's log, the Python build: scratch, removed at the end. What
+# comes back in $out_dir is at most seven files (the GPU machine returns
+# eight): gpu-check.log, tests.log, bench.log, python.log and the three JSON.
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-gpu-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+rm -f "$out_dir/tests.log" "$out_dir/bench.log" "$out_dir/python.log"
 
 export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVTIER_PROGRAMS_DIR="$bundle/bin"  # where the tests find kvtierd, gpu_client, ...
@@ -105,7 +118,7 @@ gtest_count() {  # log, PASSED|FAILED|SKIPPED
 # Runs one test program; records what went wrong as a failure of `label`.
 run_tests() {  # label, program
   local label=$1 name=$2 log rc passed failed_n skipped reasons limit
-  log=$out_dir/$name.log
+  log=$work/$name.log
   if [[ ! -x "$bundle/bin/$name" ]]; then
     failed "$label tests" "$name is not in the bundle"
     return
@@ -121,16 +134,16 @@ run_tests() {  # label, program
   else
     timeout "$limit" "$bundle/bin/$name" >"$log" 2>&1 || rc=$?
   fi
+  { echo "==== $name (exit $rc)"; cat "$log"; } >>"$out_dir/tests.log"
   passed=$(gtest_count "$log" PASSED)
   failed_n=$(gtest_count "$log" FAILED)
   skipped=$(gtest_count "$log" SKIPPED)
-  printf '%-30s exit %-3s passed %-4s failed %-4s skipped %-4s log %s\n' "$name" "$rc" "$passed" "$failed_n" \
-    "$skipped" "$log"
+  printf '%-30s exit %-3s passed %-4s failed %-4s skipped %-4s\n' "$name" "$rc" "$passed" "$failed_n" "$skipped"
   if ((rc == 124)); then
     failed "$label tests" "$name ran past its timeout ($limit s)"
   elif ((rc != 0 || failed_n > 0)); then
     failed "$label tests" "$name exited $rc with $failed_n failed: $(grep -m3 -E '^\[  FAILED  \] [A-Za-z]' "$log" |
-      sed 's/^\[  FAILED  \] //' | tr '\n' ' ')"
+      sed 's/^\[  FAILED  \] //' | tr '\n' ' ') (log: $out_dir/tests.log)"
   elif [[ "$label" == gpu && $expect_gpu == 1 ]] && ((skipped > 0 || passed == 0)); then
     failed "gpu tests" "$name: $skipped skipped, $passed passed (on a GPU machine every gpu test must run)"
   elif [[ "$label" == gpu ]]; then
@@ -148,7 +161,7 @@ run_tests() {  # label, program
 }
 
 main() {
-  local start elf out lines name label layout json rc below=0 kv base ratio target verdict gpus limit
+  local start elf out lines name label layout json rc below=0 kv base ratio target verdict gpus limit python_result
   start=$(date +%s)
 
   step "environment"
@@ -214,10 +227,11 @@ main() {
       fi
       rc=0
       timeout "$limit" "$bundle/bin/kvtier-bench" gpu --layout "$layout" --json "$json" \
-        >"$out_dir/gpu-bench-$layout.log" 2>&1 || rc=$?
-      tail -4 "$out_dir/gpu-bench-$layout.log"
+        >"$work/bench-$layout.log" 2>&1 || rc=$?
+      { echo "==== $layout (exit $rc)"; cat "$work/bench-$layout.log"; } >>"$out_dir/bench.log"
+      tail -4 "$work/bench-$layout.log"
       if ((rc != 0)); then
-        failed "kvtier-bench gpu" "--layout $layout exited $rc (log: $out_dir/gpu-bench-$layout.log)"
+        failed "kvtier-bench gpu" "--layout $layout exited $rc (log: $out_dir/bench.log)"
       elif [[ ! -s "$json" ]]; then
         failed "kvtier-bench gpu" "--layout $layout wrote no $json"
       fi
@@ -239,10 +253,36 @@ main() {
     if ((below > 0)); then echo "$below comparison(s) below target: reported, not a failure"; fi
   fi
 
+  step "python (the package built here, PyTorch end to end through CUDA IPC)"
+  python_result="not run"
+  if [[ ! -d "$bundle/python" ]]; then
+    python_result="not run (the bundle holds no Python package)"
+  elif ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import torch' >/dev/null 2>&1; then
+    python_result="not run (no python3 with torch here)"
+    [[ $expect_gpu == 1 ]] && failed python "no python3 with torch on this machine"
+  elif ! timeout "$(time_for 120)" "$bundle/python/build-extension.sh" "$work/python" >>"$out_dir/python.log" 2>&1; then
+    python_result="failed to build"
+    failed python "the extension did not build: $(tail -3 "$out_dir/python.log" | tr '\n' ' ') (log: $out_dir/python.log)"
+  elif [[ $expect_gpu == 1 ]]; then
+    limit=$(time_for 120)
+    rc=0
+    PYTHONPATH="$work/python" timeout "$limit" python3 "$bundle/python/gpu_e2e.py" "$bundle/bin/kvtierd" \
+      >>"$out_dir/python.log" 2>&1 || rc=$?
+    tail -4 "$out_dir/python.log"
+    python_result=$(grep -m1 '^torch e2e:' "$out_dir/python.log" || echo "torch e2e: exit $rc")
+    ((rc == 0)) || failed python "torch e2e exited $rc (log: $out_dir/python.log)"
+  else
+    rc=0
+    PYTHONPATH="$work/python" python3 -c 'import kvtier; kvtier.Layout("m", 1, 1, 8, "bf16", 4)' \
+      >>"$out_dir/python.log" 2>&1 || rc=$?
+    python_result="built and imported (no GPU: the end to end needs one)"
+    ((rc == 0)) || failed python "the extension built but does not import (log: $out_dir/python.log)"
+  fi
+  echo "$python_result"
+
   step "summary"
   gpus=$(grep -c '^gpu ' "$bundle/tests.txt")
-  echo "gpu test programs: $gpus; host test programs: $(grep -c '^host ' "$bundle/tests.txt");" \
-    "pytorch end-to-end: not run (the bundle holds no Python package)"
+  echo "gpu test programs: $gpus; host test programs: $(grep -c '^host ' "$bundle/tests.txt"); python: $python_result"
   echo "elapsed: $(($(date +%s) - start)) s; log: $out_dir/gpu-check.log"
   if ((${#failures[@]} == 0)); then
     if [[ $expect_gpu == 1 ]]; then

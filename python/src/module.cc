@@ -162,7 +162,7 @@ struct KvCache {
   uint32_t num_blocks = 0;
   std::string kind;                 // "shm", "host" or "cuda"
   py::object keep_alive;            // the CpuKvCache, for "shm"
-  std::vector<AdoptedHostMemory> adopted;
+  std::optional<AdoptedHostMemory> adopted;  // for "host"
   uint64_t client_serial = 0;       // which Client registered it
 };
 
@@ -473,7 +473,7 @@ PYBIND11_MODULE(_kvtier, m) {
                                                      .num_blocks = cache.num_blocks(),
                                                      .kind = "shm",
                                                      .keep_alive = cache_obj,
-                                                     .adopted = {},
+                                                     .adopted = std::nullopt,
                                                      .client_serial = self.serial()});
           },
           py::arg("cache"), "Registers a CpuKvCache.")
@@ -484,23 +484,19 @@ PYBIND11_MODULE(_kvtier, m) {
             std::vector<std::pair<uintptr_t, uint64_t>> regions = Regions(regions_arg);
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
             std::shared_ptr<Client> c = self.Get();
+            // What the daemon would refuse is refused before any memory moves:
+            // adopted memory cannot be adopted again.
+            std::vector<uint64_t> sizes;
+            for (const auto& r : regions) sizes.push_back(r.second);
+            Must(KvCacheLayout::Create(layout, num_blocks, placements, sizes));
+            std::vector<HostRange> ranges;
+            for (const auto& [ptr, size] : regions) ranges.push_back(HostRange{reinterpret_cast<void*>(ptr), size});
             auto out = std::make_shared<KvCache>(
                 KvCache{.id = 0, .layout = layout, .num_blocks = num_blocks, .kind = "host", .keep_alive = py::none(),
-                        .adopted = {}, .client_serial = self.serial()});
-            // Each placement's offset moves by where its region starts in
-            // the adopted pages.
-            std::vector<KvRegion> kv_regions;
-            for (const auto& [ptr, size] : regions) {
-              out->adopted.push_back(Must(AdoptedHostMemory::Adopt(reinterpret_cast<void*>(ptr), size)));
-              kv_regions.push_back(out->adopted.back().region());
-            }
-            for (Placement& p : placements) {
-              if (p.region >= regions.size()) {
-                RaiseInvalid("placements: region " + std::to_string(p.region) + " of " +
-                             std::to_string(regions.size()));
-              }
-              p.offset_bytes += out->adopted[p.region].offset_bytes();
-            }
+                        .adopted = std::nullopt, .client_serial = self.serial()});
+            out->adopted.emplace(Must(AdoptedHostMemory::Adopt(ranges)));
+            placements = Must(out->adopted->Rebase(std::move(placements)));
+            std::vector<KvRegion> kv_regions = out->adopted->regions();
             Result<CacheId> id;
             {
               py::gil_scoped_release release;
@@ -532,7 +528,7 @@ PYBIND11_MODULE(_kvtier, m) {
                                                      .num_blocks = num_blocks,
                                                      .kind = "cuda",
                                                      .keep_alive = py::none(),
-                                                     .adopted = {},
+                                                     .adopted = std::nullopt,
                                                      .client_serial = self.serial()});
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),

@@ -88,6 +88,26 @@ def test_an_engine_allocated_torch_cache_is_shared_in_place(client: kvtier.Clien
         assert torch.equal(t[:, 40:46], b[:, 0:6]), "a loaded block differs from the stored one"
 
 
+def test_views_of_one_storage_that_share_pages_are_registered_together(client: kvtier.Client) -> None:
+    # Two layers carved out of one allocation at an odd offset: the first
+    # layer's last page is the second's first.
+    layout = small_layout()
+    num_blocks = 16
+    shape = (2, num_blocks, layout.block_tokens, layout.num_kv_heads, layout.head_dim)
+    numel = 2 * num_blocks * layout.block_tokens * layout.num_kv_heads * layout.head_dim
+    storage = torch.zeros(2 * numel + 100, dtype=torch.bfloat16)
+    layers = [storage[50 : 50 + numel].view(shape), storage[50 + numel : 50 + 2 * numel].view(shape)]
+    layers[0][:, 0] = 1.5
+    layers[1][:, 0] = -2.0
+    cache = client.register_tensors(layout, num_blocks, layers, "vllm_nhd")
+    keys = client.compute_keys(cache, prompt(11, 1))
+    assert client.store(cache, keys, [0]).blocks == 1
+    assert client.load(cache, keys, [9]).blocks == 1
+    assert bool((layers[0][:, 9] == 1.5).all()) and bool((layers[1][:, 9] == -2.0).all())
+    with pytest.raises(kvtier.InvalidArgumentError, match="only once"):
+        client.register_tensors(layout, num_blocks, layers, "vllm_nhd")
+
+
 def test_an_engine_allocated_numpy_cache_in_the_canonical_layout(client: kvtier.Client) -> None:
     layout = kvtier.Layout("kvtier/python-fp16", 2, 2, 64, "fp16", 16)
     array = np.zeros((48, layout.block_bytes // 2), dtype=np.float16)

@@ -674,61 +674,89 @@ TEST(HostPathTest, CApiEngineStoresAndLoads) {
 
 TEST(HostPathTest, AnEngineAllocatedCacheIsAdoptedInPlaceAndServed) {
   // The engine allocates its cache itself (as torch.zeros does: malloc, not
-  // page-aligned), fills some blocks, and only then registers it: the bytes
-  // stay where they are, at the same address, and the daemon copies into
-  // and out of them.
+  // page-aligned), one tensor per layer (vLLM's NHD), fills some blocks, and
+  // only then registers it: the bytes stay where they are, at the same
+  // addresses, and the daemon copies into and out of them. The two layers'
+  // tensors lie back to back, so they share a page: adopted together.
   Result<DaemonProcess> d = DaemonProcess::Start({});
   ASSERT_TRUE(d.has_value()) << d.error();
   std::unique_ptr<Client> c = MustConnect(*d);
   ASSERT_NE(c, nullptr);
   const Layout layout = SmallLayout();
   constexpr uint32_t kBlocks = 64;
-  const uint64_t bytes = kBlocks * layout.block_bytes();
-  auto* raw = static_cast<uint8_t*>(std::malloc(bytes + 64));
+  const uint64_t layer_bytes = 2 * kBlocks * layout.tensor_bytes();  // [2, blocks, tokens, heads, dim]
+  auto* raw = static_cast<uint8_t*>(std::malloc(2 * layer_bytes + 4096 + 64));
   ASSERT_NE(raw, nullptr);
-  uint8_t* engine = raw + 64;  // not page-aligned
-  auto block = [&](uint32_t i) { return std::span<uint8_t>(engine + i * layout.block_bytes(), layout.block_bytes()); };
-  std::vector<BlockKey> before(4);
-  for (uint32_t i = 0; i < before.size(); ++i) before[i].bytes.fill(static_cast<uint8_t>(7 + i));
-  for (uint32_t i = 0; i < before.size(); ++i) FillFromKey(before[i], block(i));
+  // Layer 0 at raw+64 (not page-aligned); layer 1 right after it, starting
+  // in layer 0's last page.
+  std::vector<HostRange> layers = {{raw + 64, layer_bytes}, {raw + 64 + layer_bytes, layer_bytes}};
+  // Engine block b in canonical order, gathered from / scattered to the
+  // layers (each layer: K block b, then V block b).
+  const uint64_t tensor = layout.tensor_bytes();
+  auto piece = [&](uint32_t layer, uint32_t kv, uint32_t b) {
+    return static_cast<uint8_t*>(layers[layer].data) + (uint64_t{kv} * kBlocks + b) * tensor;
+  };
+  auto read_block = [&](uint32_t b) {
+    std::vector<uint8_t> out;
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t kv = 0; kv < 2; ++kv) out.insert(out.end(), piece(l, kv, b), piece(l, kv, b) + tensor);
+    return out;
+  };
+  auto write_block = [&](uint32_t b, const std::vector<uint8_t>& bytes) {
+    size_t at = 0;
+    for (uint32_t l = 0; l < 2; ++l)
+      for (uint32_t kv = 0; kv < 2; ++kv, at += tensor) std::memcpy(piece(l, kv, b), bytes.data() + at, tensor);
+  };
+  std::vector<uint8_t> pattern(layout.block_bytes());
+  BlockKey before;
+  before.bytes.fill(7);
+  FillFromKey(before, pattern);
+  write_block(3, pattern);
 
-  Result<AdoptedHostMemory> adopted = AdoptedHostMemory::Adopt(engine, bytes);
+  Result<AdoptedHostMemory> adopted = AdoptedHostMemory::Adopt(layers);
   ASSERT_TRUE(adopted.has_value()) << adopted.error();
-  for (uint32_t i = 0; i < before.size(); ++i) {
-    EXPECT_TRUE(MatchesKey(before[i], block(i))) << "adopting changed the engine's bytes";
-  }
-  std::vector<Placement> placements = KvCacheLayout::Contiguous(layout);
-  for (Placement& p : placements) p.offset_bytes += adopted->offset_bytes();
-  Result<CacheId> id = c->RegisterKvCache(layout, kBlocks, placements, {adopted->region()});
+  EXPECT_EQ(adopted->regions().size(), 1u) << "layers that share a page share one memfd";
+  EXPECT_EQ(read_block(3), pattern) << "adopting changed the engine's bytes";
+  Result<std::vector<Placement>> placements = adopted->Rebase(KvCacheLayout::VllmNhd(layout, kBlocks));
+  ASSERT_TRUE(placements.has_value()) << placements.error();
+  Result<CacheId> id = c->RegisterKvCache(layout, kBlocks, *placements, adopted->regions());
   ASSERT_TRUE(id.has_value()) << id.error();
 
   Result<std::vector<BlockKey>> keys = c->ComputeKeys(*id, Prompt(1, 8));
   ASSERT_TRUE(keys.has_value());
-  for (uint32_t i = 0; i < 8; ++i) FillFromKey((*keys)[i], block(i));
+  std::vector<std::vector<uint8_t>> stored_bytes;
+  for (uint32_t i = 0; i < 8; ++i) {
+    FillFromKey((*keys)[i], pattern);
+    write_block(i, pattern);
+    stored_bytes.push_back(pattern);
+  }
   Result<OpResult> stored = c->Store(*id, *keys, Range(0, 8));
   ASSERT_TRUE(stored.has_value()) << stored.error();
   EXPECT_EQ(stored->blocks, 8u);
-  for (uint32_t i = 16; i < 24; ++i) std::fill(block(i).begin(), block(i).end(), 0);
+  for (uint32_t i = 16; i < 24; ++i) write_block(i, std::vector<uint8_t>(layout.block_bytes(), 0));
   Result<OpResult> loaded = c->Load(*id, *keys, Range(16, 8));
   ASSERT_TRUE(loaded.has_value()) << loaded.error();
   ASSERT_EQ(loaded->blocks, 8u);
-  for (uint32_t i = 0; i < 8; ++i) EXPECT_TRUE(MatchesKey((*keys)[i], block(16 + i))) << "block " << i;
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(read_block(16 + i), stored_bytes[i]) << "block " << i;
 
   // Memory adopted once is shared memory now: a second adoption is refused.
-  Result<AdoptedHostMemory> again = AdoptedHostMemory::Adopt(engine, bytes);
+  Result<AdoptedHostMemory> again = AdoptedHostMemory::Adopt(std::span(layers).first(1));
   ASSERT_FALSE(again.has_value());
   EXPECT_EQ(again.error().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(again.error().message(), HasSubstr("only once"));
+  EXPECT_EQ(adopted->Rebase({Placement{.region = 2}}).error().code(), StatusCode::kInvalidArgument);
   std::free(raw);
 }
 
 TEST(HostPathTest, MemoryThatIsNotTheEnginesOwnIsNotAdopted) {
-  EXPECT_EQ(AdoptedHostMemory::Adopt(nullptr, 4096).error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(AdoptedHostMemory::Adopt({}).error().code(), StatusCode::kInvalidArgument);
+  const HostRange null{nullptr, 4096};
+  EXPECT_EQ(AdoptedHostMemory::Adopt(std::span(&null, 1)).error().code(), StatusCode::kInvalidArgument);
   // A file mapping (here, the executable's own code) is refused, unchanged.
-  Result<AdoptedHostMemory> code =
-      AdoptedHostMemory::Adopt(reinterpret_cast<void*>(&MustConnect), 4096);
-  ASSERT_FALSE(code.has_value());
-  EXPECT_THAT(code.error().message(), HasSubstr("not anonymous private read-write memory"));
+  const HostRange code{reinterpret_cast<void*>(&MustConnect), 4096};
+  Result<AdoptedHostMemory> r = AdoptedHostMemory::Adopt(std::span(&code, 1));
+  ASSERT_FALSE(r.has_value());
+  EXPECT_THAT(r.error().message(), HasSubstr("not anonymous private read-write memory"));
 }
 
 TEST(HostPathTest, SigtermStopsCleanlyAndRemovesTheSocket) {

@@ -15,44 +15,67 @@
 // are copied last, just before the move. Afterwards the pages are shared
 // memory: a child forked later shares them instead of copying them.
 //
-// Move-only. Destroying it closes the memfd; the mapping stays, since the
-// pages belong to the engine's allocation, which frees them as it would.
+// Move-only. Destroying it closes the memfds; the mappings stay, since the
+// pages belong to the engine's allocations, which free them as they would.
 // Thread-compatible.
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
+#include "common/kv_cache_layout.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "kvtier/client.h"
 
 namespace kvtier {
 
+// One range of engine memory, e.g. one layer's KV tensor.
+struct HostRange {
+  void* data = nullptr;
+  uint64_t size_bytes = 0;
+};
+
 class AdoptedHostMemory {
  public:
-  // Errors: kInvalidArgument for a null or empty range, or one that is not
-  // anonymous private read-write memory of this process (the message names
-  // the mapping found); the errno of memfd_create, ftruncate, mmap or mremap
-  // otherwise (the range is unchanged unless the final mremap failed, which
-  // Linux does only for lack of memory).
-  static Result<AdoptedHostMemory> Adopt(void* data, uint64_t size_bytes);
+  // Adopts the pages spanning every range. Ranges whose pages overlap (two
+  // small tensors in one page, views of one storage) share one memfd: adopted
+  // one at a time, the second would find its first page adopted already.
+  // Errors: kInvalidArgument for no range, a null or empty one, or one that
+  // is not anonymous private read-write memory of this process (the message
+  // names the mapping found); the errno of memfd_create, ftruncate, mmap or
+  // mremap otherwise. Nothing moves before every range is checked; a system
+  // call that fails after that leaves the groups adopted before it adopted
+  // (the same bytes at the same addresses, only shared), and a failed final
+  // mremap, which Linux does only for lack of memory, may leave its pages
+  // unmapped.
+  static Result<AdoptedHostMemory> Adopt(std::span<const HostRange> ranges);
 
   AdoptedHostMemory(AdoptedHostMemory&&) noexcept = default;
   AdoptedHostMemory& operator=(AdoptedHostMemory&&) noexcept = default;
 
-  // The memfd (borrowed: valid while this object lives) and its size: the
-  // whole pages spanning the adopted range, for RegisterKvCache.
-  KvRegion region() const { return {fd_.get(), size_bytes_}; }
-  // Where the adopted range starts in region(): add it to placement offsets.
-  uint64_t offset_bytes() const { return offset_bytes_; }
+  // The memfds (borrowed: valid while this object lives) and their sizes,
+  // one per group of overlapping ranges, for RegisterKvCache.
+  std::vector<KvRegion> regions() const;
+  // Placements written over the ranges (region = the range's index in
+  // Adopt's argument), rewritten over regions(). Errors: kInvalidArgument
+  // for a region index that names no range.
+  Result<std::vector<Placement>> Rebase(std::vector<Placement> placements) const;
 
  private:
-  AdoptedHostMemory(UniqueFd fd, uint64_t size_bytes, uint64_t offset_bytes)
-      : fd_(std::move(fd)), size_bytes_(size_bytes), offset_bytes_(offset_bytes) {}
+  struct Span {
+    UniqueFd fd;
+    uint64_t size_bytes = 0;
+  };
+  struct Where {
+    uint32_t span = 0;
+    uint64_t offset_bytes = 0;
+  };
+  AdoptedHostMemory() = default;
 
-  UniqueFd fd_;
-  uint64_t size_bytes_ = 0;
-  uint64_t offset_bytes_ = 0;
+  std::vector<Span> spans_;
+  std::vector<Where> ranges_;  // by the range's index in Adopt's argument
 };
 
 }  // namespace kvtier

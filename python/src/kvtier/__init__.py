@@ -152,9 +152,11 @@ def _register_tensors(
 
     CPU memory is shared with the daemon in place (kvtier/host_memory.h): the
     tensors keep their addresses and bytes, and must not be in use while this
-    runs. Each tensor must be contiguous, of the layout's dtype (or uint8),
-    and a separate allocation (views of one storage: register the storage).
-    CUDA tensors go through CUDA IPC (``UnimplementedError`` without CUDA).
+    runs, and a tensor can be registered once (its memory is shared memory
+    afterwards: keep the KvCache). Each tensor must be contiguous and of the
+    layout's dtype (or uint8); tensors may be views of one storage, or share
+    pages. CUDA tensors go through CUDA IPC (``UnimplementedError`` without
+    CUDA).
     """
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
         raise TypeError("tensors: a list of torch tensors or NumPy arrays is needed")
