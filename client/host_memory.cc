@@ -33,8 +33,8 @@ Status CheckAnonymousPrivate(uintptr_t start, uintptr_t end) {
     unsigned dev_minor = 0;
     unsigned long long inode = 0;
     int path_at = 0;
-    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " %4s %llx %x:%x %llu %n", &lo, &hi, perms, &offset,
-                    &dev_major, &dev_minor, &inode, &path_at) < 7) {
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " %4s %llx %x:%x %llu %n", &lo, &hi,
+                    perms, &offset, &dev_major, &dev_minor, &inode, &path_at) < 7) {
       continue;
     }
     if (hi <= covered) continue;
@@ -69,7 +69,8 @@ Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
     return Err(Status::FromErrno(errno, "sealing the adopted KV cache memfd"));
   }
   void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (staging == MAP_FAILED) return Err(Status::FromErrno(errno, "mmap of the adopted KV cache memfd"));
+  if (staging == MAP_FAILED)
+    return Err(Status::FromErrno(errno, "mmap of the adopted KV cache memfd"));
   auto* to = static_cast<uint8_t*>(staging);
   const auto* from = reinterpret_cast<const uint8_t*>(start);
   // The interior first, then the two edge pages, which may hold other data
@@ -77,7 +78,8 @@ Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
   if (length > 2 * page) std::memcpy(to + page, from + page, length - 2 * page);
   std::memcpy(to, from, page);
   if (length > page) std::memcpy(to + length - page, from + length - page, page);
-  void* moved = ::mremap(staging, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(start));
+  void* moved = ::mremap(staging, length, length, MREMAP_MAYMOVE | MREMAP_FIXED,
+                         reinterpret_cast<void*>(start));
   if (moved == MAP_FAILED) {
     const int error = errno;
     ::munmap(staging, length);
@@ -102,14 +104,16 @@ Result<AdoptedHostMemory> AdoptedHostMemory::Adopt(std::span<const HostRange> ra
     const auto begin = reinterpret_cast<uintptr_t>(ranges[i].data);
     uintptr_t last = 0;
     if (begin == 0 || ranges[i].size_bytes == 0) {
-      return Err(InvalidArgument("AdoptedHostMemory: range " + std::to_string(i) + " is null or empty"));
+      return Err(
+          InvalidArgument("AdoptedHostMemory: range " + std::to_string(i) + " is null or empty"));
     }
     if (__builtin_add_overflow(begin, ranges[i].size_bytes, &last) || last > UINTPTR_MAX - page) {
       return Err(InvalidArgument("AdoptedHostMemory: range " + std::to_string(i) + " overflows"));
     }
     pages.push_back({begin & ~(page - 1), (last + page - 1) & ~(page - 1), i});
   }
-  std::sort(pages.begin(), pages.end(), [](const Pages& a, const Pages& b) { return a.start < b.start; });
+  std::sort(pages.begin(), pages.end(),
+            [](const Pages& a, const Pages& b) { return a.start < b.start; });
   struct Group {
     uintptr_t start = 0;
     uintptr_t end = 0;
@@ -145,8 +149,9 @@ Result<std::vector<Placement>> AdoptedHostMemory::Rebase(std::vector<Placement> 
   for (size_t i = 0; i < placements.size(); ++i) {
     Placement& p = placements[i];
     if (p.region >= ranges_.size()) {
-      return Err(InvalidArgument("placement " + std::to_string(i) + " names range " + std::to_string(p.region) +
-                                 "; there are " + std::to_string(ranges_.size())));
+      return Err(InvalidArgument("placement " + std::to_string(i) + " names range " +
+                                 std::to_string(p.region) + "; there are " +
+                                 std::to_string(ranges_.size())));
     }
     p.offset_bytes += ranges_[p.region].offset_bytes;
     p.region = ranges_[p.region].span;

@@ -42,7 +42,9 @@ namespace {
 [[noreturn]] void Raise(const Status& status) {
   py::object errors = py::module_::import("kvtier._errors");
   py::object cls = errors.attr("error_class")(std::string(StatusCodeName(status.code())));
-  PyErr_SetObject(cls.ptr(), py::make_tuple(status.message(), std::string(StatusCodeName(status.code()))).ptr());
+  PyErr_SetObject(
+      cls.ptr(),
+      py::make_tuple(status.message(), std::string(StatusCodeName(status.code()))).ptr());
   throw py::error_already_set();
 }
 [[noreturn]] void RaiseInvalid(const std::string& message) { Raise(InvalidArgument(message)); }
@@ -51,6 +53,23 @@ template <typename T>
 T Must(Result<T> r) {
   if (!r) Raise(r.error());
   return std::move(*r);
+}
+
+// Runs `call`, a call of the C++ client that may wait on the daemon, without
+// the GIL, and returns its Result.
+template <typename F>
+auto Unlocked(F&& call) {
+  std::optional<decltype(call())> r;
+  {
+    py::gil_scoped_release release;
+    r.emplace(call());
+  }
+  return std::move(*r);
+}
+// The same, returning the value or raising the error.
+template <typename F>
+auto WithoutGil(F&& call) {
+  return Must(Unlocked(std::forward<F>(call)));
 }
 
 std::string_view TierName(BlockTier t) {
@@ -77,15 +96,17 @@ std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t 
   std::vector<uint32_t> out;
   auto take = [&](int64_t v) {
     if (v < 0 || static_cast<uint64_t>(v) > max) {
-      RaiseInvalid(std::string(what) + ": " + std::to_string(v) + " is out of range [0, " + std::to_string(max) + "]");
+      RaiseInvalid(std::string(what) + ": " + std::to_string(v) + " is out of range [0, " +
+                   std::to_string(max) + "]");
     }
     out.push_back(static_cast<uint32_t>(v));
   };
   if (py::isinstance<py::array>(obj)) {
     auto array = py::reinterpret_borrow<py::array>(obj);
     const char kind = array.dtype().kind();
-    if (kind != 'i' && kind != 'u') RaiseInvalid(std::string(what) + ": an integer array is needed, not " +
-                                                 std::string(py::str(array.dtype())));
+    if (kind != 'i' && kind != 'u')
+      RaiseInvalid(std::string(what) + ": an integer array is needed, not " +
+                   std::string(py::str(array.dtype())));
     if (array.ndim() != 1) RaiseInvalid(std::string(what) + ": a one-dimensional array is needed");
     auto as64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(array);
     if (kind == 'u' && array.dtype().itemsize() == 8) {
@@ -101,7 +122,8 @@ std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t 
     for (py::ssize_t i = 0; i < as64.size(); ++i) take(as64.data()[i]);
     return out;
   }
-  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj)) {
+  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) ||
+      py::isinstance<py::bytes>(obj)) {
     throw py::type_error(std::string(what) + ": a list of ints or a NumPy integer array is needed");
   }
   auto seq = py::reinterpret_borrow<py::sequence>(obj);
@@ -120,7 +142,8 @@ std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t 
 }
 
 BlockKey KeyFrom(const py::handle& obj) {
-  if (!py::isinstance<py::bytes>(obj)) throw py::type_error("keys: every key must be bytes (16 of them)");
+  if (!py::isinstance<py::bytes>(obj))
+    throw py::type_error("keys: every key must be bytes (16 of them)");
   const std::string s = py::reinterpret_borrow<py::bytes>(obj);
   if (s.size() != BlockKey::kSize) {
     RaiseInvalid("keys: a key has " + std::to_string(s.size()) + " bytes; keys have 16");
@@ -131,11 +154,13 @@ BlockKey KeyFrom(const py::handle& obj) {
 }
 
 std::vector<BlockKey> Keys(const py::handle& obj) {
-  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::bytes>(obj) || py::isinstance<py::str>(obj)) {
+  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::bytes>(obj) ||
+      py::isinstance<py::str>(obj)) {
     throw py::type_error("keys: a list of 16-byte bytes objects is needed");
   }
   std::vector<BlockKey> keys;
-  for (const py::handle item : py::reinterpret_borrow<py::sequence>(obj)) keys.push_back(KeyFrom(item));
+  for (const py::handle item : py::reinterpret_borrow<py::sequence>(obj))
+    keys.push_back(KeyFrom(item));
   return keys;
 }
 
@@ -160,10 +185,10 @@ struct KvCache {
   CacheId id = 0;
   Layout layout;
   uint32_t num_blocks = 0;
-  std::string kind;                 // "shm", "host" or "cuda"
-  py::object keep_alive;            // the CpuKvCache, for "shm"
+  std::string kind;                          // "shm", "host" or "cuda"
+  py::object keep_alive;                     // the CpuKvCache, for "shm"
   std::optional<AdoptedHostMemory> adopted;  // for "host"
-  uint64_t client_serial = 0;       // which Client registered it
+  uint64_t client_serial = 0;                // which Client registered it
 };
 
 uint64_t NextSerial() {
@@ -174,7 +199,8 @@ uint64_t NextSerial() {
 // The Python Client: owns the C++ client until close().
 class PyClient {
  public:
-  static std::shared_ptr<PyClient> Connect(const std::string& socket_path, const std::optional<std::string>& token,
+  static std::shared_ptr<PyClient> Connect(const std::string& socket_path,
+                                           const std::optional<std::string>& token,
                                            const std::string& name, double reconnect_interval_s) {
     if (socket_path.empty()) RaiseInvalid("socket_path must not be empty");
     if (reconnect_interval_s < 0) RaiseInvalid("reconnect_interval must be >= 0");
@@ -183,15 +209,12 @@ class PyClient {
                           .client_name = name,
                           .reconnect_interval = std::chrono::milliseconds(
                               static_cast<int64_t>(reconnect_interval_s * 1000.0))};
-    Result<std::unique_ptr<Client>> c;
-    {
-      py::gil_scoped_release release;
-      c = Client::Connect(std::move(options));
-    }
-    return std::make_shared<PyClient>(std::shared_ptr<Client>(std::move(Must(std::move(c)))));
+    std::unique_ptr<Client> c = WithoutGil([&] { return Client::Connect(std::move(options)); });
+    return std::make_shared<PyClient>(std::shared_ptr<Client>(std::move(c)));
   }
 
-  explicit PyClient(std::shared_ptr<Client> client) : client_(std::move(client)), serial_(NextSerial()) {}
+  explicit PyClient(std::shared_ptr<Client> client)
+      : client_(std::move(client)), serial_(NextSerial()) {}
 
   // The C++ client, or kvtier.FailedPreconditionError once closed. Callers
   // hold the returned reference across the GIL release.
@@ -208,7 +231,8 @@ class PyClient {
 
   // A registered cache of this client, checked.
   void Check(const KvCache& cache) const {
-    if (cache.client_serial != serial_) RaiseInvalid("this KV cache was registered with another client");
+    if (cache.client_serial != serial_)
+      RaiseInvalid("this KV cache was registered with another client");
   }
   uint64_t serial() const { return serial_; }
 
@@ -224,19 +248,18 @@ class PyOp {
       : client_(std::move(client)), handle_(handle), what_(std::move(what)) {}
 
   OpResult Wait(std::optional<double> timeout_s) {
-    if (!client_) Raise(Status(StatusCode::kFailedPrecondition, "this " + what_ + " was waited for already"));
+    if (!client_)
+      Raise(Status(StatusCode::kFailedPrecondition, "this " + what_ + " was waited for already"));
     if (timeout_s && *timeout_s < 0) RaiseInvalid("timeout must be >= 0 seconds, or None");
     // 0 is "no limit" to the C++ client: a timeout of 0 s waits 1 ms.
-    const auto timeout = timeout_s ? std::max<std::chrono::milliseconds>(
-                                         std::chrono::milliseconds(1),
-                                         std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
-                                   : std::chrono::milliseconds(0);
-    Result<OpResult> r;
-    {
-      py::gil_scoped_release release;
-      r = client_->Wait(handle_, timeout);
-    }
-    if (!r && r.error().code() == StatusCode::kDeadlineExceeded) Raise(r.error());  // still running: wait again
+    const auto timeout =
+        timeout_s ? std::max<std::chrono::milliseconds>(
+                        std::chrono::milliseconds(1),
+                        std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
+                  : std::chrono::milliseconds(0);
+    Result<OpResult> r = Unlocked([&] { return client_->Wait(handle_, timeout); });
+    if (!r && r.error().code() == StatusCode::kDeadlineExceeded)
+      Raise(r.error());  // still running: wait again
     client_.reset();
     return Must(std::move(r));
   }
@@ -248,9 +271,9 @@ class PyOp {
   std::string what_;
 };
 
-Layout MakeLayout(const std::string& model_id, uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_dim,
-                  const std::string& dtype, uint32_t block_tokens, const std::string& kv_kind, uint32_t tp_rank,
-                  uint32_t tp_size) {
+Layout MakeLayout(const std::string& model_id, uint32_t num_layers, uint32_t num_kv_heads,
+                  uint32_t head_dim, const std::string& dtype, uint32_t block_tokens,
+                  const std::string& kv_kind, uint32_t tp_rank, uint32_t tp_size) {
   const DType d = Must(ParseDType(dtype));
   const KvKind k = Must(ParseKvKind(kv_kind));
   return Must(Layout::Create(LayoutSpec{.model_id = model_id,
@@ -264,10 +287,12 @@ Layout MakeLayout(const std::string& model_id, uint32_t num_layers, uint32_t num
                                         .tp_size = tp_size}));
 }
 
-std::vector<Placement> PlacementsFor(const Layout& layout, uint32_t num_blocks, const std::string& scheme) {
+std::vector<Placement> PlacementsFor(const Layout& layout, uint32_t num_blocks,
+                                     const std::string& scheme) {
   if (num_blocks == 0) RaiseInvalid("num_blocks must be > 0");
   if (scheme == "contiguous") return KvCacheLayout::Contiguous(layout);
-  if (layout.spec().scale_bytes_per_layer != 0) RaiseInvalid("engine layouts have no fp8 scale bytes");
+  if (layout.spec().scale_bytes_per_layer != 0)
+    RaiseInvalid("engine layouts have no fp8 scale bytes");
   if (scheme == "vllm_nhd") return KvCacheLayout::VllmNhd(layout, num_blocks);
   if (scheme == "vllm_hnd") return KvCacheLayout::VllmHnd(layout, num_blocks);
   if (scheme == "sglang_layer_first") return KvCacheLayout::SglangLayerFirst(layout, num_blocks);
@@ -277,8 +302,10 @@ std::vector<Placement> PlacementsFor(const Layout& layout, uint32_t num_blocks, 
 }
 
 // Placements from a scheme name or a list of Placement.
-std::vector<Placement> PlacementsArg(const Layout& layout, uint32_t num_blocks, const py::object& arg) {
-  if (py::isinstance<py::str>(arg)) return PlacementsFor(layout, num_blocks, arg.cast<std::string>());
+std::vector<Placement> PlacementsArg(const Layout& layout, uint32_t num_blocks,
+                                     const py::object& arg) {
+  if (py::isinstance<py::str>(arg))
+    return PlacementsFor(layout, num_blocks, arg.cast<std::string>());
   try {
     return arg.cast<std::vector<Placement>>();
   } catch (const py::cast_error&) {
@@ -327,7 +354,8 @@ py::dict StatsDict(const DaemonStats& s) {
 }
 
 // Checks keys and block ids for a load or store.
-std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache& cache, const py::object& keys,
+std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache& cache,
+                                                                   const py::object& keys,
                                                                    const py::object& block_ids) {
   std::vector<BlockKey> k = Keys(keys);
   std::vector<uint32_t> ids = UInt32s(block_ids, "block_ids", cache.num_blocks - 1);
@@ -347,31 +375,37 @@ using namespace kvtier::python;  // NOLINT
 PYBIND11_MODULE(_kvtier, m) {
   m.doc() = "The binding of libkvtier; use the kvtier package.";
 
-  py::class_<Layout>(m, "Layout", "The shape of one engine's KV cache block; its fingerprint names a namespace.")
-      .def(py::init(&MakeLayout), py::arg("model_id"), py::arg("num_layers"), py::arg("num_kv_heads"),
-           py::arg("head_dim"), py::arg("dtype"), py::arg("block_tokens"), py::arg("kv_kind") = "kv",
-           py::arg("tp_rank") = 0, py::arg("tp_size") = 1,
+  py::class_<Layout>(m, "Layout",
+                     "The shape of one engine's KV cache block; its fingerprint names a namespace.")
+      .def(py::init(&MakeLayout), py::arg("model_id"), py::arg("num_layers"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("block_tokens"),
+           py::arg("kv_kind") = "kv", py::arg("tp_rank") = 0, py::arg("tp_size") = 1,
            "dtype: fp16, bf16, fp32, fp8_e4m3 or fp8_e5m2; kv_kind: kv (K and V) or latent (MLA).")
       .def_property_readonly("model_id", [](const Layout& l) { return l.spec().model_id; })
       .def_property_readonly("num_layers", [](const Layout& l) { return l.spec().num_layers; })
       .def_property_readonly("num_kv_heads", [](const Layout& l) { return l.spec().num_kv_heads; })
       .def_property_readonly("head_dim", [](const Layout& l) { return l.spec().head_dim; })
-      .def_property_readonly("dtype", [](const Layout& l) { return std::string(DTypeName(l.spec().dtype)); })
-      .def_property_readonly("kv_kind", [](const Layout& l) { return std::string(KvKindName(l.spec().kv_kind)); })
+      .def_property_readonly("dtype",
+                             [](const Layout& l) { return std::string(DTypeName(l.spec().dtype)); })
+      .def_property_readonly(
+          "kv_kind", [](const Layout& l) { return std::string(KvKindName(l.spec().kv_kind)); })
       .def_property_readonly("block_tokens", [](const Layout& l) { return l.spec().block_tokens; })
       .def_property_readonly("tp_rank", [](const Layout& l) { return l.spec().tp_rank; })
       .def_property_readonly("tp_size", [](const Layout& l) { return l.spec().tp_size; })
-      .def_property_readonly("block_bytes", &Layout::block_bytes, "Bytes of one block (all layers).")
-      .def_property_readonly("tensor_bytes", &Layout::tensor_bytes, "Bytes of one K (or V) tensor of one layer of one block.")
+      .def_property_readonly("block_bytes", &Layout::block_bytes,
+                             "Bytes of one block (all layers).")
+      .def_property_readonly("tensor_bytes", &Layout::tensor_bytes,
+                             "Bytes of one K (or V) tensor of one layer of one block.")
       .def_property_readonly("fingerprint", [](const Layout& l) { return l.fingerprint().ToHex(); })
       .def("__repr__", [](const Layout& l) { return "kvtier.Layout(" + l.ToString() + ")"; });
 
-  py::class_<Placement>(m, "Placement",
-                        "Where one (layer, K/V) piece of engine block b lives: row (token t, head h) starts at "
-                        "regions[region] + offset_bytes + b*block_stride_bytes + t*token_stride_bytes + "
-                        "h*head_stride_bytes.")
-      .def(py::init([](uint32_t region, uint64_t offset, uint64_t block_stride, uint64_t token_stride,
-                       uint64_t head_stride) {
+  py::class_<Placement>(
+      m, "Placement",
+      "Where one (layer, K/V) piece of engine block b lives: row (token t, head h) starts at "
+      "regions[region] + offset_bytes + b*block_stride_bytes + t*token_stride_bytes + "
+      "h*head_stride_bytes.")
+      .def(py::init([](uint32_t region, uint64_t offset, uint64_t block_stride,
+                       uint64_t token_stride, uint64_t head_stride) {
              return Placement{region, offset, block_stride, token_stride, head_stride};
            }),
            py::arg("region"), py::arg("offset_bytes"), py::arg("block_stride_bytes"),
@@ -382,8 +416,9 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_readwrite("token_stride_bytes", &Placement::token_stride_bytes)
       .def_readwrite("head_stride_bytes", &Placement::head_stride_bytes)
       .def("__repr__", [](const Placement& p) {
-        return "kvtier.Placement(region=" + std::to_string(p.region) + ", offset_bytes=" +
-               std::to_string(p.offset_bytes) + ", block_stride_bytes=" + std::to_string(p.block_stride_bytes) +
+        return "kvtier.Placement(region=" + std::to_string(p.region) +
+               ", offset_bytes=" + std::to_string(p.offset_bytes) +
+               ", block_stride_bytes=" + std::to_string(p.block_stride_bytes) +
                ", token_stride_bytes=" + std::to_string(p.token_stride_bytes) +
                ", head_stride_bytes=" + std::to_string(p.head_stride_bytes) + ")";
       });
@@ -391,11 +426,12 @@ PYBIND11_MODULE(_kvtier, m) {
         "The placements of an engine layout: contiguous, vllm_nhd, vllm_hnd, sglang_layer_first or "
         "sglang_page_first (docs in common/kv_cache_layout.h).");
 
-  py::class_<ShmKvCache>(m, "CpuKvCache", py::buffer_protocol(),
-                         "A CPU KV cache in shared memory that kvtier allocates: num_blocks blocks, each in "
-                         "canonical order. A buffer of shape (num_blocks, block_bytes), uint8: "
-                         "numpy.asarray(cache) and torch.frombuffer(cache, dtype=torch.uint8) see it without a "
-                         "copy.")
+  py::class_<ShmKvCache>(
+      m, "CpuKvCache", py::buffer_protocol(),
+      "A CPU KV cache in shared memory that kvtier allocates: num_blocks blocks, each in "
+      "canonical order. A buffer of shape (num_blocks, block_bytes), uint8: "
+      "numpy.asarray(cache) and torch.frombuffer(cache, dtype=torch.uint8) see it without a "
+      "copy.")
       .def(py::init([](const Layout& layout, uint32_t num_blocks) {
              return Must(ShmKvCache::Create(layout, num_blocks));
            }),
@@ -405,12 +441,14 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("block_bytes", &ShmKvCache::block_bytes)
       .def_property_readonly("nbytes", &ShmKvCache::size_bytes)
       .def_buffer([](ShmKvCache& c) {
-        return py::buffer_info(c.block(0).data(), 1, py::format_descriptor<uint8_t>::format(), 2,
-                               {static_cast<py::ssize_t>(c.num_blocks()), static_cast<py::ssize_t>(c.block_bytes())},
-                               {static_cast<py::ssize_t>(c.block_bytes()), py::ssize_t{1}});
+        return py::buffer_info(
+            c.block(0).data(), 1, py::format_descriptor<uint8_t>::format(), 2,
+            {static_cast<py::ssize_t>(c.num_blocks()), static_cast<py::ssize_t>(c.block_bytes())},
+            {static_cast<py::ssize_t>(c.block_bytes()), py::ssize_t{1}});
       });
 
-  py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache", "A KV cache registered with a Client.")
+  py::class_<KvCache, std::shared_ptr<KvCache>>(m, "KvCache",
+                                                "A KV cache registered with a Client.")
       .def_readonly("id", &KvCache::id)
       .def_readonly("layout", &KvCache::layout)
       .def_readonly("num_blocks", &KvCache::num_blocks)
@@ -422,39 +460,49 @@ PYBIND11_MODULE(_kvtier, m) {
 
   py::class_<LookupResult>(m, "LookupResult")
       .def_readonly("hits", &LookupResult::hits, "Leading keys cached.")
-      .def_property_readonly("tiers",
-                             [](const LookupResult& r) {
-                               std::vector<std::string> t;
-                               for (BlockTier x : r.tiers) t.emplace_back(TierName(x));
-                               return t;
-                             },
-                             "The tier of each hit: hbm, host or disk.")
-      .def("__repr__", [](const LookupResult& r) { return "kvtier.LookupResult(hits=" + std::to_string(r.hits) + ")"; });
+      .def_property_readonly(
+          "tiers",
+          [](const LookupResult& r) {
+            std::vector<std::string> t;
+            for (BlockTier x : r.tiers) t.emplace_back(TierName(x));
+            return t;
+          },
+          "The tier of each hit: hbm, host or disk.")
+      .def("__repr__", [](const LookupResult& r) {
+        return "kvtier.LookupResult(hits=" + std::to_string(r.hits) + ")";
+      });
 
   py::class_<OpResult>(m, "OpResult")
       .def_readonly("blocks", &OpResult::blocks, "Blocks loaded, or newly stored.")
       .def_readonly("already", &OpResult::already, "Store: keys already present or in flight.")
       .def("__repr__", [](const OpResult& r) {
-        return "kvtier.OpResult(blocks=" + std::to_string(r.blocks) + ", already=" + std::to_string(r.already) + ")";
+        return "kvtier.OpResult(blocks=" + std::to_string(r.blocks) +
+               ", already=" + std::to_string(r.already) + ")";
       });
 
   py::class_<PyOp>(m, "Op", "An async load or store; wait() for its result once.")
-      .def("wait", &PyOp::Wait, py::arg("timeout") = py::none(),
-           "Waits for the op (timeout in seconds; None = no limit) and returns its OpResult. Raises "
-           "DeadlineExceededError when the timeout passes first (the op keeps running: wait again), the op's own "
-           "error otherwise.")
+      .def(
+          "wait", &PyOp::Wait, py::arg("timeout") = py::none(),
+          "Waits for the op (timeout in seconds; None = no limit) and returns its OpResult. Raises "
+          "DeadlineExceededError when the timeout passes first (the op keeps running: wait again), "
+          "the op's own "
+          "error otherwise.")
       .def_property_readonly("done", &PyOp::waited, "Whether wait() has returned its result.");
 
-  py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client",
-                                                  "A connection to kvtierd. Calls that wait on the daemon release "
-                                                  "the GIL. While the daemon is down every call raises "
-                                                  "UnavailableError: treat it as a miss; the client reconnects and "
-                                                  "re-registers its caches by itself.")
-      .def_static("connect", &PyClient::Connect, py::arg("socket_path"), py::arg("token") = py::none(),
-                  py::arg("name") = "", py::arg("reconnect_interval") = 0.2,
-                  "Connects to the kvtierd listening on socket_path. The tenant comes from this process's uid, "
+  py::class_<PyClient, std::shared_ptr<PyClient>>(
+      m, "Client",
+      "A connection to kvtierd. Calls that wait on the daemon release "
+      "the GIL. While the daemon is down every call raises "
+      "UnavailableError: treat it as a miss; the client reconnects and "
+      "re-registers its caches by itself.")
+      .def_static("connect", &PyClient::Connect, py::arg("socket_path"),
+                  py::arg("token") = py::none(), py::arg("name") = "",
+                  py::arg("reconnect_interval") = 0.2,
+                  "Connects to the kvtierd listening on socket_path. The tenant comes from this "
+                  "process's uid, "
                   "or from token when the daemon's config names tenants by token.")
-      .def("close", &PyClient::Close, "Closes the connection; later calls raise FailedPreconditionError.")
+      .def("close", &PyClient::Close,
+           "Closes the connection; later calls raise FailedPreconditionError.")
       .def_property_readonly("closed", &PyClient::closed)
       .def_property_readonly("tenant", [](const PyClient& c) { return c.Get()->tenant(); })
       .def_property_readonly("connected", [](const PyClient& c) { return c.Get()->connected(); })
@@ -463,12 +511,8 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const PyClient& self, const py::object& cache_obj) {
             auto& cache = cache_obj.cast<ShmKvCache&>();
             std::shared_ptr<Client> c = self.Get();
-            Result<CacheId> id;
-            {
-              py::gil_scoped_release release;
-              id = c->RegisterKvCache(cache);
-            }
-            return std::make_shared<KvCache>(KvCache{.id = Must(std::move(id)),
+            CacheId id = WithoutGil([&] { return c->RegisterKvCache(cache); });
+            return std::make_shared<KvCache>(KvCache{.id = id,
                                                      .layout = cache.layout(),
                                                      .num_blocks = cache.num_blocks(),
                                                      .kind = "shm",
@@ -479,8 +523,8 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("cache"), "Registers a CpuKvCache.")
       .def(
           "register_host_memory",
-          [](const PyClient& self, const Layout& layout, uint32_t num_blocks, const py::object& regions_arg,
-             const py::object& placements_arg) {
+          [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
+             const py::object& regions_arg, const py::object& placements_arg) {
             std::vector<std::pair<uintptr_t, uint64_t>> regions = Regions(regions_arg);
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
             std::shared_ptr<Client> c = self.Get();
@@ -490,40 +534,45 @@ PYBIND11_MODULE(_kvtier, m) {
             for (const auto& r : regions) sizes.push_back(r.second);
             Must(KvCacheLayout::Create(layout, num_blocks, placements, sizes));
             std::vector<HostRange> ranges;
-            for (const auto& [ptr, size] : regions) ranges.push_back(HostRange{reinterpret_cast<void*>(ptr), size});
-            auto out = std::make_shared<KvCache>(
-                KvCache{.id = 0, .layout = layout, .num_blocks = num_blocks, .kind = "host", .keep_alive = py::none(),
-                        .adopted = std::nullopt, .client_serial = self.serial()});
+            for (const auto& [ptr, size] : regions)
+              ranges.push_back(HostRange{reinterpret_cast<void*>(ptr), size});
+            auto out = std::make_shared<KvCache>(KvCache{.id = 0,
+                                                         .layout = layout,
+                                                         .num_blocks = num_blocks,
+                                                         .kind = "host",
+                                                         .keep_alive = py::none(),
+                                                         .adopted = std::nullopt,
+                                                         .client_serial = self.serial()});
             out->adopted.emplace(Must(AdoptedHostMemory::Adopt(ranges)));
             placements = Must(out->adopted->Rebase(std::move(placements)));
             std::vector<KvRegion> kv_regions = out->adopted->regions();
-            Result<CacheId> id;
-            {
-              py::gil_scoped_release release;
-              id = c->RegisterKvCache(layout, num_blocks, std::move(placements), std::move(kv_regions));
-            }
-            out->id = Must(std::move(id));
+            CacheId id = WithoutGil([&] {
+              return c->RegisterKvCache(layout, num_blocks, std::move(placements),
+                                        std::move(kv_regions));
+            });
+            out->id = id;
             return out;
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),
-          "Registers CPU memory the engine allocated (regions: (pointer, size) pairs, e.g. of torch tensors) "
-          "without moving it: see kvtier/host_memory.h. placements: a scheme name or a list of Placement.")
+          "Registers CPU memory the engine allocated (regions: (pointer, size) pairs, e.g. of "
+          "torch tensors) "
+          "without moving it: see kvtier/host_memory.h. placements: a scheme name or a list of "
+          "Placement.")
       .def(
           "register_cuda_memory",
-          [](const PyClient& self, const Layout& layout, uint32_t num_blocks, const py::object& regions_arg,
-             const py::object& placements_arg) {
+          [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
+             const py::object& regions_arg, const py::object& placements_arg) {
             std::vector<CudaKvRegion> regions;
             for (const auto& [ptr, size] : Regions(regions_arg)) {
               regions.push_back(CudaKvRegion{reinterpret_cast<void*>(ptr), size});
             }
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
             std::shared_ptr<Client> c = self.Get();
-            Result<CacheId> id;
-            {
-              py::gil_scoped_release release;
-              id = c->RegisterCudaKvCache(layout, num_blocks, std::move(placements), std::move(regions));
-            }
-            return std::make_shared<KvCache>(KvCache{.id = Must(std::move(id)),
+            CacheId id = WithoutGil([&] {
+              return c->RegisterCudaKvCache(layout, num_blocks, std::move(placements),
+                                            std::move(regions));
+            });
+            return std::make_shared<KvCache>(KvCache{.id = id,
                                                      .layout = layout,
                                                      .num_blocks = num_blocks,
                                                      .kind = "cuda",
@@ -532,24 +581,24 @@ PYBIND11_MODULE(_kvtier, m) {
                                                      .client_serial = self.serial()});
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),
-          "Registers GPU memory (regions: (device pointer, size) pairs, e.g. of CUDA tensors) through CUDA IPC. "
+          "Registers GPU memory (regions: (device pointer, size) pairs, e.g. of CUDA tensors) "
+          "through CUDA IPC. "
           "Raises UnimplementedError where libkvtier or the daemon has no CUDA.")
       .def(
           "compute_keys",
-          [](const PyClient& self, const KvCache& cache, const py::object& tokens, const py::object& parent) {
+          [](const PyClient& self, const KvCache& cache, const py::object& tokens,
+             const py::object& parent) {
             self.Check(cache);
             std::vector<uint32_t> t = UInt32s(tokens, "tokens");
             std::optional<BlockKey> p = OptionalKey(parent);
             std::shared_ptr<Client> c = self.Get();
-            Result<std::vector<BlockKey>> keys;
-            {
-              py::gil_scoped_release release;
-              keys = c->ComputeKeys(cache.id, t, {}, p);
-            }
-            return KeyList(Must(std::move(keys)));
+            std::vector<BlockKey> keys =
+                WithoutGil([&] { return c->ComputeKeys(cache.id, t, {}, p); });
+            return KeyList(keys);
           },
           py::arg("cache"), py::arg("tokens"), py::arg("parent") = py::none(),
-          "The chain keys (16-byte bytes) of every full block of tokens (a list or NumPy array of token ids), "
+          "The chain keys (16-byte bytes) of every full block of tokens (a list or NumPy array of "
+          "token ids), "
           "optionally continuing from the key of the block before them.")
       .def(
           "key_from_engine_hash",
@@ -560,124 +609,98 @@ PYBIND11_MODULE(_kvtier, m) {
             const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
             return KeyBytes(Must(c->KeyFromEngineHash(cache.id, std::span(data, bytes.size()))));
           },
-          py::arg("cache"), py::arg("hash"), "An engine's own block hash (16 or 32 bytes) as a key.")
+          py::arg("cache"), py::arg("hash"),
+          "An engine's own block hash (16 or 32 bytes) as a key.")
       .def(
           "lookup",
           [](const PyClient& self, const KvCache& cache, const py::object& keys) {
             self.Check(cache);
             std::vector<BlockKey> k = Keys(keys);
             std::shared_ptr<Client> c = self.Get();
-            Result<LookupResult> r;
-            {
-              py::gil_scoped_release release;
-              r = c->Lookup(cache.id, k);
-            }
-            return Must(std::move(r));
+            return WithoutGil([&] { return c->Lookup(cache.id, k); });
           },
-          py::arg("cache"), py::arg("keys"), "How many leading keys are cached, and where. Pins nothing.")
+          py::arg("cache"), py::arg("keys"),
+          "How many leading keys are cached, and where. Pins nothing.")
       .def(
           "prefetch",
           [](const PyClient& self, const KvCache& cache, const py::object& keys) {
             self.Check(cache);
             std::vector<BlockKey> k = Keys(keys);
             std::shared_ptr<Client> c = self.Get();
-            Result<uint32_t> r;
-            {
-              py::gil_scoped_release release;
-              r = c->Prefetch(cache.id, k);
-            }
-            return Must(std::move(r));
+            return WithoutGil([&] { return c->Prefetch(cache.id, k); });
           },
           py::arg("cache"), py::arg("keys"),
-          "Starts moving the cached blocks of keys to faster tiers; returns how many leading keys are cached.")
+          "Starts moving the cached blocks of keys to faster tiers; returns how many leading keys "
+          "are cached.")
       .def(
           "load",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys, const py::object& block_ids) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys,
+             const py::object& block_ids) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::shared_ptr<Client> c = self.Get();
-            Result<OpResult> r;
-            {
-              py::gil_scoped_release release;
-              r = c->Load(cache.id, k, ids);
-            }
-            return Must(std::move(r));
+            return WithoutGil([&] { return c->Load(cache.id, k, ids); });
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"),
-          "Copies the cached prefix of keys into the engine blocks block_ids; OpResult.blocks says how many.")
+          "Copies the cached prefix of keys into the engine blocks block_ids; OpResult.blocks says "
+          "how many.")
       .def(
           "store",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys, const py::object& block_ids,
-             const py::object& parent) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys,
+             const py::object& block_ids, const py::object& parent) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::shared_ptr<Client> c = self.Get();
-            Result<OpResult> r;
-            {
-              py::gil_scoped_release release;
-              r = c->Store(cache.id, k, ids, p);
-            }
-            return Must(std::move(r));
+            return WithoutGil([&] { return c->Store(cache.id, k, ids, p); });
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
-          "Copies engine blocks block_ids out under keys (parent: the key of the block before the first).")
+          "Copies engine blocks block_ids out under keys (parent: the key of the block before the "
+          "first).")
       .def(
           "load_async",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys, const py::object& block_ids) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys,
+             const py::object& block_ids) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::shared_ptr<Client> c = self.Get();
-            Result<OpHandle> h;
-            {
-              py::gil_scoped_release release;
-              h = c->LoadAsync(cache.id, k, ids);
-            }
-            return PyOp(c, Must(std::move(h)), "load");
+            OpHandle h = WithoutGil([&] { return c->LoadAsync(cache.id, k, ids); });
+            return PyOp(c, h, "load");
           },
-          py::arg("cache"), py::arg("keys"), py::arg("block_ids"), "As load, returning an Op to wait() for.")
+          py::arg("cache"), py::arg("keys"), py::arg("block_ids"),
+          "As load, returning an Op to wait() for.")
       .def(
           "store_async",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys, const py::object& block_ids,
-             const py::object& parent) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys,
+             const py::object& block_ids, const py::object& parent) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::shared_ptr<Client> c = self.Get();
-            Result<OpHandle> h;
-            {
-              py::gil_scoped_release release;
-              h = c->StoreAsync(cache.id, k, ids, p);
-            }
-            return PyOp(c, Must(std::move(h)), "store");
+            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p); });
+            return PyOp(c, h, "store");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
-          "As store, returning an Op to wait() for. The engine must not overwrite the blocks until then.")
+          "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
+          "then.")
       .def(
           "stats",
           [](const PyClient& self) {
             std::shared_ptr<Client> c = self.Get();
-            Result<DaemonStats> s;
-            {
-              py::gil_scoped_release release;
-              s = c->Stats();
-            }
-            return StatsDict(Must(std::move(s)));
+            DaemonStats s = WithoutGil([&] { return c->Stats(); });
+            return StatsDict(s);
           },
           "The daemon's stats as a dict: the node's for an admin tenant, else this tenant's share.")
       .def(
           "evict",
-          [](const PyClient& self, const std::string& tenant, const std::optional<std::string>& tier) {
+          [](const PyClient& self, const std::string& tenant,
+             const std::optional<std::string>& tier) {
             std::optional<BlockTier> t;
             if (tier) t = Must(ParseTier(*tier));
             std::shared_ptr<Client> c = self.Get();
-            Result<uint64_t> r;
-            {
-              py::gil_scoped_release release;
-              r = c->Evict(tenant, t);
-            }
-            return Must(std::move(r));
+            return WithoutGil([&] { return c->Evict(tenant, t); });
           },
           py::arg("tenant") = "", py::arg("tier") = py::none(),
-          "Drops unleased blocks: this tenant's, or (admin) another tenant's or everyone's ('*'); returns how many.");
+          "Drops unleased blocks: this tenant's, or (admin) another tenant's or everyone's ('*'); "
+          "returns how many.");
 }
