@@ -395,19 +395,29 @@ TEST(SecurityTest, AnotherTenantsLookupLatencyHoldsWhileOneLoopsNamespacesAndEvi
   Client& abuser = *tenants->b;  // (lambdas cannot capture structured bindings in C++20)
   Client& admin_client = *tenants->ops;
   const double alone = LookupP99WhileAbused(*a, id, first, nullptr);
-  const double tenant = LookupP99WhileAbused(*a, id, first, [&, i = 0]() mutable {
+  // Generous: the abuser's own round trips take CPU from the victim on a
+  // small (and, under sanitizers, slow) machine; a walk of the cache costs
+  // milliseconds per call (before: 2-4 ms p99 here against 0.2 ms alone, in a
+  // Debug build on an idle 2-core machine; 70 ms and more on a busy one).
+  const double bound = 3 * alone + 1000;
+  // The best of up to three rounds: a walk of the cache slows every round,
+  // while the other tests that ctest runs beside this one (2 cores, ASan)
+  // slow some (seen: 4.5 ms against a bound of 4.1 ms once, in one round).
+  auto best_of_three = [&](const std::function<void()>& abuse) {
+    double best = LookupP99WhileAbused(*a, id, first, abuse);
+    for (int round = 1; round < 3 && best >= bound; ++round) {
+      best = std::min(best, LookupP99WhileAbused(*a, id, first, abuse));
+    }
+    return best;
+  };
+  const double tenant = best_of_three([&, i = 0]() mutable {
     if (i++ % 2) {
       (void)abuser.ListNamespaces();
     } else {
       (void)abuser.Evict();
     }
   });
-  const double admin = LookupP99WhileAbused(*a, id, first, [&] { (void)admin_client.ListNamespaces("*"); });
-  // Generous: the abuser's own round trips take CPU from the victim on a
-  // small (and, under sanitizers, slow) machine; a walk of the cache costs
-  // milliseconds per call (before: 2-4 ms p99 here against 0.2 ms alone, in a
-  // Debug build on an idle 2-core machine; 70 ms and more on a busy one).
-  const double bound = 3 * alone + 1000;
+  const double admin = best_of_three([&] { (void)admin_client.ListNamespaces("*"); });
   std::printf("victim lookup p99: alone %.0f us, tenant abusing %.0f us, admin abusing %.0f us\n", alone, tenant, admin);
   EXPECT_EQ(a->ListNamespaces().value().at(0).blocks, 16u * kPrompt);
   if (kUnderTsan) {
