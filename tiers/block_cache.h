@@ -406,8 +406,7 @@ class BlockCache {
   // host slot) and is a miss for everyone else until its last lease erases
   // it: a read of its old location would find whatever the region holds now.
   static bool Servable(const BlockEntry* e) {
-    return e->state == EntryState::kReady &&
-           (e->tier != Tier::kDisk || e->on_disk || e->moving);
+    return e->state == EntryState::kReady && (e->tier != Tier::kDisk || e->on_disk || e->moving);
   }
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.

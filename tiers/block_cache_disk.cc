@@ -90,7 +90,8 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
   // No record left (a reclaim took it while a load held the block): nothing
   // to read. Otherwise a slot, unless host is all leased: then the block
   // stays on disk and this load misses it.
-  uint8_t* dst = e->on_disk ? AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true) : nullptr;
+  uint8_t* dst =
+      e->on_disk ? AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true) : nullptr;
   if (dst == nullptr) {
     auto waiters = std::move(it->second);
     disk_waiters_.erase(it);

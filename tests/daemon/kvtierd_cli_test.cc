@@ -24,8 +24,7 @@ struct CmdResult {
 };
 
 CmdResult Kvtierd(const std::string& args, const std::string& prefix = "") {
-  const std::string cmd =
-      prefix + kvtier::testing::ProgramPath("kvtierd") + " " + args + " 2>&1";
+  const std::string cmd = prefix + kvtier::testing::ProgramPath("kvtierd") + " " + args + " 2>&1";
   CmdResult run;
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return run;
