@@ -17,8 +17,8 @@
 #      machine has them, tied to its kernel) and the driver's (libcuda, which
 #      must be the machine's own);
 #   4. adds the Python package's sources with the recipe that builds them
-#      there against the bundle (python/build-extension.sh) and the PyTorch
-#      end-to-end script (python/tests/gpu_e2e.py);
+#      there against the bundle (client/python/build-extension.sh) and the PyTorch
+#      end-to-end script (client/python/tests/gpu_e2e.py);
 #   5. writes tests.txt (label and program, one per line), MANIFEST (what it
 #      holds, the build, the newest C library symbol version it needs) and
 #      copies tools/gpu-check.sh in; prints what it holds and its size, and
@@ -119,12 +119,12 @@ strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
 # pybind11 and, with nvcc, a host compiler): its sources, the recipe, the
 # PyTorch end-to-end script, and the one header of Debian's that the public
 # headers use (tl/expected.hpp).
-if [[ -f python/src/module.cc ]]; then
+if [[ -f client/python/src/module.cc ]]; then
   mkdir -p "$bundle/python/src/kvtier" "$bundle/include/tl"
-  cp python/src/module.cc "$bundle/python/src/"
-  cp python/src/kvtier/*.py python/src/kvtier/*.pyi python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
-  install -m 0755 python/build-extension.sh "$bundle/python/"
-  cp python/tests/gpu_e2e.py "$bundle/python/"
+  cp client/python/src/module.cc "$bundle/python/src/"
+  cp client/python/src/kvtier/*.py client/python/src/kvtier/*.pyi client/python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
+  install -m 0755 client/python/build-extension.sh "$bundle/python/"
+  cp client/python/tests/gpu_e2e.py "$bundle/python/"
   expected=$(echo '#include <tl/expected.hpp>' | g++ -std=c++20 -x c++ -M - 2>/dev/null | grep -o '[^ ]*tl/expected.hpp' | head -1)
   [[ -n "$expected" ]] || fail "tl/expected.hpp not found (libexpected-dev)"
   cp "$expected" "$bundle/include/tl/"

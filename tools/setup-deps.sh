@@ -22,7 +22,7 @@ PACKAGES=(
   prometheus
   # kvtier-bench redis and lookup's baseline: a redis-server the bench starts, hiredis
   redis-server libhiredis-dev
-  # the Python package (python/): pybind11 and Python's headers; the test
+  # the Python package (client/python/): pybind11 and Python's headers; the test
   # virtual environment (tools/setup-python.sh) is made with venv
   pybind11-dev python3-dev python3-venv
   # tools/gpu-bundle-bare-root.sh: a minimal Debian root to run the GPU bundle in

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes the Python test environment: a virtual environment in build/venv (or
 # $KVTIER_VENV) from `python3` (or $KVTIER_PYTHON_EXE), with the pinned
-# packages of python/requirements-test.txt. Idempotent: it installs again
+# packages of client/python/requirements-test.txt. Idempotent: it installs again
 # only when the requirements changed. Prints nothing but progress; the venv's
 # interpreter is $KVTIER_VENV/bin/python. tools/test.sh runs it.
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 venv=${KVTIER_VENV:-build/venv}
 python=${KVTIER_PYTHON_EXE:-python3}
-requirements=python/requirements-test.txt
+requirements=client/python/requirements-test.txt
 stamp=$venv/.kvtier-requirements
 
 if [[ ! -x "$venv/bin/python" ]]; then

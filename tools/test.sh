@@ -37,13 +37,13 @@ step "test (ctest -j$test_jobs)"
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
 
-# The Python package, installed as users install it (pip, offline, through
+# The Python package (client/python), installed as users install it (pip, offline, through
 # scikit-build-core; CUDA left out to save the build), then its tests against
 # the Debug build's kvtierd.
-step "python package (pip install ./python) and its tests (pytest)"
+step "python package (pip install ./client/python) and its tests (pytest)"
 KVTIER_CUDA=OFF "$venv_python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-  --force-reinstall ./python
-KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest python/tests -p no:cacheprovider -q -rs
+  --force-reinstall ./client/python
+KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs
 
 # The same tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++

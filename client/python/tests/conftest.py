@@ -18,7 +18,7 @@ import pytest
 
 import kvtier
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def kvtierd_path() -> pathlib.Path:

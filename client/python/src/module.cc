@@ -1,6 +1,6 @@
 // kvtier._kvtier: the Python binding of libkvtier (kvtier::Client and the
 // types it uses). The public Python API is the `kvtier` package
-// (python/src/kvtier/__init__.py), which re-exports these names and adds the
+// (client/python/src/kvtier/__init__.py), which re-exports these names and adds the
 // PyTorch helpers; its stubs are in _kvtier.pyi.
 //
 // Rules kept here:
