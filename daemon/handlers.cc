@@ -515,6 +515,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"demotions", c.demotions},
                         {"prefix_fallbacks", c.prefix_fallbacks},
                         {"extents_reclaimed", c.extents_reclaimed},
+                        {"extent_slots_examined", c.extent_slots_examined},
+                        {"disk_quota_evictions", c.disk_quota_evictions},
                         {"bytes_hbm_to_host", c.bytes_hbm_to_host},
                         {"bytes_host_to_hbm", c.bytes_host_to_hbm},
                         {"disk_promotions", c.disk_promotions},
@@ -696,6 +698,9 @@ MetricsSnapshot Server::Snapshot() const {
     m.disk_free_regions = disk_->free_regions();
   }
   m.disk_writes_pending = cache_->pending_disk_writes();
+  m.namespaces = cache_->live_namespaces();
+  m.evicts_pending = cache_->pending_evicts();
+  m.timed_waits_pending = wait_deadlines_.size();
   m.sessions = sessions_.size();
   m.leases = cache_->leases();
   m.mappings = backend_->live_mappings();

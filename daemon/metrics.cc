@@ -101,6 +101,12 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   }
   f.Counter("kvtier_extents_reclaimed_total", "Slot extents emptied for blocks of another size.",
             static_cast<double>(c.extents_reclaimed));
+  f.Counter("kvtier_extent_slots_examined_total",
+            "Slots looked at to empty extents for another block size (bounded per call).",
+            static_cast<double>(c.extent_slots_examined));
+  f.Counter("kvtier_disk_quota_evictions_total",
+            "Disk blocks a tenant's own newer writes evicted to keep it within its disk quota.",
+            static_cast<double>(c.disk_quota_evictions));
   const std::string help_moves = "Blocks moved between tiers, by source and destination.";
   f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.demotions), L({{"from", "hbm"}, {"to", "host"}}));
   f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.promotions), L({{"from", "host"}, {"to", "hbm"}}));
@@ -152,6 +158,11 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
           static_cast<double>(s.disk_free_regions));
   f.Gauge("kvtier_disk_writes_pending", "Disk writes in flight or waiting in line.",
           static_cast<double>(s.disk_writes_pending));
+  f.Gauge("kvtier_namespaces", "Layouts (namespaces) holding blocks.", static_cast<double>(s.namespaces));
+  f.Gauge("kvtier_evicts_pending", "Evict calls still walking the cache in steps.",
+          static_cast<double>(s.evicts_pending));
+  f.Gauge("kvtier_timed_waits_pending", "Waits with a deadline that are not answered yet.",
+          static_cast<double>(s.timed_waits_pending));
   f.Gauge("kvtier_sessions", "Connected clients.", static_cast<double>(s.sessions));
   f.Gauge("kvtier_leases", "Blocks pinned by loads and stores in flight.", static_cast<double>(s.leases));
   f.Gauge("kvtier_client_mappings", "Engine KV caches mapped into the daemon.", static_cast<double>(s.mappings));

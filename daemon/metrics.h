@@ -47,6 +47,9 @@ struct MetricsSnapshot {
   DiskCounters disk;
   uint64_t disk_free_regions = 0;
   uint64_t disk_writes_pending = 0;
+  uint64_t namespaces = 0;           // layouts holding blocks
+  uint64_t evicts_pending = 0;       // Evict calls still walking
+  uint64_t timed_waits_pending = 0;  // Waits with a deadline not answered yet
   uint64_t sessions = 0;
   uint64_t leases = 0;
   uint64_t mappings = 0;

@@ -170,6 +170,11 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(after.at("kvtier_tenant_loads_total{tenant=\"local\"}"), 8);
   EXPECT_EQ(after.at("kvtier_tenant_evictions_total{tenant=\"local\",tier=\"host\"}"), 0);
   EXPECT_EQ(after.at("kvtier_extents_reclaimed_total"), 0);
+  EXPECT_EQ(after.at("kvtier_extent_slots_examined_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_quota_evictions_total"), 0);
+  EXPECT_EQ(after.at("kvtier_namespaces"), 1);
+  EXPECT_EQ(after.at("kvtier_evicts_pending"), 0);
+  EXPECT_EQ(after.at("kvtier_timed_waits_pending"), 0);
   EXPECT_GT(after.at("kvtier_tenant_used_bytes{tenant=\"local\",tier=\"disk\"}"), 0);
   EXPECT_EQ(after.at("kvtier_client_mappings"), 1);
   EXPECT_EQ(after.at("kvtier_leases"), 0);
