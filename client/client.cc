@@ -44,6 +44,22 @@ struct Reply {
 
 }  // namespace
 
+std::string_view BlockTierName(BlockTier tier) {
+  switch (tier) {
+    case BlockTier::kHbm: return "hbm";
+    case BlockTier::kHost: return "host";
+    case BlockTier::kDisk: return "disk";
+  }
+  return "?";
+}
+
+Result<BlockTier> ParseBlockTier(std::string_view name) {
+  for (BlockTier t : {BlockTier::kHbm, BlockTier::kHost, BlockTier::kDisk}) {
+    if (name == BlockTierName(t)) return t;
+  }
+  return Err(InvalidArgument("tier must be hbm, host or disk, not '" + std::string(name) + "'"));
+}
+
 uint64_t DaemonStats::Counter(std::string_view name) const {
   for (const auto& [n, v] : counters) {
     if (n == name) return v;

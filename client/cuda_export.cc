@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "client/sealed_memfd.h"
 #include "kernels/cuda/cuda_util.h"
 
 namespace kvtier {
@@ -67,12 +68,7 @@ Result<std::unique_ptr<CudaExport>> CudaExport::Create(std::span<const CudaKvReg
 
 Status CudaExport::CreateCompletionPage() {
   constexpr size_t kPageBytes = 4096;  // CompletionPage::kBytes in the daemon
-  completion_fd_ = UniqueFd(::memfd_create("kvtier-completions", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!completion_fd_) return Status::FromErrno(errno, "memfd_create of the completion page");
-  if (::ftruncate(completion_fd_.get(), kPageBytes) != 0) return Status::FromErrno(errno, "ftruncate");
-  if (::fcntl(completion_fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return Status::FromErrno(errno, "sealing the completion page");
-  }
+  KVTIER_ASSIGN_OR_RETURN(completion_fd_, NewSealedMemfd("kvtier-completions", kPageBytes, F_SEAL_GROW));
   KVTIER_ASSIGN_OR_RETURN(completion_page_, MemoryMapping::Map(MemoryMapping::Options{
                                                 .size_bytes = kPageBytes,
                                                 .prot = PROT_READ | PROT_WRITE,

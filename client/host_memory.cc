@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "client/sealed_memfd.h"
+
 namespace kvtier {
 namespace {
 
@@ -82,15 +84,7 @@ __attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_
 // Moves the pages [start, start + length) into a new sealed memfd at the same
 // address; returns the memfd.
 Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
-  UniqueFd fd(::memfd_create("kvtier-engine-kv-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) return Err(Status::FromErrno(errno, "memfd_create"));
-  if (::ftruncate(fd.get(), static_cast<off_t>(length)) != 0) {
-    return Err(Status::FromErrno(errno, "ftruncate of the adopted KV cache memfd"));
-  }
-  // The daemon maps this memory; a shrink under its copies would crash it.
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
-    return Err(Status::FromErrno(errno, "sealing the adopted KV cache memfd"));
-  }
+  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd("kvtier-engine-kv-cache", length));
   void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (staging == MAP_FAILED)
     return Err(Status::FromErrno(errno, "mmap of the adopted KV cache memfd"));

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 
+#include "client/sealed_memfd.h"
 #include "common/check.h"
 
 namespace kvtier {
@@ -17,16 +18,7 @@ Result<ShmKvCache> ShmKvCache::Create(const Layout& layout, uint32_t num_blocks)
       size > static_cast<uint64_t>(INT64_MAX)) {
     return Err(InvalidArgument("ShmKvCache: size overflows"));
   }
-  UniqueFd fd(::memfd_create("kvtier-kv-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) return Err(Status::FromErrno(errno, "memfd_create"));
-  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
-    return Err(Status::FromErrno(errno, "ftruncate of the KV cache memfd"));
-  }
-  // The daemon maps this memory; a shrink under its copies would crash it, so
-  // it refuses memfds without this seal.
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
-    return Err(Status::FromErrno(errno, "sealing the KV cache memfd"));
-  }
+  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd("kvtier-kv-cache", size));
   KVTIER_ASSIGN_OR_RETURN(
       MemoryMapping mapping,
       MemoryMapping::Map({.size_bytes = size, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = fd.get()}));

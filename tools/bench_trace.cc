@@ -167,9 +167,7 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
   // the room the watermarks and the disk's free regions keep.
   std::printf("held:    ");
   for (const TierStats& t : a.tiers) {
-    const char* name = t.tier == BlockTier::kHbm    ? "hbm"
-                       : t.tier == BlockTier::kHost ? "host"
-                                                    : "disk";
+    const char* name = BlockTierName(t.tier).data();
     std::printf(" %s %" PRIu64 " blocks (%.0f%% of its bytes)", name, t.blocks,
                 Pct(t.used_bytes, t.capacity_bytes));
   }

@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   std::printf("  evictions      hbm %lu, host %lu, disk %lu; disk checksum failures %lu\n", s->Counter("evictions_hbm"),
               s->Counter("evictions_host"), s->Counter("evictions_disk"), s->Counter("disk_checksum_failures"));
   for (const auto& t : s->tiers) {
-    const char* name = t.tier == kvtier::BlockTier::kHbm ? "hbm" : t.tier == kvtier::BlockTier::kHost ? "host" : "disk";
+    const char* name = kvtier::BlockTierName(t.tier).data();
     std::printf("  %-4s tier      %lu blocks, %.1f of %.1f MiB\n", name,
                 t.blocks, MiB(t.used_bytes), MiB(t.capacity_bytes));
   }

@@ -24,14 +24,8 @@ namespace {
 
 using kvtier::BlockTier;
 
-const char* TierName(BlockTier t) {
-  switch (t) {
-    case BlockTier::kHbm: return "hbm";
-    case BlockTier::kHost: return "host";
-    case BlockTier::kDisk: return "disk";
-  }
-  return "?";
-}
+// For printf's %s.
+const char* TierName(BlockTier t) { return kvtier::BlockTierName(t).data(); }
 
 std::string JsonString(const std::string& s) {
   std::string out = "\"";
@@ -227,9 +221,7 @@ int main(int argc, char** argv) {
     else std::printf("writing %lu block(s) to disk\n", *n);
   } else if (evict->parsed()) {
     std::optional<BlockTier> tier;
-    if (evict_tier == "hbm") tier = BlockTier::kHbm;
-    if (evict_tier == "host") tier = BlockTier::kHost;
-    if (evict_tier == "disk") tier = BlockTier::kDisk;
+    if (!evict_tier.empty()) tier = kvtier::ParseBlockTier(evict_tier).value();  // CLI11 checked it
     std::optional<kvtier::LayoutFingerprint> ns;
     if (!evict_namespace.empty()) {
       kvtier::Result<kvtier::LayoutFingerprint> fp = kvtier::LayoutFingerprint::FromHex(evict_namespace);

@@ -29,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/chain_hash.h"
@@ -71,6 +72,11 @@ using CudaEvent = void*;
 using CacheId = uint32_t;
 
 enum class BlockTier : uint8_t { kHbm = 1, kHost = 2, kDisk = 3 };
+// "hbm", "host" or "disk" ("?" for a value outside the enum; each a string
+// literal, so .data() is NUL-terminated), and back.
+// ParseBlockTier errors: kInvalidArgument naming the text.
+std::string_view BlockTierName(BlockTier tier);
+Result<BlockTier> ParseBlockTier(std::string_view name);
 
 struct LookupResult {
   uint32_t hits = 0;              // leading keys cached

@@ -72,25 +72,6 @@ auto WithoutGil(F&& call) {
   return Must(Unlocked(std::forward<F>(call)));
 }
 
-std::string_view TierName(BlockTier t) {
-  switch (t) {
-    case BlockTier::kHbm:
-      return "hbm";
-    case BlockTier::kHost:
-      return "host";
-    case BlockTier::kDisk:
-      return "disk";
-  }
-  return "unknown";
-}
-
-Result<BlockTier> ParseTier(const std::string& name) {
-  if (name == "hbm") return BlockTier::kHbm;
-  if (name == "host") return BlockTier::kHost;
-  if (name == "disk") return BlockTier::kDisk;
-  return Err(InvalidArgument("tier must be hbm, host or disk, not '" + name + "'"));
-}
-
 // Integers from a list, a tuple or a NumPy integer array, each in [0, max].
 std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t max = UINT32_MAX) {
   std::vector<uint32_t> out;
@@ -336,7 +317,7 @@ py::dict StatsDict(const DaemonStats& s) {
   py::list tiers;
   for (const TierStats& t : s.tiers) {
     py::dict td;
-    td["tier"] = std::string(TierName(t.tier));
+    td["tier"] = std::string(BlockTierName(t.tier));
     td["capacity_bytes"] = t.capacity_bytes;
     td["used_bytes"] = t.used_bytes;
     td["blocks"] = t.blocks;
@@ -464,7 +445,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "tiers",
           [](const LookupResult& r) {
             std::vector<std::string> t;
-            for (BlockTier x : r.tiers) t.emplace_back(TierName(x));
+            for (BlockTier x : r.tiers) t.emplace_back(BlockTierName(x));
             return t;
           },
           "The tier of each hit: hbm, host or disk.")
@@ -696,7 +677,7 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const PyClient& self, const std::string& tenant,
              const std::optional<std::string>& tier) {
             std::optional<BlockTier> t;
-            if (tier) t = Must(ParseTier(*tier));
+            if (tier) t = Must(ParseBlockTier(*tier));
             std::shared_ptr<Client> c = self.Get();
             return WithoutGil([&] { return c->Evict(tenant, t); });
           },
