@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,9 +21,36 @@
 namespace kvtier {
 namespace {
 
+constexpr char kMemfdName[] = "kvtier-engine-kv-cache";
+
+// The page spans adopted by live AdoptedHostMemory objects of this process,
+// start -> end. Spans adopted before and since released stay shared mappings
+// of their (closed) memfds, and the engine's allocator hands them out again:
+// those may be adopted anew, live ones never.
+struct LiveSpans {
+  std::mutex mu;
+  std::map<uintptr_t, uintptr_t> spans;
+
+  static LiveSpans& Get() {
+    static LiveSpans* live = new LiveSpans();  // never destroyed: used by static destructors
+    return *live;
+  }
+  bool Overlaps(uintptr_t start, uintptr_t end) {
+    std::lock_guard lock(mu);
+    auto it = spans.upper_bound(start);
+    if (it != spans.begin() && std::prev(it)->second > start) return true;
+    return it != spans.end() && it->first < end;
+  }
+};
+
 // Whether [start, end) lies in anonymous private read-write mappings of this
-// process, one after another; else why not.
-Status CheckAnonymousPrivate(uintptr_t start, uintptr_t end) {
+// process (or in mappings of kvtier's own memfds that no live adoption
+// holds), one after another; else why not.
+Status CheckAdoptable(uintptr_t start, uintptr_t end) {
+  if (LiveSpans::Get().Overlaps(start, end)) {
+    return InvalidArgument("memory at 0x" + (std::ostringstream() << std::hex << start).str() +
+                           " is registered with kvtier already (a live KV cache holds it)");
+  }
   std::ifstream maps("/proc/self/maps");
   if (!maps) return Status::FromErrno(errno, "reading /proc/self/maps");
   std::string line;
@@ -43,11 +72,13 @@ Status CheckAnonymousPrivate(uintptr_t start, uintptr_t end) {
     if (lo > covered) break;  // a hole
     const std::string path = path_at > 0 ? line.substr(static_cast<size_t>(path_at)) : "";
     const bool anonymous = inode == 0 && (path.empty() || path == "[heap]");
-    if (std::strcmp(perms, "rw-p") != 0 || !anonymous) {
+    const bool released = std::strcmp(perms, "rw-s") == 0 &&
+                          path.starts_with(std::string("/memfd:") + kMemfdName);
+    if (!(std::strcmp(perms, "rw-p") == 0 && anonymous) && !released) {
       return InvalidArgument("memory at 0x" + (std::ostringstream() << std::hex << covered).str() +
                              " is not anonymous private read-write memory (mapping " + line +
                              "): kvtier can share only memory the engine allocated itself "
-                             "(e.g. torch.zeros), and only once");
+                             "(e.g. torch.zeros)");
     }
     covered = hi;
   }
@@ -84,7 +115,7 @@ __attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_
 // Moves the pages [start, start + length) into a new sealed memfd at the same
 // address; returns the memfd.
 Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
-  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd("kvtier-engine-kv-cache", length));
+  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd(kMemfdName, length));
   void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (staging == MAP_FAILED)
     return Err(Status::FromErrno(errno, "mmap of the adopted KV cache memfd"));
@@ -143,17 +174,30 @@ Result<AdoptedHostMemory> AdoptedHostMemory::Adopt(std::span<const HostRange> ra
     group_of[p.range] = static_cast<uint32_t>(groups.size() - 1);
   }
   // Everything is checked before anything moves.
-  for (const Group& g : groups) KVTIER_RETURN_IF_ERROR(CheckAnonymousPrivate(g.start, g.end));
+  for (const Group& g : groups) KVTIER_RETURN_IF_ERROR(CheckAdoptable(g.start, g.end));
   AdoptedHostMemory out;
   for (const Group& g : groups) {
     KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, AdoptPages(g.start, g.end - g.start, page));
-    out.spans_.push_back(Span{std::move(fd), g.end - g.start});
+    out.spans_.push_back(Span{std::move(fd), g.end - g.start, LiveSpan(g.start, g.end)});
   }
   for (size_t i = 0; i < ranges.size(); ++i) {
     const uint32_t g = group_of[i];
     out.ranges_.push_back(Where{g, reinterpret_cast<uintptr_t>(ranges[i].data) - groups[g].start});
   }
   return out;
+}
+
+AdoptedHostMemory::LiveSpan::LiveSpan(uintptr_t start, uintptr_t end) : start_(start) {
+  LiveSpans& live = LiveSpans::Get();
+  std::lock_guard lock(live.mu);
+  live.spans[start] = end;
+}
+
+void AdoptedHostMemory::LiveSpan::Release() noexcept {
+  if (start_ == 0) return;
+  LiveSpans& live = LiveSpans::Get();
+  std::lock_guard lock(live.mu);
+  live.spans.erase(std::exchange(start_, 0));
 }
 
 std::vector<KvRegion> AdoptedHostMemory::regions() const {

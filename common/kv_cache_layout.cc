@@ -112,49 +112,57 @@ Status ValidatePiece(const PieceShape& shape, const Placement& p, uint32_t num_b
                            std::to_string(region_sizes_bytes.size()) + " regions registered)");
   }
 
-  // Rows are disjoint if, taking the dimensions from the smallest stride to
-  // the largest, each stride steps over everything nested inside it. This is
-  // sufficient, not necessary, but every engine layout we know nests its
-  // dimensions (NHD, HND, token-major pools). A dimension of one element
-  // places a single row, so its stride is irrelevant (it may well be 0).
+  // Rows are disjoint, within a block and across blocks, if, taking the
+  // dimensions from the smallest stride to the largest, each stride steps
+  // over everything nested inside it. This is sufficient, not necessary, but
+  // every engine layout we know nests its dimensions (NHD, HND, token-major
+  // pools, and vLLM's head-outer LHBNC, where blocks nest inside heads). A
+  // dimension of one element places a single row, so its stride is
+  // irrelevant (it may well be 0).
   struct Dim {
     std::string_view name;
     uint64_t count;
     uint64_t stride;
   };
-  std::array<Dim, 2> dims{};
+  std::array<Dim, 3> dims{};
   size_t num_dims = 0;
   if (shape.tokens > 1) dims[num_dims++] = Dim{"token", shape.tokens, p.token_stride_bytes};
   if (shape.heads > 1) dims[num_dims++] = Dim{"head", shape.heads, p.head_stride_bytes};
-  // Two elements at most: a swap, not std::sort (whose inlined code g++ 12
-  // at -O2 misreads as out of bounds, -Warray-bounds).
-  if (num_dims == 2 && dims[1].stride < dims[0].stride) std::swap(dims[0], dims[1]);
+  if (num_blocks > 1) dims[num_dims++] = Dim{"block", num_blocks, p.block_stride_bytes};
+  // Three elements at most: compare-and-swap, not std::sort (whose inlined
+  // code g++ 12 at -O2 misreads as out of bounds, -Warray-bounds).
+  auto order = [&](size_t a, size_t b) {
+    if (b < num_dims && dims[b].stride < dims[a].stride) std::swap(dims[a], dims[b]);
+  };
+  order(0, 1);
+  order(1, 2);
+  order(0, 1);
   // Bytes from the first row's start to the last row's end, over the
-  // dimensions processed so far; after the loop, over the whole block's piece.
+  // dimensions processed so far.
   uint64_t extent = shape.row_bytes;
   for (size_t i = 0; i < num_dims; ++i) {
     const Dim& d = dims[i];
     if (d.stride < extent) {
       return InvalidArgument(std::string(d.name) + "_stride_bytes " + std::to_string(d.stride) +
                              " is less than the " + std::to_string(extent) +
-                             " bytes it has to step over; rows would overlap");
+                             " bytes it has to step over; " +
+                             (d.name == "block" ? "blocks" : "rows") + " would overlap");
     }
     uint64_t span = 0;
     if (__builtin_mul_overflow(d.count - 1, d.stride, &span) ||
         __builtin_add_overflow(extent, span, &extent)) {
       return InvalidArgument(std::string(d.name) + "_stride_bytes " + std::to_string(d.stride) +
-                             " overflows the byte range of one block");
+                             " overflows the byte range of the blocks");
     }
   }
-
-  if (num_blocks > 1 && p.block_stride_bytes < extent) {
-    return InvalidArgument("block_stride_bytes " + std::to_string(p.block_stride_bytes) +
-                           " is less than the " + std::to_string(extent) +
-                           " bytes one block's piece spans; blocks would overlap");
-  }
+  // One block's piece: from its first row's start to its last row's end (no
+  // overflow: a part of the sum checked above).
+  const uint64_t piece_extent = shape.row_bytes +
+                                (shape.tokens > 1 ? (shape.tokens - 1) * p.token_stride_bytes : 0) +
+                                (shape.heads > 1 ? (shape.heads - 1) * p.head_stride_bytes : 0);
 
   uint64_t end = 0;
-  if (!LastBlockEnd(p, num_blocks, extent, &end)) {
+  if (!LastBlockEnd(p, num_blocks, piece_extent, &end)) {
     return InvalidArgument("byte range of block " + std::to_string(num_blocks - 1) +
                            " overflows (offset_bytes " + std::to_string(p.offset_bytes) +
                            ", block_stride_bytes " + std::to_string(p.block_stride_bytes) + ")");

@@ -22,6 +22,6 @@ if [[ -f "$stamp" ]] && cmp -s "$stamp" "$requirements"; then
   exit 0
 fi
 echo "setup-python: installing $requirements"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$requirements"
 cp "$requirements" "$stamp"
 echo "setup-python: done ($("$venv/bin/python" --version))"

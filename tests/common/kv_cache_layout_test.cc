@@ -373,6 +373,16 @@ TEST(KvCacheLayoutTest, RejectsOverlappingBlocks) {
   // A single block has no other block to overlap.
   EXPECT_TRUE(KvCacheLayout::Create(layout, 1, placements, sizes));
 
+  // Blocks nested inside heads (vLLM's LHBNC: [heads][blocks][tokens]): one
+  // head of all 4 blocks spans 4 * 24 bytes, so the head stride must step over it.
+  placements[2] = Placement{0, 0, 24, 8, 96};
+  EXPECT_TRUE(KvCacheLayout::Create(layout, 4, placements, sizes));
+  placements[2].head_stride_bytes = 95;
+  ExpectInvalid(KvCacheLayout::Create(layout, 4, placements, sizes), "head_stride_bytes 95 is less than the 96");
+  placements[2].head_stride_bytes = 96;
+  placements[2].block_stride_bytes = 23;
+  ExpectInvalid(KvCacheLayout::Create(layout, 4, placements, sizes), "block_stride_bytes 23 is less than the 24");
+
   // HND with padded rows: one block spans (2 - 1) * 30 + (3 - 1) * 10 + 8 = 58 bytes.
   placements = KvCacheLayout::VllmNhd(layout, 4);
   placements[0] = Placement{0, 0, 57, 10, 30};

@@ -739,12 +739,29 @@ TEST(HostPathTest, AnEngineAllocatedCacheIsAdoptedInPlaceAndServed) {
   ASSERT_EQ(loaded->blocks, 8u);
   for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(read_block(16 + i), stored_bytes[i]) << "block " << i;
 
-  // Memory adopted once is shared memory now: a second adoption is refused.
+  // Memory a live adoption holds is refused a second time.
   Result<AdoptedHostMemory> again = AdoptedHostMemory::Adopt(std::span(layers).first(1));
   ASSERT_FALSE(again.has_value());
   EXPECT_EQ(again.error().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(again.error().message(), HasSubstr("only once"));
+  EXPECT_THAT(again.error().message(), HasSubstr("registered with kvtier already"));
   EXPECT_EQ(adopted->Rebase({Placement{.region = 2}}).error().code(), StatusCode::kInvalidArgument);
+
+  // Released, the pages stay a mapping of the old memfd (as when the engine
+  // frees its cache and its allocator hands the pages out again): they may be
+  // adopted anew, bytes unchanged, into a cache that works.
+  { AdoptedHostMemory released = std::move(*adopted); }
+  Result<AdoptedHostMemory> anew = AdoptedHostMemory::Adopt(layers);
+  ASSERT_TRUE(anew.has_value()) << anew.error();
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(read_block(16 + i), stored_bytes[i]) << "block " << i;
+  placements = anew->Rebase(KvCacheLayout::VllmNhd(layout, kBlocks));
+  ASSERT_TRUE(placements.has_value()) << placements.error();
+  id = c->RegisterKvCache(layout, kBlocks, *placements, anew->regions());
+  ASSERT_TRUE(id.has_value()) << id.error();
+  for (uint32_t i = 16; i < 24; ++i) write_block(i, std::vector<uint8_t>(layout.block_bytes(), 0));
+  loaded = c->Load(*id, *keys, Range(16, 8));
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  ASSERT_EQ(loaded->blocks, 8u);
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(read_block(16 + i), stored_bytes[i]) << "block " << i;
   std::free(raw);
 }
 

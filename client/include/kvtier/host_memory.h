@@ -7,8 +7,10 @@
 // mapping are the same memory, and no copy goes through the client again.
 //
 // Checked: the range lies in this process's anonymous private read-write
-// memory (/proc/self/maps), so file mappings, shared memory and memory
-// adopted before are refused. The caller's to ensure: no thread writes the
+// memory (/proc/self/maps), so file mappings and shared memory are refused,
+// and so is memory a live AdoptedHostMemory holds. Memory adopted by one
+// since destroyed stays a shared mapping of its memfd; once the engine has
+// freed it, its allocator hands it out again, and it may be adopted again. The caller's to ensure: no thread writes the
 // range while Adopt runs (register at start-up, before the cache is used),
 // and nothing else in its first and last pages (an allocator's header, or a
 // neighbouring small allocation) is written meanwhile either: those two pages
@@ -16,12 +18,14 @@
 // memory: a child forked later shares them instead of copying them.
 //
 // Move-only. Destroying it closes the memfds; the mappings stay, since the
-// pages belong to the engine's allocations, which free them as they would.
+// pages belong to the engine's allocations, which free them as they would
+// (keep it as long as the daemon may use the memory: as long as the KvCache).
 // Thread-compatible.
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "common/kv_cache_layout.h"
@@ -64,9 +68,28 @@ class AdoptedHostMemory {
   Result<std::vector<Placement>> Rebase(std::vector<Placement> placements) const;
 
  private:
+  // Marks [start, end) adopted for as long as it lives (host_memory.cc).
+  class LiveSpan {
+   public:
+    LiveSpan(uintptr_t start, uintptr_t end);
+    LiveSpan(LiveSpan&& other) noexcept : start_(std::exchange(other.start_, 0)) {}
+    LiveSpan& operator=(LiveSpan&& other) noexcept {
+      if (this != &other) {
+        Release();
+        start_ = std::exchange(other.start_, 0);
+      }
+      return *this;
+    }
+    ~LiveSpan() { Release(); }
+
+   private:
+    void Release() noexcept;
+    uintptr_t start_ = 0;
+  };
   struct Span {
     UniqueFd fd;
     uint64_t size_bytes = 0;
+    LiveSpan live;
   };
   struct Where {
     uint32_t span = 0;

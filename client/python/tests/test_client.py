@@ -104,8 +104,13 @@ def test_views_of_one_storage_that_share_pages_are_registered_together(client: k
     assert client.store(cache, keys, [0]).blocks == 1
     assert client.load(cache, keys, [9]).blocks == 1
     assert bool((layers[0][:, 9] == 1.5).all()) and bool((layers[1][:, 9] == -2.0).all())
-    with pytest.raises(kvtier.InvalidArgumentError, match="only once"):
+    with pytest.raises(kvtier.InvalidArgumentError, match="registered with kvtier already"):
         client.register_tensors(layout, num_blocks, layers, "vllm_nhd")
+    # Released (the engine is done with that cache), the memory may be registered anew.
+    del cache
+    again = client.register_tensors(layout, num_blocks, layers, "vllm_nhd")
+    assert client.load(again, keys, [7]).blocks == 1
+    assert bool((layers[0][:, 7] == 1.5).all()) and bool((layers[1][:, 7] == -2.0).all())
 
 
 def test_an_engine_allocated_numpy_cache_in_the_canonical_layout(client: kvtier.Client) -> None:

@@ -1,0 +1,658 @@
+"""kvtier.vllm: a vLLM v1 KV connector (``KVConnectorBase_V1``) over kvtierd.
+
+Tested with vLLM 0.33.0. vLLM loads it with one flag::
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": "/run/kvtier/kvtierd.sock"}}'
+
+plus ``--prefix-caching-hash-algo sha256_cbor`` and a fixed ``PYTHONHASHSEED``
+in every process, so that vLLM's block hashes (the keys here) are the same
+across processes, restarts and nodes.
+
+Two instances run, with no state in common:
+
+- ``role=SCHEDULER`` in the engine-core process. It never waits on the
+  daemon: ``get_num_new_matched_tokens`` hands the lookup to a thread of its own
+  and answers ``None`` ("ask again") until the answer is there. The lookup is a
+  prefetch: it counts the leading full blocks cached now and starts moving
+  them to the host tier. The step plan (``KvtierMetadata``) says which blocks
+  each worker loads and stores.
+- ``role=WORKER`` in every model-runner process. It registers vLLM's KV tensors
+  with the daemon in place (CPU memory is shared, GPU memory goes through CUDA
+  IPC), loads before the forward pass (``start_load_kv``), and starts the
+  stores after it (``wait_for_save``). A request whose blocks are being stored
+  stays held (``request_finished`` returns True) until ``get_finished`` reports
+  its stores done. A failed load is reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks.
+
+A daemon that is down or restarting is a miss, never an exception in vLLM:
+lookups answer 0 blocks, loads fail into recomputation, stores are skipped.
+
+Settings (``kv_connector_extra_config``): ``socket`` (default
+``$KVTIER_SOCKET``, else ``/run/kvtier/kvtierd.sock``), ``token`` (when the
+tenant is identified by a token), ``model_id`` (default: the served model's
+name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
+2: a lookup unanswered for that long is a miss).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import kvtier
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvtierConnector", "KvtierMetadata", "TransferSpec"]
+
+logger = logging.getLogger("kvtier.vllm")
+
+_DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
+# How long a process waits between attempts to reach a daemon that was down.
+_RECONNECT_INTERVAL_S = 1.0
+
+
+# --------------------------------------------------------------------------
+# What both sides derive alike: settings, the layout, keys.
+
+
+@dataclass(frozen=True)
+class _Settings:
+    socket: str
+    token: str | None
+    model_id: str
+    lookup_timeout_s: float
+
+    @staticmethod
+    def of(vllm_config: VllmConfig) -> _Settings:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        return _Settings(
+            socket=str(extra.get("socket") or os.environ.get("KVTIER_SOCKET") or _DEFAULT_SOCKET),
+            token=extra.get("token"),
+            model_id=str(extra.get("model_id") or vllm_config.model_config.model),
+            lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+        )
+
+
+_DTYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+
+
+def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> kvtier.Layout:
+    """The kvtier layout of vLLM's KV cache: one group of full-attention layers.
+
+    Both roles derive it from the same KVCacheConfig, so the scheduler's
+    lookups and the workers' loads and stores name one namespace."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"KvtierConnector takes one KV cache group (uniform full attention); this model has {len(groups)}: "
+            "run vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    spec = groups[0].kv_cache_spec
+    for attribute in ("block_size", "num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attribute):
+            raise NotImplementedError(f"KvtierConnector takes attention KV caches, not {type(spec).__name__}")
+    if "MLA" in type(spec).__name__:
+        raise NotImplementedError("KvtierConnector does not take MLA (latent) KV caches yet")
+    dtype = _DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise NotImplementedError(f"KvtierConnector does not take {spec.dtype} KV caches")
+    return kvtier.Layout(
+        settings.model_id,
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=dtype,
+        block_tokens=spec.block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+def _hash_bytes(block_hash: Any) -> bytes:
+    """vLLM's block hash as the 16 or 32 bytes key_from_engine_hash takes.
+
+    sha256 and sha256_cbor hashes are 32 bytes and are taken as they are;
+    others (other lengths, or ints of older releases) are hashed to 32 bytes."""
+    raw = kvtier.engine_hash_bytes(block_hash) if isinstance(block_hash, int) else bytes(block_hash)
+    return raw if len(raw) in (16, 32) else hashlib.sha256(raw).digest()
+
+
+def _keys(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes]) -> list[bytes]:
+    return [client.key_from_engine_hash(cache, h) for h in hashes]
+
+
+class _Connection:
+    """A client of the daemon, connected on first use and again after a
+    failed attempt at most once per _RECONNECT_INTERVAL_S. `register` makes the
+    caller's KV cache once connected. Once connected, the client itself
+    reconnects after a daemon restart and registers the cache again.
+    Owned by one thread at a time."""
+
+    def __init__(self, settings: _Settings, name: str) -> None:
+        self._settings = settings
+        self._name = name
+        self._client: kvtier.Client | None = None
+        self._next_attempt = 0.0
+        self._warned = False
+
+    def client(self) -> kvtier.Client | None:
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now < self._next_attempt:
+            return None
+        try:
+            self._client = kvtier.Client.connect(self._settings.socket, token=self._settings.token, name=self._name)
+            logger.info("kvtier: connected to %s as tenant %s", self._settings.socket, self._client.tenant)
+            self._warned = False
+        except kvtier.Error as error:
+            self._next_attempt = now + _RECONNECT_INTERVAL_S
+            if not self._warned:
+                logger.warning("kvtier: %s unreachable (%s); every lookup is a miss until it is back", self._settings.socket, error)
+                self._warned = True
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+# --------------------------------------------------------------------------
+# The step plan, scheduler to workers.
+
+
+@dataclass
+class TransferSpec:
+    """Blocks of one request to move: vLLM block hashes and block ids, alike in length."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    """One step's plan: loads before the forward pass, stores after it, and
+    the requests preempted (their blocks may be reused once this step ends)."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    stores: list[TransferSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+# --------------------------------------------------------------------------
+# Scheduler side.
+
+
+@dataclass
+class _Lookup:
+    num_blocks: int  # leading hashes asked about
+    started: float
+    hits: int | None = None  # None while in flight
+
+
+class _Lookups:
+    """Prefetches on a thread of their own, so the scheduler never waits on
+    the daemon. Called by the scheduler thread (submit, result, forget)."""
+
+    def __init__(self, settings: _Settings, layout: kvtier.Layout) -> None:
+        self._settings = settings
+        self._layout = layout
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Lookup] = {}
+        self._queue: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
+        self._thread.start()
+
+    def result(self, req_id: str, hashes: list[bytes]) -> int | None:
+        """Leading blocks of `hashes` cached, or None while the answer is not
+        there (the first call starts the lookup). A lookup unanswered after
+        lookup_timeout_s is a miss."""
+        now = time.monotonic()
+        with self._lock:
+            entry = self._entries.get(req_id)
+            if entry is None or entry.num_blocks != len(hashes):
+                self._entries[req_id] = _Lookup(len(hashes), now)
+                self._queue.put((req_id, hashes))
+                return None
+            if entry.hits is None and now - entry.started > self._settings.lookup_timeout_s:
+                entry.hits = 0
+                logger.warning("kvtier: a lookup took over %.1f s; a miss", self._settings.lookup_timeout_s)
+            return entry.hits
+
+    def forget(self, req_id: str) -> None:
+        with self._lock:
+            self._entries.pop(req_id, None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        connection = _Connection(self._settings, "vllm-scheduler")
+        cache: kvtier.KvCache | None = None
+        cpu: kvtier.CpuKvCache | None = None
+        while (item := self._queue.get()) is not None:
+            req_id, hashes = item
+            hits = 0
+            try:
+                client = connection.client()
+                if client is not None:
+                    if cache is None:
+                        # Keys and lookups name a namespace through a registered
+                        # cache; the scheduler's holds one block and moves none.
+                        cpu = kvtier.CpuKvCache(self._layout, 1)
+                        cache = client.register_cpu_cache(cpu)
+                    hits = client.prefetch(cache, _keys(client, cache, hashes))
+            except kvtier.Error as error:
+                logger.debug("kvtier: lookup failed (%s); a miss", error)
+            with self._lock:
+                entry = self._entries.get(req_id)
+                if entry is not None and entry.num_blocks == len(hashes) and entry.hits is None:
+                    entry.hits = hits
+        connection.close()
+
+
+@dataclass
+class _Request:
+    """What the scheduler side keeps of a running request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading blocks known cached or already sent to be stored
+    has_stores: bool = False
+
+
+class _SchedulerSide:
+    def __init__(self, settings: _Settings, layout: kvtier.Layout) -> None:
+        self._block_tokens = layout.block_tokens
+        self._lookups = _Lookups(settings, layout)
+        self._requests: dict[str, _Request] = {}
+        self._local_tokens: dict[str, int] = {}  # vLLM's own hit, at the last ask
+        self._hits: dict[str, int] = {}
+        self._loads: list[TransferSpec] = []
+
+    def _full_blocks(self, request: Request) -> int:
+        """Full blocks of the prompt so far that may come from kvtier: at
+        least one token is always left for vLLM to compute."""
+        limit = (request.num_tokens - 1) // self._block_tokens
+        publishable = getattr(request, "num_publishable_block_hashes", None)
+        if publishable is not None:
+            limit = min(limit, publishable)
+        return min(len(request.block_hashes), limit)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        blocks = self._full_blocks(request)
+        if blocks * self._block_tokens <= num_computed_tokens:
+            return 0, False
+        hashes = [_hash_bytes(h) for h in request.block_hashes[:blocks]]
+        hits = self._lookups.result(request.request_id, hashes)
+        if hits is None:
+            return None, False
+        self._local_tokens[request.request_id] = num_computed_tokens
+        self._hits[request.request_id] = hits
+        return max(0, hits * self._block_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self._requests.setdefault(req_id, _Request(request))
+        state.stored = max(state.stored, self._hits.get(req_id, 0))
+        if num_external_tokens <= 0:
+            return
+        first = self._local_tokens.get(req_id, 0) // self._block_tokens
+        count = num_external_tokens // self._block_tokens
+        block_ids = list(blocks.get_block_ids()[0])
+        hashes = [_hash_bytes(h) for h in request.block_hashes[first : first + count]]
+        self._loads.append(TransferSpec(req_id, hashes, block_ids[first : first + count]))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        meta = KvtierMetadata(loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_stores(meta, state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_stores(meta, state, computed)
+        return meta
+
+    def _plan_stores(self, meta: KvtierMetadata, state: _Request, computed_tokens: int) -> None:
+        """Stores the blocks that are full once this step has run."""
+        request = state.request
+        blocks = min(computed_tokens // self._block_tokens, len(request.block_hashes), len(state.block_ids))
+        publishable = getattr(request, "num_publishable_block_hashes", None)
+        if publishable is not None:
+            blocks = min(blocks, publishable)
+        if blocks <= state.stored:
+            return
+        hashes = [_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]
+        meta.stores.append(TransferSpec(request.request_id, hashes, state.block_ids[state.stored : blocks]))
+        state.stored = blocks
+        state.has_stores = True
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._lookups.forget(req_id)
+        self._local_tokens.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        # Blocks sent to be stored stay held until the workers report the
+        # request in finished_sending.
+        return (state is not None and state.has_stores), None
+
+    def close(self) -> None:
+        self._lookups.close()
+
+
+# --------------------------------------------------------------------------
+# Worker side.
+
+
+def _placements(layer_tensors: list[torch.Tensor], head_size: int) -> tuple[list[tuple[int, int]], list[kvtier.Placement]]:
+    """Regions (one per distinct storage) and placements of vLLM's per-layer
+    KV views, in layer order.
+
+    vLLM 0.33 hands each layer a view [blocks, heads, block_tokens, 2 * head_size]
+    of one shared allocation: K is the first head_size elements of the last
+    dimension, V the second. Its layout (LBNHC, LBHNC, the blocks-first BLNHC,
+    ...) is only the strides of those views, so they are read from the views."""
+    regions: list[tuple[int, int]] = []
+    region_of: dict[int, int] = {}
+    placements: list[kvtier.Placement] = []
+    for index, tensor in enumerate(layer_tensors):
+        if tensor.dim() != 4 or tensor.shape[3] != 2 * head_size or tensor.stride(3) != 1:
+            raise kvtier.InvalidArgumentError(
+                f"layer {index}: a KV view [blocks, heads, block_tokens, 2 x {head_size}] with a contiguous last "
+                f"dimension is needed, not shape {tuple(tensor.shape)} strides {tensor.stride()}"
+            )
+        storage = tensor.untyped_storage()
+        base = storage.data_ptr()
+        if base not in region_of:
+            region_of[base] = len(regions)
+            regions.append((base, storage.nbytes()))
+        element = tensor.element_size()
+        offset = tensor.storage_offset() * element
+        strides = [s * element for s in tensor.stride()]
+        for part in (0, 1):  # K, V
+            placements.append(
+                kvtier.Placement(
+                    region=region_of[base],
+                    offset_bytes=offset + part * head_size * element,
+                    block_stride_bytes=strides[0],
+                    token_stride_bytes=strides[2],
+                    head_stride_bytes=strides[1],
+                )
+            )
+    return regions, placements
+
+
+class _WorkerSide:
+    def __init__(self, settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> None:
+        self._settings = settings
+        self._kv_cache_config = kv_cache_config
+        self._layout = _layout(settings, kv_cache_config, tp_rank, tp_size)
+        self._connection = _Connection(settings, f"vllm-worker-{tp_rank}")
+        self._cache: kvtier.KvCache | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._invalid: set[int] = set()
+        self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
+        self._finishing: set[str] = set()  # finished requests with stores
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+        self._ensure_registered()
+
+    def _ensure_registered(self) -> kvtier.KvCache | None:
+        """The registered cache; registers it on first reaching the daemon."""
+        if self._cache is not None or not self._kv_caches:
+            return self._cache
+        client = self._connection.client()
+        if client is None:
+            return None
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        tensors = [self._kv_caches[name] for name in names]
+        regions, placements = _placements(tensors, self._layout.head_dim)
+        num_blocks = tensors[0].shape[0]
+        if tensors[0].is_cuda:
+            self._cache = client.register_cuda_memory(self._layout, num_blocks, regions, placements)
+        else:
+            self._cache = client.register_host_memory(self._layout, num_blocks, regions, placements)
+        return self._cache
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if not meta.loads:
+            return
+        try:
+            cache = self._ensure_registered()
+        except kvtier.Error as error:
+            logger.warning("kvtier: registering the KV cache failed: %s", error)
+            cache = None
+        client = self._connection.client()
+        pending: list[tuple[TransferSpec, kvtier.Op | None]] = []
+        for spec in meta.loads:
+            op = None
+            if cache is not None and client is not None:
+                try:
+                    op = client.load_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids)
+                except kvtier.Error as error:
+                    logger.info("kvtier: a load of %d blocks failed to start (%s); vLLM recomputes them", len(spec.block_ids), error)
+            pending.append((spec, op))
+        # The forward pass reads these blocks: every load ends before it starts.
+        for spec, op in pending:
+            loaded = 0
+            if op is not None:
+                try:
+                    loaded = op.wait().blocks
+                except kvtier.Error as error:
+                    logger.info("kvtier: a load of %d blocks failed (%s); vLLM recomputes them", len(spec.block_ids), error)
+            self._invalid.update(spec.block_ids[loaded:])
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        if not meta.stores:
+            return
+        if any(t.is_cuda for t in self._kv_caches.values()):
+            # The daemon copies from the GPU on its own stream: the forward
+            # pass that wrote these blocks must be over first.
+            torch.cuda.current_stream().synchronize()
+        try:
+            cache = self._ensure_registered()
+        except kvtier.Error as error:
+            logger.warning("kvtier: registering the KV cache failed: %s", error)
+            cache = None
+        client = self._connection.client()
+        for spec in meta.stores:
+            ops = self._stores.setdefault(spec.req_id, [])
+            if cache is None or client is None:
+                continue
+            try:
+                ops.append(client.store_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids))
+            except kvtier.Error as error:
+                logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)
+
+    def handle_preemptions(self, meta: KvtierMetadata) -> None:
+        """A preempted request's blocks are reused after this step: its
+        stores must have read them first."""
+        for req_id in meta.preempted:
+            for op in self._stores.get(req_id, []):
+                self._wait_store(op)
+            if req_id in self._stores:
+                self._stores[req_id] = []
+
+    @staticmethod
+    def _wait_store(op: kvtier.Op, timeout: float | None = None) -> bool:
+        """Collects a store's result; False while it still runs (after `timeout`)."""
+        try:
+            op.wait(timeout)
+        except kvtier.DeadlineExceededError:
+            return False
+        except kvtier.Error as error:
+            logger.info("kvtier: a store failed (%s)", error)
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finishing.update(r for r in finished_req_ids if r in self._stores)
+        done: set[str] = set()
+        for req_id in self._finishing:
+            ops = self._stores[req_id]
+            # Polled in order, at most one still running per request.
+            while ops and self._wait_store(ops[0], timeout=0):
+                ops.pop(0)
+            if not ops:
+                done.add(req_id)
+        for req_id in done:
+            self._finishing.discard(req_id)
+            del self._stores[req_id]
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        for ops in self._stores.values():
+            for op in ops:
+                self._wait_store(op)
+        self._stores.clear()
+        # The registration goes before vLLM frees its tensors.
+        self._cache = None
+        self._connection.close()
+
+
+# --------------------------------------------------------------------------
+# The connector vLLM constructs.
+
+
+def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for kvtier; vLLM constructs one per role."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = _Settings.of(vllm_config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # Lookups use tensor-parallel rank 0's namespace: every rank stores
+            # the same blocks; a rank that lacks one fails its load, and vLLM
+            # recomputes the block.
+            layout = _layout(settings, kv_cache_config, 0, vllm_config.parallel_config.tensor_parallel_size)
+            self._scheduler = _SchedulerSide(settings, layout)
+        else:
+            tp_rank, tp_size = _tp_rank_and_size(vllm_config)
+            self._worker = _WorkerSide(settings, kv_cache_config, tp_rank, tp_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that is dropped is a later miss
+
+    # Scheduler side.
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # Worker side.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every block before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # wait_for_save stores whole blocks after the forward pass
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KvtierMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _meta(self) -> KvtierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        return meta

@@ -1,0 +1,467 @@
+"""kvtier.vllm.KvtierConnector driven through vLLM 0.33.0's real classes on the CPU.
+
+The scheduler side runs inside vLLM's own ``Scheduler`` (built from a
+``VllmConfig``, with the connector loaded by vLLM's ``KVConnectorFactory`` from
+``kv_connector_module_path``). The worker side gets KV tensors allocated by
+vLLM's own ``create_kv_cache_views`` (what ``allocate_kv_cache`` does) over
+page-aligned memory, from a ``KVCacheConfig`` that vLLM's planner
+made, in each of vLLM's KV cache layouts. What stands in for the model runner
+is the loop below (``Engine.step``): it calls the connector in the order
+vLLM's ``KVConnectorModelRunnerMixin`` does, writes each computed token's K
+and V (a deterministic function of the token prefix, so that any byte served
+from the wrong block or position shows), and reports back to the scheduler
+in vLLM's ``ModelRunnerOutput`` / ``KVConnectorOutput``. vLLM's model
+executor needs its compiled ops, which its CPU-less wheel does not carry
+here; the model itself is tested end to end in test_model_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pathlib
+import signal
+import time
+from typing import Iterator
+
+import pytest
+import torch
+from conftest import Daemon
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvtier
+from kvtier.vllm import KvtierConnector, KvtierMetadata, TransferSpec
+
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 32
+NUM_BLOCKS = 64
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+init_none_hash(sha256_cbor)
+
+
+def vllm_config(model_dir: pathlib.Path, socket: str, layout: str = "LBNHC", **extra: object) -> VllmConfig:
+    model = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
+    scheduler = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.kv_cache_layout = layout
+    transfer = KVTransferConfig(
+        kv_connector="KvtierConnector",
+        kv_connector_module_path="kvtier.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"socket": socket, **extra},
+    )
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config(config: VllmConfig) -> KVCacheConfig:
+    """vLLM's own plan of the KV allocation for the configured layout."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(LAYER_NAMES, spec)]
+    plan = get_kv_cache_config_from_groups(config, groups, NUM_BLOCKS * LAYERS * spec.page_size_bytes)
+    config.cache_config.num_gpu_blocks = plan.num_blocks
+    return plan
+
+
+class PrivatePages:
+    """Anonymous private memory of its own pages, as the engine's KV
+    allocation is in a real vLLM (GiBs: glibc maps them). Several engines
+    live in this one test process, and small allocations from the heap would
+    share their first and last pages with their neighbours, which kvtier
+    refuses to register into a second live KV cache."""
+
+    def __init__(self, size: int) -> None:
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.int8)
+
+    def release(self) -> None:
+        del self.tensor
+        self._map.close()
+
+
+def kv_views(plan: KVCacheConfig, raw: torch.Tensor, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer views of its KV allocation (allocate_kv_cache's,
+    over `raw`)."""
+    (tensor,) = plan.kv_cache_tensors
+    views = create_kv_cache_views(raw, plan.kv_cache_groups[0].kv_cache_spec, plan.num_blocks, layout, tensor)
+    return dict(zip(tensor.layers, views))
+
+
+@pytest.fixture
+def model_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A Llama config vLLM's ModelConfig reads (no weights are needed)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": KV_HEADS * 2 * HEAD,
+        "intermediate_size": 256,
+        "num_attention_heads": KV_HEADS * 2,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": LAYERS,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+    }
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "model"
+
+
+def expected_kv(tokens: list[int], position: int, layer: int) -> torch.Tensor:
+    """What the stand-in model computes for a token: [heads, 2 * head] (K then
+    V), a function of every token up to and including `position`."""
+    seed = hash((tuple(tokens[: position + 1]), layer)) & 0x7FFFFFFF
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(KV_HEADS, 2 * HEAD, generator=generator)
+
+
+class Engine:
+    """vLLM's Scheduler with the connector in both roles, and a stand-in model
+    runner (one per "process": two Engines share nothing but the daemon)."""
+
+    def __init__(self, model_dir: pathlib.Path, socket: str, layout: str = "LBNHC", **extra: object) -> None:
+        self.config = vllm_config(model_dir, socket, layout, **extra)
+        plan = kv_cache_config(self.config)
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=plan,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        assert isinstance(self.scheduler.connector, KvtierConnector)
+        self.worker = KvtierConnector(self.config, KVConnectorRole.WORKER, plan)
+        self.buffer = PrivatePages(plan.kv_cache_tensors[0].size)
+        self.kv = kv_views(plan, self.buffer.tensor, KVCacheLayout[layout])
+        self.worker.register_kv_caches(self.kv)
+        self.block_ids: dict[str, list[int]] = {}
+        self.invalid_reported: set[int] = set()
+
+    def add(self, request_id: str, tokens: list[int]) -> Request:
+        params = SamplingParams(max_tokens=1)
+        params.update_from_generation_config({}, 999)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256_cbor),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, between: object = None) -> object:
+        """One engine step; `between` runs after scheduling, before the worker."""
+        out = self.scheduler.schedule()
+        if between is not None:
+            between()  # type: ignore[operator]
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, KvtierMetadata)
+        worker = self.worker
+        worker.bind_connector_metadata(meta)
+        worker.handle_preemptions(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        sampled: dict[str, list[int]] = {}
+        computed: dict[str, int] = {}  # before this step
+        for new in out.scheduled_new_reqs:
+            self.block_ids[new.req_id] = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        for i, req_id in enumerate(out.scheduled_cached_reqs.req_ids):
+            computed[req_id] = out.scheduled_cached_reqs.num_computed_tokens[i]
+            new_ids = out.scheduled_cached_reqs.new_block_ids[i]
+            if req_id in out.scheduled_cached_reqs.resumed_req_ids:
+                self.block_ids[req_id] = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                self.block_ids[req_id].extend(new_ids[0])
+        for req_id, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            tokens = list(request.all_token_ids)
+            start = computed[req_id]
+            for position in range(start, start + count):
+                self.write(self.block_ids[req_id], tokens, position)
+            sampled[req_id] = [7] if start + count >= request.num_tokens else []
+        worker.wait_for_save()
+        sending, receiving = worker.get_finished(out.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        self.invalid_reported |= invalid
+        worker.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        runner = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=receiving, invalid_block_ids=invalid
+            ),
+        )
+        self.scheduler.update_from_output(out, runner)
+        return out
+
+    def write(self, block_ids: list[int], tokens: list[int], position: int) -> None:
+        block, slot = block_ids[position // BLOCK], position % BLOCK
+        for layer, name in enumerate(LAYER_NAMES):
+            self.kv[name][block, :, slot, :] = expected_kv(tokens, position, layer)
+
+    def holds(self, block_id: int, tokens: list[int], block_index: int) -> bool:
+        """Whether engine block `block_id` holds block `block_index` of `tokens`."""
+        for layer, name in enumerate(LAYER_NAMES):
+            for slot in range(BLOCK):
+                position = block_index * BLOCK + slot
+                if not torch.equal(self.kv[name][block_id, :, slot, :], expected_kv(tokens, position, layer)):
+                    return False
+        return True
+
+    def run_until_idle(self, max_steps: int = 400) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+            time.sleep(0.005)  # lookups and stores run in the background
+        raise AssertionError("the engine did not finish its requests")
+
+    def close(self) -> None:
+        self.scheduler.connector.shutdown()
+        self.worker.shutdown()
+        self.kv.clear()
+        self.buffer.release()
+
+
+@pytest.fixture
+def engines(model_dir: pathlib.Path, daemon: Daemon) -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def schedule_when_answered(engine: Engine, req_id: str, max_steps: int = 200) -> object:
+    """Steps until `req_id` is scheduled: the first steps skip it while its
+    lookup is in flight (get_num_new_matched_tokens answers None)."""
+    for _ in range(max_steps):
+        out = engine.step()
+        for new in out.scheduled_new_reqs:  # type: ignore[attr-defined]
+            if new.req_id == req_id:
+                return new
+        time.sleep(0.005)
+    raise AssertionError(f"{req_id} was never scheduled")
+
+
+PREFIX = [(i * 37 + 11) % 1000 for i in range(6 * BLOCK)]  # 6 full blocks
+
+
+def test_the_connector_is_a_real_vllm_connector(model_dir: pathlib.Path, daemon: Daemon) -> None:
+    assert issubclass(KvtierConnector, KVConnectorBase_V1)
+    engine = Engine(model_dir, daemon.socket)
+    try:
+        assert type(engine.scheduler.connector).__module__ == "kvtier.vllm"  # loaded by vLLM's factory
+        assert engine.scheduler.connector.requires_kv_delivery is False
+    finally:
+        engine.close()
+
+
+def test_a_second_request_with_the_same_prefix_is_loaded_from_kvtier(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    prompt_a = PREFIX + [1, 2, 3, 4]
+    first.add("a", prompt_a)
+    new = schedule_when_answered(first, "a")
+    assert new.num_computed_tokens == 0  # an empty cache: nothing to load
+    first.run_until_idle()  # a's blocks stay held until its stores are done
+    assert "a" not in first.scheduler.requests
+
+    # Another engine (another process, or node): only kvtier has the prefix.
+    second = Engine(model_dir, daemon.socket)
+    engines.append(second)
+    prompt_b = PREFIX + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]
+    second.add("b", prompt_b)
+    out = second.scheduler.schedule()  # the lookup is in flight: b waits
+    assert not out.scheduled_new_reqs
+    second.scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+    new = schedule_when_answered(second, "b")
+    assert new.num_computed_tokens == 6 * BLOCK  # every full block of the prefix came from kvtier
+    assert second.invalid_reported == set()
+    for index in range(6):
+        assert second.holds(new.block_ids[0][index], prompt_b, index), f"block {index} differs"
+    second.run_until_idle()
+
+    # The whole prompt cached: one token is still left to compute.
+    third = Engine(model_dir, daemon.socket)
+    engines.append(third)
+    third.add("c", PREFIX)
+    new = schedule_when_answered(third, "c")
+    assert new.num_computed_tokens == 5 * BLOCK
+
+
+def test_a_failed_load_becomes_invalid_blocks_that_vllm_recomputes(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    first.add("a", PREFIX + [1])
+    first.run_until_idle()
+
+    second = Engine(model_dir, daemon.socket)
+    engines.append(second)
+    prompt = PREFIX + [5, 6, 7]
+    second.add("b", prompt)
+    admin = kvtier.Client.connect(daemon.socket)
+
+    def evict_everything() -> None:
+        # Between the lookup (hit) and the load: the blocks are gone.
+        assert admin.evict() > 0
+
+    for _ in range(200):
+        scheduled = second.scheduler.schedule()
+        if scheduled.scheduled_new_reqs:
+            break
+        second.scheduler.update_from_output(scheduled, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+        time.sleep(0.005)
+    # Put it back and step it through the worker with the eviction in between.
+    # (schedule() already ran: replay the step by hand.)
+    out = scheduled
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 6 * BLOCK
+    meta = out.kv_connector_metadata
+    assert [len(load.block_ids) for load in meta.loads] == [6]
+    evict_everything()
+    worker = second.worker
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    invalid = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    assert invalid == set(meta.loads[0].block_ids)
+    runner = ModelRunnerOutput(
+        req_ids=["b"],
+        req_id_to_index={"b": 0},
+        sampled_token_ids=[[]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+    )
+    second.block_ids["b"] = list(out.scheduled_new_reqs[0].block_ids[0])
+    second.scheduler.update_from_output(out, runner)
+    request = second.scheduler.requests["b"]
+    assert request.num_computed_tokens == 0  # truncated to the first failed block: recomputed
+    # The next steps recompute the prompt, and the engine ends with the right KV.
+    second.run_until_idle()
+    for index in range(6):
+        assert second.holds(second.block_ids["b"][index], prompt, index)
+    admin.close()
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+def test_the_worker_moves_bytes_exactly_for_every_vllm_layout(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], layout: str
+) -> None:
+    # Stored from one layout, loaded into another: kvtier keeps blocks in its
+    # own order, so engines of different layouts share them.
+    source = Engine(model_dir, daemon.socket, layout)
+    engines.append(source)
+    target = Engine(model_dir, daemon.socket, "BLHNC" if layout != "BLHNC" else "LBNHC")
+    engines.append(target)
+    generator = torch.Generator().manual_seed(5)
+    for tensor in source.kv.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    hashes = [bytes([i]) * 32 for i in range(1, 4)]
+    source.worker.bind_connector_metadata(KvtierMetadata(stores=[TransferSpec("s", hashes, [3, 5, 7])]))
+    source.worker.wait_for_save()
+    source.worker.clear_connector_metadata()
+    for _ in range(100):
+        sending, _ = source.worker.get_finished({"s"})
+        if sending == {"s"}:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the store never finished")
+
+    target.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("t", hashes, [1, 2, 9])]))
+    target.worker.start_load_kv(None)  # type: ignore[arg-type]
+    target.worker.clear_connector_metadata()
+    assert target.worker.get_block_ids_with_load_errors() == set()
+    for name in LAYER_NAMES:
+        for src, dst in ((3, 1), (5, 2), (7, 9)):
+            assert torch.equal(source.kv[name][src], target.kv[name][dst]), (name, src, dst)
+        assert not target.kv[name][0].any()  # nothing else written
+
+
+def test_the_scheduler_never_waits_on_a_hung_daemon(model_dir: pathlib.Path, daemon: Daemon) -> None:
+    engine = Engine(model_dir, daemon.socket, lookup_timeout_s=0.5)
+    request = engine.add("a", PREFIX + [1])
+    connector = engine.scheduler.connector
+    assert daemon.process is not None
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        answers = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            answer = connector.get_num_new_matched_tokens(request, 0)
+            assert time.monotonic() - started < 0.05
+            answers.append(answer)
+            if answer[0] is not None:
+                break
+            time.sleep(0.02)
+        assert answers[0] == (None, False)
+        assert answers[-1] == (0, False)  # unanswered past lookup_timeout_s: a miss
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+        engine.close()
+
+
+def test_a_daemon_that_is_down_or_restarting_means_misses_never_errors(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    daemon.stop()
+    engine = Engine(model_dir, daemon.socket)  # the worker registers once it reaches the daemon
+    engines.append(engine)
+    engine.add("a", PREFIX + [1])
+    new = schedule_when_answered(engine, "a")
+    assert new.num_computed_tokens == 0
+    engine.run_until_idle()
+
+    daemon.start()
+    time.sleep(1.1)  # past the connector's reconnect interval
+    engine.add("b", PREFIX + [2])
+    engine.run_until_idle()  # stored this time
+    other = Engine(model_dir, daemon.socket)
+    engines.append(other)
+    other.add("c", PREFIX + [3])
+    assert schedule_when_answered(other, "c").num_computed_tokens == 6 * BLOCK
+
+    daemon.stop(signal.SIGKILL)  # host blocks die with it
+    daemon.start()
+    other.add("d", PREFIX + [4])
+    for _ in range(300):  # every answer a miss until the client is back
+        out = other.step()
+        if any(n.req_id == "d" for n in out.scheduled_new_reqs):
+            break
+        time.sleep(0.01)
+    other.run_until_idle()
+    assert os.path.exists(daemon.socket)
