@@ -92,6 +92,6 @@ PATH="$(dirname "$venv_python"):$PATH" gpu-bundle/python/build-extension.sh "$re
   'import kvtier, sys; assert kvtier.__file__.startswith(sys.argv[1]), kvtier.__file__' "$PWD/python") ||
   fail "the bundle's Python extension does not import"
 PYTHONPATH="$PWD/$results/python" KVTIER_PROGRAMS_DIR="$PWD/gpu-bundle/bin" \
-  "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q ||
+  "$venv_python" -m pytest client/python/tests/test_client.py -p no:cacheprovider -q ||
   fail "the package's tests with the bundle's extension and kvtierd"
 say "proven: the bundle's Python extension builds from the bundle alone and passes the package's tests"
