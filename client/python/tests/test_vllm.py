@@ -465,3 +465,34 @@ def test_a_daemon_that_is_down_or_restarting_means_misses_never_errors(
         time.sleep(0.01)
     other.run_until_idle()
     assert os.path.exists(daemon.socket)
+
+
+def test_a_preempted_requests_stores_end_before_its_blocks_are_reused(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    source = Engine(model_dir, daemon.socket)
+    engines.append(source)
+    generator = torch.Generator().manual_seed(9)
+    for tensor in source.kv.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    original = {name: tensor[[4, 6]].clone() for name, tensor in source.kv.items()}
+    hashes = [bytes([40 + i]) * 32 for i in range(2)]
+    source.worker.bind_connector_metadata(KvtierMetadata(stores=[TransferSpec("p", hashes, [4, 6])]))
+    source.worker.wait_for_save()
+    source.worker.clear_connector_metadata()
+    # The next step's plan names "p" preempted: its stores are over once
+    # handle_preemptions returns, and vLLM may hand its blocks to others.
+    source.worker.handle_preemptions(KvtierMetadata(preempted={"p"}))
+    for tensor in source.kv.values():
+        tensor[[4, 6]] = 0.0
+    target = Engine(model_dir, daemon.socket)
+    engines.append(target)
+    target.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("q", hashes, [10, 11])]))
+    target.worker.start_load_kv(None)  # type: ignore[arg-type]
+    target.worker.clear_connector_metadata()
+    assert target.worker.get_block_ids_with_load_errors() == set()
+    for name, tensor in target.kv.items():
+        assert torch.equal(tensor[[10, 11]], original[name])
+    # The preempted request still ends through get_finished once it finishes.
+    sending, _ = source.worker.get_finished({"p"})
+    assert sending == {"p"}
