@@ -17,8 +17,9 @@
 #      machine has them, tied to its kernel) and the driver's (libcuda, which
 #      must be the machine's own);
 #   4. adds the Python package's sources with the recipe that builds them
-#      there against the bundle (client/python/build-extension.sh) and the PyTorch
-#      end-to-end script (client/python/tests/gpu_e2e.py);
+#      there against the bundle (client/python/build-extension.sh), the PyTorch
+#      end-to-end script (client/python/tests/gpu_e2e.py) and the model one
+#      (client/python/tests/gpu_model_e2e.py, with the llama_kv.py it imports);
 #   5. writes tests.txt (label and program, one per line), MANIFEST (what it
 #      holds, the build, the newest C library symbol version it needs) and
 #      copies tools/gpu-check.sh in; prints what it holds and its size, and
@@ -117,14 +118,16 @@ strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
 
 # The Python package, built there against its own Python (the machine has
 # pybind11 and, with nvcc, a host compiler): its sources, the recipe, the
-# PyTorch end-to-end script, and the one header of Debian's that the public
-# headers use (tl/expected.hpp).
+# PyTorch and model end-to-end scripts (the latter imports llama_kv.py from
+# its own folder), and the one header of Debian's that the public headers use
+# (tl/expected.hpp).
 if [[ -f client/python/src/module.cc ]]; then
   mkdir -p "$bundle/python/src/kvtier" "$bundle/include/tl"
   cp client/python/src/module.cc "$bundle/python/src/"
   cp client/python/src/kvtier/*.py client/python/src/kvtier/*.pyi client/python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
   install -m 0755 client/python/build-extension.sh "$bundle/python/"
-  cp client/python/tests/gpu_e2e.py "$bundle/python/"
+  cp client/python/tests/gpu_e2e.py client/python/tests/gpu_model_e2e.py client/python/tests/llama_kv.py \
+    "$bundle/python/"
   expected=$(echo '#include <tl/expected.hpp>' | g++ -std=c++20 -x c++ -M - 2>/dev/null | grep -o '[^ ]*tl/expected.hpp' | head -1)
   [[ -n "$expected" ]] || fail "tl/expected.hpp not found (libexpected-dev)"
   cp "$expected" "$bundle/include/tl/"
@@ -156,7 +159,8 @@ size=$(du -sb "$bundle" | cut -f1)
   echo "lib (bundled shared libraries: ldd's findings less the C library's and the driver's):"
   (cd "$bundle/lib" && ls -1 -- *.so* 2>/dev/null) | sed 's/^/  /'
   if [[ -d "$bundle/python" ]]; then
-    echo "python: the package's sources, build-extension.sh and gpu_e2e.py (built there for its own Python)"
+    echo "python: the package's sources, build-extension.sh, gpu_e2e.py, gpu_model_e2e.py and llama_kv.py" \
+      "(built there for its own Python)"
   fi
   echo "tests (label, program):"
   sed 's/^/  /' "$bundle/tests.txt"

@@ -23,7 +23,12 @@
 #      against the bundle (python/build-extension.sh: the machine has pybind11
 #      and a compiler) and runs the PyTorch end to end (python/gpu_e2e.py: CUDA
 #      KV tensors registered through CUDA IPC, blocks stored by one process
-#      and loaded back by another, every byte compared);
+#      and loaded back by another, every byte compared), then the model end
+#      to end (python/gpu_model_e2e.py, with python/llama_kv.py: a seeded
+#      transformers Llama on cuda stores an 8k-token prompt's KV through CUDA
+#      IPC, another process loads the shared prefix and decodes; fp32 logits
+#      bit-exact against the same computation without kvtier, bf16 within
+#      rounding of fp32, and TTFT loaded vs recomputed; needs transformers);
 #   7. the verdict: "gpu-check: PASS" or "gpu-check: FAIL (step: reason; ...)".
 #
 # --expect-no-gpu: the same steps on a machine without a GPU (the bare-root
@@ -33,10 +38,12 @@
 # a library or a path.
 #
 # Expected run time on the GPU machine: well under a minute for the tests,
-# seconds for each benchmark. The whole check stays within 225 s
-# (KVTIER_GPU_CHECK_SECONDS): each program runs under a timeout (90 s for a
-# test program, 60 s for a benchmark) cut to what is left of that budget, and
-# a program the budget leaves no time for is a failure that says so.
+# seconds for each benchmark, well under a minute for each Python end to end.
+# The whole check stays within 225 s (KVTIER_GPU_CHECK_SECONDS): each program
+# runs under a timeout (90 s for a test program, 60 s for a benchmark, 120 s
+# for the extension's build, 60 s for the torch end to end, 90 s for the
+# model one) cut to what is left of that budget, and a program the budget
+# leaves no time for is a failure that says so.
 #
 # Usage: gpu-bundle/gpu-check.sh [--expect-no-gpu]   (the copy in the bundle;
 # tools/gpu-check.sh finds ../gpu-bundle). Environment: KVTIER_BUNDLE (the
@@ -160,6 +167,42 @@ run_tests() {  # label, program
   fi
 }
 
+# Runs one end-to-end script of the bundle's python/ (python3 SCRIPT KVTIERD,
+# the package built here on its path), its output appended to python.log,
+# within `cap` seconds or what is left of the budget. Sets e2e_result to its
+# verdict line (its last that starts with "label: ") and records a failure
+# unless it exited 0.
+e2e_result=
+run_python_e2e() {  # label ("torch e2e"), cap (s), script
+  local label=$1 cap=$2 script=$bundle/python/$3 limit rc=0 from
+  if [[ ! -f "$script" ]]; then
+    e2e_result="$label: not run ($3 is not in the bundle)"
+    failed python "$e2e_result"
+    return
+  fi
+  limit=$(time_for "$cap")
+  if ((limit <= 0)); then
+    e2e_result="$label: not run (the check's $budget_s s were spent)"
+    failed python "$e2e_result"
+    return
+  fi
+  touch "$out_dir/python.log"
+  from=$(($(wc -l <"$out_dir/python.log") + 1))
+  echo "==== $3 (at most $limit s)" >>"$out_dir/python.log"
+  # SIGTERM at the limit (the scripts stop their kvtierd and children then),
+  # SIGKILL 10 s later if that did not end it.
+  PYTHONPATH="$work/python" timeout -k 10 "$limit" python3 "$script" "$bundle/bin/kvtierd" \
+    >>"$out_dir/python.log" 2>&1 || rc=$?
+  tail -n +"$from" "$out_dir/python.log" | tail -4
+  e2e_result=$(tail -n +"$from" "$out_dir/python.log" | grep "^$label: " | tail -1)
+  if ((rc == 124 || rc == 137)); then
+    failed python "$label ran past its timeout ($limit s) (log: $out_dir/python.log)"
+  elif ((rc != 0)); then
+    failed python "$label exited $rc (log: $out_dir/python.log)"
+  fi
+  e2e_result=${e2e_result:-"$label: exit $rc"}
+}
+
 main() {
   local start elf out lines name label layout json rc below=0 kv base ratio target verdict gpus limit python_result
   start=$(date +%s)
@@ -253,24 +296,25 @@ main() {
     if ((below > 0)); then echo "$below comparison(s) below target: reported, not a failure"; fi
   fi
 
-  step "python (the package built here, PyTorch end to end through CUDA IPC)"
+  step "python (the package built here, PyTorch and model end to end through CUDA IPC)"
   python_result="not run"
   if [[ ! -d "$bundle/python" ]]; then
     python_result="not run (the bundle holds no Python package)"
   elif ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import torch' >/dev/null 2>&1; then
     python_result="not run (no python3 with torch here)"
     [[ $expect_gpu == 1 ]] && failed python "no python3 with torch on this machine"
+  elif (($(time_for 120) <= 0)); then
+    python_result="not run (the check's $budget_s s were spent)"
+    failed python "the extension not built: the check's $budget_s s were spent"
   elif ! timeout "$(time_for 120)" "$bundle/python/build-extension.sh" "$work/python" >>"$out_dir/python.log" 2>&1; then
     python_result="failed to build"
     failed python "the extension did not build: $(tail -3 "$out_dir/python.log" | tr '\n' ' ') (log: $out_dir/python.log)"
   elif [[ $expect_gpu == 1 ]]; then
-    limit=$(time_for 120)
-    rc=0
-    PYTHONPATH="$work/python" timeout "$limit" python3 "$bundle/python/gpu_e2e.py" "$bundle/bin/kvtierd" \
-      >>"$out_dir/python.log" 2>&1 || rc=$?
-    tail -4 "$out_dir/python.log"
-    python_result=$(grep -m1 '^torch e2e:' "$out_dir/python.log" || echo "torch e2e: exit $rc")
-    ((rc == 0)) || failed python "torch e2e exited $rc (log: $out_dir/python.log)"
+    # Each runs whatever the other's outcome, so one run reports both.
+    run_python_e2e "torch e2e" 60 gpu_e2e.py
+    python_result=$e2e_result
+    run_python_e2e "model e2e" 90 gpu_model_e2e.py
+    python_result="$python_result; $e2e_result"
   else
     rc=0
     PYTHONPATH="$work/python" python3 -c 'import kvtier; kvtier.Layout("m", 1, 1, 8, "bf16", 4)' \

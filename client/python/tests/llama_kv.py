@@ -1,5 +1,6 @@
 """A small seeded Llama (Hugging Face transformers) whose KV cache goes
-through kvtier: what test_model_e2e.py and bench/ttft.py share.
+through kvtier: what test_model_e2e.py, bench/ttft.py and gpu_model_e2e.py
+share.
 
 The model is built from a config with weights drawn from a seeded generator,
 so two processes that build the same ``TinyLlama`` hold the same weights and
@@ -10,6 +11,12 @@ V in transformers' own order (heads, then tokens, then head_dim); explicit
 each row is (common/kv_cache_layout.h). A prompt's KV moves between those
 blocks and transformers' ``DynamicCache`` by one copy each way.
 
+The model and the engine's KV memory are on the CPU unless a ``device`` is
+given (``TinyLlama.build``, ``EngineKv``): on "cuda" the KV tensors are
+registered through CUDA IPC, and kvtierd copies on its own CUDA stream, so
+``EngineKv`` waits for this process's writes to its tensors (``put``,
+``zero``) before returning: a store or load issued next cannot race them.
+
 Every call that talks to kvtierd blocks (the GIL is released while it
 waits). Thread-compatible: one engine (model, client, EngineKv) per thread.
 """
@@ -17,6 +24,8 @@ waits). Thread-compatible: one engine (model, client, EngineKv) per thread.
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 import time
 from typing import Sequence
 
@@ -82,11 +91,12 @@ class TinyLlama:
         )
         return config
 
-    def build(self) -> LlamaForCausalLM:
-        """The model in eval mode, in ``dtype``, on the CPU. Same spec, same weights."""
+    def build(self, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+        """The model in eval mode, in ``dtype``, on ``device``. Same spec, same
+        weights, whatever the device: they are drawn on the CPU, then moved."""
         torch.manual_seed(self.seed)
         model = LlamaForCausalLM(self.config()).eval()
-        return model.to(self.torch_dtype)
+        return model.to(self.torch_dtype).to(device)
 
     def layout(self, block_tokens: int = 16) -> kvtier.Layout:
         return kvtier.Layout(
@@ -103,20 +113,46 @@ class TinyLlama:
 LayerKv = tuple[torch.Tensor, torch.Tensor]
 
 
+def new_cache(config: LlamaConfig) -> DynamicCache:
+    """An empty DynamicCache for the model (transformers before 4.56 took no config)."""
+    try:
+        return DynamicCache(config=config)
+    except TypeError:
+        return DynamicCache()
+
+
 def kv_of(cache: DynamicCache, num_tokens: int) -> list[LayerKv]:
     """The first num_tokens tokens of a DynamicCache's K and V, per layer (views)."""
+    if not hasattr(cache, "layers"):  # transformers before 4.56: key_cache and value_cache lists
+        return [(k[:, :, :num_tokens], v[:, :, :num_tokens]) for k, v in zip(cache.key_cache, cache.value_cache)]
     return [(layer.keys[:, :, :num_tokens], layer.values[:, :, :num_tokens]) for layer in cache.layers]
 
 
 def cache_from(kv: Sequence[LayerKv], config: LlamaConfig) -> DynamicCache:
     """A DynamicCache holding copies of kv (the first update concatenates);
     empty when kv holds no token."""
-    cache = DynamicCache(config=config)
+    cache = new_cache(config)
     if not kv or kv[0][0].shape[2] == 0:
         return cache
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
     return cache
+
+
+def own_pages(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    """count zeroed CPU tensors of shape and dtype, back to back in whole pages
+    that no other allocation uses.
+
+    kvtierd adopts the pages of a registered CPU cache (register_tensors), and
+    refuses a page that a live cache holds already: two EngineKv in one
+    process whose tensors malloc put side by side on the heap would share one.
+    """
+    page = mmap.PAGESIZE
+    each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = (each * count + page - 1) // page
+    buffer = torch.zeros((pages + 1) * page, dtype=torch.uint8)
+    start = -buffer.data_ptr() % page
+    return [buffer[start + i * each : start + (i + 1) * each].view(dtype).view(shape) for i in range(count)]
 
 
 class EngineKv:
@@ -129,14 +165,28 @@ class EngineKv:
     a sequence's KV is gathered into a DynamicCache (``kv``) rather than
     viewed in place. Keep the object while the client uses the cache (the
     daemon copies into and out of the tensors).
+
+    On ``device`` "cuda" (or "cuda:N") the tensors are GPU memory, which
+    ``register_tensors`` sends through CUDA IPC (``cache.kind`` "cuda").
     """
 
-    def __init__(self, client: kvtier.Client, layout: kvtier.Layout, capacity_blocks: int) -> None:
+    def __init__(
+        self,
+        client: kvtier.Client,
+        layout: kvtier.Layout,
+        capacity_blocks: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.layout = layout
         self.capacity_blocks = capacity_blocks
+        self.device = torch.device(device)
         dtype = TORCH_DTYPES[layout.dtype]
         shape = (2, capacity_blocks, layout.num_kv_heads, layout.block_tokens, layout.head_dim)
-        self.tensors = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        if self.device.type == "cpu":
+            self.tensors = own_pages(shape, dtype, layout.num_layers)
+        else:
+            self.tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layout.num_layers)]
+        self.sync()  # the zeros are written before the daemon maps the memory
         self.cache = client.register_tensors(layout, capacity_blocks, self.tensors, self.placements())
 
     def placements(self) -> list[kvtier.Placement]:
@@ -167,6 +217,7 @@ class EngineKv:
             for part, t in enumerate((k, v)):
                 # [heads, n * bt, head_dim] -> [n, heads, bt, head_dim]
                 tensor[part, :n].copy_(t[0].unflatten(1, (n, bt)).transpose(0, 1))
+        self.sync()
 
     def kv(self, num_blocks: int) -> list[LayerKv]:
         """Engine blocks 0 .. num_blocks - 1 gathered into per-layer (K, V),
@@ -180,12 +231,21 @@ class EngineKv:
     def zero(self) -> None:
         for t in self.tensors:
             t.zero_()
+        self.sync()
+
+    def sync(self) -> None:
+        """Waits until this process's GPU work on the tensors is done (kvtierd
+        reads and writes them on its own stream, ordered by nothing else).
+        Nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 @torch.no_grad()
 def forward(model: LlamaForCausalLM, tokens: Sequence[int], cache: DynamicCache) -> torch.Tensor:
-    """Runs tokens after what cache holds (updating it); returns the last position's logits [vocab]."""
-    ids = torch.tensor([list(tokens)], dtype=torch.long)
+    """Runs tokens after what cache holds (updating it); returns the last position's logits [vocab]
+    (on the model's device)."""
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
@@ -268,6 +328,7 @@ def prefill_with_kvtier(
         hits, tiers = hits + hit.hits, tiers + list(hit.tiers)
         if hit.hits < MAX_KEYS_PER_REQUEST:
             break
+    engine.sync()  # nothing of this process's still reads or writes the blocks the daemon writes
     loaded = 0
     while loaded < hits:
         n = min(hits - loaded, MAX_KEYS_PER_REQUEST)
