@@ -5,6 +5,7 @@ restarts seen as misses."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
@@ -256,6 +257,10 @@ def test_stats_and_engine_hashes(client: kvtier.Client) -> None:
     assert len(key) == 16 and client.key_from_engine_hash(cache, sha) == key
     assert client.key_from_engine_hash(cache, kvtier.engine_hash_bytes(12345)) != key
     assert kvtier.engine_hash_bytes(1) == (1).to_bytes(16, "little")
+    assert kvtier.engine_hash_bytes("ab" * 32) == b"\xab" * 32  # SGLang's hex page hashes
+    assert kvtier.engine_hash_bytes(b"x" * 8) == hashlib.sha256(b"x" * 8).digest()  # other lengths: hashed
+    with pytest.raises(TypeError):
+        kvtier.engine_hash_bytes(1.5)  # type: ignore[arg-type]
     with pytest.raises(kvtier.InvalidArgumentError):
         client.key_from_engine_hash(cache, b"\x00" * 7)
 

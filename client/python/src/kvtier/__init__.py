@@ -23,6 +23,8 @@ Every call that waits on the daemon releases the GIL.
 
 from __future__ import annotations
 
+import hashlib
+import string
 from typing import Any, Sequence
 
 from ._errors import (
@@ -96,19 +98,27 @@ _TORCH_DTYPES = {
     "float8_e5m2": "fp8_e5m2",
 }
 _NUMPY_DTYPES = {"float16": "fp16", "float32": "fp32"}
+_HEX_DIGITS = frozenset(string.hexdigits)
 
 
-def engine_hash_bytes(block_hash: bytes | int) -> bytes:
-    """An engine's block hash as the bytes ``Client.key_from_engine_hash`` takes.
+def engine_hash_bytes(block_hash: bytes | int | str) -> bytes:
+    """An engine's block hash as the 16 or 32 bytes ``Client.key_from_engine_hash`` takes.
 
-    vLLM's block hashes are bytes (SHA-256: 32 of them) in current releases and
-    ints in older ones; an int gives its low 128 bits, little-endian.
+    - bytes of 16 or 32 (vLLM's sha256 and sha256_cbor hashes) as they are;
+    - an int (older vLLM releases): its low 128 bits, little-endian;
+    - a str of 32 or 64 hex digits (SGLang's page hashes): those bytes;
+    - anything else of those types: its SHA-256 (32 bytes; str as UTF-8).
     """
     if isinstance(block_hash, (bytes, bytearray, memoryview)):
-        return bytes(block_hash)
+        raw = bytes(block_hash)
+        return raw if len(raw) in (16, 32) else hashlib.sha256(raw).digest()
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
         return (block_hash & ((1 << 128) - 1)).to_bytes(16, "little")
-    raise TypeError(f"a block hash is bytes or an int, not {type(block_hash).__name__}")
+    if isinstance(block_hash, str):
+        if len(block_hash) in (32, 64) and _HEX_DIGITS.issuperset(block_hash):
+            return bytes.fromhex(block_hash)
+        return hashlib.sha256(block_hash.encode("utf-8")).digest()
+    raise TypeError(f"a block hash is bytes, an int or a str, not {type(block_hash).__name__}")
 
 
 def _region_of(tensor: Any, layout: Layout, index: int) -> tuple[str, int, int]:

@@ -39,7 +39,6 @@ name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -56,6 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvtier
+
+from . import _TORCH_DTYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,15 +97,6 @@ class _Settings:
         )
 
 
-_DTYPES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float8_e4m3fn: "fp8_e4m3",
-    torch.float8_e5m2: "fp8_e5m2",
-}
-
-
 def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> kvtier.Layout:
     """The kvtier layout of vLLM's KV cache: one group of full-attention layers.
 
@@ -122,7 +114,7 @@ def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, t
             raise NotImplementedError(f"KvtierConnector takes attention KV caches, not {type(spec).__name__}")
     if "MLA" in type(spec).__name__:
         raise NotImplementedError("KvtierConnector does not take MLA (latent) KV caches yet")
-    dtype = _DTYPES.get(spec.dtype)
+    dtype = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
     if dtype is None:
         raise NotImplementedError(f"KvtierConnector does not take {spec.dtype} KV caches")
     return kvtier.Layout(
@@ -135,15 +127,6 @@ def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, t
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
-
-
-def _hash_bytes(block_hash: Any) -> bytes:
-    """vLLM's block hash as the 16 or 32 bytes key_from_engine_hash takes.
-
-    sha256 and sha256_cbor hashes are 32 bytes and are taken as they are;
-    others (other lengths, or ints of older releases) are hashed to 32 bytes."""
-    raw = kvtier.engine_hash_bytes(block_hash) if isinstance(block_hash, int) else bytes(block_hash)
-    return raw if len(raw) in (16, 32) else hashlib.sha256(raw).digest()
 
 
 def _keys(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes]) -> list[bytes]:
@@ -315,7 +298,7 @@ class _SchedulerSide:
         blocks = self._full_blocks(request)
         if blocks * self._block_tokens <= num_computed_tokens:
             return 0, False
-        hashes = [_hash_bytes(h) for h in request.block_hashes[:blocks]]
+        hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[:blocks]]
         hits = self._lookups.result(request.request_id, hashes)
         if hits is None:
             return None, False
@@ -332,7 +315,7 @@ class _SchedulerSide:
         first = self._local_tokens.get(req_id, 0) // self._block_tokens
         count = num_external_tokens // self._block_tokens
         block_ids = list(blocks.get_block_ids()[0])
-        hashes = [_hash_bytes(h) for h in request.block_hashes[first : first + count]]
+        hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[first : first + count]]
         self._loads.append(TransferSpec(req_id, hashes, block_ids[first : first + count]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
@@ -367,7 +350,7 @@ class _SchedulerSide:
             blocks = min(blocks, publishable)
         if blocks <= state.stored:
             return
-        hashes = [_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]
+        hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]
         meta.stores.append(TransferSpec(request.request_id, hashes, state.block_ids[state.stored : blocks]))
         state.stored = blocks
         state.has_stores = True
