@@ -2,6 +2,7 @@
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
 
 find_package(Threads REQUIRED)
 find_package(tl-expected REQUIRED)

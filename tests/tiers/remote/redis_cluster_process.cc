@@ -1,0 +1,253 @@
+#include "tests/tiers/remote/redis_cluster_process.h"
+
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "tiers/remote/redis_connection.h"
+
+namespace kvtier::testing {
+namespace {
+
+bool PortFree(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Ports p with p and p + 10000 (the cluster bus) free, below the ephemeral range.
+std::vector<uint16_t> FreePorts(size_t n) {
+  std::mt19937 random(static_cast<uint32_t>(::getpid()) * 7919u + static_cast<uint32_t>(std::time(nullptr)));
+  std::vector<uint16_t> out;
+  while (out.size() < n) {
+    const auto port = static_cast<uint16_t>(12000 + random() % 18000);
+    if (std::find(out.begin(), out.end(), port) != out.end()) continue;
+    if (PortFree(port) && PortFree(static_cast<uint16_t>(port + 10000))) out.push_back(port);
+  }
+  return out;
+}
+
+std::string Tail(const std::string& path, size_t bytes) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  const std::string all = s.str();
+  return all.size() > bytes ? all.substr(all.size() - bytes) : all;
+}
+
+Result<std::string> Command(const NodeAddress& node, std::vector<std::string_view> argv) {
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RedisConnection> conn,
+                          RedisConnection::Connect(RedisConnectionOptions{.address = node}));
+  KVTIER_ASSIGN_OR_RETURN(RedisReply reply, conn->Command(argv));
+  if (reply->type == REDIS_REPLY_ERROR) return Err(StatusCode::kInternal, std::string(RedisErrorText(*reply)));
+  if (reply->type != REDIS_REPLY_STRING && reply->type != REDIS_REPLY_STATUS) {
+    return Err(StatusCode::kInternal, "unexpected reply type " + std::to_string(reply->type));
+  }
+  return std::string(reply->str, reply->len);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RedisClusterProcess>> RedisClusterProcess::Start(const Options& options) {
+  for (const char* exe : {"/usr/bin/redis-server", "/usr/bin/redis-cli"}) {
+    if (::access(exe, X_OK) != 0) {
+      return Err(StatusCode::kNotFound, std::string(exe) + " is missing: tools/setup-deps.sh installs redis-server");
+    }
+  }
+  char tmpl[] = "/tmp/kvtier-redis-cluster-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) return Err(Status::FromErrno(errno, "mkdtemp"));
+  std::unique_ptr<RedisClusterProcess> cluster(new RedisClusterProcess(options, tmpl));
+  const size_t n = options.standalone ? 1 : static_cast<size_t>(options.masters * (1 + options.replicas));
+  cluster->ports_ = FreePorts(n);
+  cluster->pids_.assign(n, -1);
+  for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(cluster->Spawn(i));
+  // Every node answers PING.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (size_t i = 0; i < n; ++i) {
+    while (!Command(cluster->node(i), {"PING"})) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Err(StatusCode::kUnavailable, "redis-server " + cluster->node(i).ToString() +
+                                                 " did not answer PING:\n" + cluster->LogTails());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  if (options.standalone) return cluster;
+  std::string create = "--cluster create";
+  for (size_t i = 0; i < n; ++i) create += " " + cluster->node(i).ToString();
+  create += " --cluster-replicas " + std::to_string(options.replicas) + " --cluster-yes";
+  KVTIER_RETURN_IF_ERROR(cluster->Cli(create));
+  KVTIER_RETURN_IF_ERROR(cluster->WaitHealthy());
+  return cluster;
+}
+
+Status RedisClusterProcess::Spawn(size_t i) {
+  const std::string node_dir = dir_ + "/" + std::to_string(ports_[i]);
+  std::filesystem::create_directories(node_dir);
+  std::vector<std::string> args = {"/usr/bin/redis-server", "--port", std::to_string(ports_[i]),
+                                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                   "--maxmemory", options_.maxmemory, "--maxmemory-policy",
+                                   options_.maxmemory_policy, "--dir", node_dir,
+                                   "--logfile", node_dir + "/redis.log", "--daemonize", "no"};
+  if (!options_.standalone) {
+    for (const std::string& a : {std::string("--cluster-enabled"), std::string("yes"),
+                                 std::string("--cluster-config-file"), node_dir + "/nodes.conf",
+                                 std::string("--cluster-node-timeout"), std::to_string(options_.node_timeout_ms),
+                                 std::string("--cluster-require-full-coverage"),
+                                 std::string(options_.require_full_coverage ? "yes" : "no"),
+                                 // A replica fails over however long ago it last heard its master (a
+                                 // test's nodes are idle between bursts).
+                                 std::string("--cluster-replica-validity-factor"), std::string("0")}) {
+      args.push_back(a);
+    }
+  }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) return Status::FromErrno(errno, "fork for redis-server");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    const int in = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (in >= 0) {
+      ::dup2(in, STDIN_FILENO);
+      ::dup2(in, STDOUT_FILENO);
+    }
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  pids_[i] = pid;
+  return Status::Ok();
+}
+
+RedisClusterProcess::~RedisClusterProcess() {
+  for (size_t i = 0; i < pids_.size(); ++i) Kill(i);
+  if (std::getenv("KVTIER_KEEP_TEST_DIRS") == nullptr) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+}
+
+std::vector<NodeAddress> RedisClusterProcess::seeds() const {
+  std::vector<NodeAddress> out;
+  for (size_t i = 0; i < ports_.size(); ++i) out.push_back(node(i));
+  return out;
+}
+
+void RedisClusterProcess::Kill(size_t i) {
+  if (pids_[i] <= 0) return;
+  ::kill(pids_[i], SIGKILL);
+  ::waitpid(pids_[i], nullptr, 0);
+  pids_[i] = -1;
+}
+
+Status RedisClusterProcess::Restart(size_t i) {
+  Kill(i);
+  KVTIER_RETURN_IF_ERROR(Spawn(i));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!Command(node(i), {"PING"})) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Status(StatusCode::kUnavailable, node(i).ToString() + " did not come back:\n" + LogTails());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<NodeAddress>> RedisClusterProcess::Masters() const {
+  for (size_t i = 0; i < ports_.size(); ++i) {
+    if (pids_[i] <= 0) continue;
+    Result<std::string> nodes = Command(node(i), {"CLUSTER", "NODES"});
+    if (!nodes) continue;
+    std::vector<NodeAddress> masters;
+    std::istringstream lines(*nodes);
+    std::string line;
+    while (std::getline(lines, line)) {
+      std::istringstream words(line);
+      std::string id, address, flags, master, ping, pong, epoch, link;
+      words >> id >> address >> flags >> master >> ping >> pong >> epoch >> link;
+      std::string slots;
+      words >> slots;  // a master that serves no slot is not counted
+      if (flags.find("master") == std::string::npos || flags.find("fail") != std::string::npos || slots.empty()) {
+        continue;
+      }
+      Result<NodeAddress> a = ParseNodeAddress(address.substr(0, address.find('@')));
+      if (a) masters.push_back(*a);
+    }
+    std::sort(masters.begin(), masters.end(),
+              [](const NodeAddress& x, const NodeAddress& y) { return x.port < y.port; });
+    return masters;
+  }
+  return Err(StatusCode::kUnavailable, "no live node answered CLUSTER NODES");
+}
+
+Status RedisClusterProcess::WaitHealthy(std::chrono::seconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string last;
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool ok = true;
+    std::set<std::string> views;
+    for (size_t i = 0; i < ports_.size() && ok; ++i) {
+      if (pids_[i] <= 0) continue;
+      Result<std::string> info = Command(node(i), {"CLUSTER", "INFO"});
+      ok = info && info->find("cluster_state:ok") != std::string::npos;
+      if (!ok) last = node(i).ToString() + ": " + (info ? info->substr(0, 40) : info.error().message());
+    }
+    if (ok) {
+      Result<std::vector<NodeAddress>> masters = Masters();
+      ok = masters && static_cast<int>(masters->size()) == options_.masters;
+      if (!ok) last = "masters: " + (masters ? std::to_string(masters->size()) : masters.error().message());
+      // Every master is a live node (a killed one has been failed over).
+      for (size_t m = 0; ok && m < masters->size(); ++m) {
+        const auto at = std::find(ports_.begin(), ports_.end(), (*masters)[m].port);
+        ok = at != ports_.end() && pids_[static_cast<size_t>(at - ports_.begin())] > 0;
+        if (!ok) last = "master " + (*masters)[m].ToString() + " is down, not failed over yet";
+      }
+    }
+    if (ok) return Status::Ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return Status(StatusCode::kDeadlineExceeded, "the Redis Cluster is not healthy (" + last + "):\n" + LogTails());
+}
+
+Status RedisClusterProcess::Cli(const std::string& args) const {
+  const std::string log = dir_ + "/redis-cli.log";
+  const std::string command = "/usr/bin/redis-cli " + args + " >>" + log + " 2>&1 </dev/null";
+  const int rc = std::system(command.c_str());
+  if (rc != 0) {
+    return Status(StatusCode::kInternal, "redis-cli " + args + " exited " + std::to_string(rc) + ":\n" + Tail(log, 3000));
+  }
+  return Status::Ok();
+}
+
+std::string RedisClusterProcess::LogTails() const {
+  std::string out;
+  for (const uint16_t port : ports_) {
+    out += "--- " + std::to_string(port) + "\n" + Tail(dir_ + "/" + std::to_string(port) + "/redis.log", 800);
+  }
+  return out;
+}
+
+}  // namespace kvtier::testing

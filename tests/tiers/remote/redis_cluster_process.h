@@ -1,0 +1,72 @@
+// RedisClusterProcess: a real Redis Cluster of a test's own, from Debian's
+// redis-server and redis-cli: `masters` nodes with `replicas` replicas each
+// on 127.0.0.1 TCP ports (each also uses its port + 10000 for the cluster
+// bus), joined by `redis-cli --cluster create`, persistence off. Nodes can
+// be killed and started again to inject faults; all are killed (SIGKILL,
+// then their directories removed) when it is destroyed, and if the test
+// process dies (PR_SET_PDEATHSIG).
+//
+// For tests only; thread-compatible.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "tiers/remote/cluster_slots.h"
+
+namespace kvtier::testing {
+
+class RedisClusterProcess {
+ public:
+  struct Options {
+    int masters = 3;
+    int replicas = 1;  // per master
+    std::string maxmemory = "64mb";
+    std::string maxmemory_policy = "allkeys-lru";
+    int node_timeout_ms = 1500;  // failure detection; Redis' default is 15000
+    // false: the nodes keep serving their slots while another has none.
+    bool require_full_coverage = false;
+    // A standalone redis-server (no cluster) instead: masters = 1, no replicas.
+    bool standalone = false;
+  };
+
+  // Errors: kNotFound without redis-server / redis-cli; kUnavailable when the
+  // cluster does not form within 30 s (the logs' tails in the message).
+  static Result<std::unique_ptr<RedisClusterProcess>> Start(const Options& options);
+  ~RedisClusterProcess();
+  RedisClusterProcess(const RedisClusterProcess&) = delete;
+  RedisClusterProcess& operator=(const RedisClusterProcess&) = delete;
+
+  size_t size() const { return ports_.size(); }
+  NodeAddress node(size_t i) const { return NodeAddress{"127.0.0.1", ports_[i]}; }
+  std::vector<NodeAddress> seeds() const;
+  // The nodes that are masters now (asked from a live node).
+  Result<std::vector<NodeAddress>> Masters() const;
+
+  void Kill(size_t i);
+  Status Restart(size_t i);
+  // Until every live node reports cluster_state:ok and agrees on the
+  // masters. Errors: kDeadlineExceeded.
+  Status WaitHealthy(std::chrono::seconds timeout = std::chrono::seconds(30)) const;
+  // Runs redis-cli with `args` (shell words), output to the cluster's log.
+  // Errors: kInternal with the exit status and the log's tail.
+  Status Cli(const std::string& args) const;
+
+ private:
+  RedisClusterProcess(Options options, std::string dir) : options_(std::move(options)), dir_(std::move(dir)) {}
+  Status Spawn(size_t i);
+  std::string LogTails() const;
+
+  Options options_;
+  std::string dir_;
+  std::vector<uint16_t> ports_;
+  std::vector<pid_t> pids_;
+};
+
+}  // namespace kvtier::testing

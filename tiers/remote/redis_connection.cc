@@ -1,0 +1,88 @@
+#include "tiers/remote/redis_connection.h"
+
+#include <hiredis/hiredis.h>
+#include <sys/time.h>
+
+#include <vector>
+
+namespace kvtier {
+namespace {
+
+timeval ToTimeval(std::chrono::milliseconds ms) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+  return tv;
+}
+
+}  // namespace
+
+void RedisReplyDeleter::operator()(redisReply* reply) const { freeReplyObject(reply); }
+
+std::string_view RedisErrorText(const redisReply& reply) {
+  if (reply.type != REDIS_REPLY_ERROR) return {};
+  return {reply.str, reply.len};
+}
+
+Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisConnectionOptions& options) {
+  const timeval connect_timeout = ToTimeval(options.connect_timeout);
+  const std::string name = options.unix_socket.empty() ? options.address.ToString() : options.unix_socket;
+  redisContext* c = options.unix_socket.empty()
+                        ? redisConnectWithTimeout(options.address.host.c_str(), options.address.port, connect_timeout)
+                        : redisConnectUnixWithTimeout(options.unix_socket.c_str(), connect_timeout);
+  if (c == nullptr) return Err(StatusCode::kResourceExhausted, "redis: cannot allocate a context");
+  std::unique_ptr<RedisConnection> conn(new RedisConnection(c, name));
+  if (c->err != 0) return Err(StatusCode::kUnavailable, "redis " + name + ": connect: " + c->errstr);
+  if (redisSetTimeout(c, ToTimeval(options.io_timeout)) != REDIS_OK) {
+    return Err(StatusCode::kUnavailable, "redis " + name + ": setting the I/O timeout: " + c->errstr);
+  }
+  if (!options.password.empty()) {
+    std::vector<std::string_view> argv = {"AUTH"};
+    if (!options.user.empty()) argv.push_back(options.user);
+    argv.push_back(options.password);
+    KVTIER_ASSIGN_OR_RETURN(RedisReply reply, conn->Command(argv));
+    if (reply->type == REDIS_REPLY_ERROR) {
+      return Err(StatusCode::kUnauthenticated, "redis " + name + ": AUTH refused: " +
+                                                   std::string(RedisErrorText(*reply)));
+    }
+  }
+  return conn;
+}
+
+RedisConnection::~RedisConnection() { redisFree(context_); }
+
+Status RedisConnection::Broken(std::string_view what) {
+  broken_ = true;
+  return Status(StatusCode::kUnavailable, "redis " + name_ + ": " + std::string(what) + ": " +
+                                              (context_->err != 0 ? context_->errstr : "connection lost"));
+}
+
+Status RedisConnection::Append(std::span<const std::string_view> argv) {
+  if (broken_) return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
+  std::vector<const char*> ptrs;
+  std::vector<size_t> lens;
+  ptrs.reserve(argv.size());
+  lens.reserve(argv.size());
+  for (const std::string_view a : argv) {
+    ptrs.push_back(a.data());
+    lens.push_back(a.size());
+  }
+  if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), ptrs.data(), lens.data()) != REDIS_OK) {
+    return Broken("append");
+  }
+  return Status::Ok();
+}
+
+Result<RedisReply> RedisConnection::Next() {
+  if (broken_) return Err(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
+  void* reply = nullptr;
+  if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) return Err(Broken("reading a reply"));
+  return RedisReply(static_cast<redisReply*>(reply));
+}
+
+Result<RedisReply> RedisConnection::Command(std::span<const std::string_view> argv) {
+  KVTIER_RETURN_IF_ERROR(Append(argv));
+  return Next();
+}
+
+}  // namespace kvtier

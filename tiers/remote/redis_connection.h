@@ -1,0 +1,77 @@
+// RedisConnection: one blocking hiredis connection to a Redis node (TCP or a
+// unix socket), with connect and I/O timeouts and ACL authentication, that
+// pipelines: append any number of commands, then read their replies in order.
+//
+// A connection whose socket failed or timed out is broken for good (hiredis
+// cannot resynchronise it): every later call fails with kUnavailable, and its
+// owner drops it and connects again.
+//
+// Owned and used by one thread at a time (the remote tier's I/O threads,
+// kvtier-bench); thread-compatible.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "tiers/remote/cluster_slots.h"
+
+struct redisContext;
+struct redisReply;
+
+namespace kvtier {
+
+struct RedisReplyDeleter {
+  void operator()(redisReply* reply) const;
+};
+// A reply as hiredis parsed it (type, str/len, integer, element array).
+using RedisReply = std::unique_ptr<redisReply, RedisReplyDeleter>;
+
+// The text of an error reply, or empty for a reply of another type.
+std::string_view RedisErrorText(const redisReply& reply);
+
+struct RedisConnectionOptions {
+  NodeAddress address;        // TCP, unless unix_socket is set
+  std::string unix_socket = {};
+  std::string user = {};      // ACL user; empty: "default"
+  std::string password = {};  // empty: no AUTH
+  std::chrono::milliseconds connect_timeout{1000};
+  std::chrono::milliseconds io_timeout{1000};
+};
+
+class RedisConnection {
+ public:
+  // Connects, then AUTHs when a password is set. Errors: kUnavailable when
+  // the node cannot be reached in time; kUnauthenticated when AUTH is refused.
+  static Result<std::unique_ptr<RedisConnection>> Connect(const RedisConnectionOptions& options);
+  ~RedisConnection();
+  RedisConnection(const RedisConnection&) = delete;
+  RedisConnection& operator=(const RedisConnection&) = delete;
+
+  // Queues a command (binary-safe arguments; copied). Errors: kUnavailable
+  // once broken.
+  Status Append(std::span<const std::string_view> argv);
+  // Sends what is queued if needed and reads the next reply. An error reply
+  // (MOVED, ASK, OOM, ...) is a reply, not an error. Errors: kUnavailable when
+  // the connection fails or times out (it is broken from then on).
+  Result<RedisReply> Next();
+  // Append, then Next.
+  Result<RedisReply> Command(std::span<const std::string_view> argv);
+
+  bool broken() const { return broken_; }
+  // "host:port" or the socket path, for messages.
+  const std::string& name() const { return name_; }
+
+ private:
+  RedisConnection(redisContext* context, std::string name) : context_(context), name_(std::move(name)) {}
+  Status Broken(std::string_view what);
+
+  redisContext* context_;  // owned
+  std::string name_;
+  bool broken_ = false;
+};
+
+}  // namespace kvtier
