@@ -1,0 +1,332 @@
+#include "tiers/remote/remote_tier.h"
+
+#include <hiredis/hiredis.h>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <utility>
+
+#include "tiers/remote/remote_value.h"
+
+namespace kvtier {
+
+struct RemoteTier::Worker {
+  std::thread thread;
+  std::unique_ptr<RedisCluster> cluster;
+  RedisCluster::Counters seen;  // the cluster's counters already folded into counters_
+};
+
+namespace {
+
+Status Unavailable(std::string message) { return Status(StatusCode::kUnavailable, std::move(message)); }
+
+// A reply that says the cluster cannot serve now, as opposed to refusing
+// this command (OOM, NOPERM, ...).
+bool ClusterCannotServe(std::string_view error) {
+  return error.starts_with("CLUSTERDOWN") || error.starts_with("LOADING") || error.starts_with("MASTERDOWN") ||
+         error.starts_with("TRYAGAIN");
+}
+
+}  // namespace
+
+RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options)) {}
+
+Result<std::unique_ptr<RemoteTier>> RemoteTier::Start(RemoteTierOptions options) {
+  if (options.cluster.seeds.empty()) return Err(InvalidArgument("tiers.remote: no seed node"));
+  if (!options.post) return Err(InvalidArgument("tiers.remote: no post function"));
+  if (options.io_threads == 0 || options.max_inflight_batches == 0 || options.breaker_failures == 0) {
+    return Err(InvalidArgument("tiers.remote: io_threads, max_inflight_batches and breaker_failures must be > 0"));
+  }
+  if (options.max_value_bytes <= RemoteValueHeader::kBytes) {
+    return Err(InvalidArgument("tiers.remote: max_value_bytes must exceed the " +
+                               std::to_string(RemoteValueHeader::kBytes) + "-byte value header"));
+  }
+  std::unique_ptr<RemoteTier> tier(new RemoteTier(std::move(options)));
+  for (uint32_t i = 0; i < tier->options_.io_threads; ++i) {
+    tier->workers_.push_back(std::make_unique<Worker>());
+    Worker& w = *tier->workers_.back();
+    w.thread = std::thread([t = tier.get(), &w] { t->Loop(w); });
+  }
+  return tier;
+}
+
+RemoteTier::~RemoteTier() {
+  std::deque<Batch> left;
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    left.swap(queue_);
+  }
+  cv_.notify_all();
+  for (auto& w : workers_) w->thread.join();
+  for (Batch& b : left) Finish(b, Err(StatusCode::kCancelled, "the remote tier is stopping"));
+}
+
+void RemoteTier::Exists(std::vector<StoredKey> keys, Done done) {
+  Submit(Batch{.kind = Kind::kExists, .keys = std::move(keys), .done = std::move(done)});
+}
+
+void RemoteTier::Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out,
+                     Done done) {
+  Submit(Batch{.kind = Kind::kGet, .ns = ns, .keys = std::move(keys), .out = std::move(out), .done = std::move(done)});
+}
+
+void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
+                     Done done) {
+  Submit(Batch{
+      .kind = Kind::kPut, .ns = ns, .keys = std::move(keys), .payloads = std::move(payloads), .done = std::move(done)});
+}
+
+RemoteCounters RemoteTier::counters() const {
+  std::lock_guard lock(mu_);
+  RemoteCounters c = counters_;
+  c.breaker_open = open_;
+  return c;
+}
+
+void RemoteTier::Submit(Batch batch) {
+  Status refused;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      refused = Status(StatusCode::kCancelled, "the remote tier is stopping");
+    } else if (open_ && std::chrono::steady_clock::now() < reopen_at_) {
+      ++counters_.refused_breaker;
+      refused = Unavailable("the remote tier's circuit breaker is open");
+    } else if (inflight_ >= options_.max_inflight_batches) {
+      ++counters_.refused_busy;
+      refused = Status(StatusCode::kResourceExhausted, "the remote tier has " +
+                                                           std::to_string(inflight_) + " batches in flight");
+    } else {
+      ++inflight_;
+      queue_.push_back(std::move(batch));
+    }
+  }
+  if (!refused.ok()) {
+    options_.post([done = std::move(batch.done), refused] { done(Err(refused)); });
+    return;
+  }
+  cv_.notify_one();
+}
+
+void RemoteTier::Finish(Batch& batch, Result<uint32_t> result) {
+  {
+    std::lock_guard lock(mu_);
+    --inflight_;
+  }
+  options_.post([done = std::move(batch.done), result = std::move(result)] { done(result); });
+}
+
+void RemoteTier::Loop(Worker& worker) {
+  while (true) {
+    Batch batch;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      batch = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    Result<uint32_t> result = Execute(worker, batch);
+    {
+      std::lock_guard lock(mu_);
+      counters_.batch_latency.RecordSince(start);
+    }
+    Finish(batch, std::move(result));
+  }
+}
+
+bool RemoteTier::Admit() {
+  std::lock_guard lock(mu_);
+  if (!open_) return true;
+  if (probing_ || std::chrono::steady_clock::now() < reopen_at_) {
+    ++counters_.refused_breaker;
+    return false;
+  }
+  probing_ = true;  // one batch probes the cluster
+  return true;
+}
+
+void RemoteTier::Record(bool reached_cluster) {
+  std::lock_guard lock(mu_);
+  probing_ = false;
+  if (reached_cluster) {
+    consecutive_failures_ = 0;
+    if (open_) {
+      open_ = false;
+      spdlog::info("tiers.remote: the cluster answers again; circuit breaker closed");
+    }
+    return;
+  }
+  ++counters_.errors_unavailable;
+  ++consecutive_failures_;
+  const auto now = std::chrono::steady_clock::now();
+  if (open_) {
+    reopen_at_ = now + options_.breaker_cooldown;  // the probe failed
+  } else if (consecutive_failures_ >= options_.breaker_failures) {
+    open_ = true;
+    reopen_at_ = now + options_.breaker_cooldown;
+    ++counters_.breaker_opened;
+    spdlog::warn("tiers.remote: {} batches in a row could not reach the cluster; circuit breaker open (every "
+                 "remote lookup is a miss; probing again every {} ms)",
+                 consecutive_failures_, options_.breaker_cooldown.count());
+  }
+}
+
+Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
+  if (!Admit()) return Err(Unavailable("the remote tier's circuit breaker is open"));
+  if (worker.cluster == nullptr) {
+    Result<std::unique_ptr<RedisCluster>> cluster = RedisCluster::Connect(options_.cluster);
+    if (!cluster) {
+      Record(cluster.error().code() != StatusCode::kUnavailable);
+      return Err(cluster.error());
+    }
+    worker.cluster = std::move(*cluster);
+    worker.seen = {};
+  }
+  RedisCluster& cluster = *worker.cluster;
+  Result<uint32_t> result = batch.kind == Kind::kExists ? DoExists(cluster, batch)
+                            : batch.kind == Kind::kGet  ? DoGet(cluster, batch)
+                                                        : DoPut(cluster, batch);
+  Record(result.has_value() || result.error().code() != StatusCode::kUnavailable);
+  const RedisCluster::Counters& now = cluster.counters();
+  std::lock_guard lock(mu_);
+  counters_.topology_refreshes += now.refreshes - worker.seen.refreshes;
+  counters_.redirects += (now.moved + now.ask) - (worker.seen.moved + worker.seen.ask);
+  worker.seen = now;
+  return result;
+}
+
+namespace {
+
+std::vector<std::string> RedisKeys(std::string_view prefix, std::span<const StoredKey> keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const StoredKey& k : keys) out.push_back(RemoteKey(prefix, k));
+  return out;
+}
+
+// The first reply's error when nothing could be asked at all.
+Status FirstFailure(const Result<RedisReply>& reply) {
+  if (!reply) return reply.error();
+  return Unavailable("redis: " + std::string(RedisErrorText(**reply)));
+}
+
+}  // namespace
+
+Result<uint32_t> RemoteTier::DoExists(RedisCluster& cluster, const Batch& batch) {
+  const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
+  std::vector<RedisCommand> commands;
+  commands.reserve(keys.size());
+  for (const std::string& k : keys) commands.push_back({{"EXISTS", k}});
+  std::vector<Result<RedisReply>> replies = cluster.Run(commands);
+  uint32_t leading = 0;
+  for (; leading < replies.size(); ++leading) {
+    const Result<RedisReply>& r = replies[leading];
+    if (r && (*r)->type == REDIS_REPLY_INTEGER) {
+      if ((*r)->integer != 1) break;
+      continue;
+    }
+    if (leading == 0 && (!r || ClusterCannotServe(RedisErrorText(**r)))) return Err(FirstFailure(r));
+    break;
+  }
+  std::lock_guard lock(mu_);
+  counters_.exists_keys += keys.size();
+  return leading;
+}
+
+Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
+  const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
+  std::vector<RedisCommand> commands;
+  commands.reserve(keys.size());
+  for (const std::string& k : keys) commands.push_back({{"GET", k}});
+  std::vector<Result<RedisReply>> replies = cluster.Run(commands);
+  uint32_t served = 0;
+  uint64_t bytes = 0, corrupt = 0, rejected = 0;
+  for (; served < replies.size(); ++served) {
+    const Result<RedisReply>& r = replies[served];
+    if (!r || (*r)->type == REDIS_REPLY_ERROR) {
+      if (served == 0 && (!r || ClusterCannotServe(RedisErrorText(**r)))) return Err(FirstFailure(r));
+      rejected += r ? 1 : 0;
+      break;
+    }
+    if ((*r)->type != REDIS_REPLY_STRING) break;  // nil: not there (or evicted)
+    const std::span<const uint8_t> value(reinterpret_cast<const uint8_t*>((*r)->str), (*r)->len);
+    Result<RemoteValueHeader> header = CheckRemoteValue(value, batch.ns, batch.keys[served]);
+    if (header && header->payload_bytes != batch.out[served].size()) {
+      header = Err(StatusCode::kCorruption, "remote value of " + std::to_string(header->payload_bytes) +
+                                                " bytes for a block of " + std::to_string(batch.out[served].size()));
+    }
+    if (!header) {
+      // Never served; deleted so that it is not fetched again.
+      ++corrupt;
+      spdlog::warn("tiers.remote: {}: {}; deleted, a miss", keys[served], header.error().message());
+      const RedisCommand del[] = {{{"DEL", keys[served]}}};
+      (void)cluster.Run(del);
+      break;
+    }
+    std::memcpy(batch.out[served].data(), value.data() + RemoteValueHeader::kBytes, header->payload_bytes);
+    bytes += value.size();
+  }
+  std::lock_guard lock(mu_);
+  counters_.hits += served;
+  counters_.misses += keys.size() - served;
+  counters_.bytes_read += bytes;
+  counters_.corrupt += corrupt;
+  counters_.errors_rejected += rejected;
+  return served;
+}
+
+Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
+  const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
+  std::vector<std::string> values;
+  std::vector<RedisCommand> commands;
+  std::vector<size_t> index;  // command -> block
+  values.reserve(keys.size());
+  uint64_t rejected = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::span<const uint8_t> payload = batch.payloads[i];
+    if (payload.size() + RemoteValueHeader::kBytes > options_.max_value_bytes) {
+      ++rejected;  // larger than the deployment allows in one value
+      continue;
+    }
+    std::string value(RemoteValueHeader::kBytes + payload.size(), '\0');
+    RemoteValueHeader h{.ns = batch.ns,
+                        .key = batch.keys[i],
+                        .payload_bytes = payload.size(),
+                        .raw_bytes = payload.size(),
+                        .payload_checksum = RemotePayloadChecksum(payload)};
+    EncodeRemoteValueHeader(h, std::span(reinterpret_cast<uint8_t*>(value.data()), RemoteValueHeader::kBytes));
+    std::memcpy(value.data() + RemoteValueHeader::kBytes, payload.data(), payload.size());
+    values.push_back(std::move(value));
+    index.push_back(i);
+  }
+  for (size_t c = 0; c < values.size(); ++c) commands.push_back({{"SET", keys[index[c]], values[c]}});
+  std::vector<Result<RedisReply>> replies = cluster.Run(commands);
+  uint32_t stored = 0;
+  uint64_t bytes = 0;
+  bool reached = replies.empty();
+  Status first;
+  for (size_t c = 0; c < replies.size(); ++c) {
+    const Result<RedisReply>& r = replies[c];
+    if (r && (*r)->type == REDIS_REPLY_STATUS) {
+      ++stored;
+      bytes += values[c].size();
+      reached = true;
+    } else if (r && !ClusterCannotServe(RedisErrorText(**r))) {
+      ++rejected;  // OOM (maxmemory with noeviction), NOPERM, ...
+      reached = true;
+    } else if (first.ok()) {
+      first = FirstFailure(r);
+    }
+  }
+  std::lock_guard lock(mu_);
+  counters_.stores += stored;
+  counters_.bytes_written += bytes;
+  counters_.errors_rejected += rejected;
+  if (!reached) return Err(first);
+  return stored;
+}
+
+}  // namespace kvtier
