@@ -444,19 +444,26 @@ class _WorkerSide:
             self._cache = client.register_host_memory(self._layout, num_blocks, regions, placements)
         return self._cache
 
-    def start_load_kv(self, meta: KvtierMetadata) -> None:
-        if not meta.loads:
-            return
+    def _ready(self) -> tuple[kvtier.Client, kvtier.KvCache] | None:
+        """The client and the registered cache, or None while the daemon is
+        out of reach (every transfer is then a miss)."""
         try:
             cache = self._ensure_registered()
         except kvtier.Error as error:
             logger.warning("kvtier: registering the KV cache failed: %s", error)
-            cache = None
+            return None
         client = self._connection.client()
+        return None if cache is None or client is None else (client, cache)
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        if not meta.loads:
+            return
+        ready = self._ready()
         pending: list[tuple[TransferSpec, kvtier.Op | None]] = []
         for spec in meta.loads:
             op = None
-            if cache is not None and client is not None:
+            if ready is not None:
+                client, cache = ready
                 try:
                     op = client.load_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids)
                 except kvtier.Error as error:
@@ -479,16 +486,12 @@ class _WorkerSide:
             # The daemon copies from the GPU on its own stream: the forward
             # pass that wrote these blocks must be over first.
             torch.cuda.current_stream().synchronize()
-        try:
-            cache = self._ensure_registered()
-        except kvtier.Error as error:
-            logger.warning("kvtier: registering the KV cache failed: %s", error)
-            cache = None
-        client = self._connection.client()
+        ready = self._ready()
         for spec in meta.stores:
             ops = self._stores.setdefault(spec.req_id, [])
-            if cache is None or client is None:
+            if ready is None:
                 continue
+            client, cache = ready
             try:
                 ops.append(client.store_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids))
             except kvtier.Error as error:
