@@ -51,6 +51,7 @@
 #include "tools/bench_gpu.h"
 #include "tools/bench_index.h"
 #include "tools/bench_redis.h"
+#include "tools/bench_remote.h"
 #include "tools/bench_report.h"
 #include "tools/bench_trace.h"
 
@@ -445,6 +446,10 @@ int main(int argc, char** argv) {
   CLI::App* redis = app.add_subcommand("redis", "store then load 2 MiB blocks: kvtierd vs a Redis it starts");
   redis->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   redis->add_option("--reps", host_reps, "repetitions (median reported; +1 warm-up)")->check(CLI::Range(1, 1000));
+  CLI::App* remote = app.add_subcommand("remote", "remote tier (Redis Cluster) store/load/lookup vs a plain pipelined client");
+  kvtier::bench::RemoteBenchOptions remote_options;
+  remote->add_option("--seeds", remote_options.seeds, "host:port of a cluster to use (default: start one)");
+  remote->add_option("--reps", remote_options.reps, "repetitions (median reported; +1 warm-up)")->check(CLI::Range(1, 100));
   CLI::App* disk = app.add_subcommand("disk", "disk tier write/read vs fio and a file-per-block store");
   kvtier::bench::DiskConfig disk_config{.dir = "./var/kvtier-bench"};
   uint32_t disk_reps = 5;
@@ -541,6 +546,10 @@ int main(int argc, char** argv) {
       daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
       return daemon->socket();
     });
+  }
+  if (remote->parsed()) {
+    remote_options.json = json;
+    return kvtier::bench::Remote(remote_options);
   }
   if (restart->parsed()) {
     std::filesystem::create_directories(restart_dir);

@@ -194,6 +194,7 @@ Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
   std::lock_guard lock(mu_);
   counters_.topology_refreshes += now.refreshes - worker.seen.refreshes;
   counters_.redirects += (now.moved + now.ask) - (worker.seen.moved + worker.seen.ask);
+  counters_.round_trips += now.round_trips - worker.seen.round_trips;
   worker.seen = now;
   return result;
 }

@@ -69,6 +69,7 @@ struct RemoteCounters {
   uint64_t refused_breaker = 0;     // batches refused: breaker open
   uint64_t topology_refreshes = 0;
   uint64_t redirects = 0;           // MOVED and ASK followed
+  uint64_t round_trips = 0;         // node pipelines written and read
   uint64_t breaker_opened = 0;
   bool breaker_open = false;
   LatencyHistogram batch_latency;   // per batch, on the I/O thread

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/tiers/remote/redis_cluster_process.h"
+#include "tools/redis_cluster_process.h"
 
 namespace kvtier {
 namespace {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "tests/tiers/remote/redis_cluster_process.h"
+#include "tools/redis_cluster_process.h"
 #include "tiers/remote/remote_value.h"
 
 namespace kvtier {

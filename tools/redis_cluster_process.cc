@@ -1,4 +1,4 @@
-#include "tests/tiers/remote/redis_cluster_process.h"
+#include "tools/redis_cluster_process.h"
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>

@@ -6,7 +6,7 @@
 // then their directories removed) when it is destroyed, and if the test
 // process dies (PR_SET_PDEATHSIG).
 //
-// For tests only; thread-compatible.
+// For tests and kvtier-bench; thread-compatible.
 #pragma once
 
 #include <sys/types.h>
