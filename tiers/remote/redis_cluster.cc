@@ -146,7 +146,11 @@ std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> 
         if (conn == nullptr) break;
         static constexpr std::string_view kAsking[] = {"ASKING"};
         if (p.asking) error = conn->Append(kAsking);
-        if (error.ok()) error = conn->Append(batch[p.index].argv);
+        if (error.ok()) {
+          const RedisCommand& command = batch[p.index];
+          error = command.value_parts.empty() ? conn->Append(command.argv)
+                                              : conn->AppendWithParts(command.argv, command.value_parts);
+        }
         if (!error.ok()) conn = nullptr;
       }
       if (conn == nullptr) {

@@ -38,9 +38,12 @@ struct RedisClusterOptions {
   uint32_t max_redirects = 5;
 };
 
-// One command of a batch: argv[1] is its key.
+// One command of a batch: argv[1] is its key. With `value_parts`, the
+// command has one more argument, their concatenation, written without a copy
+// (RedisConnection::AppendWithParts).
 struct RedisCommand {
   std::vector<std::string_view> argv;
+  std::vector<std::string_view> value_parts = {};
 };
 
 class RedisCluster {

@@ -2,6 +2,11 @@
 
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
+#include <sys/uio.h>
+#include <climits>
+#include <cerrno>
+#include <algorithm>
+#include <cstring>
 
 #include <vector>
 
@@ -69,6 +74,49 @@ Status RedisConnection::Append(std::span<const std::string_view> argv) {
   }
   if (redisAppendCommandArgv(context_, static_cast<int>(argv.size()), ptrs.data(), lens.data()) != REDIS_OK) {
     return Broken("append");
+  }
+  return Status::Ok();
+}
+
+Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
+                                        std::span<const std::string_view> parts) {
+  if (broken_) return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
+  // What hiredis holds goes first, so that commands stay in order.
+  int flushed = 0;
+  while (flushed == 0) {
+    if (redisBufferWrite(context_, &flushed) != REDIS_OK) return Broken("write");
+  }
+  // RESP: *<args>\r\n, each argument $<len>\r\n<bytes>\r\n; the last one in parts.
+  size_t value_bytes = 0;
+  for (const std::string_view p : parts) value_bytes += p.size();
+  std::string head = "*" + std::to_string(argv.size() + 1) + "\r\n";
+  for (const std::string_view a : argv) {
+    head += "$" + std::to_string(a.size()) + "\r\n";
+    head += a;
+    head += "\r\n";
+  }
+  head += "$" + std::to_string(value_bytes) + "\r\n";
+  static constexpr char kEnd[] = "\r\n";
+  std::vector<iovec> iov;
+  iov.reserve(parts.size() + 2);
+  iov.push_back({head.data(), head.size()});
+  for (const std::string_view p : parts) iov.push_back({const_cast<char*>(p.data()), p.size()});
+  iov.push_back({const_cast<char*>(kEnd), 2});
+  size_t at = 0;  // the first iovec not fully written
+  while (at < iov.size()) {
+    const ssize_t n = ::writev(context_->fd, iov.data() + at, static_cast<int>(std::min<size_t>(iov.size() - at, IOV_MAX)));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int error = errno;  // EAGAIN: the send timeout passed
+      broken_ = true;
+      return Status(StatusCode::kUnavailable, "redis " + name_ + ": writev: " + std::strerror(error));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;
+    if (at < iov.size()) {
+      iov[at].iov_base = static_cast<char*>(iov[at].iov_base) + left;
+      iov[at].iov_len -= left;
+    }
   }
   return Status::Ok();
 }

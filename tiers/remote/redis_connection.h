@@ -54,6 +54,11 @@ class RedisConnection {
   // Queues a command (binary-safe arguments; copied). Errors: kUnavailable
   // once broken.
   Status Append(std::span<const std::string_view> argv);
+  // Queues a command whose last argument is the concatenation of `parts`
+  // (a value's header and payload), written to the socket at once with
+  // writev: the parts are not copied (hiredis would copy the whole value
+  // into its buffer). Errors: kUnavailable when the write fails or times out.
+  Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts);
   // Sends what is queued if needed and reads the next reply. An error reply
   // (MOVED, ASK, OOM, ...) is a reply, not an error. Errors: kUnavailable when
   // the connection fails or times out (it is broken from then on).

@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 #include <spdlog/spdlog.h>
 
+#include <array>
 #include <cstring>
 #include <utility>
 
@@ -281,10 +282,11 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
 
 Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
   const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
-  std::vector<std::string> values;
+  // Each value is its header and the block's bytes, written as they lie.
+  std::vector<std::array<uint8_t, RemoteValueHeader::kBytes>> headers;
   std::vector<RedisCommand> commands;
   std::vector<size_t> index;  // command -> block
-  values.reserve(keys.size());
+  headers.reserve(keys.size());
   uint64_t rejected = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const std::span<const uint8_t> payload = batch.payloads[i];
@@ -292,18 +294,20 @@ Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
       ++rejected;  // larger than the deployment allows in one value
       continue;
     }
-    std::string value(RemoteValueHeader::kBytes + payload.size(), '\0');
-    RemoteValueHeader h{.ns = batch.ns,
-                        .key = batch.keys[i],
-                        .payload_bytes = payload.size(),
-                        .raw_bytes = payload.size(),
-                        .payload_checksum = RemotePayloadChecksum(payload)};
-    EncodeRemoteValueHeader(h, std::span(reinterpret_cast<uint8_t*>(value.data()), RemoteValueHeader::kBytes));
-    std::memcpy(value.data() + RemoteValueHeader::kBytes, payload.data(), payload.size());
-    values.push_back(std::move(value));
+    const RemoteValueHeader h{.ns = batch.ns,
+                              .key = batch.keys[i],
+                              .payload_bytes = payload.size(),
+                              .raw_bytes = payload.size(),
+                              .payload_checksum = RemotePayloadChecksum(payload)};
+    EncodeRemoteValueHeader(h, headers.emplace_back());
     index.push_back(i);
   }
-  for (size_t c = 0; c < values.size(); ++c) commands.push_back({{"SET", keys[index[c]], values[c]}});
+  for (size_t c = 0; c < index.size(); ++c) {
+    const std::span<const uint8_t> payload = batch.payloads[index[c]];
+    commands.push_back({.argv = {"SET", keys[index[c]]},
+                        .value_parts = {{reinterpret_cast<const char*>(headers[c].data()), headers[c].size()},
+                                        {reinterpret_cast<const char*>(payload.data()), payload.size()}}});
+  }
   std::vector<Result<RedisReply>> replies = cluster.Run(commands);
   uint32_t stored = 0;
   uint64_t bytes = 0;
@@ -313,7 +317,7 @@ Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
     const Result<RedisReply>& r = replies[c];
     if (r && (*r)->type == REDIS_REPLY_STATUS) {
       ++stored;
-      bytes += values[c].size();
+      bytes += RemoteValueHeader::kBytes + batch.payloads[index[c]].size();
       reached = true;
     } else if (r && !ClusterCannotServe(RedisErrorText(**r))) {
       ++rejected;  // OOM (maxmemory with noeviction), NOPERM, ...
