@@ -25,6 +25,7 @@ BlockTier TierFromWire(w::Tier t) {
   switch (t) {
     case w::Tier::Hbm: return BlockTier::kHbm;
     case w::Tier::Disk: return BlockTier::kDisk;
+    case w::Tier::Remote: return BlockTier::kRemote;
     default: return BlockTier::kHost;
   }
 }
@@ -49,6 +50,7 @@ std::string_view BlockTierName(BlockTier tier) {
     case BlockTier::kHbm: return "hbm";
     case BlockTier::kHost: return "host";
     case BlockTier::kDisk: return "disk";
+    case BlockTier::kRemote: return "remote";
   }
   return "?";
 }

@@ -93,6 +93,22 @@ struct Config {
       // (writes in flight then finish); 0 writes none.
       uint32_t stop_flush_seconds = 8;
     } disk;
+    // The shared tier on a Redis Cluster (or one standalone Redis), below
+    // disk (docs/remote-tier.md).
+    struct Remote {
+      bool enabled = false;
+      std::vector<std::string> seeds;  // "host:port"
+      std::string user;                // ACL user; empty: default
+      std::string password_file;       // its first line is the password; empty: no AUTH
+      std::string key_prefix = "kvtier:";
+      uint32_t connect_timeout_ms = 500;
+      uint32_t timeout_ms = 1000;
+      uint32_t io_threads = 2;
+      uint32_t max_inflight_batches = 64;
+      uint64_t max_value_bytes = 64ull << 20;
+      uint32_t breaker_failures = 3;
+      uint32_t breaker_cooldown_ms = 2000;
+    } remote;
   } tiers;
 
   struct Policy {

@@ -504,8 +504,53 @@ void ReadTenants(Context* ctx, const YAML::Node& node, std::vector<TenantConfig>
   }
 }
 
+// "host:port" with a port of 1..65535 (the host as Redis writes it: a name,
+// IPv4, or IPv6 bare or in brackets).
+ParseResult ParseSeed(const YAML::Node& n, std::string* out) {
+  if (auto e = ParseNonEmpty(n, out); !e.empty()) return e;
+  const size_t colon = out->rfind(':');
+  uint32_t port = 0;
+  const char* end = out->data() + out->size();
+  const auto [ptr, ec] =
+      colon == std::string::npos ? std::from_chars(end, end, port) : std::from_chars(out->data() + colon + 1, end, port);
+  if (colon == std::string::npos || colon == 0 || ec != std::errc() || ptr != end || port == 0 || port > 65535) {
+    return "expected host:port (a port of 1-65535), got '" + *out + "'";
+  }
+  return {};
+}
+
+void ReadRemote(Context* ctx, const YAML::Node& node, Config::Tiers::Remote* remote) {
+  MapReader h(ctx, node, "tiers.remote");
+  h.Read("enabled", &remote->enabled, ParseBoolNode);
+  h.Read("seeds", &remote->seeds, [](const YAML::Node& n, std::vector<std::string>* out) {
+    return ParseList(n, out, ParseSeed);
+  });
+  h.Read("user", &remote->user, ParseNonEmpty);
+  h.Read("password_file", &remote->password_file, ParseNonEmpty);
+  h.Read("key_prefix", &remote->key_prefix, ParseNonEmpty);
+  h.Read("connect_timeout_ms", &remote->connect_timeout_ms,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 60000, v); });
+  h.Read("timeout_ms", &remote->timeout_ms, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 60000, v); });
+  h.Read("io_threads", &remote->io_threads, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 64, v); });
+  h.Read("max_inflight_batches", &remote->max_inflight_batches,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 65536, v); });
+  h.Read("max_value_bytes", &remote->max_value_bytes, ParseSizeNode);
+  h.Read("breaker_failures", &remote->breaker_failures,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1000, v); });
+  h.Read("breaker_cooldown_ms", &remote->breaker_cooldown_ms,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 3600000, v); });
+  h.Finish();
+  if (remote->enabled && remote->seeds.empty()) {
+    ctx->ErrorAt("tiers.remote.seeds", "the remote tier is enabled but has no seed nodes (host:port)");
+  }
+  if (remote->max_value_bytes < (1u << 12) || remote->max_value_bytes > (512ull << 20)) {
+    ctx->ErrorAt("tiers.remote.max_value_bytes", "must be between 4KiB and 512MiB (Redis' largest value)");
+  }
+}
+
 void ReadTiers(Context* ctx, const YAML::Node& node, Config::Tiers* tiers) {
   MapReader r(ctx, node, "tiers");
+  ReadRemote(ctx, r.Take("remote"), &tiers->remote);
   {
     MapReader h(ctx, r.Take("hbm"), "tiers.hbm");
     h.Read("enabled", &tiers->hbm.enabled, ParseBoolNode);

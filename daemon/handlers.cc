@@ -297,12 +297,30 @@ std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Look
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
   const CacheLookup r = cache_->Lookup(s.tenant->id, *keys);
-  lookup_latency_.RecordSince(start);
-  std::vector<w::Tier> tiers;
-  for (Tier t : r.tiers) tiers.push_back(TierToWire(t));
-  FlatBufferBuilder b(64 + tiers.size());
-  const auto body = w::CreateLookupReplyDirect(b, r.hits, &tiers);
-  return ipc::FinishMessage(b, id, body);
+  auto reply = [id, local = r](uint32_t remote_hits) {
+    std::vector<w::Tier> tiers;
+    for (Tier t : local.tiers) tiers.push_back(TierToWire(t));
+    tiers.insert(tiers.end(), remote_hits, w::Tier::Remote);
+    FlatBufferBuilder b(64 + tiers.size());
+    const auto body = w::CreateLookupReplyDirect(b, local.hits + remote_hits, &tiers);
+    return ipc::FinishMessage(b, id, body);
+  };
+  if (remote_ == nullptr || r.hits == keys->size()) {
+    lookup_latency_.RecordSince(start);
+    return reply(0);
+  }
+  // The tail that missed locally goes to the remote tier (one pipelined
+  // batch, a round trip per node); the reply follows its answer. A remote
+  // tier that is slow or down only makes this a local answer: timeouts and
+  // its breaker end the wait.
+  std::vector<StoredKey> tail(keys->begin() + r.hits, keys->end());
+  remote_->Exists(std::move(tail), [this, session = s.id, start, reply](Result<uint32_t> remote) {
+    auto it = sessions_.find(session);
+    if (it == sessions_.end()) return;  // the client is gone
+    lookup_latency_.RecordSince(start);
+    Send(*it->second, reply(remote ? *remote : 0));
+  });
+  return {};
 }
 
 std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Prefetch& m) {
@@ -380,7 +398,19 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
   uint32_t queued = 0;  // blocks whose copies were queued just now
   if (load) {
-    queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+    // Blocks after the local prefix that the remote tier holds are fetched
+    // into host first (a remote hit is promoted); the load starts then.
+    std::optional<uint32_t> local;
+    if (remote_ != nullptr) {
+      local = cache_->FetchFromRemote(
+          s.tenant->id, (*ns)->layout->layout(), *keys,
+          [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done](uint32_t) {
+            cache_->Load(tenant, keys, ids, target, alive, done);
+          });
+    }
+    if (remote_ == nullptr || local.has_value()) {
+      queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+    }
   } else {
     std::optional<StoredKey> parent;
     if (st->parent() != nullptr) {
@@ -551,6 +581,31 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                     });
+    if (remote_ != nullptr) {
+      const RemoteCounters r = remote_->counters();
+      counters.insert(counters.end(),
+                      {
+                          {"remote_hits", r.hits},
+                          {"remote_misses", r.misses},
+                          {"remote_exists_keys", r.exists_keys},
+                          {"remote_stores", r.stores},
+                          {"remote_bytes_read", r.bytes_read},
+                          {"remote_bytes_written", r.bytes_written},
+                          {"remote_corrupt", r.corrupt},
+                          {"remote_errors_unavailable", r.errors_unavailable},
+                          {"remote_errors_rejected", r.errors_rejected},
+                          {"remote_refused_busy", r.refused_busy},
+                          {"remote_refused_breaker", r.refused_breaker},
+                          {"remote_topology_refreshes", r.topology_refreshes},
+                          {"remote_redirects", r.redirects},
+                          {"remote_round_trips", r.round_trips},
+                          {"remote_breaker_opened", r.breaker_opened},
+                          {"remote_breaker_open", r.breaker_open ? 1u : 0u},
+                          {"remote_promotions", c.remote_promotions},
+                          {"remote_writes", c.remote_writes},
+                          {"remote_write_failures", c.remote_write_failures},
+                      });
+    }
   }
   FlatBufferBuilder b(2048);
   std::vector<flatbuffers::Offset<w::TierStats>> tiers;
@@ -616,6 +671,8 @@ std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict
     case w::Tier::Hbm: filter.tier = Tier::kHbm; break;
     case w::Tier::Host: filter.tier = Tier::kHost; break;
     case w::Tier::Disk: filter.tier = Tier::kDisk; break;
+    case w::Tier::Remote:
+      return ipc::ErrorMessage(id, InvalidArgument("evict: the remote tier is the cluster's to evict (maxmemory)"));
     default:
       return ipc::ErrorMessage(id, InvalidArgument("unknown tier " + std::to_string(static_cast<int>(m.tier()))));
   }
@@ -696,6 +753,9 @@ MetricsSnapshot Server::Snapshot() const {
   if (disk_) {
     m.disk = disk_->counters();
     m.disk_free_regions = disk_->free_regions();
+  }
+  if (remote_ != nullptr) {
+    m.remote = remote_->counters();
   }
   m.disk_writes_pending = cache_->pending_disk_writes();
   m.namespaces = cache_->live_namespaces();

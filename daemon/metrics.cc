@@ -153,6 +153,40 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_disk_writes_given_up_total",
             "Blocks whose disk writes kept failing (or can never fit): not tried again.",
             static_cast<double>(c.disk_writes_given_up));
+  if (s.remote) {
+    const RemoteCounters& r = *s.remote;
+    f.Counter("kvtier_remote_hits_total", "Blocks fetched from the remote tier and served (each checked).",
+              static_cast<double>(r.hits));
+    f.Counter("kvtier_remote_misses_total", "Blocks asked of the remote tier and not fetched.",
+              static_cast<double>(r.misses));
+    f.Counter("kvtier_remote_stores_total", "Blocks stored in the remote tier.", static_cast<double>(r.stores));
+    const std::string help_remote_bytes = "Value bytes moved to and from the remote tier.";
+    f.Counter("kvtier_remote_bytes_total", help_remote_bytes, static_cast<double>(r.bytes_read),
+              L({{"direction", "read"}}));
+    f.Counter("kvtier_remote_bytes_total", help_remote_bytes, static_cast<double>(r.bytes_written),
+              L({{"direction", "written"}}));
+    const std::string help_errors = "Remote tier failures, by kind (each a miss).";
+    const std::pair<const char*, uint64_t> errors[] = {{"corrupt", r.corrupt},
+                                                        {"unavailable", r.errors_unavailable},
+                                                        {"rejected", r.errors_rejected},
+                                                        {"busy", r.refused_busy},
+                                                        {"breaker_open", r.refused_breaker}};
+    for (const auto& [kind, value] : errors) {
+      f.Counter("kvtier_remote_errors_total", help_errors, static_cast<double>(value), L({{"kind", kind}}));
+    }
+    f.Counter("kvtier_remote_topology_refreshes_total", "Slot maps read again from the cluster (CLUSTER SLOTS).",
+              static_cast<double>(r.topology_refreshes));
+    f.Counter("kvtier_remote_redirects_total", "MOVED and ASK redirections followed.",
+              static_cast<double>(r.redirects));
+    f.Counter("kvtier_remote_breaker_opened_total", "Times the remote tier's circuit breaker opened.",
+              static_cast<double>(r.breaker_opened));
+    f.Gauge("kvtier_remote_breaker_open", "1 while the remote tier's circuit breaker is open.",
+            r.breaker_open ? 1.0 : 0.0);
+    f.Histogram("kvtier_remote_batch_duration_seconds", "Time of one remote batch (a round trip per node).",
+                r.batch_latency);
+    f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.remote_promotions),
+              L({{"from", "remote"}, {"to", "host"}}));
+  }
   f.Gauge("kvtier_disk_free_regions",
           "Disk regions free to write (reclaim keeps some ahead of need).",
           static_cast<double>(s.disk_free_regions));

@@ -21,6 +21,7 @@
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_cache.h"
+#include "tiers/remote/remote_tier.h"
 #include "tiers/disk/disk_tier.h"
 
 namespace prometheus {
@@ -45,6 +46,7 @@ struct MetricsSnapshot {
   std::vector<TierRow> tiers;
   CacheCounters cache;
   DiskCounters disk;
+  std::optional<RemoteCounters> remote;  // with a remote tier
   uint64_t disk_free_regions = 0;
   uint64_t disk_writes_pending = 0;
   uint64_t namespaces = 0;           // layouts holding blocks

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -61,10 +62,41 @@ Server::~Server() {
   // Every copy must have finished before the cache (and its arenas) go.
   sessions_.clear();
   cache_.reset();
+  remote_.reset();
   disk_.reset();
   disk_devices_.clear();
   io_engine_.reset();
   backend_.reset();
+}
+
+Status Server::SetupRemote() {
+  const Config::Tiers::Remote& r = options_.config.tiers.remote;
+  RemoteTierOptions o;
+  for (const std::string& seed : r.seeds) {
+    KVTIER_ASSIGN_OR_RETURN(NodeAddress a, ParseNodeAddress(seed));
+    o.cluster.seeds.push_back(std::move(a));
+  }
+  o.cluster.user = r.user;
+  if (!r.password_file.empty()) {
+    std::ifstream in(r.password_file);
+    if (!in || !std::getline(in, o.cluster.password) || o.cluster.password.empty()) {
+      return InvalidArgument("tiers.remote.password_file: cannot read a password from " + r.password_file);
+    }
+  }
+  o.cluster.connect_timeout = std::chrono::milliseconds(r.connect_timeout_ms);
+  o.cluster.io_timeout = std::chrono::milliseconds(r.timeout_ms);
+  o.key_prefix = r.key_prefix;
+  o.io_threads = r.io_threads;
+  o.max_inflight_batches = r.max_inflight_batches;
+  o.max_value_bytes = r.max_value_bytes;
+  o.breaker_failures = r.breaker_failures;
+  o.breaker_cooldown = std::chrono::milliseconds(r.breaker_cooldown_ms);
+  o.post = [this](std::function<void()> fn) { Post(std::move(fn)); };
+  KVTIER_ASSIGN_OR_RETURN(remote_, RemoteTier::Start(std::move(o)));
+  spdlog::info("remote tier: {} seed node(s), key prefix '{}', {} I/O thread(s) (the cluster is reached on first "
+               "use)",
+               r.seeds.size(), r.key_prefix, r.io_threads);
+  return Status::Ok();
 }
 
 Status Server::SetupDisk() {
@@ -158,6 +190,7 @@ Status Server::Setup() {
   KVTIER_RETURN_IF_ERROR(SetupBackend());
   spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
+  if (c.tiers.remote.enabled) KVTIER_RETURN_IF_ERROR(SetupRemote());
 
 
   KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
@@ -180,6 +213,8 @@ Status Server::Setup() {
       .disk_max_writes_in_flight = std::max<uint32_t>(1024, 16 * c.tiers.disk.queue_depth),
       .max_namespaces = NamespaceTable::kMaxIds,
       .max_namespaces_per_tenant = c.limits.max_namespaces_per_tenant,
+      .remote = remote_.get(),
+      .remote_write_through = true,
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {

@@ -33,6 +33,7 @@
 #include "tiers/block_cache.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk/io_engine.h"
+#include "tiers/remote/remote_tier.h"
 
 namespace kvtier {
 
@@ -60,6 +61,7 @@ class Server {
   // The device backend device.backend names (auto: cuda when a GPU is usable).
   Status SetupBackend();
   Status SetupDisk();
+  Status SetupRemote();
   void AcceptAll();
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
@@ -121,6 +123,8 @@ class Server {
   std::unique_ptr<IoEngine> io_engine_;
   std::vector<std::unique_ptr<BlockDevice>> disk_devices_;
   std::unique_ptr<DiskTier> disk_;
+  // The remote tier (tiers.remote), destroyed after the cache that uses it.
+  std::unique_ptr<RemoteTier> remote_;
   std::unique_ptr<BlockCache> cache_;
   std::unique_ptr<TenantRegistry> tenants_;
   UniqueFd epoll_;

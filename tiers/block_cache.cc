@@ -564,9 +564,10 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   const auto n = static_cast<uint32_t>(filling.size());
   const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling),
                                                     owner = std::move(owner), status, already,
-                                                    bytes,
+                                                    bytes, fingerprint = layout.fingerprint(),
                                                     done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
+    std::vector<BlockEntry*> to_remote;
     for (size_t i = 0; i < filling.size(); ++i) {
       BlockEntry* e = filling[i];
       Unlease(e, tenant);
@@ -579,10 +580,14 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
           QueueDiskWrite(e->key, /*keep_in_memory=*/true);
         }
+        if (options_.remote != nullptr && options_.remote_write_through && e->tier == Tier::kHost) {
+          to_remote.push_back(e);
+        }
       } else {
         Drop(e);
       }
     }
+    if (!to_remote.empty()) PutToRemote(tenant, fingerprint, to_remote);
     TenantShare& mine = Counted(tenant);
     if (commit) {
       mine.stores += filling.size();

@@ -65,6 +65,8 @@
 
 namespace kvtier {
 
+class RemoteTier;
+
 struct TierWatermarks {
   double high = 0.90;
   double low = 0.80;
@@ -146,6 +148,9 @@ struct CacheCounters : RequestCounters {
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
   uint64_t bytes_disk_to_host = 0;
+  uint64_t remote_promotions = 0;  // blocks fetched from the remote tier into host
+  uint64_t remote_writes = 0;      // blocks put to the remote tier
+  uint64_t remote_write_failures = 0;
   // From the disk tier's Read/Append to its answer (durable, for a write).
   LatencyHistogram disk_read_latency;
   LatencyHistogram disk_write_latency;
@@ -224,6 +229,12 @@ class BlockCache {
     // past either is refused (limits.max_namespaces_per_tenant).
     uint32_t max_namespaces = NamespaceTable::kMaxIds;
     uint32_t max_namespaces_per_tenant = 256;
+    // The remote tier (borrowed; must outlive the cache), or null. Loads may
+    // fetch the blocks no local tier holds from it (FetchFromRemote); with
+    // remote_write_through, every block stored into the host tier is also
+    // put there once its copy is done (leased until the put ends).
+    RemoteTier* remote = nullptr;
+    bool remote_write_through = true;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
@@ -281,6 +292,18 @@ class BlockCache {
   // Returns how many of the leading keys are present, and how many moves
   // were queued.
   std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
+
+  // Leading keys some local tier holds (servable now), without counting a
+  // lookup.
+  uint32_t LeadingLocal(std::span<const StoredKey> keys);
+  // The remote tier's part of a load: fetches the blocks of `keys` after the
+  // leading local ones into host slots (as many as fit) and commits those the
+  // remote tier had, as host blocks of `tenant` (a remote hit is promoted).
+  // Returns the leading local count when there is nothing to fetch (no
+  // remote tier, every key local, no host room); else nullopt, and `done`
+  // runs on the owner thread with the leading keys held locally then.
+  std::optional<uint32_t> FetchFromRemote(TenantId tenant, const Layout& layout, std::span<const StoredKey> keys,
+                                          std::function<void(uint32_t)> done);
 
   // Queues a write to disk of every host block that has no disk record
   // (kvtierctl flush, and at stop), at most disk_max_writes_in_flight at a
@@ -408,6 +431,9 @@ class BlockCache {
   static bool Servable(const BlockEntry* e) {
     return e->state == EntryState::kReady && (e->tier != Tier::kDisk || e->on_disk || e->moving);
   }
+  // Puts freshly stored host blocks to the remote tier, each leased for
+  // `tenant` until the put ends (remote_write_through).
+  void PutToRemote(TenantId tenant, const LayoutFingerprint& ns, const std::vector<BlockEntry*>& blocks);
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.
   bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);

@@ -103,6 +103,30 @@ TEST_F(ConfigLoaderTest, HbmDevicesMatterOnlyWithTheHbmTier) {
   EXPECT_TRUE(c.has_value()) << c.error();
 }
 
+TEST_F(ConfigLoaderTest, RemoteTierSettings) {
+  Result<Config> c = LoadYaml(
+      "tiers:\n  remote:\n    enabled: true\n    seeds: [10.0.0.1:7000, 'redis-2:7001', '[fe80::1]:7002']\n"
+      "    key_prefix: 'fleet-a:'\n    timeout_ms: 250\n    max_value_bytes: 8MiB\n");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_TRUE(c->tiers.remote.enabled);
+  EXPECT_EQ(c->tiers.remote.seeds.size(), 3u);
+  EXPECT_EQ(c->tiers.remote.key_prefix, "fleet-a:");
+  EXPECT_EQ(c->tiers.remote.timeout_ms, 250u);
+  EXPECT_EQ(c->tiers.remote.max_value_bytes, 8ull << 20);
+
+  c = LoadYaml("tiers:\n  remote:\n    enabled: true\n");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_THAT(c.error().message(), HasSubstr("tiers.remote.seeds: the remote tier is enabled but has no seed nodes"));
+  for (const char* bad : {"nohost", "host:0", "host:70000", ":7000", "host:12x"}) {
+    c = LoadYaml("tiers:\n  remote:\n    seeds: ['" + std::string(bad) + "']\n");
+    ASSERT_FALSE(c.has_value()) << bad;
+    EXPECT_THAT(c.error().message(), HasSubstr("expected host:port")) << bad;
+  }
+  c = LoadYaml("tiers:\n  remote:\n    max_value_bytes: 1KiB\n");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_THAT(c.error().message(), HasSubstr("tiers.remote.max_value_bytes"));
+}
+
 #if !KVTIER_HAVE_CUDA
 TEST_F(ConfigLoaderTest, CudaBackendNeedsACudaBuild) {
   const Result<Config> c = LoadYaml("", {"device.backend=cuda"});

@@ -64,18 +64,27 @@ RemoteTier::~RemoteTier() {
 }
 
 void RemoteTier::Exists(std::vector<StoredKey> keys, Done done) {
-  Submit(Batch{.kind = Kind::kExists, .keys = std::move(keys), .done = std::move(done)});
+  Submit(Batch{.kind = Kind::kExists, .keys = std::move(keys), .done = std::move(done), .checksums = nullptr});
 }
 
 void RemoteTier::Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out,
-                     Done done) {
-  Submit(Batch{.kind = Kind::kGet, .ns = ns, .keys = std::move(keys), .out = std::move(out), .done = std::move(done)});
+                     Done done, std::vector<uint64_t>* checksums) {
+  Submit(Batch{.kind = Kind::kGet,
+               .ns = ns,
+               .keys = std::move(keys),
+               .out = std::move(out),
+               .done = std::move(done),
+               .checksums = checksums});
 }
 
 void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
                      Done done) {
-  Submit(Batch{
-      .kind = Kind::kPut, .ns = ns, .keys = std::move(keys), .payloads = std::move(payloads), .done = std::move(done)});
+  Submit(Batch{.kind = Kind::kPut,
+               .ns = ns,
+               .keys = std::move(keys),
+               .payloads = std::move(payloads),
+               .done = std::move(done),
+               .checksums = nullptr});
 }
 
 RemoteCounters RemoteTier::counters() const {
@@ -269,6 +278,7 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
       break;
     }
     std::memcpy(batch.out[served].data(), value.data() + RemoteValueHeader::kBytes, header->payload_bytes);
+    if (batch.checksums != nullptr) (*batch.checksums)[served] = header->payload_checksum;
     bytes += value.size();
   }
   std::lock_guard lock(mu_);

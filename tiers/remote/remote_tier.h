@@ -92,8 +92,11 @@ class RemoteTier {
   void Exists(std::vector<StoredKey> keys, Done done);
   // Fetches leading blocks of `keys` into `out` (out[i]: exactly block i's
   // size; valid until `done` runs) while each exists and checks; `done` gets
-  // how many. Bytes past that count in `out` are unspecified.
-  void Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out, Done done);
+  // how many. Bytes past that count in `out` are unspecified. With
+  // `checksums` (sized like keys, valid until `done` runs), each fetched
+  // block's XXH3-64, as checked, is written there.
+  void Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out, Done done,
+           std::vector<uint64_t>* checksums = nullptr);
   // Stores each block (payloads valid until `done` runs); `done` gets how
   // many were stored (a refused one is counted in errors_rejected).
   void Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
@@ -111,6 +114,7 @@ class RemoteTier {
     std::vector<std::span<uint8_t>> out = {};
     std::vector<std::span<const uint8_t>> payloads = {};
     Done done = {};
+    std::vector<uint64_t>* checksums = nullptr;
   };
   struct Worker;
 

@@ -71,10 +71,13 @@ using CudaEvent = void*;
 
 using CacheId = uint32_t;
 
-enum class BlockTier : uint8_t { kHbm = 1, kHost = 2, kDisk = 3 };
-// "hbm", "host" or "disk" ("?" for a value outside the enum; each a string
+// kRemote: in the shared remote tier (Redis Cluster) only; a load fetches it
+// into this node's host tier first.
+enum class BlockTier : uint8_t { kHbm = 1, kHost = 2, kDisk = 3, kRemote = 4 };
+// "hbm", "host", "disk" or "remote" ("?" for a value outside the enum; each a string
 // literal, so .data() is NUL-terminated), and back.
-// ParseBlockTier errors: kInvalidArgument naming the text.
+// ParseBlockTier takes the local tiers (hbm, host, disk: what an Evict names);
+// errors: kInvalidArgument naming the text.
 std::string_view BlockTierName(BlockTier tier);
 Result<BlockTier> ParseBlockTier(std::string_view name);
 

@@ -1,0 +1,102 @@
+// BlockCache and the remote tier: loads fetch what no local tier holds into
+// host slots (a remote hit is promoted), and stores put host blocks there
+// (write-through). See tiers/remote/remote_tier.h.
+#include <memory>
+#include <vector>
+
+#include "tiers/block_cache.h"
+#include "tiers/remote/remote_tier.h"
+
+namespace kvtier {
+
+uint32_t BlockCache::LeadingLocal(std::span<const StoredKey> keys) {
+  uint32_t n = 0;
+  for (const StoredKey& key : keys) {
+    const BlockEntry* e = index_.Find(key);
+    if (e != nullptr ? !Servable(e) : disk_only_.Find(key) == nullptr) break;
+    ++n;
+  }
+  return n;
+}
+
+std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layout& layout,
+                                                    std::span<const StoredKey> keys,
+                                                    std::function<void(uint32_t)> done) {
+  const uint32_t local = LeadingLocal(keys);
+  if (options_.remote == nullptr || local == keys.size()) return local;
+  Result<uint32_t> ns = namespaces_.IdFor(layout.fingerprint(), [&] { return layout.ToString(); });
+  if (!ns || !namespaces_.Admit(tenant, *ns).ok()) return local;
+  const uint64_t bytes = layout.block_bytes();
+  std::vector<BlockEntry*> filling;
+  std::vector<StoredKey> fetch;
+  std::vector<std::span<uint8_t>> out;
+  const StoredKey* prev = local > 0 ? &keys[local - 1] : nullptr;
+  for (size_t i = local; i < keys.size(); prev = &keys[i], ++i) {
+    // Present but not servable (being stored, read or moved): the prefix
+    // ends there for now.
+    if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) break;
+    uint8_t* slot = MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, true) : nullptr;
+    if (slot == nullptr) break;
+    BlockEntry* e = index_.Insert(keys[i], Tier::kHost, prev);
+    e->slot = slot;
+    tier(Tier::kHost)->pool->SetOwner(slot, e);
+    e->block_bytes = static_cast<uint32_t>(bytes);
+    e->ns = *ns;
+    e->owner = tenant;
+    e->state = EntryState::kFilling;
+    Lease(e, tenant);
+    Charge(e, +1);
+    filling.push_back(e);
+    fetch.push_back(keys[i]);
+    out.emplace_back(slot, bytes);
+  }
+  if (filling.empty()) return local;
+  // The fetch writes into host slots: an in-flight copy until it is done.
+  ++inflight_copies_;
+  auto checksums = std::make_shared<std::vector<uint64_t>>(filling.size());
+  std::vector<uint64_t>* checksums_out = checksums.get();
+  options_.remote->Get(
+      layout.fingerprint(), std::move(fetch), std::move(out),
+      [this, tenant, local, filling = std::move(filling), checksums = std::move(checksums),
+       done = std::move(done)](Result<uint32_t> got) {
+        --inflight_copies_;
+        const uint32_t n = got ? *got : 0;
+        for (size_t i = 0; i < filling.size(); ++i) {
+          BlockEntry* e = filling[i];
+          Unlease(e, tenant);
+          if (i < n) {
+            e->state = EntryState::kReady;
+            e->checksum = (*checksums)[i];  // as the remote tier checked it
+            e->has_checksum = true;
+            ++counters_.remote_promotions;
+          } else {
+            Drop(e);  // a miss, an error or the breaker: never served
+          }
+        }
+        done(local + n);
+        MaybeDemote();
+      },
+      checksums_out);
+  return std::nullopt;
+}
+
+void BlockCache::PutToRemote(TenantId tenant, const LayoutFingerprint& ns, const std::vector<BlockEntry*>& blocks) {
+  std::vector<StoredKey> keys;
+  std::vector<std::span<const uint8_t>> payloads;
+  for (BlockEntry* e : blocks) {
+    Lease(e, tenant);  // its slot stays (a move retires it until the lease ends)
+    keys.push_back(e->key);
+    payloads.emplace_back(e->slot, e->block_bytes);
+  }
+  ++inflight_copies_;  // the put reads host slots until it is done
+  options_.remote->Put(ns, std::move(keys), std::move(payloads), [this, tenant, blocks](Result<uint32_t> put) {
+    --inflight_copies_;
+    for (BlockEntry* e : blocks) Unlease(e, tenant);
+    const uint64_t n = put ? *put : 0;
+    counters_.remote_writes += n;
+    counters_.remote_write_failures += blocks.size() - n;
+    MaybeDemote();
+  });
+}
+
+}  // namespace kvtier
