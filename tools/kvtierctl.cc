@@ -10,9 +10,11 @@
 //
 // Exit codes: 0 success; 1 the daemon refused or failed; 2 usage; 3 the
 // daemon is unavailable.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -75,6 +77,28 @@ void PrintStats(const kvtier::DaemonStats& s, bool json) {
   for (const auto& [name, value] : s.counters) std::printf("%-24s %lu\n", name.c_str(), value);
 }
 
+// The remote tier's line of `status`, when the daemon has one (node scope).
+std::optional<std::string> RemoteSummary(const kvtier::DaemonStats& s, bool json) {
+  const bool has = std::any_of(s.counters.begin(), s.counters.end(),
+                               [](const auto& c) { return c.first == "remote_round_trips"; });
+  if (!has) return std::nullopt;
+  const bool open = s.Counter("remote_breaker_open") != 0;
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                json ? "{\"breaker_open\": %s, \"hits\": %lu, \"misses\": %lu, \"stores\": %lu, \"promotions\": "
+                       "%lu, \"corrupt\": %lu, \"unavailable\": %lu, \"refused_breaker\": %lu, \"round_trips\": %lu, "
+                       "\"topology_refreshes\": %lu, \"redirects\": %lu}"
+                     : "breaker %s; %lu hit(s), %lu miss(es), %lu store(s), %lu promoted; %lu corrupt, %lu "
+                       "unavailable, %lu refused by the breaker; %lu round trip(s), %lu topology refresh(es), %lu "
+                       "redirect(s)",
+                json ? (open ? "true" : "false") : (open ? "OPEN (every remote call a miss)" : "closed"),
+                s.Counter("remote_hits"), s.Counter("remote_misses"), s.Counter("remote_stores"),
+                s.Counter("remote_promotions"), s.Counter("remote_corrupt"), s.Counter("remote_errors_unavailable"),
+                s.Counter("remote_refused_breaker"), s.Counter("remote_round_trips"),
+                s.Counter("remote_topology_refreshes"), s.Counter("remote_redirects"));
+  return std::string(line);
+}
+
 void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool json) {
   uint64_t used = 0;
   uint64_t capacity = 0;
@@ -85,10 +109,10 @@ void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool j
   if (json) {
     std::printf("{\"socket\": %s, \"scope\": %s, \"backend\": %s, \"metrics\": %s, \"sessions\": %lu, "
                 "\"leases\": %lu, \"mappings\": %lu, \"inflight_ops\": %lu, \"used_bytes\": %lu, "
-                "\"capacity_bytes\": %lu}\n",
+                "\"capacity_bytes\": %lu, \"remote\": %s}\n",
                 JsonString(socket).c_str(), JsonString(s.scope).c_str(), JsonString(s.backend).c_str(),
                 JsonString(s.metrics).c_str(), s.sessions,
-                s.leases, s.mappings, s.inflight_ops, used, capacity);
+                s.leases, s.mappings, s.inflight_ops, used, capacity, RemoteSummary(s, true).value_or("null").c_str());
     return;
   }
   std::printf("kvtierd   up, on %s\n", socket.c_str());
@@ -103,6 +127,7 @@ void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool j
                 100.0 * static_cast<double>(t.used_bytes) / static_cast<double>(t.capacity_bytes), t.capacity_bytes,
                 t.blocks);
   }
+  if (std::optional<std::string> remote = RemoteSummary(s, false)) std::printf("remote    %s\n", remote->c_str());
 }
 
 void PrintNamespaces(const std::vector<kvtier::NamespaceStats>& list, bool json) {

@@ -7,16 +7,20 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
 
 #include "common/block_pattern.h"
 #include "kvtier/client.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/programs.h"
 #include "tools/redis_cluster_process.h"
 
 namespace kvtier::testing {
 namespace {
+
+using ::testing::HasSubstr;
 
 constexpr uint32_t kBlockTokens = 16;
 
@@ -70,6 +74,18 @@ std::unique_ptr<Node> StartNode(const RedisClusterProcess& cluster, const std::s
   EXPECT_TRUE(id.has_value()) << id.error();
   node->id = id.value_or(0);
   return node;
+}
+
+// kvtierctl status (the real binary) against `d`.
+std::string CtlStatus(const DaemonProcess& d) {
+  const std::string cmd = ProgramPath("kvtierctl") + " --socket " + d.socket_path() + " status 2>&1";
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  while (::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  ::pclose(p);
+  return out;
 }
 
 uint64_t Counter(Client& c, std::string_view name) {
@@ -150,6 +166,10 @@ TEST_F(RemoteNodesTest, APromptStoredThroughOneNodeIsARemoteHitOnAnotherByteForB
   EXPECT_EQ(Counter(*b_->client, "remote_promotions"), 24u);
   EXPECT_EQ(Counter(*b_->client, "remote_hits"), 24u);
   EXPECT_EQ(Counter(*b_->client, "remote_corrupt"), 0u);
+  // kvtierctl status shows the remote tier.
+  const std::string status = CtlStatus(b_->daemon);
+  EXPECT_THAT(status, HasSubstr("remote    breaker closed; 24 hit(s)")) << status;
+  EXPECT_THAT(status, HasSubstr("24 promoted")) << status;
 
   // A prompt sharing a prefix: local hits first, then the remote tail.
   const std::vector<BlockKey> more = StorePrompt(*a_, 8, 6);
