@@ -329,8 +329,19 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
   const auto [resident, queued] = cache_->Prefetch(s.tenant->id, *keys);
-  FlatBufferBuilder b(64);
-  return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, resident, queued));
+  auto reply = [id, queued](uint32_t present) {
+    FlatBufferBuilder b(64);
+    return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, present, queued));
+  };
+  if (remote_ == nullptr || resident == keys->size()) return reply(resident);
+  // The tail no local tier holds is fetched from the remote tier into host
+  // (a later load then finds it local); the reply counts it once it is there.
+  std::optional<uint32_t> local =
+      cache_->FetchFromRemote(s.tenant->id, (*ns)->layout->layout(), *keys, [this, session = s.id, reply](uint32_t n) {
+        auto it = sessions_.find(session);
+        if (it != sessions_.end()) Send(*it->second, reply(n));
+      });
+  return local ? reply(*local) : std::vector<uint8_t>{};
 }
 
 std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool load, const w::Load* l,

@@ -182,6 +182,21 @@ TEST_F(RemoteNodesTest, APromptStoredThroughOneNodeIsARemoteHitOnAnotherByteForB
   EXPECT_EQ(hit->tiers[4], BlockTier::kRemote);
 }
 
+TEST_F(RemoteNodesTest, APrefetchFetchesRemoteBlocksIntoHostAhead) {
+  const std::vector<BlockKey> keys = StorePrompt(*a_, 11, 12);
+  Result<uint32_t> present = b_->client->Prefetch(b_->id, keys);
+  ASSERT_TRUE(present.has_value()) << present.error();
+  EXPECT_EQ(*present, 12u);
+  Result<LookupResult> hit = b_->client->Lookup(b_->id, keys);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->hits, 12u);
+  EXPECT_THAT(hit->tiers, ::testing::Each(BlockTier::kHost)) << "fetched by the prefetch";
+  Result<OpResult> loaded = b_->client->Load(b_->id, keys, Range(0, 12));
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->blocks, 12u);
+  for (uint32_t i = 0; i < 12; ++i) EXPECT_TRUE(MatchesKey(keys[i], b_->cache->block(i))) << i;
+}
+
 TEST_F(RemoteNodesTest, PrefillOnOneNodeDecodeOnAnother) {
   // Disaggregated serving: the prefill node stores the prompt's KV; the
   // decode node loads it all and computes no prefill.
