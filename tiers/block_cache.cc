@@ -190,6 +190,20 @@ void BlockCache::Charge(Tier tier_id, TenantId owner, uint32_t ns, uint64_t byte
   }
 }
 
+BlockEntry* BlockCache::InsertFilling(const StoredKey& key, const StoredKey* parent, Tier t, uint8_t* slot,
+                                      uint64_t bytes, uint32_t ns, TenantId tenant) {
+  BlockEntry* e = index_.Insert(key, t, parent);
+  e->slot = slot;
+  tier(t)->pool->SetOwner(slot, e);
+  e->block_bytes = static_cast<uint32_t>(bytes);
+  e->ns = ns;
+  e->owner = tenant;
+  e->state = EntryState::kFilling;
+  Lease(e, tenant);
+  Charge(e, +1);
+  return e;
+}
+
 void BlockCache::Lease(BlockEntry* e, TenantId tenant) {
   index_.AddLease(e);
   ++Counted(tenant).leases;
@@ -542,16 +556,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
-    BlockEntry* e = index_.Insert(keys[i], t, prev);
-    e->slot = slot;
-    tier(t)->pool->SetOwner(slot, e);
-    e->block_bytes = static_cast<uint32_t>(bytes);
-    e->ns = *ns;
-    e->owner = tenant;
-    e->state = EntryState::kFilling;
-    Lease(e, tenant);
-    Charge(e, +1);
-    filling.push_back(e);
+    filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant));
     batch.blocks.push_back(BlockCopy{block_ids[i], slot});
   }
   Counted(tenant).already_stored += already;

@@ -414,6 +414,10 @@ class BlockCache {
   // `tenant`'s share, created on first use.
   TenantShare& Counted(TenantId tenant);
   void CountEviction(Tier t, TenantId owner);
+  // A new entry for `key` (child of `parent`) whose bytes are on their way
+  // into `slot` of tier `t`: filling, leased for `tenant`, charged.
+  BlockEntry* InsertFilling(const StoredKey& key, const StoredKey* parent, Tier t, uint8_t* slot, uint64_t bytes,
+                            uint32_t ns, TenantId tenant);
   // A lease for `tenant`'s load or store (counted as its leases). Releasing
   // the last one frees a retired slot.
   void Lease(BlockEntry* e, TenantId tenant);

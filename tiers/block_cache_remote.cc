@@ -37,16 +37,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
     if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) break;
     uint8_t* slot = MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, true) : nullptr;
     if (slot == nullptr) break;
-    BlockEntry* e = index_.Insert(keys[i], Tier::kHost, prev);
-    e->slot = slot;
-    tier(Tier::kHost)->pool->SetOwner(slot, e);
-    e->block_bytes = static_cast<uint32_t>(bytes);
-    e->ns = *ns;
-    e->owner = tenant;
-    e->state = EntryState::kFilling;
-    Lease(e, tenant);
-    Charge(e, +1);
-    filling.push_back(e);
+    filling.push_back(InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
     fetch.push_back(keys[i]);
     out.emplace_back(slot, bytes);
   }
