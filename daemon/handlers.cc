@@ -328,8 +328,9 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
-  const auto [resident, queued] = cache_->Prefetch(s.tenant->id, *keys);
-  auto reply = [id, queued](uint32_t present) {
+  const std::pair<uint32_t, uint32_t> prefetched = cache_->Prefetch(s.tenant->id, *keys);
+  const uint32_t resident = prefetched.first;
+  auto reply = [id, queued = prefetched.second](uint32_t present) {
     FlatBufferBuilder b(64);
     return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, present, queued));
   };
