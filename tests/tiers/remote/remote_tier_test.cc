@@ -162,7 +162,8 @@ TEST(RemoteTierTest, CorruptedOrReplacedValuesAreMissesAndDeleted) {
     RedisClusterOptions o{.seeds = cluster->seeds()};
     auto c = RedisCluster::Connect(o);
     ASSERT_TRUE(c.has_value());
-    const RedisCommand get[] = {{{"GET", key1}}, {{"GET", RemoteKey("test:", b.keys[3])}}};
+    const std::string key3 = RemoteKey("test:", b.keys[3]);  // the commands hold views of their keys
+    const RedisCommand get[] = {{{"GET", key1}}, {{"GET", key3}}};
     auto r = (*c)->Run(get);
     std::string v1((*r[0])->str, (*r[0])->len), v3((*r[1])->str, (*r[1])->len);
     v1[RemoteValueHeader::kBytes + 100] ^= 0x01;
