@@ -17,6 +17,7 @@ namespace kvtier {
 enum class DeviceBackendKind { kAuto, kHost, kCuda };
 enum class EvictionKind { kLru };
 enum class WritePolicy { kWriteBack, kWriteThrough };
+enum class RemoteWritePolicy { kOnStore, kOnDemote };
 enum class LogFormat { kText, kJson };
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
 
@@ -101,6 +102,9 @@ struct Config {
       std::string user;                // ACL user; empty: default
       std::string password_file;       // its first line is the password; empty: no AUTH
       std::string key_prefix = "kvtier:";
+      // When blocks are put: as they reach host memory (store), or as they
+      // leave it (demote).
+      RemoteWritePolicy write = RemoteWritePolicy::kOnStore;
       uint32_t connect_timeout_ms = 500;
       uint32_t timeout_ms = 1000;
       uint32_t io_threads = 2;

@@ -528,6 +528,10 @@ void ReadRemote(Context* ctx, const YAML::Node& node, Config::Tiers::Remote* rem
   h.Read("user", &remote->user, ParseNonEmpty);
   h.Read("password_file", &remote->password_file, ParseNonEmpty);
   h.Read("key_prefix", &remote->key_prefix, ParseNonEmpty);
+  h.Read("write", &remote->write, [](const YAML::Node& n, RemoteWritePolicy* v) {
+    return ParseEnum<RemoteWritePolicy>(
+        n, {{"store", RemoteWritePolicy::kOnStore}, {"demote", RemoteWritePolicy::kOnDemote}}, v);
+  });
   h.Read("connect_timeout_ms", &remote->connect_timeout_ms,
          [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 60000, v); });
   h.Read("timeout_ms", &remote->timeout_ms, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 60000, v); });

@@ -44,6 +44,13 @@ std::string ConfigSummary(const Config& c) {
   } else {
     o << "  disk:   disabled\n";
   }
+  if (c.tiers.remote.enabled) {
+    o << "  remote: " << c.tiers.remote.key_prefix << " on";
+    for (const std::string& s : c.tiers.remote.seeds) o << " " << s;
+    o << ", written on " << (c.tiers.remote.write == RemoteWritePolicy::kOnStore ? "store" : "demote") << "\n";
+  } else {
+    o << "  remote: disabled\n";
+  }
   o << "policy:   watermarks hbm (" << Marks(c.policy.watermarks.hbm) << "), host ("
     << Marks(c.policy.watermarks.host) << "), disk (" << Marks(c.policy.watermarks.disk) << ")\n";
   o << "          " << (c.policy.prefix_aware ? "prefix-aware " : "") << "lru, "

@@ -618,6 +618,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                           {"remote_promotions", c.remote_promotions},
                           {"remote_writes", c.remote_writes},
                           {"remote_write_failures", c.remote_write_failures},
+                          {"remote_demotions_missed", c.remote_demotions_missed},
                       });
     }
   }

@@ -186,6 +186,9 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
                 r.batch_latency);
     f.Counter("kvtier_moves_total", help_moves, static_cast<double>(c.remote_promotions),
               L({{"from", "remote"}, {"to", "host"}}));
+    f.Counter("kvtier_remote_demotions_missed_total",
+              "Host blocks that left before the remote write-back (write: demote) could put them.",
+              static_cast<double>(c.remote_demotions_missed));
   }
   f.Gauge("kvtier_disk_free_regions",
           "Disk regions free to write (reclaim keeps some ahead of need).",

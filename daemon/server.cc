@@ -214,7 +214,9 @@ Status Server::Setup() {
       .max_namespaces = NamespaceTable::kMaxIds,
       .max_namespaces_per_tenant = c.limits.max_namespaces_per_tenant,
       .remote = remote_.get(),
-      .remote_write_through = true,
+      .remote_write = c.tiers.remote.write == RemoteWritePolicy::kOnDemote
+                          ? BlockCache::Options::RemoteWrite::kOnDemote
+                          : BlockCache::Options::RemoteWrite::kOnStore,
       .clock = nullptr};
   KVTIER_ASSIGN_OR_RETURN(cache_, BlockCache::Create(std::move(cache_options)));
   for (const auto& t : tenants_->tenants()) {

@@ -222,6 +222,7 @@ void BlockCache::Unlease(BlockEntry* e, TenantId tenant) {
 void BlockCache::Drop(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
   if (e->state == EntryState::kReady) CountEviction(e->tier, e->owner);
+  if (!e->on_disk && PutsToRemote(e, Options::RemoteWrite::kOnDemote)) ++counters_.remote_demotions_missed;
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
   if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, e->block_bytes);
@@ -248,7 +249,7 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
       continue;
     }
     if (owner && e->owner != *owner) continue;
-    if (clean_only && !e->on_disk) continue;
+    if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) continue;
     if (!options_.prefix_aware || !BlockIndex::HasChildrenAtOrAbove(e, t)) return e;
     if (fallback == nullptr) fallback = e;
   }
@@ -278,10 +279,13 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
         if (r == ExtentReclaim::kDraining) return nullptr;
       }
     }
-    // A block that still has its disk record costs nothing to let go; a
-    // dirty one would be lost, so it goes only when no clean one can.
+    // A block the tier below holds (disk, or else remote write-back's
+    // cluster) costs nothing to let go; a dirty one would be lost, so it
+    // goes only when no clean one can.
     BlockEntry* victim = nullptr;
-    if (t == Tier::kHost && options_.disk != nullptr) victim = PickVictim(t, bytes, std::nullopt, /*clean_only=*/true);
+    if (t == Tier::kHost && (options_.disk != nullptr || RemoteWriteBack())) {
+      victim = PickVictim(t, bytes, std::nullopt, /*clean_only=*/true);
+    }
     if (victim == nullptr) victim = PickVictim(t, bytes, std::nullopt);
     if (victim == nullptr) return nullptr;
     if (!BackToDisk(victim)) Drop(victim);
@@ -569,10 +573,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   const auto n = static_cast<uint32_t>(filling.size());
   const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling),
                                                     owner = std::move(owner), status, already,
-                                                    bytes, fingerprint = layout.fingerprint(),
-                                                    done = std::move(done)](CopyResult result) {
+                                                    bytes, done = std::move(done)](CopyResult result) {
     const bool commit = result.status.ok() && !owner.expired();
-    std::vector<BlockEntry*> to_remote;
     for (size_t i = 0; i < filling.size(); ++i) {
       BlockEntry* e = filling[i];
       Unlease(e, tenant);
@@ -585,14 +587,11 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
           QueueDiskWrite(e->key, /*keep_in_memory=*/true);
         }
-        if (options_.remote != nullptr && options_.remote_write_through && e->tier == Tier::kHost) {
-          to_remote.push_back(e);
-        }
+        if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
       } else {
         Drop(e);
       }
     }
-    if (!to_remote.empty()) PutToRemote(tenant, fingerprint, to_remote);
     TenantShare& mine = Counted(tenant);
     if (commit) {
       mine.stores += filling.size();
@@ -686,6 +685,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
     e->has_checksum = true;
     ++counters_.demotions;
     counters_.bytes_hbm_to_host += e->block_bytes;
+    if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
   } else {
     ++counters_.promotions;
     counters_.bytes_host_to_hbm += e->block_bytes;
@@ -715,6 +715,7 @@ void BlockCache::MaybeDemote() {
     }
   }
   PumpDiskWrites();
+  FlushRemotePuts();
 }
 
 }  // namespace kvtier

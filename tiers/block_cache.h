@@ -151,6 +151,9 @@ struct CacheCounters : RequestCounters {
   uint64_t remote_promotions = 0;  // blocks fetched from the remote tier into host
   uint64_t remote_writes = 0;      // blocks put to the remote tier
   uint64_t remote_write_failures = 0;
+  // Host blocks dropped before the kOnDemote write-back put them (host full,
+  // a tenant's quota or a size change needed their slots at once).
+  uint64_t remote_demotions_missed = 0;
   // From the disk tier's Read/Append to its answer (durable, for a write).
   LatencyHistogram disk_read_latency;
   LatencyHistogram disk_write_latency;
@@ -230,11 +233,16 @@ class BlockCache {
     uint32_t max_namespaces = NamespaceTable::kMaxIds;
     uint32_t max_namespaces_per_tenant = 256;
     // The remote tier (borrowed; must outlive the cache), or null. Loads may
-    // fetch the blocks no local tier holds from it (FetchFromRemote); with
-    // remote_write_through, every block stored into the host tier is also
-    // put there once its copy is done (leased until the put ends).
+    // fetch the blocks no local tier holds from it (FetchFromRemote). Blocks
+    // are put there, each at most once and leased until its put ends:
+    //  - kOnStore: as they reach host memory (a store into host, or an hbm
+    //    block demoted to host);
+    //  - kOnDemote: as they leave host memory (written back to disk or
+    //    dropped). Host then keeps below its watermarks also without a disk
+    //    tier, and a block leaves only once its put has ended.
     RemoteTier* remote = nullptr;
-    bool remote_write_through = true;
+    enum class RemoteWrite { kOnStore, kOnDemote };
+    RemoteWrite remote_write = RemoteWrite::kOnStore;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
     std::function<std::chrono::steady_clock::time_point()> clock = nullptr;
   };
@@ -383,7 +391,8 @@ class BlockCache {
   // emptied instead (EmptyExtent); nullptr while one drains to disk.
   uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
   // The eviction victim in tier `t` with the given block size (0 = any).
-  // With clean_only, only blocks that still have their disk record.
+  // With clean_only, only blocks the tier below host holds: their disk
+  // record, or without a disk tier, their remote copy.
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
   void Drop(BlockEntry* e);
   // Drops a block that lives only on disk (counted as a disk eviction); its
@@ -435,9 +444,19 @@ class BlockCache {
   static bool Servable(const BlockEntry* e) {
     return e->state == EntryState::kReady && (e->tier != Tier::kDisk || e->on_disk || e->moving);
   }
-  // Puts freshly stored host blocks to the remote tier, each leased for
-  // `tenant` until the put ends (remote_write_through).
-  void PutToRemote(TenantId tenant, const LayoutFingerprint& ns, const std::vector<BlockEntry*>& blocks);
+  // Whether host blocks are put to the remote tier as they leave host.
+  bool RemoteWriteBack() const {
+    return options_.remote != nullptr && options_.remote_write == Options::RemoteWrite::kOnDemote;
+  }
+  // Whether `policy` puts host block `e` to the remote tier now.
+  bool PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const;
+  // Queues a put of host block `e` to the remote tier: leased for its owner
+  // until the put ends, and marked on_remote (one try per block). A block
+  // `leaving` host counts as moving out of it meanwhile (write-back stops
+  // at the low watermark without waiting for the put).
+  void QueueRemotePut(BlockEntry* e, bool leaving);
+  // Starts the queued puts, one batch per namespace (MaybeDemote calls it).
+  void FlushRemotePuts();
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.
   bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);
@@ -558,6 +577,8 @@ class BlockCache {
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
   uint64_t inflight_copies_ = 0;
+  // QueueRemotePut's blocks (leased), and whether each is leaving host.
+  std::vector<std::pair<BlockEntry*, bool>> remote_puts_;
   // Disk writes waiting for a place in flight: key, and whether the block
   // stays in memory (write-through) or moves to disk (flush).
   struct QueuedDiskWrite {

@@ -444,7 +444,9 @@ void BlockCache::QueueDiskWrite(const StoredKey& key, bool keep_in_memory) {
 }
 
 void BlockCache::PumpDiskWrites() {
-  if (options_.disk == nullptr) return;
+  // Without a disk tier, write-back runs only to put blocks to the remote
+  // tier as they leave host (then drops them).
+  if (options_.disk == nullptr && !RemoteWriteBack()) return;
   if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return;
   // After a failure, one write at a time until one succeeds: a failing
   // device costs one try per pause, not a crowd of them (each takes room in
@@ -479,11 +481,16 @@ void BlockCache::PumpDiskWrites() {
     }
     BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
     if (v == nullptr) break;
-    DemoteFromHost(v);
+    if (PutsToRemote(v, Options::RemoteWrite::kOnDemote)) {
+      QueueRemotePut(v, /*leaving=*/true);  // it leaves once the put has ended
+    } else {
+      DemoteFromHost(v);
+    }
   }
   // A flush ends once the tier is idle: until then a reclaim (also one that
   // carried blocks' appends start) may still take a host block's disk copy.
-  if (disk_write_queue_.empty() && disk_writes_in_flight_ == 0 && options_.disk->inflight() == 0) {
+  if (disk_write_queue_.empty() && disk_writes_in_flight_ == 0 &&
+      (options_.disk == nullptr || options_.disk->inflight() == 0)) {
     flushing_ = false;
   }
   if (steps >= kPumpStepsPerCall) SchedulePump();  // more to do, after other work
@@ -497,6 +504,10 @@ bool BlockCache::DiskWriteMayStart() const {
 }
 
 void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
+  if (options_.disk == nullptr) {  // remote write-back: put already, or tried
+    Drop(v);
+    return;
+  }
   if (BackToDisk(v)) return;
   if (v->disk_write_failures >= kMaxDiskWriteTries) {
     Drop(v);  // given up: it cannot be written

@@ -1,7 +1,9 @@
 // BlockCache and the remote tier: loads fetch what no local tier holds into
-// host slots (a remote hit is promoted), and stores put host blocks there
-// (write-through). See tiers/remote/remote_tier.h.
+// host slots (a remote hit is promoted), and host blocks are put there as
+// they are stored or as they leave host (Options::remote_write). See
+// tiers/remote/remote_tier.h.
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "tiers/block_cache.h"
@@ -59,6 +61,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
             e->state = EntryState::kReady;
             e->checksum = (*checksums)[i];  // as the remote tier checked it
             e->has_checksum = true;
+            e->on_remote = true;
             ++counters_.remote_promotions;
           } else {
             Drop(e);  // a miss, an error or the breaker: never served
@@ -71,23 +74,50 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
   return std::nullopt;
 }
 
-void BlockCache::PutToRemote(TenantId tenant, const LayoutFingerprint& ns, const std::vector<BlockEntry*>& blocks) {
-  std::vector<StoredKey> keys;
-  std::vector<std::span<const uint8_t>> payloads;
-  for (BlockEntry* e : blocks) {
-    Lease(e, tenant);  // its slot stays (a move retires it until the lease ends)
-    keys.push_back(e->key);
-    payloads.emplace_back(e->slot, e->block_bytes);
+bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const {
+  return options_.remote != nullptr && options_.remote_write == policy && !e->on_remote &&
+         e->tier == Tier::kHost && e->state == EntryState::kReady && e->has_checksum;
+}
+
+void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
+  Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
+  e->on_remote = true;
+  if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(e->block_bytes);
+  remote_puts_.emplace_back(e, leaving);
+}
+
+void BlockCache::FlushRemotePuts() {
+  while (!remote_puts_.empty()) {
+    // One batch per namespace: the first block's, taken out of the queue.
+    const uint32_t ns = remote_puts_.front().first->ns;
+    std::vector<std::pair<BlockEntry*, bool>> batch;
+    std::erase_if(remote_puts_, [&](const std::pair<BlockEntry*, bool>& put) {
+      if (put.first->ns != ns) return false;
+      batch.push_back(put);
+      return true;
+    });
+    std::vector<StoredKey> keys;
+    std::vector<std::span<const uint8_t>> payloads;
+    for (const auto& [e, leaving] : batch) {
+      keys.push_back(e->key);
+      payloads.emplace_back(e->slot, e->block_bytes);
+    }
+    ++inflight_copies_;  // the put reads host slots until it is done
+    options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
+                         [this, batch = std::move(batch)](Result<uint32_t> put) {
+                           --inflight_copies_;
+                           for (const auto& [e, leaving] : batch) {
+                             if (leaving) {
+                               tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(e->block_bytes);
+                             }
+                             Unlease(e, e->owner);
+                           }
+                           const uint64_t n = put ? *put : 0;
+                           counters_.remote_writes += n;
+                           counters_.remote_write_failures += batch.size() - n;
+                           MaybeDemote();
+                         });
   }
-  ++inflight_copies_;  // the put reads host slots until it is done
-  options_.remote->Put(ns, std::move(keys), std::move(payloads), [this, tenant, blocks](Result<uint32_t> put) {
-    --inflight_copies_;
-    for (BlockEntry* e : blocks) Unlease(e, tenant);
-    const uint64_t n = put ? *put : 0;
-    counters_.remote_writes += n;
-    counters_.remote_write_failures += blocks.size() - n;
-    MaybeDemote();
-  });
 }
 
 }  // namespace kvtier

@@ -59,6 +59,8 @@ struct BlockEntry {
   // (until the region is reclaimed), so leaving host again costs no write.
   DiskLocation disk;
   bool on_disk = false;
+  // The remote tier holds it (or a put of it was tried): put once at most.
+  bool on_remote = false;
   // Cached children (blocks whose parent is this one), counted by the tier
   // they live in. A block with children in its own tier or above is evicted
   // after them.

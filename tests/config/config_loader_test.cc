@@ -113,6 +113,13 @@ TEST_F(ConfigLoaderTest, RemoteTierSettings) {
   EXPECT_EQ(c->tiers.remote.key_prefix, "fleet-a:");
   EXPECT_EQ(c->tiers.remote.timeout_ms, 250u);
   EXPECT_EQ(c->tiers.remote.max_value_bytes, 8ull << 20);
+  EXPECT_EQ(c->tiers.remote.write, RemoteWritePolicy::kOnStore);
+  c = LoadYaml("tiers:\n  remote:\n    write: demote\n");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ(c->tiers.remote.write, RemoteWritePolicy::kOnDemote);
+  c = LoadYaml("tiers:\n  remote:\n    write: through\n");
+  ASSERT_FALSE(c.has_value());
+  EXPECT_THAT(c.error().message(), HasSubstr("tiers.remote.write"));
 
   c = LoadYaml("tiers:\n  remote:\n    enabled: true\n");
   ASSERT_FALSE(c.has_value());
