@@ -549,7 +549,12 @@ int main(int argc, char** argv) {
   }
   if (remote->parsed()) {
     remote_options.json = json;
-    return kvtier::bench::Remote(remote_options);
+    std::vector<std::unique_ptr<OwnDaemon>> nodes;
+    return kvtier::bench::Remote(remote_options, [&](uint64_t host_bytes, std::vector<std::string> sets) {
+      nodes.push_back(std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets)));
+      OwnDaemon* node = nodes.back().get();
+      return kvtier::bench::StartedDaemon{node->socket(), [node] { node->Stop(); }};
+    });
   }
   if (restart->parsed()) {
     std::filesystem::create_directories(restart_dir);

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/block_pattern.h"
@@ -51,5 +53,15 @@ inline std::optional<kvtier::CacheId> Register(kvtier::Client& client,
   }
   return *id;
 }
+
+// A kvtierd started for a workload: its socket, and how to stop it.
+struct StartedDaemon {
+  std::string socket;
+  std::function<void()> stop;
+};
+// Starts a kvtierd with `tiers.host.bytes` and these --set overrides (which
+// win over the starter's own defaults); it may return before the daemon
+// listens (the workload then fails to connect and says so).
+using StartDaemonFn = std::function<StartedDaemon(uint64_t host_bytes, std::vector<std::string> sets)>;
 
 }  // namespace kvtier::bench

@@ -1,15 +1,21 @@
-// kvtier-bench remote: the remote tier's client against a plain pipelined
-// client on the same Redis Cluster, in the same run.
+// kvtier-bench remote: two kvtierd nodes sharing a Redis Cluster through the
+// remote tier, against a plain pipelined client on the same cluster, in the
+// same run.
 //
-//   - store and load of 256 KiB and 2 MiB blocks: RemoteTier (values with
-//     their header and checksums, checked on the way back, batches of 16 on
-//     its 2 I/O threads) against RedisCluster::Run of raw SET/GET of the same
-//     keys and sizes (hiredis, pipelined one round trip per node, batches of
-//     16 on 2 threads): bytes per second, goal >= 0.8x;
-//   - a 128-block lookup: RemoteTier::Exists against one pipeline of EXISTS:
-//     latency and round trips (goal: one per node).
+//   - store and load of 256 KiB and 2 MiB blocks through kvtierd: engines on
+//     node A store prompts (timed until the remote tier has every block:
+//     write-through puts, values with their header and checksum), engines
+//     on node B, which holds none of them, load them (fetched from the
+//     cluster, checked, promoted into B's host tier, copied into the
+//     engine's blocks). Two engine threads each side, batches of 16 blocks.
+//     Baseline: RedisCluster::Run of raw SET/GET of as many values of the
+//     same size (hiredis, pipelined one round trip per node), batches of 16
+//     on 2 threads. Bytes per second, goal >= 0.8x.
+//   - a 128-block prompt that misses locally: node B's lookup (client to
+//     daemon, the remote tier's EXISTS per node, back) against one pipeline
+//     of 128 EXISTS: latency and round trips to the cluster (goal: one per
+//     node).
 //
-// Not yet through kvtierd: the remote tier is not wired into the daemon.
 // Without --seeds it starts a cluster of its own (3 masters, no replicas,
 // persistence off) from Debian's redis-server and redis-cli.
 #pragma once
@@ -17,6 +23,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "tools/bench_engine.h"
 
 namespace kvtier::bench {
 
@@ -27,7 +35,8 @@ struct RemoteBenchOptions {
   std::string json;
 };
 
-// Returns the exit code: 0, or 1 on any failure or a mismatched byte.
-int Remote(const RemoteBenchOptions& options);
+// Starts nodes A and B with `start_daemon`. Returns the exit code: 0, or 1 on
+// any failure or a mismatched byte.
+int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon);
 
 }  // namespace kvtier::bench

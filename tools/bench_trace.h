@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tools/bench_engine.h"
 
 namespace kvtier::bench {
 
@@ -40,19 +41,8 @@ struct TraceOptions {
   std::string json;                              // also write the report here
 };
 
-// A kvtierd started for the replay: its socket, and how to stop it (Trace
-// stops it before removing the disk tier's segments).
-struct StartedDaemon {
-  std::string socket;
-  std::function<void()> stop;
-};
-// Starts a kvtierd with `tiers.host.bytes` and these --set overrides (which
-// win over the starter's own defaults); it may return before the daemon
-// listens (Trace then fails to connect and says so).
-using StartDaemonFn =
-    std::function<StartedDaemon(uint64_t host_bytes, std::vector<std::string> sets)>;
-
 // Runs the replay and the simulations and prints (and writes) the report.
+// It stops the daemon it started before removing the disk tier's segments.
 // Returns the process exit code: 0, or 1 after printing what failed
 // (unreadable trace, daemon unreachable, a client's error, wrong bytes).
 int Trace(TraceOptions options, const StartDaemonFn& start_daemon);

@@ -1,5 +1,6 @@
 #include "tools/redis_cluster_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
@@ -23,12 +24,15 @@
 namespace kvtier::testing {
 namespace {
 
-bool PortFree(uint16_t port) {
+bool PortFree(const std::string& host, uint16_t port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    ::close(fd);
+    return false;
+  }
   addr.sin_port = htons(port);
   const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   ::close(fd);
@@ -36,13 +40,13 @@ bool PortFree(uint16_t port) {
 }
 
 // Ports p with p and p + 10000 (the cluster bus) free, below the ephemeral range.
-std::vector<uint16_t> FreePorts(size_t n) {
+std::vector<uint16_t> FreePorts(const std::string& host, size_t n) {
   std::mt19937 random(static_cast<uint32_t>(::getpid()) * 7919u + static_cast<uint32_t>(std::time(nullptr)));
   std::vector<uint16_t> out;
   while (out.size() < n) {
     const auto port = static_cast<uint16_t>(12000 + random() % 18000);
     if (std::find(out.begin(), out.end(), port) != out.end()) continue;
-    if (PortFree(port) && PortFree(static_cast<uint16_t>(port + 10000))) out.push_back(port);
+    if (PortFree(host, port) && PortFree(host, static_cast<uint16_t>(port + 10000))) out.push_back(port);
   }
   return out;
 }
@@ -55,9 +59,10 @@ std::string Tail(const std::string& path, size_t bytes) {
   return all.size() > bytes ? all.substr(all.size() - bytes) : all;
 }
 
-Result<std::string> Command(const NodeAddress& node, std::vector<std::string_view> argv) {
+Result<std::string> Command(const NodeAddress& node, const std::string& password,
+                            std::vector<std::string_view> argv) {
   KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<RedisConnection> conn,
-                          RedisConnection::Connect(RedisConnectionOptions{.address = node}));
+                          RedisConnection::Connect(RedisConnectionOptions{.address = node, .password = password}));
   KVTIER_ASSIGN_OR_RETURN(RedisReply reply, conn->Command(argv));
   if (reply->type == REDIS_REPLY_ERROR) return Err(StatusCode::kInternal, std::string(RedisErrorText(*reply)));
   if (reply->type != REDIS_REPLY_STRING && reply->type != REDIS_REPLY_STATUS) {
@@ -78,13 +83,17 @@ Result<std::unique_ptr<RedisClusterProcess>> RedisClusterProcess::Start(const Op
   if (::mkdtemp(tmpl) == nullptr) return Err(Status::FromErrno(errno, "mkdtemp"));
   std::unique_ptr<RedisClusterProcess> cluster(new RedisClusterProcess(options, tmpl));
   const size_t n = options.standalone ? 1 : static_cast<size_t>(options.masters * (1 + options.replicas));
-  cluster->ports_ = FreePorts(n);
+  in_addr ignored{};
+  if (::inet_pton(AF_INET, options.host.c_str(), &ignored) != 1) {
+    return Err(InvalidArgument("RedisClusterProcess: host '" + options.host + "' is not an IPv4 address"));
+  }
+  cluster->ports_ = FreePorts(options.host, n);
   cluster->pids_.assign(n, -1);
   for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(cluster->Spawn(i));
   // Every node answers PING.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (size_t i = 0; i < n; ++i) {
-    while (!Command(cluster->node(i), {"PING"})) {
+    while (!Command(cluster->node(i), options.password, {"PING"})) {
       if (std::chrono::steady_clock::now() > deadline) {
         return Err(StatusCode::kUnavailable, "redis-server " + cluster->node(i).ToString() +
                                                  " did not answer PING:\n" + cluster->LogTails());
@@ -105,10 +114,16 @@ Status RedisClusterProcess::Spawn(size_t i) {
   const std::string node_dir = dir_ + "/" + std::to_string(ports_[i]);
   std::filesystem::create_directories(node_dir);
   std::vector<std::string> args = {"/usr/bin/redis-server", "--port", std::to_string(ports_[i]),
-                                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                   "--bind", options_.host, "--save", "", "--appendonly", "no",
                                    "--maxmemory", options_.maxmemory, "--maxmemory-policy",
                                    options_.maxmemory_policy, "--dir", node_dir,
                                    "--logfile", node_dir + "/redis.log", "--daemonize", "no"};
+  if (!options_.password.empty()) {
+    for (const std::string& a : {std::string("--requirepass"), options_.password, std::string("--masterauth"),
+                                 options_.password}) {
+      args.push_back(a);
+    }
+  }
   if (!options_.standalone) {
     for (const std::string& a : {std::string("--cluster-enabled"), std::string("yes"),
                                  std::string("--cluster-config-file"), node_dir + "/nodes.conf",
@@ -167,7 +182,7 @@ Status RedisClusterProcess::Restart(size_t i) {
   Kill(i);
   KVTIER_RETURN_IF_ERROR(Spawn(i));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!Command(node(i), {"PING"})) {
+  while (!Command(node(i), options_.password, {"PING"})) {
     if (std::chrono::steady_clock::now() > deadline) {
       return Status(StatusCode::kUnavailable, node(i).ToString() + " did not come back:\n" + LogTails());
     }
@@ -179,7 +194,7 @@ Status RedisClusterProcess::Restart(size_t i) {
 Result<std::vector<NodeAddress>> RedisClusterProcess::Masters() const {
   for (size_t i = 0; i < ports_.size(); ++i) {
     if (pids_[i] <= 0) continue;
-    Result<std::string> nodes = Command(node(i), {"CLUSTER", "NODES"});
+    Result<std::string> nodes = Command(node(i), options_.password, {"CLUSTER", "NODES"});
     if (!nodes) continue;
     std::vector<NodeAddress> masters;
     std::istringstream lines(*nodes);
@@ -211,7 +226,7 @@ Status RedisClusterProcess::WaitHealthy(std::chrono::seconds timeout) const {
     std::set<std::string> views;
     for (size_t i = 0; i < ports_.size() && ok; ++i) {
       if (pids_[i] <= 0) continue;
-      Result<std::string> info = Command(node(i), {"CLUSTER", "INFO"});
+      Result<std::string> info = Command(node(i), options_.password, {"CLUSTER", "INFO"});
       ok = info && info->find("cluster_state:ok") != std::string::npos;
       if (!ok) last = node(i).ToString() + ": " + (info ? info->substr(0, 40) : info.error().message());
     }
@@ -234,7 +249,9 @@ Status RedisClusterProcess::WaitHealthy(std::chrono::seconds timeout) const {
 
 Status RedisClusterProcess::Cli(const std::string& args) const {
   const std::string log = dir_ + "/redis-cli.log";
-  const std::string command = "/usr/bin/redis-cli " + args + " >>" + log + " 2>&1 </dev/null";
+  // The password through the environment, not the command line.
+  const std::string auth = options_.password.empty() ? "" : "REDISCLI_AUTH='" + options_.password + "' ";
+  const std::string command = auth + "/usr/bin/redis-cli " + args + " >>" + log + " 2>&1 </dev/null";
   const int rc = std::system(command.c_str());
   if (rc != 0) {
     return Status(StatusCode::kInternal, "redis-cli " + args + " exited " + std::to_string(rc) + ":\n" + Tail(log, 3000));

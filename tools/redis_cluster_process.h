@@ -1,7 +1,7 @@
 // RedisClusterProcess: a real Redis Cluster of a test's own, from Debian's
 // redis-server and redis-cli: `masters` nodes with `replicas` replicas each
-// on 127.0.0.1 TCP ports (each also uses its port + 10000 for the cluster
-// bus), joined by `redis-cli --cluster create`, persistence off. Nodes can
+// on TCP ports of 127.0.0.1 (or Options::host; each also uses its port +
+// 10000 for the cluster bus), joined by `redis-cli --cluster create`, persistence off. Nodes can
 // be killed and started again to inject faults; all are killed (SIGKILL,
 // then their directories removed) when it is destroyed, and if the test
 // process dies (PR_SET_PDEATHSIG).
@@ -34,6 +34,13 @@ class RedisClusterProcess {
     bool require_full_coverage = false;
     // A standalone redis-server (no cluster) instead: masters = 1, no replicas.
     bool standalone = false;
+    // The IPv4 address the nodes listen on and announce (a veth's, for
+    // clients in other network namespaces).
+    std::string host = "127.0.0.1";
+    // The default user's password (requirepass, and masterauth for the
+    // replicas); empty: none, and then Redis' protected mode takes only
+    // loopback clients.
+    std::string password = "";
   };
 
   // Errors: kNotFound without redis-server / redis-cli; kUnavailable when the
@@ -44,7 +51,7 @@ class RedisClusterProcess {
   RedisClusterProcess& operator=(const RedisClusterProcess&) = delete;
 
   size_t size() const { return ports_.size(); }
-  NodeAddress node(size_t i) const { return NodeAddress{"127.0.0.1", ports_[i]}; }
+  NodeAddress node(size_t i) const { return NodeAddress{options_.host, ports_[i]}; }
   std::vector<NodeAddress> seeds() const;
   // The nodes that are masters now (asked from a live node).
   Result<std::vector<NodeAddress>> Masters() const;

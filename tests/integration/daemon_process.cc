@@ -1,10 +1,14 @@
 #include "tests/integration/daemon_process.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -16,7 +20,8 @@
 
 namespace kvtier::testing {
 
-Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, std::string config_file) {
+Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, std::string config_file,
+                                           std::string netns) {
   char tmpl[] = "/tmp/kvtier-it-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) return Err(Status::FromErrno(errno, "mkdtemp"));
   const std::string dir = tmpl;
@@ -37,13 +42,13 @@ Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, s
     args.push_back("--set");
     args.push_back(s);
   }
-  DaemonProcess d(dir, std::move(args));
+  DaemonProcess d(dir, std::move(args), std::move(netns));
   KVTIER_RETURN_IF_ERROR(d.Spawn());
   return d;
 }
 
-DaemonProcess::DaemonProcess(std::string dir, std::vector<std::string> args)
-    : dir_(std::move(dir)), socket_path_(dir_ + "/kvtierd.sock"), args_(std::move(args)) {
+DaemonProcess::DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns)
+    : dir_(std::move(dir)), socket_path_(dir_ + "/kvtierd.sock"), args_(std::move(args)), netns_(std::move(netns)) {
   for (size_t i = 0; i + 1 < args_.size(); ++i) {
     if (args_[i] == "--set" && args_[i + 1].starts_with("socket.path=")) {
       socket_path_ = args_[i + 1].substr(std::string("socket.path=").size());
@@ -55,6 +60,7 @@ DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
     : dir_(std::move(other.dir_)),
       socket_path_(std::move(other.socket_path_)),
       args_(std::move(other.args_)),
+      netns_(std::move(other.netns_)),
       pid_(std::exchange(other.pid_, -1)) {}
 
 DaemonProcess::~DaemonProcess() {
@@ -74,6 +80,13 @@ Status DaemonProcess::Spawn() {
     if (fd >= 0) {
       ::dup2(fd, 2);
       ::dup2(fd, 1);
+    }
+    if (!netns_.empty()) {
+      const int ns = ::open(netns_.c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) {
+        std::fprintf(stderr, "daemon_process: entering %s: %s\n", netns_.c_str(), std::strerror(errno));
+        ::_exit(126);
+      }
     }
     std::vector<char*> argv;
     for (std::string& a : args_) argv.push_back(a.data());

@@ -18,8 +18,11 @@ class DaemonProcess {
  public:
   // Starts kvtierd --foreground with the given --set overrides (and a
   // temporary socket and state dir unless overridden), and waits until its
-  // socket accepts connections.
-  static Result<DaemonProcess> Start(std::vector<std::string> overrides, std::string config_file = "");
+  // socket accepts connections. With `netns` (a network namespace's file,
+  // e.g. /run/netns/NAME), it runs in that namespace (its Unix socket is
+  // still reached by path).
+  static Result<DaemonProcess> Start(std::vector<std::string> overrides, std::string config_file = "",
+                                     std::string netns = "");
 
   DaemonProcess(DaemonProcess&& other) noexcept;
   DaemonProcess& operator=(DaemonProcess&&) = delete;
@@ -40,12 +43,13 @@ class DaemonProcess {
   void Signal(int sig) const;
 
  private:
-  DaemonProcess(std::string dir, std::vector<std::string> args);
+  DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns);
   Status Spawn();
 
   std::string dir_;
   std::string socket_path_;
   std::vector<std::string> args_;
+  std::string netns_;
   pid_t pid_ = -1;
 };
 

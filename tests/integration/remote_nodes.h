@@ -100,20 +100,20 @@ struct Engine {
 
 // A kvtierd node with the remote tier on `seeds`, no disk tier, its state in
 // `state_dir` (whose salts/ may have been copied from another node), and
-// `more` --set overrides.
+// `more` --set overrides; in network namespace `netns` (its file) if set.
 struct Node : Engine {
   DaemonProcess daemon;
 
   explicit Node(DaemonProcess d) : daemon(std::move(d)) {}
 
   static std::unique_ptr<Node> Start(const std::vector<NodeAddress>& seeds, const std::string& state_dir,
-                                     std::vector<std::string> more = {}) {
+                                     std::vector<std::string> more = {}, std::string netns = "") {
     std::vector<std::string> overrides = {"state_dir=" + state_dir,           "tiers.disk.enabled=false",
                                           "tiers.host.bytes=64MiB",           "tiers.remote.enabled=true",
                                           "tiers.remote.seeds=" + SeedList(seeds),
                                           "tiers.remote.key_prefix=test-fleet/"};
     overrides.insert(overrides.end(), more.begin(), more.end());
-    Result<DaemonProcess> d = DaemonProcess::Start(overrides);
+    Result<DaemonProcess> d = DaemonProcess::Start(overrides, "", std::move(netns));
     EXPECT_TRUE(d.has_value()) << d.error();
     if (!d) return nullptr;
     auto node = std::make_unique<Node>(std::move(*d));

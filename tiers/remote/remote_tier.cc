@@ -189,7 +189,16 @@ Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
   if (worker.cluster == nullptr) {
     Result<std::unique_ptr<RedisCluster>> cluster = RedisCluster::Connect(options_.cluster);
     if (!cluster) {
-      Record(cluster.error().code() != StatusCode::kUnavailable);
+      const bool refused = cluster.error().code() != StatusCode::kUnavailable;  // AUTH, ACL
+      if (refused) {
+        std::lock_guard lock(mu_);
+        ++counters_.errors_rejected;
+        if (!std::exchange(refusal_logged_, true)) {
+          spdlog::error("tiers.remote: the cluster refused us: {} (every remote call is a miss until it does not)",
+                        cluster.error().ToString());
+        }
+      }
+      Record(refused);
       return Err(cluster.error());
     }
     worker.cluster = std::move(*cluster);

@@ -142,7 +142,8 @@ class RemoteTier {
   bool open_ = false;
   bool probing_ = false;
   std::chrono::steady_clock::time_point reopen_at_{};
-  RemoteCounters counters_;  // under mu_
+  bool refusal_logged_ = false;  // a node refused us (AUTH): said once
+  RemoteCounters counters_;      // under mu_
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 
