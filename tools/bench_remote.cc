@@ -3,6 +3,7 @@
 #include <hiredis/hiredis.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <memory>
@@ -20,8 +21,10 @@ constexpr uint32_t kBatch = 16;
 constexpr uint32_t kThreads = 2;
 constexpr uint32_t kLookupKeys = 128;
 constexpr uint32_t kBlockTokens = 16;
-// Each node's host tier: a rep's blocks (64 MiB) stay while their puts run.
-constexpr uint64_t kNodeHostBytes = uint64_t{1} << 30;
+// Each node's host tier, filled before the timed runs (a cache is full most
+// of its life: a load's host slots are taken from older blocks, not fresh
+// pages).
+constexpr uint64_t kNodeHostBytes = uint64_t{256} << 20;
 
 // Llama-3.1-8B's per-layer shape (64 KiB a layer per 16-token block), with as
 // many layers as make `block_bytes`: 4 for 256 KiB, 32 for 2 MiB.
@@ -118,6 +121,21 @@ Result<Side> Engines(const std::string& socket, const Layout& layout, uint32_t b
   return side;
 }
 
+// Fills node `socket`'s host tier with blocks of `layout` (stored, and put
+// to the cluster, before anything is timed).
+bool Fill(const std::string& socket, const Layout& layout, uint64_t seed) {
+  const auto n = static_cast<uint32_t>(kNodeHostBytes / layout.block_bytes());
+  Result<Side> side = Engines(socket, layout, n, seed);
+  if (!side) return false;
+  Engine& e = side->engines.front();
+  Result<uint64_t> before = Counter(*e.client, "remote_writes");
+  for (uint32_t first = 0; first < n && before; first += kBatch) {
+    const uint32_t count = std::min(kBatch, n - first);
+    if (!e.client->Store(e.id, std::span(side->keys).subspan(first, count), Iota(first, count))) return false;
+  }
+  return before && WaitCounter(*e.client, "remote_writes", *before + n);
+}
+
 // A stores the prompt (until the cluster has every block), B loads it.
 bool RunKvtier(Side& a, Side& b, size_t block_bytes, Rates* rates) {
   const auto n = static_cast<uint32_t>(a.keys.size());
@@ -165,8 +183,10 @@ PlainData MakePlain(uint32_t n, size_t bytes, uint32_t salt) {
   return d;
 }
 
+// `out`: the engine's blocks, as many and as large as the values, touched
+// before (as kvtierd's engines' blocks are).
 bool RunPlain(std::vector<std::unique_ptr<RedisCluster>>& clients, const PlainData& d,
-              std::vector<std::string>* out, Rates* rates) {
+              std::vector<std::vector<uint8_t>>* out, Rates* rates) {
   const auto n = static_cast<uint32_t>(d.keys.size());
   const double bytes = static_cast<double>(n) * static_cast<double>(d.values[0].size());
   double s = 0;
@@ -186,12 +206,14 @@ bool RunPlain(std::vector<std::unique_ptr<RedisCluster>>& clients, const PlainDa
     for (uint32_t i = 0; i < count; ++i) {
       const Result<RedisReply>& r = replies[i];
       good = good && r && (*r)->type == REDIS_REPLY_STRING && (*r)->len == d.values[first + i].size();
-      if (good) (*out)[first + i].assign((*r)->str, (*r)->len);  // into the engine's block
+      if (good) std::memcpy((*out)[first + i].data(), (*r)->str, (*r)->len);  // into the engine's block
     }
     return good;
   }, &s);
   rates->load.push_back(bytes / s);
-  for (uint32_t i = 0; i < n && ok; ++i) ok = (*out)[i] == d.values[i];
+  for (uint32_t i = 0; i < n && ok; ++i) {
+    ok = std::memcmp((*out)[i].data(), d.values[i].data(), d.values[i].size()) == 0;
+  }
   return ok;
 }
 
@@ -261,7 +283,7 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
   }
   std::printf("cluster:  %s (%zu seed nodes)\n", own ? "3 masters started by kvtier-bench, loopback" : "given",
               seeds.size());
-  std::printf("kvtier:   two kvtierd nodes (write-through, %llu MiB host each), %u engine threads a node, "
+  std::printf("kvtier:   two kvtierd nodes (write-through, %llu MiB host each, full), %u engine threads a node, "
               "batches of %u; plain: RedisCluster::Run (hiredis, pipelined per node), %u threads, batches of %u\n",
               static_cast<unsigned long long>(kNodeHostBytes >> 20), kThreads, kBatch, kThreads, kBatch);
 
@@ -283,6 +305,7 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
     const Layout layout = BlockLayout(block_bytes);
     const auto n = static_cast<uint32_t>(std::max<uint64_t>(kBatch, options.bytes_per_rep / block_bytes));
     Rates kv, base;
+    ok = Fill(a.socket, layout, 1000000 + seed) && Fill(b.socket, layout, 2000000 + seed);
     for (uint32_t rep = 0; rep <= options.reps && ok; ++rep, ++seed) {
       Result<Side> side_a = Engines(a.socket, layout, n, seed);
       Result<Side> side_b = Engines(b.socket, layout, n, seed);
@@ -295,7 +318,7 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
         return 1;
       }
       const PlainData d = MakePlain(n, block_bytes, static_cast<uint32_t>(seed));
-      std::vector<std::string> out(n);
+      std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(block_bytes));
       ok = RunKvtier(*side_a, *side_b, block_bytes, &kv) && RunPlain(plain, d, &out, &base);
       std::printf("  %zu KiB rep %u: store %.0f / %.0f MB/s, load %.0f / %.0f MB/s (kvtierd / plain)%s\n",
                   block_bytes >> 10, rep, kv.store.empty() ? 0 : kv.store.back() / 1e6,
@@ -323,7 +346,7 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
     ok = side_a && side_b;
     Rates ignored;
     const PlainData d = MakePlain(kLookupKeys, 1024, 200);
-    std::vector<std::string> out(kLookupKeys);
+    std::vector<std::vector<uint8_t>> out(kLookupKeys, std::vector<uint8_t>(1024));
     ok = ok && RunPlain(plain, d, &out, &ignored);
     ok = ok && RunKvtier(*side_a, *side_b, layout.block_bytes(), &ignored);
     // B's load above promoted the prompt: drop it from B's host so that the

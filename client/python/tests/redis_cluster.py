@@ -1,0 +1,89 @@
+"""A Redis Cluster of a test's own, from Debian's redis-server and redis-cli:
+masters with a replica each on loopback ports, joined by
+`redis-cli --cluster create`, persistence off; killed when stopped. (The C++
+tests have the same in tools/redis_cluster_process.h.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_CLI = "/usr/bin/redis-cli"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class RedisCluster:
+    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        for exe in (REDIS_SERVER, REDIS_CLI):
+            if not os.access(exe, os.X_OK):
+                raise RuntimeError(f"{exe} is missing: tools/setup-deps.sh installs redis-server")
+        self.directory = tempfile.mkdtemp(prefix="kvtier-py-redis-")
+        rng = random.Random(os.getpid() * 7919 + int(time.time()))
+        self.ports: list[int] = []
+        while len(self.ports) < masters * (1 + replicas):
+            port = rng.randrange(12000, 30000)
+            if port not in self.ports and _port_free(port) and _port_free(port + 10000):
+                self.ports.append(port)
+        self.processes: list[subprocess.Popen[bytes]] = []
+        try:
+            for port in self.ports:
+                node_dir = os.path.join(self.directory, str(port))
+                os.makedirs(node_dir)
+                self.processes.append(
+                    subprocess.Popen(
+                        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                         "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", node_dir,
+                         "--logfile", os.path.join(node_dir, "redis.log"), "--cluster-enabled", "yes",
+                         "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
+                         "--cluster-node-timeout", "1500", "--cluster-require-full-coverage", "no"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                )
+            for port in self.ports:
+                self._wait(lambda p=port: self._cli(p, "PING") == "PONG", f"redis-server :{port} answering PING")
+            subprocess.run(
+                [REDIS_CLI, "--cluster", "create", *self.seeds, "--cluster-replicas", str(replicas), "--cluster-yes"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
+            )
+            for port in self.ports:
+                self._wait(lambda p=port: "cluster_state:ok" in self._cli(p, "CLUSTER", "INFO"), "cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def seeds(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def _cli(self, port: int, *args: str) -> str:
+        r = subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip()
+
+    @staticmethod
+    def _wait(ready, what: str, timeout_s: float = 30) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Redis Cluster: no {what} within {timeout_s} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            p.kill()
+            p.wait()
+        self.processes = []
+        shutil.rmtree(self.directory, ignore_errors=True)
