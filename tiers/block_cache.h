@@ -455,7 +455,8 @@ class BlockCache {
   // `leaving` host counts as moving out of it meanwhile (write-back stops
   // at the low watermark without waiting for the put).
   void QueueRemotePut(BlockEntry* e, bool leaving);
-  // Starts the queued puts, one batch per namespace (MaybeDemote calls it).
+  // Starts the queued puts, one batch per namespace (after each
+  // PumpDiskWrites, and in MaybeDemote).
   void FlushRemotePuts();
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.

@@ -426,6 +426,7 @@ uint64_t BlockCache::FlushToDisk() {
   });
   flushing_ = queued > 0;
   PumpDiskWrites();
+  FlushRemotePuts();
   return queued;
 }
 
@@ -583,6 +584,7 @@ void BlockCache::SchedulePump() {
     if (!cache) return;
     (*cache)->pump_posted_ = false;
     (*cache)->PumpDiskWrites();
+    (*cache)->FlushRemotePuts();  // what the write-back queued
   });
 }
 

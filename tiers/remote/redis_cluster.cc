@@ -165,7 +165,7 @@ std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> 
       for (size_t k = 0; k < group->size(); ++k) {
         Pending& p = (*group)[k];
         Result<RedisReply> reply = p.asking ? conn->Next() : Result<RedisReply>(RedisReply());
-        if (reply) reply = conn->Next();
+        if (reply) reply = conn->Next(batch[p.index].sink);
         if (!reply) {  // the connection is gone: this and the rest of its group fail
           for (size_t rest = k; rest < group->size(); ++rest) done[(*group)[rest].index] = Err(reply.error());
           break;

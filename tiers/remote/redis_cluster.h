@@ -44,6 +44,9 @@ struct RedisClusterOptions {
 struct RedisCommand {
   std::vector<std::string_view> argv;
   std::vector<std::string_view> value_parts = {};
+  // Takes the command's string reply in place (RedisConnection::Next); the
+  // reply is then an empty string.
+  RedisValueSink* sink = nullptr;
 };
 
 class RedisCluster {

@@ -13,6 +13,18 @@
 namespace kvtier {
 namespace {
 
+// The reader's createString: a top-level string reply goes to the sink of
+// the reply being read (RedisConnection::Next), which copies it where it
+// belongs; the reply itself is then an empty string.
+void* CreateString(const redisReadTask* task, char* str, size_t len) {
+  const auto* state = static_cast<const RedisConnection::SinkState*>(task->privdata);
+  if (state->sink != nullptr && task->parent == nullptr && task->type == REDIS_REPLY_STRING) {
+    state->sink->Take(std::span(reinterpret_cast<const uint8_t*>(str), len));
+    return state->hiredis->createString(task, str, 0);
+  }
+  return state->hiredis->createString(task, str, len);
+}
+
 timeval ToTimeval(std::chrono::milliseconds ms) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
@@ -41,6 +53,17 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisCon
   if (redisSetTimeout(c, ToTimeval(options.io_timeout)) != REDIS_OK) {
     return Err(StatusCode::kUnavailable, "redis " + name + ": setting the I/O timeout: " + c->errstr);
   }
+  // Blocks are large: the reply buffer is kept between replies instead of
+  // freed whenever more than 16 KiB of it is unused (grown again, and its
+  // pages faulted in again, for every value).
+  c->reader->maxbuf = 0;
+  // String replies may go to a sink (Next): hiredis' functions, with
+  // createString wrapped.
+  conn->sink_state_.hiredis = c->reader->fn;
+  conn->functions_ = std::make_unique<redisReplyObjectFunctions>(*c->reader->fn);
+  conn->functions_->createString = CreateString;
+  c->reader->fn = conn->functions_.get();
+  c->reader->privdata = &conn->sink_state_;
   if (!options.password.empty()) {
     std::vector<std::string_view> argv = {"AUTH"};
     if (!options.user.empty()) argv.push_back(options.user);
@@ -53,6 +76,9 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisCon
   }
   return conn;
 }
+
+RedisConnection::RedisConnection(redisContext* context, std::string name)
+    : context_(context), name_(std::move(name)) {}
 
 RedisConnection::~RedisConnection() { redisFree(context_); }
 
@@ -121,10 +147,15 @@ Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
   return Status::Ok();
 }
 
-Result<RedisReply> RedisConnection::Next() {
+Result<RedisReply> RedisConnection::Next(RedisValueSink* sink) {
   if (broken_) return Err(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
   void* reply = nullptr;
-  if (redisGetReply(context_, &reply) != REDIS_OK || reply == nullptr) return Err(Broken("reading a reply"));
+  // hiredis starts parsing a reply only within this call: its task takes
+  // the reader's privdata, sink_state_, now.
+  sink_state_.sink = sink;
+  const int rc = redisGetReply(context_, &reply);
+  sink_state_.sink = nullptr;
+  if (rc != REDIS_OK || reply == nullptr) return Err(Broken("reading a reply"));
   return RedisReply(static_cast<redisReply*>(reply));
 }
 

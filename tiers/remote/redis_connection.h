@@ -21,6 +21,7 @@
 
 struct redisContext;
 struct redisReply;
+struct redisReplyObjectFunctions;
 
 namespace kvtier {
 
@@ -32,6 +33,17 @@ using RedisReply = std::unique_ptr<redisReply, RedisReplyDeleter>;
 
 // The text of an error reply, or empty for a reply of another type.
 std::string_view RedisErrorText(const redisReply& reply);
+
+// Takes a string reply's bytes where hiredis parsed them (its read buffer),
+// for the caller to copy where they belong: large values are not copied into
+// a reply first. The reply then comes back as an empty string.
+class RedisValueSink {
+ public:
+  virtual void Take(std::span<const uint8_t> value) = 0;
+
+ protected:
+  ~RedisValueSink() = default;
+};
 
 struct RedisConnectionOptions {
   NodeAddress address;        // TCP, unless unix_socket is set
@@ -60,9 +72,10 @@ class RedisConnection {
   // into its buffer). Errors: kUnavailable when the write fails or times out.
   Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts);
   // Sends what is queued if needed and reads the next reply. An error reply
-  // (MOVED, ASK, OOM, ...) is a reply, not an error. Errors: kUnavailable when
+  // (MOVED, ASK, OOM, ...) is a reply, not an error. A string reply goes to
+  // `sink` when one is given (other types do not). Errors: kUnavailable when
   // the connection fails or times out (it is broken from then on).
-  Result<RedisReply> Next();
+  Result<RedisReply> Next(RedisValueSink* sink = nullptr);
   // Append, then Next.
   Result<RedisReply> Command(std::span<const std::string_view> argv);
 
@@ -71,10 +84,22 @@ class RedisConnection {
   const std::string& name() const { return name_; }
 
  private:
-  RedisConnection(redisContext* context, std::string name) : context_(context), name_(std::move(name)) {}
+  RedisConnection(redisContext* context, std::string name);
   Status Broken(std::string_view what);
 
   redisContext* context_;  // owned
+ public:
+  // What the reader's privdata points at: the sink of the reply being read,
+  // and hiredis' own reply functions (for everything else).
+  struct SinkState {
+    RedisValueSink* sink = nullptr;
+    const redisReplyObjectFunctions* hiredis = nullptr;
+  };
+
+ private:
+  // hiredis' functions with createString routed to the sink.
+  std::unique_ptr<redisReplyObjectFunctions> functions_;
+  SinkState sink_state_;
   std::string name_;
   bool broken_ = false;
 };

@@ -5,8 +5,10 @@
 
 #include <array>
 #include <cstring>
+#include <optional>
 #include <utility>
 
+#include "common/check.h"
 #include "tiers/remote/remote_value.h"
 
 namespace kvtier {
@@ -256,11 +258,42 @@ Result<uint32_t> RemoteTier::DoExists(RedisCluster& cluster, const Batch& batch)
   return leading;
 }
 
+namespace {
+
+// A GET's value, checked and copied into its block's slot straight from
+// hiredis' read buffer (CopyRemoteValue: one pass over the bytes).
+class BlockSink final : public RedisValueSink {
+ public:
+  BlockSink(const LayoutFingerprint& ns, const StoredKey& key, std::span<uint8_t> out)
+      : ns_(ns), key_(key), out_(out) {}
+  void Take(std::span<const uint8_t> value) override {
+    got_ = CopyRemoteValue(value, ns_, key_, out_);
+    value_bytes_ = value.size();
+  }
+  // Unset until a value came.
+  const std::optional<Result<RemoteValueHeader>>& got() const { return got_; }
+  uint64_t value_bytes() const { return value_bytes_; }
+
+ private:
+  const LayoutFingerprint& ns_;
+  const StoredKey& key_;
+  std::span<uint8_t> out_;
+  std::optional<Result<RemoteValueHeader>> got_;
+  uint64_t value_bytes_ = 0;
+};
+
+}  // namespace
+
 Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
   const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
+  std::vector<BlockSink> sinks;
+  sinks.reserve(keys.size());
   std::vector<RedisCommand> commands;
   commands.reserve(keys.size());
-  for (const std::string& k : keys) commands.push_back({{"GET", k}});
+  for (size_t i = 0; i < keys.size(); ++i) {
+    sinks.emplace_back(batch.ns, batch.keys[i], batch.out[i]);
+    commands.push_back({.argv = {"GET", keys[i]}, .sink = &sinks.back()});
+  }
   std::vector<Result<RedisReply>> replies = cluster.Run(commands);
   uint32_t served = 0;
   uint64_t bytes = 0, corrupt = 0, rejected = 0;
@@ -272,12 +305,10 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
       break;
     }
     if ((*r)->type != REDIS_REPLY_STRING) break;  // nil: not there (or evicted)
-    const std::span<const uint8_t> value(reinterpret_cast<const uint8_t*>((*r)->str), (*r)->len);
-    Result<RemoteValueHeader> header = CheckRemoteValue(value, batch.ns, batch.keys[served]);
-    if (header && header->payload_bytes != batch.out[served].size()) {
-      header = Err(StatusCode::kCorruption, "remote value of " + std::to_string(header->payload_bytes) +
-                                                " bytes for a block of " + std::to_string(batch.out[served].size()));
-    }
+    // Checked as it was copied: what fails its check is never served.
+    const std::optional<Result<RemoteValueHeader>>& got = sinks[served].got();
+    KVTIER_CHECK(got.has_value());  // a string reply goes to its sink
+    const Result<RemoteValueHeader>& header = *got;
     if (!header) {
       // Never served; deleted so that it is not fetched again.
       ++corrupt;
@@ -286,9 +317,8 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
       (void)cluster.Run(del);
       break;
     }
-    std::memcpy(batch.out[served].data(), value.data() + RemoteValueHeader::kBytes, header->payload_bytes);
     if (batch.checksums != nullptr) (*batch.checksums)[served] = header->payload_checksum;
-    bytes += value.size();
+    bytes += sinks[served].value_bytes();
   }
   std::lock_guard lock(mu_);
   counters_.hits += served;

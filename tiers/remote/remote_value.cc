@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/check.h"
+#include "kernels/copy_reference.h"
 
 namespace kvtier {
 namespace {
@@ -83,8 +84,11 @@ Result<RemoteValueHeader> DecodeRemoteValueHeader(std::span<const uint8_t> value
   return h;
 }
 
-Result<RemoteValueHeader> CheckRemoteValue(std::span<const uint8_t> value,
-                                           const LayoutFingerprint& ns, const StoredKey& key) {
+namespace {
+
+// Everything CheckRemoteValue checks but the payload's checksum.
+Result<RemoteValueHeader> CheckHeaderOf(std::span<const uint8_t> value, const LayoutFingerprint& ns,
+                                        const StoredKey& key) {
   KVTIER_ASSIGN_OR_RETURN(RemoteValueHeader h, DecodeRemoteValueHeader(value));
   if (h.key != key)
     return Err(Corrupt("remote value names key " + h.key.ToHex() + ", not " + key.ToHex()));
@@ -95,8 +99,31 @@ Result<RemoteValueHeader> CheckRemoteValue(std::span<const uint8_t> value,
     return Err(Corrupt("remote value holds " + std::to_string(payload) +
                        " payload bytes; its header says " + std::to_string(h.payload_bytes)));
   }
+  return h;
+}
+
+Status PayloadChecksumMismatch() { return Corrupt("remote value: payload checksum mismatch"); }
+
+}  // namespace
+
+Result<RemoteValueHeader> CheckRemoteValue(std::span<const uint8_t> value,
+                                           const LayoutFingerprint& ns, const StoredKey& key) {
+  KVTIER_ASSIGN_OR_RETURN(RemoteValueHeader h, CheckHeaderOf(value, ns, key));
   if (RemotePayloadChecksum(value.subspan(RemoteValueHeader::kBytes)) != h.payload_checksum) {
-    return Err(Corrupt("remote value: payload checksum mismatch"));
+    return Err(PayloadChecksumMismatch());
+  }
+  return h;
+}
+
+Result<RemoteValueHeader> CopyRemoteValue(std::span<const uint8_t> value, const LayoutFingerprint& ns,
+                                          const StoredKey& key, std::span<uint8_t> out) {
+  KVTIER_ASSIGN_OR_RETURN(RemoteValueHeader h, CheckHeaderOf(value, ns, key));
+  if (h.payload_bytes != out.size()) {
+    return Err(Corrupt("remote value of " + std::to_string(h.payload_bytes) + " bytes for a block of " +
+                       std::to_string(out.size())));
+  }
+  if (CopyWithChecksum(out.data(), value.data() + RemoteValueHeader::kBytes, out.size()) != h.payload_checksum) {
+    return Err(PayloadChecksumMismatch());
   }
   return h;
 }

@@ -58,6 +58,13 @@ Result<RemoteValueHeader> DecodeRemoteValueHeader(std::span<const uint8_t> value
 Result<RemoteValueHeader> CheckRemoteValue(std::span<const uint8_t> value,
                                            const LayoutFingerprint& ns, const StoredKey& key);
 
+// CheckRemoteValue that also copies the payload into `out` (exactly its
+// size), hashing it as it copies: one pass over the bytes. On an error `out`
+// may hold part of the value: never serve it. Errors: as CheckRemoteValue's,
+// and kCorruption for a payload that is not out's size.
+Result<RemoteValueHeader> CopyRemoteValue(std::span<const uint8_t> value, const LayoutFingerprint& ns,
+                                          const StoredKey& key, std::span<uint8_t> out);
+
 // XXH3-64 of a payload, as the header stores it.
 uint64_t RemotePayloadChecksum(std::span<const uint8_t> payload);
 

@@ -76,6 +76,23 @@ TEST(RemoteValueTest, EveryWrongValueIsCorruption) {
   ExpectCorrupt(CheckRemoteValue(v.bytes, other_ns, key), "names namespace");
 }
 
+TEST(RemoteValueTest, CopyRemoteValueChecksAsItCopies) {
+  const Value v = MakeValue(7, 5000);
+  std::vector<uint8_t> out(5000);
+  Result<RemoteValueHeader> h = CopyRemoteValue(v.bytes, v.header.ns, v.header.key, out);
+  ASSERT_TRUE(h.has_value()) << h.error();
+  EXPECT_EQ(*h, v.header);
+  EXPECT_TRUE(std::equal(out.begin(), out.end(), v.bytes.begin() + RemoteValueHeader::kBytes));
+
+  std::vector<uint8_t> bad = v.bytes;
+  bad[RemoteValueHeader::kBytes + 4321] ^= 0x10;
+  ExpectCorrupt(CopyRemoteValue(bad, v.header.ns, v.header.key, out), "payload checksum");
+  std::vector<uint8_t> small(4999);
+  ExpectCorrupt(CopyRemoteValue(v.bytes, v.header.ns, v.header.key, small), "5000 bytes for a block of 4999");
+  const Value other = MakeValue(8, 5000);
+  ExpectCorrupt(CopyRemoteValue(other.bytes, v.header.ns, v.header.key, out), "names key");
+}
+
 TEST(RemoteValueTest, ALaterFormatVersionIsRefused) {
   Value v = MakeValue(7, 16);
   v.bytes[8] = 2;  // version 2, with a header checksum that matches it
