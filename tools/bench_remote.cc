@@ -110,14 +110,24 @@ struct Side {
   std::vector<BlockKey> keys;
 };
 
+// The keys of prompt `seed`, as long as the engines' caches.
+Status Rekey(Side& side, uint64_t seed) {
+  Engine& e = side.engines.front();
+  const auto blocks = static_cast<uint32_t>(e.cache->num_blocks());
+  KVTIER_ASSIGN_OR_RETURN(side.keys, e.client->ComputeKeys(e.id, Tokens(seed, blocks * kBlockTokens)));
+  return Status::Ok();
+}
+
+// kThreads engines of `blocks` blocks each, with prompt `seed`'s keys.
+// Engines are made once and kept, as an engine keeps its KV cache: the
+// daemon's mapping of it is then warm, as in steady state.
 Result<Side> Engines(const std::string& socket, const Layout& layout, uint32_t blocks, uint64_t seed) {
   Side side;
   for (uint32_t t = 0; t < kThreads; ++t) {
     KVTIER_ASSIGN_OR_RETURN(Engine e, Connect(socket, layout, blocks));
     side.engines.push_back(std::move(e));
   }
-  Engine& e = side.engines.front();
-  KVTIER_ASSIGN_OR_RETURN(side.keys, e.client->ComputeKeys(e.id, Tokens(seed, blocks * kBlockTokens)));
+  KVTIER_RETURN_IF_ERROR(Rekey(side, seed));
   return side;
 }
 
@@ -306,19 +316,20 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
     const auto n = static_cast<uint32_t>(std::max<uint64_t>(kBatch, options.bytes_per_rep / block_bytes));
     Rates kv, base;
     ok = Fill(a.socket, layout, 1000000 + seed) && Fill(b.socket, layout, 2000000 + seed);
+    Result<Side> side_a = Engines(a.socket, layout, n, seed);
+    Result<Side> side_b = Engines(b.socket, layout, n, seed);
+    if (!side_a || !side_b) {
+      std::fprintf(stderr, "remote: %s\n", (side_a ? side_b.error() : side_a.error()).ToString().c_str());
+      return 1;
+    }
+    std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(block_bytes));  // the plain client's engine
     for (uint32_t rep = 0; rep <= options.reps && ok; ++rep, ++seed) {
-      Result<Side> side_a = Engines(a.socket, layout, n, seed);
-      Result<Side> side_b = Engines(b.socket, layout, n, seed);
-      if (!side_a || !side_b) {
-        std::fprintf(stderr, "remote: %s\n", (side_a ? side_b.error() : side_a.error()).ToString().c_str());
-        return 1;
-      }
+      if (rep > 0 && (!Rekey(*side_a, seed).ok() || !Rekey(*side_b, seed).ok())) return 1;
       if (side_a->keys != side_b->keys) {
         std::fprintf(stderr, "remote: the nodes compute different keys (their tenant secrets differ)\n");
         return 1;
       }
       const PlainData d = MakePlain(n, block_bytes, static_cast<uint32_t>(seed));
-      std::vector<std::vector<uint8_t>> out(n, std::vector<uint8_t>(block_bytes));
       ok = RunKvtier(*side_a, *side_b, block_bytes, &kv) && RunPlain(plain, d, &out, &base);
       std::printf("  %zu KiB rep %u: store %.0f / %.0f MB/s, load %.0f / %.0f MB/s (kvtierd / plain)%s\n",
                   block_bytes >> 10, rep, kv.store.empty() ? 0 : kv.store.back() / 1e6,
