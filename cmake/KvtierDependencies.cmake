@@ -4,6 +4,13 @@ pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
 
+# msgpack-cxx (libmsgpack-cxx-dev), header-only, for KV events: used without
+# Boost (its CMake package would pull Boost in for nothing).
+find_path(KVTIER_MSGPACK_INCLUDE_DIR msgpack.hpp REQUIRED)
+add_library(kvtier_msgpack INTERFACE)
+target_include_directories(kvtier_msgpack SYSTEM INTERFACE ${KVTIER_MSGPACK_INCLUDE_DIR})
+target_compile_definitions(kvtier_msgpack INTERFACE MSGPACK_NO_BOOST MSGPACK_DEFAULT_API_VERSION=3)
+
 find_package(Threads REQUIRED)
 find_package(tl-expected REQUIRED)
 find_package(yaml-cpp REQUIRED)

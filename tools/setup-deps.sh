@@ -22,6 +22,8 @@ PACKAGES=(
   prometheus
   # kvtier-bench redis and lookup's baseline: a redis-server the bench starts, hiredis
   redis-server libhiredis-dev
+  # KV events (daemon/kv_events*): msgpack, and ZMQ to publish them
+  libmsgpack-cxx-dev libzmq3-dev cppzmq-dev
   # the Python package (client/python/): pybind11 and Python's headers; the test
   # virtual environment (tools/setup-python.sh) is made with venv
   pybind11-dev python3-dev python3-venv
