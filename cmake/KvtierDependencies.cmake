@@ -4,6 +4,9 @@ pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
 
+# ZMQ (libzmq3-dev; cppzmq-dev's zmq.hpp is header-only), for KV events.
+pkg_check_modules(ZMQ REQUIRED IMPORTED_TARGET libzmq)
+
 # msgpack-cxx (libmsgpack-cxx-dev), header-only, for KV events: used without
 # Boost (its CMake package would pull Boost in for nothing).
 find_path(KVTIER_MSGPACK_INCLUDE_DIR msgpack.hpp REQUIRED)

@@ -152,7 +152,13 @@ std::string EncodeKvEventBatch(double ts, std::span<const KvEvent> events, std::
   msgpack::sbuffer buffer;
   Packer p(&buffer);
   p.pack_array(3);
-  p.pack_double(ts);
+  // A float64 always, as msgspec writes a float (msgpack-cxx would write a
+  // whole-numbered double as an integer).
+  uint64_t bits = 0;
+  std::memcpy(&bits, &ts, sizeof(bits));
+  char f64[9] = {static_cast<char>(0xcb)};
+  for (size_t i = 0; i < 8; ++i) f64[1 + i] = static_cast<char>(bits >> (56 - 8 * i));
+  buffer.write(f64, sizeof(f64));
   p.pack_array(static_cast<uint32_t>(events.size()));
   for (const KvEvent& e : events) {
     std::visit([&](const auto& event) { Pack(buffer, p, event, encoding); }, e);

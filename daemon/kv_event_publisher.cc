@@ -1,0 +1,201 @@
+#include "daemon/kv_event_publisher.h"
+
+#include <spdlog/spdlog.h>
+
+#include <array>
+#include <map>
+#include <zmq.hpp>
+
+namespace kvtier {
+
+struct KvEventPublisher::Sockets {
+  zmq::context_t context{1};
+  zmq::socket_t pub{context, zmq::socket_type::pub};
+  std::optional<zmq::socket_t> router;
+};
+
+namespace {
+
+constexpr std::array<uint8_t, 8> kEndOfReplay = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+
+std::array<uint8_t, 8> BigEndian(uint64_t v) {
+  std::array<uint8_t, 8> out{};
+  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(v >> (56 - 8 * i));
+  return out;
+}
+
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventPublisherOptions options) {
+  if (options.max_batch_events == 0 || options.max_queued_events == 0 || options.buffer_batches == 0 ||
+      options.buffer_bytes == 0 ||
+      options.cadence.count() <= 0 || options.send_high_water_mark <= 0) {
+    return Err(InvalidArgument("events: batch size, queue, buffer, cadence and high-water mark must be > 0"));
+  }
+  auto sockets = std::make_unique<Sockets>();
+  try {
+    sockets->pub.set(zmq::sockopt::sndhwm, options.send_high_water_mark);
+    sockets->pub.set(zmq::sockopt::linger, 0);
+    sockets->pub.bind(options.endpoint);
+    if (!options.replay_endpoint.empty()) {
+      sockets->router.emplace(sockets->context, zmq::socket_type::router);
+      sockets->router->set(zmq::sockopt::linger, 0);
+      sockets->router->bind(options.replay_endpoint);
+    }
+  } catch (const zmq::error_t& e) {
+    return Err(StatusCode::kUnavailable, "events: binding " + options.endpoint +
+                                             (options.replay_endpoint.empty() ? "" : " and " + options.replay_endpoint) +
+                                             ": " + e.what());
+  }
+  std::unique_ptr<KvEventPublisher> publisher(new KvEventPublisher(std::move(options), std::move(sockets)));
+  publisher->thread_ = std::thread([p = publisher.get()] { p->Loop(); });
+  return publisher;
+}
+
+KvEventPublisher::KvEventPublisher(KvEventPublisherOptions options, std::unique_ptr<Sockets> sockets)
+    : options_(std::move(options)), sockets_(std::move(sockets)) {}
+
+KvEventPublisher::~KvEventPublisher() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+bool KvEventPublisher::Publish(std::string topic, KvEvent event) {
+  std::lock_guard lock(mu_);
+  if (queue_.size() >= options_.max_queued_events) {
+    ++counters_.events_dropped;
+    return false;
+  }
+  queue_.emplace_back(std::move(topic), std::move(event));
+  return true;
+}
+
+KvEventPublisherCounters KvEventPublisher::counters() const {
+  std::lock_guard lock(mu_);
+  return counters_;
+}
+
+void KvEventPublisher::Loop() {
+  while (true) {
+    bool stopping = false;
+    {
+      std::unique_lock lock(mu_);
+      // Replay requests are answered between batches: wait on the ROUTER
+      // socket (below) instead when there is one.
+      if (!sockets_->router) cv_.wait_for(lock, options_.cadence, [&] { return stopping_; });
+      stopping = stopping_;
+    }
+    if (sockets_->router) {
+      zmq::pollitem_t item{sockets_->router->handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, options_.cadence);
+      if ((item.revents & ZMQ_POLLIN) != 0) ServeReplays();
+    }
+    SendQueued();
+    if (stopping) return;
+  }
+}
+
+void KvEventPublisher::SendQueued() {
+  std::vector<std::pair<std::string, KvEvent>> taken;
+  {
+    std::lock_guard lock(mu_);
+    taken.swap(queue_);
+  }
+  if (taken.empty()) return;
+  // One batch per topic (in the order of each topic's first event), split at
+  // max_batch_events.
+  std::map<std::string, std::vector<KvEvent>> by_topic;
+  std::vector<const std::string*> order;
+  for (auto& [topic, event] : taken) {
+    auto [it, first] = by_topic.try_emplace(topic);
+    if (first) order.push_back(&it->first);
+    it->second.push_back(std::move(event));
+  }
+  uint64_t published = 0, batches = 0;
+  const double ts = WallSeconds();
+  for (const std::string* topic : order) {
+    const std::vector<KvEvent>& events = by_topic[*topic];
+    for (size_t at = 0; at < events.size(); at += options_.max_batch_events) {
+      const size_t n = std::min<size_t>(options_.max_batch_events, events.size() - at);
+      std::string payload =
+          EncodeKvEventBatch(ts, std::span(events).subspan(at, n), options_.dp_rank, options_.encoding);
+      const uint64_t seq = next_seq_.fetch_add(1);
+      const std::array<uint8_t, 8> seq_bytes = BigEndian(seq);
+      // PUB never blocks: past its high-water mark a subscriber's messages
+      // are dropped by ZMQ (a gap it sees, and replays).
+      try {
+        sockets_->pub.send(zmq::buffer(*topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+        sockets_->pub.send(zmq::buffer(seq_bytes), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+        sockets_->pub.send(zmq::buffer(payload), zmq::send_flags::dontwait);
+      } catch (const zmq::error_t& e) {
+        spdlog::warn("events: sending batch {}: {}", seq, e.what());
+      }
+      sent_bytes_ += payload.size();
+      sent_.push_back(SentBatch{.seq = seq, .topic = *topic, .payload = std::move(payload)});
+      while (sent_.size() > options_.buffer_batches || (sent_bytes_ > options_.buffer_bytes && sent_.size() > 1)) {
+        sent_bytes_ -= sent_.front().payload.size();
+        sent_.pop_front();
+      }
+      published += n;
+      ++batches;
+    }
+  }
+  std::lock_guard lock(mu_);
+  counters_.events_published += published;
+  counters_.batches_published += batches;
+}
+
+void KvEventPublisher::ServeReplays() {
+  zmq::socket_t& router = *sockets_->router;
+  uint64_t served = 0, resent = 0;
+  while (true) {
+    // [identity, "", start_seq (8 bytes, big endian)].
+    std::vector<zmq::message_t> frames;
+    zmq::message_t frame;
+    if (!router.recv(frame, zmq::recv_flags::dontwait)) break;
+    frames.push_back(std::move(frame));
+    while (frames.back().more()) {
+      zmq::message_t next;
+      if (!router.recv(next, zmq::recv_flags::none)) break;
+      frames.push_back(std::move(next));
+    }
+    if (frames.size() != 3 || frames[2].size() != 8) {
+      spdlog::warn("events: a replay request of {} frames ignored (expected identity, empty, start sequence)",
+                   frames.size());
+      continue;
+    }
+    uint64_t start = 0;
+    for (size_t i = 0; i < 8; ++i) start = (start << 8) | frames[2].data<uint8_t>()[i];
+    auto reply = [&](std::string_view topic, std::span<const uint8_t> seq, std::string_view payload) {
+      router.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
+      router.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(topic), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(seq.data(), seq.size()), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(payload), zmq::send_flags::none);
+    };
+    try {
+      for (const SentBatch& b : sent_) {
+        if (b.seq < start) continue;
+        reply(b.topic, BigEndian(b.seq), b.payload);
+        ++resent;
+      }
+      reply("", kEndOfReplay, "");
+      ++served;
+    } catch (const zmq::error_t& e) {
+      spdlog::warn("events: answering a replay request: {}", e.what());
+    }
+  }
+  std::lock_guard lock(mu_);
+  counters_.replays_served += served;
+  counters_.replay_batches += resent;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,101 @@
+// KvEventPublisher: sends KV events (daemon/kv_events.h) to KV-aware routers
+// as vLLM's ZmqEventPublisher does (0.33.0): a ZMQ PUB socket, each message
+// three frames (topic, an 8-byte big-endian sequence number, a msgpack
+// batch), and an optional ROUTER socket for replay. A client (a DEALER)
+// sends ["", start sequence]; it gets each buffered batch from that sequence
+// on as ["", topic, sequence, batch], then ["", "", eight 0xff bytes, ""].
+//
+// The caller (kvtierd's event loop) only queues events: Publish takes a lock
+// for a push and never waits on the network. A thread of the publisher's own
+// makes batches on a bounded cadence (at most max_batch_events each), sends
+// them, keeps the last buffer_batches for replay and answers replay
+// requests. Events beyond the queue's bound are dropped and counted, as are
+// batches the PUB socket drops (its high-water mark).
+//
+// Thread-safe: Publish and counters from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/kv_events.h"
+
+namespace kvtier {
+
+struct KvEventPublisherOptions {
+  std::string endpoint = "tcp://127.0.0.1:5557";  // PUB, bound
+  std::string replay_endpoint = "";               // ROUTER, bound; empty: no replay
+  KvEventEncoding encoding;
+  std::optional<int32_t> dp_rank = std::nullopt;
+  std::chrono::milliseconds cadence{10};  // a batch at most this long after its first event
+  uint32_t max_batch_events = 1024;
+  size_t max_queued_events = 100000;  // more are dropped, counted
+  size_t buffer_batches = 10000;      // kept for replay...
+  size_t buffer_bytes = 64 << 20;     // ... and at most this many payload bytes
+  int send_high_water_mark = 100000;  // PUB messages queued per subscriber
+};
+
+struct KvEventPublisherCounters {
+  uint64_t events_published = 0;  // sent in a batch
+  uint64_t events_dropped = 0;    // the queue was full
+  uint64_t batches_published = 0;
+  uint64_t replays_served = 0;    // replay requests answered
+  uint64_t replay_batches = 0;    // batches resent by them
+};
+
+class KvEventPublisher {
+ public:
+  // Binds the sockets. Errors: kInvalidArgument for options out of range,
+  // kUnavailable when an endpoint cannot be bound (its text in the message).
+  static Result<std::unique_ptr<KvEventPublisher>> Start(KvEventPublisherOptions options);
+  // Sends what is queued, then stops the thread and closes the sockets.
+  ~KvEventPublisher();
+  KvEventPublisher(const KvEventPublisher&) = delete;
+  KvEventPublisher& operator=(const KvEventPublisher&) = delete;
+
+  // Queues `event` under `topic`; false (and counted) when the queue is full.
+  bool Publish(std::string topic, KvEvent event);
+  KvEventPublisherCounters counters() const;
+  // The sequence number the next batch gets (0 after start).
+  uint64_t next_sequence() const { return next_seq_.load(); }
+
+ private:
+  struct Sockets;
+  KvEventPublisher(KvEventPublisherOptions options, std::unique_ptr<Sockets> sockets);
+  void Loop();
+  // Batches and sends what is queued (publisher thread).
+  void SendQueued();
+  void ServeReplays();
+
+  const KvEventPublisherOptions options_;
+  std::unique_ptr<Sockets> sockets_;  // used by the publisher thread only (after Start)
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<std::string, KvEvent>> queue_;  // under mu_
+  bool stopping_ = false;                                // under mu_
+  KvEventPublisherCounters counters_;                    // under mu_
+  std::atomic<uint64_t> next_seq_{0};
+  // The last batches within buffer_batches and buffer_bytes, publisher
+  // thread only.
+  struct SentBatch {
+    uint64_t seq;
+    std::string topic;
+    std::string payload;
+  };
+  std::deque<SentBatch> sent_;
+  size_t sent_bytes_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace kvtier

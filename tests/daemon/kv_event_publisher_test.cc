@@ -1,0 +1,182 @@
+// KvEventPublisher against real ZMQ sockets of the test's own: a SUB sees
+// each batch as three frames (topic, big-endian sequence, msgpack batch) in
+// order; a REQ gets buffered batches again from a sequence number, then the
+// end marker; a full queue drops and counts, never blocks.
+#include "daemon/kv_event_publisher.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <zmq.hpp>
+
+namespace kvtier {
+namespace {
+
+std::string Endpoint(const std::string& name) {
+  return "ipc:///tmp/kvtier-events-test-" + std::to_string(::getpid()) + "-" + name;
+}
+
+KvEvent Removed(uint64_t hash) {
+  return BlockRemovedEvent{.block_hashes = {EngineBlockHash::FromU64(hash)}, .medium = KvEventMedium::kDisk};
+}
+
+uint64_t Sequence(const zmq::message_t& m) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < m.size(); ++i) v = (v << 8) | m.data<uint8_t>()[i];
+  return v;
+}
+
+// The payload's events, as the encoder makes them (ts aside): the payload
+// from its 10th byte (after 93 cb <8-byte ts>) must equal a fresh encoding's.
+std::string AfterTs(const std::string& payload) { return payload.substr(10); }
+
+TEST(KvEventPublisherTest, ASubscriberSeesOrderedBatchesOfThreeFrames) {
+  KvEventPublisherOptions o;
+  o.endpoint = Endpoint("pub");
+  o.cadence = std::chrono::milliseconds(5);
+  o.max_batch_events = 2;
+  Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
+  ASSERT_TRUE(publisher.has_value()) << publisher.error();
+  zmq::context_t context;
+  zmq::socket_t sub(context, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::subscribe, "kv@node-a");
+  sub.set(zmq::sockopt::rcvtimeo, 5000);
+  sub.connect(o.endpoint);
+  // PUB/SUB: a subscriber misses what is sent before its subscription
+  // arrives. Warm-up events until one comes through; the test's own follow.
+  sub.set(zmq::sockopt::rcvtimeo, 50);
+  for (int i = 0;; ++i) {
+    ASSERT_LT(i, 200) << "no warm-up event came through";
+    ASSERT_TRUE((*publisher)->Publish("kv@node-a@warm-up", Removed(0)));
+    zmq::message_t m;
+    if (sub.recv(m)) {
+      while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());  // the rest of its frames
+      break;
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the last warm-ups are sent
+  const uint64_t base = (*publisher)->next_sequence();
+  const KvEventPublisherCounters before = (*publisher)->counters();
+  sub.set(zmq::sockopt::rcvtimeo, 5000);
+  auto next_message = [&](std::vector<zmq::message_t>* frames) {  // the test's own, warm-ups skipped
+    while (true) {
+      frames->clear();
+      do {
+        frames->emplace_back();
+        if (!sub.recv(frames->back())) return false;
+      } while (frames->back().more());
+      if (frames->front().to_string() != "kv@node-a@warm-up") return true;
+    }
+  };
+
+  for (uint64_t h = 1; h <= 5; ++h) ASSERT_TRUE((*publisher)->Publish("kv@node-a@m", Removed(h)));
+  ASSERT_TRUE((*publisher)->Publish("other", Removed(99)));  // not subscribed
+  // 5 events in batches of at most 2: 3 batches, in order, each [ts, [events], nil].
+  for (uint64_t batch = 0; batch < 3; ++batch) {
+    std::vector<zmq::message_t> frames;
+    ASSERT_TRUE(next_message(&frames));
+    ASSERT_EQ(frames.size(), 3u);
+    const zmq::message_t& topic = frames[0];
+    const zmq::message_t& seq = frames[1];
+    const zmq::message_t& payload = frames[2];
+    EXPECT_EQ(topic.to_string(), "kv@node-a@m");
+    EXPECT_EQ(seq.size(), 8u);
+    EXPECT_EQ(Sequence(seq), base + batch);
+    std::vector<KvEvent> expected;
+    for (uint64_t h = 1 + 2 * batch; h <= std::min<uint64_t>(5, 2 + 2 * batch); ++h) expected.push_back(Removed(h));
+    EXPECT_EQ(AfterTs(payload.to_string()), AfterTs(EncodeKvEventBatch(0, expected, std::nullopt, {})));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*publisher)->counters().events_published < before.events_published + 6 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ((*publisher)->counters().events_published, before.events_published + 6);
+  EXPECT_EQ((*publisher)->counters().batches_published, before.batches_published + 4);
+  EXPECT_EQ((*publisher)->next_sequence(), base + 4);
+}
+
+TEST(KvEventPublisherTest, TheReplaySocketResendsFromASequenceThenTheEndMarker) {
+  KvEventPublisherOptions o;
+  o.endpoint = Endpoint("pub2");
+  o.replay_endpoint = Endpoint("replay");
+  o.cadence = std::chrono::milliseconds(5);
+  o.max_batch_events = 1;
+  o.buffer_batches = 4;  // the oldest of 6 are gone
+  Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
+  ASSERT_TRUE(publisher.has_value()) << publisher.error();
+  for (uint64_t h = 0; h < 6; ++h) ASSERT_TRUE((*publisher)->Publish("t", Removed(h)));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*publisher)->next_sequence() < 6 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ((*publisher)->next_sequence(), 6u);
+
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(o.replay_endpoint);
+  auto replay_from = [&](uint64_t start) {
+    std::array<uint8_t, 8> start_bytes{};
+    for (size_t i = 0; i < 8; ++i) start_bytes[i] = static_cast<uint8_t>(start >> (56 - 8 * i));
+    dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
+    dealer.send(zmq::buffer(start_bytes));
+    std::vector<uint64_t> seqs;
+    while (true) {
+      zmq::message_t empty, topic, seq, payload;
+      if (!dealer.recv(empty) || !dealer.recv(topic) || !dealer.recv(seq) || !dealer.recv(payload)) {
+        ADD_FAILURE() << "no reply";
+        return std::vector<uint64_t>{};
+      }
+      EXPECT_EQ(empty.size(), 0u);
+      if (seq.to_string() == std::string(8, '\xff')) {
+        EXPECT_EQ(topic.size() + payload.size(), 0u);
+        break;
+      }
+      EXPECT_EQ(topic.to_string(), "t");
+      EXPECT_EQ(AfterTs(payload.to_string()),
+                AfterTs(EncodeKvEventBatch(0, std::vector<KvEvent>{Removed(Sequence(seq))}, std::nullopt, {})));
+      seqs.push_back(Sequence(seq));
+    }
+    return seqs;
+  };
+  EXPECT_EQ(replay_from(3), (std::vector<uint64_t>{3, 4, 5}));
+  EXPECT_EQ(replay_from(0), (std::vector<uint64_t>{2, 3, 4, 5})) << "what is left of 0 and on";
+  EXPECT_EQ(replay_from(6), (std::vector<uint64_t>{}));
+  EXPECT_EQ((*publisher)->counters().replays_served, 3u);
+  EXPECT_EQ((*publisher)->counters().replay_batches, 7u);
+}
+
+TEST(KvEventPublisherTest, AFullQueueDropsAndCountsWithoutBlocking) {
+  KvEventPublisherOptions o;
+  o.endpoint = Endpoint("pub3");
+  o.cadence = std::chrono::milliseconds(1000);  // nothing drains the queue meanwhile
+  o.max_queued_events = 100;
+  Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
+  ASSERT_TRUE(publisher.has_value()) << publisher.error();
+  uint32_t accepted = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t h = 0; h < 10000; ++h) accepted += (*publisher)->Publish("t", Removed(h)) ? 1 : 0;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_LE(accepted, 200u);  // at most a drain's worth more than the bound
+  EXPECT_GE((*publisher)->counters().events_dropped, 10000u - accepted);
+}
+
+TEST(KvEventPublisherTest, BadOptionsAndEndpointsAreRefused) {
+  KvEventPublisherOptions o;
+  o.endpoint = "tcp://no-such-host.invalid:1";
+  Result<std::unique_ptr<KvEventPublisher>> p = KvEventPublisher::Start(o);
+  ASSERT_FALSE(p.has_value());
+  EXPECT_EQ(p.error().code(), StatusCode::kUnavailable);
+  o.endpoint = Endpoint("pub4");
+  o.max_batch_events = 0;
+  p = KvEventPublisher::Start(o);
+  ASSERT_FALSE(p.has_value());
+  EXPECT_EQ(p.error().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvtier
