@@ -204,6 +204,34 @@ BlockEntry* BlockCache::InsertFilling(const StoredKey& key, const StoredKey* par
   return e;
 }
 
+void BlockCache::MakeReady(BlockEntry* e) {
+  e->state = EntryState::kReady;
+  if (e->tier != Tier::kDisk) Tell(true, e, e->tier);  // a disk entry is present by its record
+}
+
+void BlockCache::MoveToTier(BlockEntry* e, Tier to) {
+  const Tier from = e->tier;
+  index_.ChangeTier(e, to);
+  if (e->state != EntryState::kReady || from == to) return;
+  if (from != Tier::kDisk) Tell(false, e, from);
+  if (to != Tier::kDisk) Tell(true, e, to);
+}
+
+void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {
+  if (e->on_disk == on_disk) return;
+  e->on_disk = on_disk;
+  if (e->state == EntryState::kReady) Tell(on_disk, e, Tier::kDisk);
+}
+
+void BlockCache::ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t, Tier)>& fn) {
+  index_.ForEach([&](const BlockEntry* e) {
+    if (e->state != EntryState::kReady) return;
+    if (e->tier != Tier::kDisk) fn(e->key, e->owner, e->ns, e->tier);
+    if (e->on_disk) fn(e->key, e->owner, e->ns, Tier::kDisk);
+  });
+  disk_only_.ForEach([&](const DiskOnlyBlock& b) { fn(b.key, b.owner, b.ns, Tier::kDisk); });
+}
+
 void BlockCache::Lease(BlockEntry* e, TenantId tenant) {
   index_.AddLease(e);
   ++Counted(tenant).leases;
@@ -221,7 +249,11 @@ void BlockCache::Unlease(BlockEntry* e, TenantId tenant) {
 
 void BlockCache::Drop(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
-  if (e->state == EntryState::kReady) CountEviction(e->tier, e->owner);
+  if (e->state == EntryState::kReady) {
+    CountEviction(e->tier, e->owner);
+    if (e->tier != Tier::kDisk) Tell(false, e, e->tier);
+    if (e->on_disk) Tell(false, e, Tier::kDisk);
+  }
   if (!e->on_disk && PutsToRemote(e, Options::RemoteWrite::kOnDemote)) ++counters_.remote_demotions_missed;
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
@@ -236,6 +268,7 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   }
   CountEviction(Tier::kDisk, b->owner);
   Charge(*b, -1);
+  if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Tier::kDisk);
   disk_only_.Erase(b);
 }
 
@@ -579,7 +612,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       BlockEntry* e = filling[i];
       Unlease(e, tenant);
       if (commit) {
-        e->state = EntryState::kReady;
+        MakeReady(e);
         // Only host memory is checksummed by the copy (DeviceBackend); an hbm
         // block gets its checksum when it moves to host.
         e->checksum = result.checksums[i];
@@ -667,7 +700,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   const Tier from = e->tier;
   uint8_t* old = e->slot;
   Charge(e, -1);
-  index_.ChangeTier(e, to);
+  MoveToTier(e, to);
   index_.Unpark(e, /*hot=*/true);
   e->slot = dst;
   tier(to)->pool->SetOwner(dst, e);

@@ -67,6 +67,20 @@ namespace kvtier {
 
 class RemoteTier;
 
+// Told, on the event loop, as a block becomes present in a tier of this node
+// (servable from it) and as it leaves that tier: what KV events publish. A
+// block may be present in several tiers at once (a host block that still has
+// its disk record). Blocks present before the listener was set are not
+// announced: BlockCache::ForEachPresent gives them (a snapshot).
+class TierListener {
+ public:
+  virtual void OnBlockPresent(const StoredKey& key, TenantId owner, uint32_t ns, Tier tier) = 0;
+  virtual void OnBlockGone(const StoredKey& key, TenantId owner, uint32_t ns, Tier tier) = 0;
+
+ protected:
+  ~TierListener() = default;
+};
+
 struct TierWatermarks {
   double high = 0.90;
   double low = 0.80;
@@ -241,6 +255,9 @@ class BlockCache {
     //    dropped). Host then keeps below its watermarks also without a disk
     //    tier, and a block leaves only once its put has ended.
     RemoteTier* remote = nullptr;
+    // Told of every block's arrival in and departure from each tier
+    // (borrowed; must outlive the cache), or null.
+    TierListener* listener = nullptr;
     enum class RemoteWrite { kOnStore, kOnDemote };
     RemoteWrite remote_write = RemoteWrite::kOnStore;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
@@ -358,6 +375,10 @@ class BlockCache {
   }
   // Namespaces holding blocks now.
   uint32_t live_namespaces() const { return namespaces_.live(); }
+  // Every block present in a tier, per tier it is present in (as
+  // TierListener counts presence). Walks the whole cache: for snapshots and
+  // tests, not for the request path.
+  void ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t ns, Tier)>& fn);
 
   TierUsage Usage(Tier tier) const;
   // The host tier's memory, e.g. for registering it with io_uring as fixed
@@ -418,6 +439,20 @@ class BlockCache {
   bool BackToDisk(BlockEntry* e);
   void Touch(BlockEntry* e);
   void Charge(BlockEntry* e, int sign);
+  // The only ways a block's presence changes (each tells the listener):
+  // ready to serve from its tier; moved to another tier (index and
+  // presence); its disk record gained or lost.
+  void MakeReady(BlockEntry* e);
+  void MoveToTier(BlockEntry* e, Tier to);
+  void SetOnDisk(BlockEntry* e, bool on_disk);
+  void Tell(bool present, const BlockEntry* e, Tier t) {
+    if (options_.listener == nullptr) return;
+    if (present) {
+      options_.listener->OnBlockPresent(e->key, e->owner, e->ns, t);
+    } else {
+      options_.listener->OnBlockGone(e->key, e->owner, e->ns, t);
+    }
+  }
   void Charge(const DiskOnlyBlock& b, int sign);
   void Charge(Tier t, TenantId owner, uint32_t ns, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.

@@ -27,7 +27,7 @@ bool BlockCache::BackToDisk(BlockEntry* e) {
   }
   uint8_t* slot = e->slot;
   Charge(e, -1);
-  index_.ChangeTier(e, Tier::kDisk);
+  MoveToTier(e, Tier::kDisk);
   e->slot = nullptr;
   Charge(e, +1);
   tier(Tier::kHost)->pool->Free(slot, e->block_bytes);
@@ -123,7 +123,7 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
   const bool ok = status.ok();
   if (ok) {
     Charge(e, -1);
-    index_.ChangeTier(e, Tier::kHost);
+    MoveToTier(e, Tier::kHost);
     e->slot = dst;
     tier(Tier::kHost)->pool->SetOwner(dst, e);
     e->checksum = checksum;
@@ -137,7 +137,7 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     // The record is bad: it is no disk copy any more (and the block must not
     // go back to the disk-only table when the loads below let go of it).
     if (e->on_disk) options_.disk->Forget(e->key, e->disk);
-    e->on_disk = false;
+    SetOnDisk(e, false);
   }
   index_.Unpark(e, /*hot=*/true);  // in host now, or still on disk after a failure
   auto it = disk_waiters_.find(key);
@@ -231,17 +231,17 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   LogDiskRecord(owner, key, *where);
   if (keep_in_memory) {  // write-through: now clean, still served from memory
     e->disk = *where;
-    e->on_disk = true;
+    SetOnDisk(e, true);
     index_.Unpark(e, /*hot=*/true);
     MaybeDemote();
     return;
   }
   uint8_t* old = e->slot;
   Charge(e, -1);
-  index_.ChangeTier(e, Tier::kDisk);
-  e->slot = nullptr;
   e->disk = *where;
-  e->on_disk = true;
+  SetOnDisk(e, true);
+  MoveToTier(e, Tier::kDisk);
+  e->slot = nullptr;
   Charge(e, +1);
   index_.Unpark(e, /*hot=*/true);
   if (e->leases > 0) {
@@ -309,7 +309,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
     // Also in memory: only the disk copy goes (the block is dirty again).
     // Where every host block was promised to disk (write-through, or a
     // flush under way), it goes back in line to be written.
-    e->on_disk = false;
+    SetOnDisk(e, false);
     if (e->tier == Tier::kHost && (options_.disk_write_through || flushing_)) {
       QueueDiskWrite(key, /*keep_in_memory=*/!flushing_);
       SchedulePump();
@@ -319,7 +319,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   if (e != nullptr && (e->moving || e->leases > 0)) {
     // A load's read of it is in flight (the region waits for it; it lands
     // in host), or a load holds it and its last Unlease erases it.
-    e->on_disk = false;
+    SetOnDisk(e, false);
     return {ReclaimAction::kDropped};
   }
   if (b != nullptr && b->hits == 0) {
@@ -342,7 +342,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   }
   CountEviction(Tier::kDisk, e->owner);
   Charge(e, -1);
-  e->on_disk = false;  // the reclaim deletes its index entry
+  SetOnDisk(e, false);  // the reclaim deletes its index entry
   index_.Erase(e);
   return {ReclaimAction::kDropped};
 }
@@ -356,12 +356,12 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
   if (!now) RefundWriteBudget(RecordBytes(e->block_bytes));
   if (now) {
     e->disk = *now;
-    e->on_disk = true;
+    SetOnDisk(e, true);
     e->hits = 0;
     ++counters_.disk_reinsertions;
     LogDiskRecord(e->owner, key, *now);  // written again: the newest now
   } else {
-    e->on_disk = false;  // its old record went with the reclaim: nothing is left
+    SetOnDisk(e, false);  // its old record went with the reclaim: nothing is left
   }
   SchedulePump();  // a flush may have been waiting for this append
   // Loads that came meanwhile wait in disk_waiters_: read it for them now.

@@ -58,10 +58,10 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
           BlockEntry* e = filling[i];
           Unlease(e, tenant);
           if (i < n) {
-            e->state = EntryState::kReady;
             e->checksum = (*checksums)[i];  // as the remote tier checked it
             e->has_checksum = true;
             e->on_remote = true;
+            MakeReady(e);
             ++counters_.remote_promotions;
           } else {
             Drop(e);  // a miss, an error or the breaker: never served

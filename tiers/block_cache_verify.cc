@@ -233,7 +233,7 @@ void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, siz
         Drop(e);
       } else {  // the copy in memory is good; only the disk copy goes
         options_.disk->Forget(key, e->disk);
-        e->on_disk = false;
+        SetOnDisk(e, false);
       }
     }
   }

@@ -15,7 +15,9 @@
 #include <deque>
 #include <filesystem>
 #include <numeric>
+#include <mutex>
 #include <random>
+#include <set>
 
 #include "common/block_pattern.h"
 #include "common/mutex.h"
@@ -33,6 +35,49 @@ using namespace std::chrono_literals;
 
 constexpr uint64_t kRegionBytes = 64 << 10;
 constexpr TenantId kTenant = 0;
+
+// What a KV-event consumer learns: every test of this file runs with it, so
+// each one's reclaims, faults, moves and restarts check that a block is
+// announced present in a tier once, gone only once present, and that at the
+// end the announcements add up to what the cache holds (ForEachPresent).
+class PresenceTracker final : public TierListener {
+ public:
+  using Held = std::set<std::pair<std::string, Tier>>;
+  void OnBlockPresent(const StoredKey& key, TenantId, uint32_t, Tier tier) override {
+    std::lock_guard lock(mu_);
+    EXPECT_TRUE(held_.emplace(key.ToHex(), tier).second) << key.ToHex() << " announced twice in tier " << int(tier);
+  }
+  void OnBlockGone(const StoredKey& key, TenantId, uint32_t, Tier tier) override {
+    std::lock_guard lock(mu_);
+    EXPECT_EQ(held_.erase({key.ToHex(), tier}), 1u) << key.ToHex() << " gone from tier " << int(tier)
+                                                    << " where it was not";
+    ++gone_;
+  }
+  Held held() const {
+    std::lock_guard lock(mu_);
+    return held_;
+  }
+  void Reset(Held held) {
+    std::lock_guard lock(mu_);
+    held_ = std::move(held);
+  }
+  uint64_t gone() const {
+    std::lock_guard lock(mu_);
+    return gone_;
+  }
+  static Held Of(BlockCache& cache) {
+    Held now;
+    cache.ForEachPresent([&](const StoredKey& key, TenantId, uint32_t, Tier tier) {
+      EXPECT_TRUE(now.emplace(key.ToHex(), tier).second);
+    });
+    return now;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  Held held_;
+  uint64_t gone_ = 0;
+};
 using tiers_test::EngineMemory;
 using tiers_test::SmallSpec;
 
@@ -78,14 +123,17 @@ class DiskTierTest : public ::testing::Test {
                           .disk_promotion_min_hits = promotion_min_hits_,
                           .disk_write_budget_bytes_per_day = budget_per_day,
                           .disk_write_through = write_through,
+                          .listener = &presence_,
                           .clock = [this] { return now_; }};
     cache_ = BlockCache::Create(std::move(o)).value();
     cache_->SetTenantName(kTenant, "t0");
     adopted_ = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+    presence_.Reset(PresenceTracker::Of(*cache_));  // a restart's snapshot
   }
   void Close() {
     if (cache_) {
       EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+      EXPECT_EQ(presence_.held(), PresenceTracker::Of(*cache_)) << "the announcements do not add up";
     }
     cache_.reset();
     disk_.reset();
@@ -170,6 +218,7 @@ class DiskTierTest : public ::testing::Test {
     return out;
   }
 
+  PresenceTracker presence_;    // outlives the cache
   tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
   std::string index_path_;
@@ -196,6 +245,11 @@ TEST_F(DiskTierTest, RoundTripThroughAllThreeTiersIsByteExact) {
   EXPECT_GT(c.disk_demotions, 0u);
   EXPECT_GT(cache_->Usage(Tier::kDisk).blocks, 0u);
   EXPECT_EQ(disk_->counters().writes, c.disk_demotions);
+  // Announced as they moved: hbm to host to disk, each a gone and a present.
+  std::set<Tier> tiers;
+  for (const auto& [key, tier] : presence_.held()) tiers.insert(tier);
+  EXPECT_EQ(tiers, (std::set<Tier>{Tier::kHbm, Tier::kHost, Tier::kDisk}));
+  EXPECT_GE(presence_.gone(), c.demotions + c.disk_demotions);
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
   EXPECT_GT(cache_->counters().disk_promotions, 0u);
   EXPECT_EQ(cache_->counters().disk_read_failures, 0u);
