@@ -278,17 +278,21 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
   char tmpl[] = "/tmp/kvtier-bench-remote-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) return 1;
   const std::filesystem::path dir = tmpl;
-  StartedDaemon a, b;
-  const bool started = StartNodes(start_daemon, seeds, dir, &a, &b);
-  // Stops the nodes and removes their state, however this returns.
-  const std::unique_ptr<void, std::function<void(void*)>> cleanup(reinterpret_cast<void*>(1), [&](void*) {
-    if (b.stop) b.stop();
-    if (a.stop) a.stop();
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
-  });
-  if (!started) {
-    std::fprintf(stderr, "remote: node A did not start (its log is in %s/a)\n", dir.c_str());
+  // Stops the nodes and removes their state, however the run ends.
+  struct Nodes {
+    std::filesystem::path dir;
+    StartedDaemon a, b;
+    ~Nodes() {
+      if (b.stop) b.stop();
+      if (a.stop) a.stop();
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } nodes{.dir = dir, .a = {}, .b = {}};
+  StartedDaemon& a = nodes.a;
+  StartedDaemon& b = nodes.b;
+  if (!StartNodes(start_daemon, seeds, dir, &a, &b)) {
+    std::fprintf(stderr, "remote: node A did not start (KVTIER_KEEP_TEST_DIRS=1 keeps its log)\n");
     return 1;
   }
   std::printf("cluster:  %s (%zu seed nodes)\n", own ? "3 masters started by kvtier-bench, loopback" : "given",
@@ -396,7 +400,7 @@ int Remote(const RemoteBenchOptions& options, const StartDaemonFn& start_daemon)
     }
   }
   if (!ok) {
-    std::fprintf(stderr, "remote: a call failed or a byte differed (nodes' logs: %s)\n", dir.c_str());
+    std::fprintf(stderr, "remote: a call failed or a byte differed (KVTIER_KEEP_TEST_DIRS=1 keeps the nodes' logs)\n");
     return 1;
   }
   PrintComparisons(cs);
