@@ -48,11 +48,12 @@ KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python
 # The same tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
 # ignores. Every kvtierd the integration tests start is sanitized too, and a
-# report aborts it (halt_on_error), so no report goes unnoticed.
+# report aborts it (halt_on_error), so no report goes unnoticed. Only what the
+# tests run is built (target kvtier_tests): not kvtier-bench.
 sanitized() {  # preset, ctest labels
   step "$1 build (build/$1, clang)"
   cmake --preset "$1" >/dev/null
-  cmake --build "build/$1" -j"$jobs"
+  cmake --build "build/$1" -j"$jobs" --target kvtier_tests
   step "test under $1 (ctest -L '$2')"
   # shellcheck disable=SC2086
   ctest --test-dir "build/$1" --output-on-failure --no-tests=error --timeout 900 -j"$test_jobs" -L "$2" \

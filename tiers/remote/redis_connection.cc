@@ -2,6 +2,7 @@
 
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <climits>
 #include <cerrno>
@@ -130,12 +131,16 @@ Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
   iov.push_back({const_cast<char*>(kEnd), 2});
   size_t at = 0;  // the first iovec not fully written
   while (at < iov.size()) {
-    const ssize_t n = ::writev(context_->fd, iov.data() + at, static_cast<int>(std::min<size_t>(iov.size() - at, IOV_MAX)));
+    msghdr msg{};
+    msg.msg_iov = iov.data() + at;
+    msg.msg_iovlen = std::min<size_t>(iov.size() - at, IOV_MAX);
+    // MSG_NOSIGNAL: a peer that closed is EPIPE here, never SIGPIPE.
+    const ssize_t n = ::sendmsg(context_->fd, &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       const int error = errno;  // EAGAIN: the send timeout passed
       broken_ = true;
-      return Status(StatusCode::kUnavailable, "redis " + name_ + ": writev: " + std::strerror(error));
+      return Status(StatusCode::kUnavailable, "redis " + name_ + ": sendmsg: " + std::strerror(error));
     }
     size_t left = static_cast<size_t>(n);
     while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;

@@ -54,6 +54,9 @@ struct RedisConnectionOptions {
   std::chrono::milliseconds io_timeout{1000};
 };
 
+// hiredis writes with plain write(): a node that closed its end raises
+// SIGPIPE in the writing thread. Threads that use a connection must ignore
+// or block SIGPIPE (kvtierd ignores it; RemoteTier's I/O threads block it).
 class RedisConnection {
  public:
   // Connects, then AUTHs when a password is set. Errors: kUnavailable when
@@ -68,7 +71,7 @@ class RedisConnection {
   Status Append(std::span<const std::string_view> argv);
   // Queues a command whose last argument is the concatenation of `parts`
   // (a value's header and payload), written to the socket at once with
-  // writev: the parts are not copied (hiredis would copy the whole value
+  // sendmsg: the parts are not copied (hiredis would copy the whole value
   // into its buffer). Errors: kUnavailable when the write fails or times out.
   Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts);
   // Sends what is queued if needed and reads the next reply. An error reply

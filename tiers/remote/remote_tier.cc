@@ -1,9 +1,11 @@
 #include "tiers/remote/remote_tier.h"
 
 #include <hiredis/hiredis.h>
+#include <pthread.h>
 #include <spdlog/spdlog.h>
 
 #include <array>
+#include <csignal>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -130,6 +132,12 @@ void RemoteTier::Finish(Batch& batch, Result<uint32_t> result) {
 }
 
 void RemoteTier::Loop(Worker& worker) {
+  // hiredis writes with write(): a node that died must be an EPIPE on this
+  // thread, not a SIGPIPE that ends the process (see RedisConnection).
+  sigset_t pipe;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  ::pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
   while (true) {
     Batch batch;
     {
