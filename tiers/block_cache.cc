@@ -6,6 +6,8 @@
 
 namespace kvtier {
 
+const char* PresenceName(Presence p) { return p == Presence::kRemote ? "remote" : TierName(static_cast<Tier>(p)); }
+
 Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
   if (options.backend == nullptr || !options.post) {
     return Err(InvalidArgument("BlockCache: backend and post are required"));
@@ -223,13 +225,25 @@ void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {
   if (e->state == EntryState::kReady) Tell(on_disk, e, Tier::kDisk);
 }
 
-void BlockCache::ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t, Tier)>& fn) {
+void BlockCache::SetRemotePresent(BlockEntry* e, bool present) {
+  if (e->remote_present == present) return;
+  e->remote_present = present;
+  Tell(present, e, Presence::kRemote);
+}
+
+void BlockCache::Erase(BlockEntry* e) {
+  SetRemotePresent(e, false);
+  index_.Erase(e);
+}
+
+void BlockCache::ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t, Presence)>& fn) {
   index_.ForEach([&](const BlockEntry* e) {
+    if (e->remote_present) fn(e->key, e->owner, e->ns, Presence::kRemote);
     if (e->state != EntryState::kReady) return;
-    if (e->tier != Tier::kDisk) fn(e->key, e->owner, e->ns, e->tier);
-    if (e->on_disk) fn(e->key, e->owner, e->ns, Tier::kDisk);
+    if (e->tier != Tier::kDisk) fn(e->key, e->owner, e->ns, PresenceOf(e->tier));
+    if (e->on_disk) fn(e->key, e->owner, e->ns, Presence::kDisk);
   });
-  disk_only_.ForEach([&](const DiskOnlyBlock& b) { fn(b.key, b.owner, b.ns, Tier::kDisk); });
+  disk_only_.ForEach([&](const DiskOnlyBlock& b) { fn(b.key, b.owner, b.ns, Presence::kDisk); });
 }
 
 void BlockCache::Lease(BlockEntry* e, TenantId tenant) {
@@ -258,7 +272,7 @@ void BlockCache::Drop(BlockEntry* e) {
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
   if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, e->block_bytes);
-  index_.Erase(e);
+  Erase(e);
 }
 
 
@@ -268,7 +282,7 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   }
   CountEviction(Tier::kDisk, b->owner);
   Charge(*b, -1);
-  if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Tier::kDisk);
+  if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Presence::kDisk);
   disk_only_.Erase(b);
 }
 

@@ -67,15 +67,24 @@ namespace kvtier {
 
 class RemoteTier;
 
-// Told, on the event loop, as a block becomes present in a tier of this node
-// (servable from it) and as it leaves that tier: what KV events publish. A
-// block may be present in several tiers at once (a host block that still has
-// its disk record). Blocks present before the listener was set are not
-// announced: BlockCache::ForEachPresent gives them (a snapshot).
+// Where TierListener says a block is: a tier of this node (the first three
+// are Tier's), or the remote tier: the cluster holds a copy that this node
+// put there (a whole batch answered OK) or read from it.
+enum class Presence : uint8_t { kHbm = 0, kHost = 1, kDisk = 2, kRemote = 3 };
+inline Presence PresenceOf(Tier t) { return static_cast<Presence>(t); }
+const char* PresenceName(Presence p);  // "hbm", "host", "disk", "remote"
+
+// Told, on the event loop, as a block becomes present somewhere (servable
+// from there) and as it leaves: what KV events publish. A block may be
+// present in several places at once (a host block that still has its disk
+// record and was put to the cluster). Remote presence ends when this node
+// forgets the block (the cluster may have let it go before: a miss then).
+// Blocks present before the listener was set are not announced:
+// BlockCache::ForEachPresent gives them (a snapshot).
 class TierListener {
  public:
-  virtual void OnBlockPresent(const StoredKey& key, TenantId owner, uint32_t ns, Tier tier) = 0;
-  virtual void OnBlockGone(const StoredKey& key, TenantId owner, uint32_t ns, Tier tier) = 0;
+  virtual void OnBlockPresent(const StoredKey& key, TenantId owner, uint32_t ns, Presence where) = 0;
+  virtual void OnBlockGone(const StoredKey& key, TenantId owner, uint32_t ns, Presence where) = 0;
 
  protected:
   ~TierListener() = default;
@@ -375,10 +384,10 @@ class BlockCache {
   }
   // Namespaces holding blocks now.
   uint32_t live_namespaces() const { return namespaces_.live(); }
-  // Every block present in a tier, per tier it is present in (as
+  // Every block present somewhere, once per place it is present in (as
   // TierListener counts presence). Walks the whole cache: for snapshots and
   // tests, not for the request path.
-  void ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t ns, Tier)>& fn);
+  void ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t ns, Presence)>& fn);
 
   TierUsage Usage(Tier tier) const;
   // The host tier's memory, e.g. for registering it with io_uring as fixed
@@ -445,14 +454,20 @@ class BlockCache {
   void MakeReady(BlockEntry* e);
   void MoveToTier(BlockEntry* e, Tier to);
   void SetOnDisk(BlockEntry* e, bool on_disk);
-  void Tell(bool present, const BlockEntry* e, Tier t) {
+  // The cluster holds it (a put answered, or a read from it) or this node
+  // forgets that it does.
+  void SetRemotePresent(BlockEntry* e, bool present);
+  // Takes `e` out of the index, ending its remote presence first.
+  void Erase(BlockEntry* e);
+  void Tell(bool present, const BlockEntry* e, Presence where) {
     if (options_.listener == nullptr) return;
     if (present) {
-      options_.listener->OnBlockPresent(e->key, e->owner, e->ns, t);
+      options_.listener->OnBlockPresent(e->key, e->owner, e->ns, where);
     } else {
-      options_.listener->OnBlockGone(e->key, e->owner, e->ns, t);
+      options_.listener->OnBlockGone(e->key, e->owner, e->ns, where);
     }
   }
+  void Tell(bool present, const BlockEntry* e, Tier t) { Tell(present, e, PresenceOf(t)); }
   void Charge(const DiskOnlyBlock& b, int sign);
   void Charge(Tier t, TenantId owner, uint32_t ns, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.

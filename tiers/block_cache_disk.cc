@@ -65,7 +65,7 @@ void BlockCache::Dematerialize(BlockEntry* e) {
     // Its record went with a reclaim while a load held it: nothing is left.
     CountEviction(Tier::kDisk, e->owner);
     Charge(e, -1);
-    index_.Erase(e);
+    Erase(e);
     return;
   }
   // The tier's devices are at most kMaxDiskPathBytes (DiskTier::Open): every
@@ -79,7 +79,7 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   b.ns = static_cast<uint16_t>(e->ns);
   b.hits = e->hits;
   b.device = static_cast<uint8_t>(e->disk.device);
-  index_.Erase(e);
+  Erase(e);
   disk_only_.Insert(b);
 }
 
@@ -343,7 +343,7 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   CountEviction(Tier::kDisk, e->owner);
   Charge(e, -1);
   SetOnDisk(e, false);  // the reclaim deletes its index entry
-  index_.Erase(e);
+  Erase(e);
   return {ReclaimAction::kDropped};
 }
 

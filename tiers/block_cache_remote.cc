@@ -62,6 +62,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
             e->has_checksum = true;
             e->on_remote = true;
             MakeReady(e);
+            SetRemotePresent(e, true);
             ++counters_.remote_promotions;
           } else {
             Drop(e);  // a miss, an error or the breaker: never served
@@ -106,7 +107,11 @@ void BlockCache::FlushRemotePuts() {
     options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
                          [this, batch = std::move(batch)](Result<uint32_t> put) {
                            --inflight_copies_;
+                           // Per block, the tier says only how many landed:
+                           // a batch that wholly did is announced.
+                           const bool all = put && *put == batch.size();
                            for (const auto& [e, leaving] : batch) {
+                             if (all) SetRemotePresent(e, true);
                              if (leaving) {
                                tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(e->block_bytes);
                              }

@@ -61,6 +61,8 @@ struct BlockEntry {
   bool on_disk = false;
   // The remote tier holds it (or a put of it was tried): put once at most.
   bool on_remote = false;
+  // The cluster holds it as far as this node knows (TierListener's kRemote).
+  bool remote_present = false;
   // Cached children (blocks whose parent is this one), counted by the tier
   // they live in. A block with children in its own tier or above is evicted
   // after them.

@@ -42,12 +42,12 @@ constexpr TenantId kTenant = 0;
 // end the announcements add up to what the cache holds (ForEachPresent).
 class PresenceTracker final : public TierListener {
  public:
-  using Held = std::set<std::pair<std::string, Tier>>;
-  void OnBlockPresent(const StoredKey& key, TenantId, uint32_t, Tier tier) override {
+  using Held = std::set<std::pair<std::string, Presence>>;
+  void OnBlockPresent(const StoredKey& key, TenantId, uint32_t, Presence tier) override {
     std::lock_guard lock(mu_);
     EXPECT_TRUE(held_.emplace(key.ToHex(), tier).second) << key.ToHex() << " announced twice in tier " << int(tier);
   }
-  void OnBlockGone(const StoredKey& key, TenantId, uint32_t, Tier tier) override {
+  void OnBlockGone(const StoredKey& key, TenantId, uint32_t, Presence tier) override {
     std::lock_guard lock(mu_);
     EXPECT_EQ(held_.erase({key.ToHex(), tier}), 1u) << key.ToHex() << " gone from tier " << int(tier)
                                                     << " where it was not";
@@ -67,7 +67,7 @@ class PresenceTracker final : public TierListener {
   }
   static Held Of(BlockCache& cache) {
     Held now;
-    cache.ForEachPresent([&](const StoredKey& key, TenantId, uint32_t, Tier tier) {
+    cache.ForEachPresent([&](const StoredKey& key, TenantId, uint32_t, Presence tier) {
       EXPECT_TRUE(now.emplace(key.ToHex(), tier).second);
     });
     return now;
@@ -246,9 +246,9 @@ TEST_F(DiskTierTest, RoundTripThroughAllThreeTiersIsByteExact) {
   EXPECT_GT(cache_->Usage(Tier::kDisk).blocks, 0u);
   EXPECT_EQ(disk_->counters().writes, c.disk_demotions);
   // Announced as they moved: hbm to host to disk, each a gone and a present.
-  std::set<Tier> tiers;
+  std::set<Presence> tiers;
   for (const auto& [key, tier] : presence_.held()) tiers.insert(tier);
-  EXPECT_EQ(tiers, (std::set<Tier>{Tier::kHbm, Tier::kHost, Tier::kDisk}));
+  EXPECT_EQ(tiers, (std::set<Presence>{Presence::kHbm, Presence::kHost, Presence::kDisk}));
   EXPECT_GE(presence_.gone(), c.demotions + c.disk_demotions);
   for (const StoredKey& k : keys) EXPECT_TRUE(LoadExact(k));
   EXPECT_GT(cache_->counters().disk_promotions, 0u);
