@@ -179,13 +179,31 @@ kvtier_status kvtier_load_async(kvtier_client* client, uint32_t cache_id, const 
 kvtier_status kvtier_store_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
                                  const uint32_t* block_ids, size_t n, const uint8_t* parent,
                                  kvtier_op* op) {
-  if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || op == nullptr) {
+  return kvtier_store_events_async(client, cache_id, keys, block_ids, n, parent, nullptr, op);
+}
+
+kvtier_status kvtier_store_events_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                                        const uint32_t* block_ids, size_t n, const uint8_t* parent,
+                                        const kvtier_block_events* events, kvtier_op* op) {
+  if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || op == nullptr ||
+      (events != nullptr && n > 0 && events->engine_hashes == nullptr)) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
   }
   std::optional<kvtier::BlockKey> parent_key;
   if (parent != nullptr) parent_key = Keys(parent, 1).front();
-  kvtier::Result<kvtier::OpHandle> r = client->client->StoreAsync(
-      cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n), parent_key);
+  kvtier::BlockEventInfo info;
+  if (events != nullptr) {
+    const size_t width = events->hash_bytes;
+    info.hash_bytes = events->hash_bytes;
+    info.engine_hashes = {events->engine_hashes, events->engine_hashes == nullptr ? 0 : n * width};
+    if (events->parent_hash != nullptr) info.parent_hash = {events->parent_hash, width};
+    if (events->token_ids != nullptr) info.token_ids = {events->token_ids, n * size_t{events->block_size}};
+    info.block_size = events->block_size;
+    if (events->lora_name != nullptr) info.lora_name = events->lora_name;
+  }
+  kvtier::Result<kvtier::OpHandle> r =
+      client->client->StoreAsync(cache_id, Keys(keys, n), std::span<const uint32_t>(block_ids, n), parent_key,
+                                 events != nullptr ? &info : nullptr);
   if (!r) return Fail(r.error());
   *op = kvtier_op{.op = r->op, .connection = r->connection};
   return KVTIER_OK;

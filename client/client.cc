@@ -182,11 +182,21 @@ class Client::Impl {
   Result<std::variant<OpHandle, OpResult>> StartOp(bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
                                                    std::span<const uint32_t> block_ids,
                                                    const std::optional<BlockKey>& parent, bool ordered = false,
-                                                   CudaStream stream = nullptr) {
+                                                   CudaStream stream = nullptr,
+                                                   const BlockEventInfo* events = nullptr) {
     MutexLock lock(&mu_);
     if (keys.size() != block_ids.size()) {
       return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
                                  " block ids"));
+    }
+    if (events != nullptr) {
+      KVTIER_RETURN_IF_ERROR(ipc::CheckBlockEventSizes({.keys = keys.size(),
+                                                        .hash_bytes = events->hash_bytes,
+                                                        .hashes = events->engine_hashes.size(),
+                                                        .parent = events->parent_hash.size(),
+                                                        .tokens = events->token_ids.size(),
+                                                        .block_size = events->block_size,
+                                                        .lora_name = events->lora_name.size()}));
     }
     KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
     if (ordered && c->cuda == nullptr) {
@@ -223,8 +233,21 @@ class Client::Impl {
       bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event));
     } else {
       const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
-      bytes = ipc::FinishMessage(b, rid, w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr,
-                                                              wait, event, event, completion));
+      std::vector<uint8_t> hashes, parent_hash;
+      std::vector<uint32_t> tokens;
+      std::string lora;
+      if (events != nullptr) {
+        hashes.assign(events->engine_hashes.begin(), events->engine_hashes.end());
+        parent_hash.assign(events->parent_hash.begin(), events->parent_hash.end());
+        tokens.assign(events->token_ids.begin(), events->token_ids.end());
+        lora = events->lora_name;
+      }
+      bytes = ipc::FinishMessage(
+          b, rid,
+          w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait, event, event, completion,
+                               events != nullptr ? &hashes : nullptr, events != nullptr ? events->hash_bytes : 0,
+                               parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
+                               events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str()));
     }
     if (wait) {
       Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
@@ -631,8 +654,8 @@ Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys
 }
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                                    const std::optional<BlockKey>& parent) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent));
+                                    const std::optional<BlockKey>& parent, const BlockEventInfo* events) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, false, nullptr, events));
   return std::get<OpHandle>(v);
 }
 
@@ -643,8 +666,9 @@ Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys
 }
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                                    const std::optional<BlockKey>& parent, CudaStream stream) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream));
+                                    const std::optional<BlockKey>& parent, CudaStream stream,
+                                    const BlockEventInfo* events) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream, events));
   return std::get<OpHandle>(v);
 }
 
@@ -656,8 +680,8 @@ Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std
 }
 
 Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                               const std::optional<BlockKey>& parent) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, true, cache, keys, block_ids, parent));
+                               const std::optional<BlockKey>& parent, const BlockEventInfo* events) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, true, cache, keys, block_ids, parent, false, nullptr, events));
   return std::get<OpResult>(v);
 }
 

@@ -82,4 +82,31 @@ Status StatusFromWire(wire::Code code, const flatbuffers::String* message) {
   return Status(c, message != nullptr ? message->str() : std::string());
 }
 
+Status CheckBlockEventSizes(const BlockEventSizes& s) {
+  auto bad = [](const std::string& what) { return InvalidArgument("store events: " + what); };
+  if (s.hash_bytes == 0 || s.hash_bytes > BlockEventSizes::kMaxHashBytes) {
+    return bad("hash_bytes must be 1-" + std::to_string(BlockEventSizes::kMaxHashBytes) + ", not " +
+               std::to_string(s.hash_bytes));
+  }
+  if (s.hashes != s.keys * s.hash_bytes) {
+    return bad(std::to_string(s.hashes) + " bytes of engine hashes for " + std::to_string(s.keys) + " keys of " +
+               std::to_string(s.hash_bytes) + " bytes each");
+  }
+  if (s.parent != 0 && s.parent != s.hash_bytes) {
+    return bad("the parent hash has " + std::to_string(s.parent) + " bytes, not " + std::to_string(s.hash_bytes));
+  }
+  if (s.block_size > BlockEventSizes::kMaxBlockSize) {
+    return bad("block_size " + std::to_string(s.block_size) + " is over " +
+               std::to_string(BlockEventSizes::kMaxBlockSize) + " tokens");
+  }
+  if (s.tokens != 0 && s.tokens != s.keys * s.block_size) {
+    return bad(std::to_string(s.tokens) + " token ids for " + std::to_string(s.keys) + " blocks of " +
+               std::to_string(s.block_size) + " tokens");
+  }
+  if (s.lora_name > BlockEventSizes::kMaxLoraNameBytes) {
+    return bad("lora_name is over " + std::to_string(BlockEventSizes::kMaxLoraNameBytes) + " bytes");
+  }
+  return Status::Ok();
+}
+
 }  // namespace kvtier::ipc

@@ -62,6 +62,23 @@ Result<Layout> LayoutFromWire(const wire::Layout* w);
 wire::Placement PlacementToWire(const Placement& p);
 Placement PlacementFromWire(const wire::Placement& w);
 
+// A Store's KV-event fields (wire::Store, client BlockEventInfo): the sizes
+// that must agree with `keys` and the limits. Errors: kInvalidArgument
+// naming the field.
+struct BlockEventSizes {
+  static constexpr uint32_t kMaxHashBytes = 32;
+  static constexpr uint32_t kMaxBlockSize = 4096;  // tokens per block
+  static constexpr size_t kMaxLoraNameBytes = 256;
+  size_t keys = 0;
+  uint32_t hash_bytes = 0;
+  size_t hashes = 0;  // bytes of engine_hashes
+  size_t parent = 0;  // bytes of the parent hash
+  size_t tokens = 0;  // token ids
+  uint32_t block_size = 0;
+  size_t lora_name = 0;  // bytes
+};
+Status CheckBlockEventSizes(const BlockEventSizes& s);
+
 wire::Code CodeToWire(StatusCode code);
 // Unknown codes from a newer peer become kInternal.
 StatusCode CodeFromWire(wire::Code code);

@@ -85,6 +85,10 @@ class TierListener {
  public:
   virtual void OnBlockPresent(const StoredKey& key, TenantId owner, uint32_t ns, Presence where) = 0;
   virtual void OnBlockGone(const StoredKey& key, TenantId owner, uint32_t ns, Presence where) = 0;
+  // What to keep with the block's disk record as it is written (at most
+  // RecordHeader::kMaxAnnotationBytes; empty: nothing): a restart gives it
+  // back in DiskRecord::header.annotation.
+  virtual std::string DiskAnnotation(const StoredKey& key, TenantId owner) = 0;
 
  protected:
   ~TierListener() = default;

@@ -170,6 +170,7 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   h.payload_bytes = e->block_bytes;
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
+  if (options_.listener != nullptr) h.annotation = options_.listener->DiskAnnotation(e->key, e->owner);
   options_.disk->Append(std::move(h), e->slot,
                         [this, key = e->key, stride, keep_in_memory, budgeted,
                          start = std::chrono::steady_clock::now()](Result<DiskLocation> where) {

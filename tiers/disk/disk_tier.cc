@@ -27,6 +27,7 @@ namespace kvtier {
 namespace {
 
 constexpr uint8_t kIndexValueVersion = 1;
+constexpr uint8_t kAnnotatedIndexValueVersion = 2;  // with the record's annotation after the owner
 constexpr uint64_t kRecoveryProgressEvery = 200000;
 // Forgotten blocks' index deletes are handed to the writer in batches of
 // this many (or sooner, ahead of any other index write).
@@ -106,7 +107,9 @@ bool GetU64(std::string_view& in, uint64_t* v) {
 }
 
 bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
-  if (in.empty() || static_cast<uint8_t>(in[0]) != kIndexValueVersion) return false;
+  if (in.empty()) return false;
+  const uint8_t version = static_cast<uint8_t>(in[0]);
+  if (version != kIndexValueVersion && version != kAnnotatedIndexValueVersion) return false;
   in.remove_prefix(1);
   RecordHeader& h = out->header;
   DiskLocation& l = out->location;
@@ -121,8 +124,16 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   in.remove_prefix(16);
   const size_t owner_len = static_cast<uint8_t>(in[0]);
   in.remove_prefix(1);
-  if (owner_len > RecordHeader::kMaxOwnerBytes || in.size() != owner_len) return false;
+  if (owner_len > RecordHeader::kMaxOwnerBytes || in.size() < owner_len) return false;
   h.owner.assign(in.data(), owner_len);
+  in.remove_prefix(owner_len);
+  if (version == kIndexValueVersion) return in.empty();
+  uint32_t annotation_len = 0;
+  if (!GetU32(in, &annotation_len) || annotation_len == 0 || annotation_len > RecordHeader::kMaxAnnotationBytes ||
+      in.size() != annotation_len) {
+    return false;
+  }
+  h.annotation.assign(in.data(), annotation_len);
   return true;
 }
 
@@ -165,7 +176,7 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
 }  // namespace
 
 std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l) const {
-  std::string v(1, static_cast<char>(kIndexValueVersion));
+  std::string v(1, static_cast<char>(h.annotation.empty() ? kIndexValueVersion : kAnnotatedIndexValueVersion));
   PutU32(v, l.device);
   PutU32(v, l.region);
   PutU64(v, l.offset);
@@ -176,6 +187,10 @@ std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l
   v.append(reinterpret_cast<const char*>(h.ns.bytes.data()), 16);
   v.push_back(static_cast<char>(h.owner.size()));
   v.append(h.owner);
+  if (!h.annotation.empty()) {
+    PutU32(v, static_cast<uint32_t>(h.annotation.size()));
+    v.append(h.annotation);
+  }
   return v;
 }
 

@@ -28,7 +28,10 @@ constexpr size_t kChecksumBytes = 8;
 // encoded_bytes counts everything up to and including the header checksum, so
 // for version 1 it is exactly this plus owner_len.
 constexpr size_t kFixedEncodedBytes = kOwnerOffset + kChecksumBytes;
-constexpr size_t kMaxEncodedBytes = kFixedEncodedBytes + RecordHeader::kMaxOwnerBytes;
+// Version 2 adds annotation_len (u32) and the annotation after the owner.
+constexpr size_t kAnnotationLenBytes = 4;
+constexpr size_t kMaxEncodedBytes =
+    kFixedEncodedBytes + RecordHeader::kMaxOwnerBytes + kAnnotationLenBytes + RecordHeader::kMaxAnnotationBytes;
 static_assert(kMaxEncodedBytes <= RecordHeader::kBytes);
 
 // Explicit byte-by-byte little-endian so the format does not depend on the
@@ -66,14 +69,17 @@ tl::unexpected<Status> Corrupt(std::string what) {
 void EncodeRecordHeader(const RecordHeader& header, std::span<uint8_t> out) {
   KVTIER_CHECK_MSG(out.size() == RecordHeader::kBytes, "record header buffer must be 4096 bytes");
   KVTIER_CHECK_MSG(header.owner.size() <= RecordHeader::kMaxOwnerBytes, "record owner too long");
+  KVTIER_CHECK_MSG(header.annotation.size() <= RecordHeader::kMaxAnnotationBytes, "record annotation too long");
   const size_t owner_len = header.owner.size();
-  const size_t encoded_bytes = kFixedEncodedBytes + owner_len;
+  const bool annotated = !header.annotation.empty();
+  const size_t annotation_part = annotated ? kAnnotationLenBytes + header.annotation.size() : 0;
+  const size_t encoded_bytes = kFixedEncodedBytes + owner_len + annotation_part;
   uint8_t* p = out.data();
   // Zero first: the tail is part of every O_DIRECT write, and stale bytes from
   // a reused slot must not reach the disk.
   std::fill(out.begin(), out.end(), uint8_t{0});
   PutU64(p + kMagicOffset, RecordHeader::kMagic);
-  PutU32(p + kVersionOffset, RecordHeader::kVersion);
+  PutU32(p + kVersionOffset, annotated ? RecordHeader::kAnnotatedVersion : RecordHeader::kVersion);
   PutU32(p + kEncodedBytesOffset, static_cast<uint32_t>(encoded_bytes));
   std::memcpy(p + kKeyOffset, header.key.bytes.data(), StoredKey::kSize);
   std::memcpy(p + kNsOffset, header.ns.bytes.data(), LayoutFingerprint::kSize);
@@ -82,7 +88,12 @@ void EncodeRecordHeader(const RecordHeader& header, std::span<uint8_t> out) {
   PutU64(p + kPayloadChecksumOffset, header.payload_checksum);
   PutU32(p + kOwnerLenOffset, static_cast<uint32_t>(owner_len));
   if (owner_len > 0) std::memcpy(p + kOwnerOffset, header.owner.data(), owner_len);
-  const size_t checksum_offset = kOwnerOffset + owner_len;
+  if (annotated) {
+    uint8_t* a = p + kOwnerOffset + owner_len;
+    PutU32(a, static_cast<uint32_t>(header.annotation.size()));
+    std::memcpy(a + kAnnotationLenBytes, header.annotation.data(), header.annotation.size());
+  }
+  const size_t checksum_offset = kOwnerOffset + owner_len + annotation_part;
   PutU64(p + checksum_offset, XXH3_64bits(p, checksum_offset));
 }
 
@@ -95,7 +106,8 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in) {
   if (const uint64_t magic = GetU64(p + kMagicOffset); magic != RecordHeader::kMagic) {
     return Corrupt("bad magic " + Hex64(magic));
   }
-  if (const uint32_t version = GetU32(p + kVersionOffset); version != RecordHeader::kVersion) {
+  const uint32_t version = GetU32(p + kVersionOffset);
+  if (version != RecordHeader::kVersion && version != RecordHeader::kAnnotatedVersion) {
     return Corrupt("unsupported version " + std::to_string(version));
   }
   const uint32_t encoded_bytes = GetU32(p + kEncodedBytesOffset);
@@ -109,11 +121,20 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in) {
     return Corrupt("owner_len " + std::to_string(owner_len) + " exceeds " +
                    std::to_string(RecordHeader::kMaxOwnerBytes));
   }
-  if (encoded_bytes != kFixedEncodedBytes + owner_len) {
-    return Corrupt("encoded_bytes " + std::to_string(encoded_bytes) +
-                   " inconsistent with owner_len " + std::to_string(owner_len));
+  size_t annotation_len = 0;
+  if (version == RecordHeader::kAnnotatedVersion) {
+    annotation_len = GetU32(p + kOwnerOffset + owner_len);
+    if (annotation_len == 0 || annotation_len > RecordHeader::kMaxAnnotationBytes) {
+      return Corrupt("annotation_len " + std::to_string(annotation_len) + " out of range [1, " +
+                     std::to_string(RecordHeader::kMaxAnnotationBytes) + "]");
+    }
   }
-  const size_t checksum_offset = kOwnerOffset + owner_len;
+  const size_t annotation_part = version == RecordHeader::kAnnotatedVersion ? kAnnotationLenBytes + annotation_len : 0;
+  if (encoded_bytes != kFixedEncodedBytes + owner_len + annotation_part) {
+    return Corrupt("encoded_bytes " + std::to_string(encoded_bytes) + " inconsistent with owner_len " +
+                   std::to_string(owner_len) + " and annotation_len " + std::to_string(annotation_len));
+  }
+  const size_t checksum_offset = kOwnerOffset + owner_len + annotation_part;
   const uint64_t stored_checksum = GetU64(p + checksum_offset);
   if (XXH3_64bits(p, checksum_offset) != stored_checksum) {
     return Corrupt("header checksum mismatch");
@@ -131,6 +152,8 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in) {
   header.sequence = GetU64(p + kSequenceOffset);
   header.payload_checksum = GetU64(p + kPayloadChecksumOffset);
   header.owner.assign(reinterpret_cast<const char*>(p + kOwnerOffset), owner_len);
+  header.annotation.assign(reinterpret_cast<const char*>(p + kOwnerOffset + owner_len + kAnnotationLenBytes),
+                           annotation_len);
   return header;
 }
 

@@ -26,9 +26,13 @@ namespace kvtier {
 
 struct RecordHeader {
   static constexpr uint64_t kMagic = 0x3130434552545650ull;  // "PVTREC01" little-endian
+  // Version 1 has no annotation; a record with one is written as version 2.
+  // Both are read.
   static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kAnnotatedVersion = 2;
   static constexpr uint64_t kBytes = 4096;
   static constexpr size_t kMaxOwnerBytes = 64;
+  static constexpr size_t kMaxAnnotationBytes = 3072;
 
   StoredKey key;
   LayoutFingerprint ns;
@@ -36,6 +40,10 @@ struct RecordHeader {
   uint64_t payload_bytes = 0;
   uint64_t payload_checksum = 0;  // XXH3-64 of the payload bytes (without padding)
   std::string owner;              // tenant name, at most kMaxOwnerBytes
+  // Opaque bytes its owner keeps with the block (KV events' block metadata),
+  // at most kMaxAnnotationBytes; carried forward with the record and kept in
+  // the index, so a restart gives them back.
+  std::string annotation;
 
   friend bool operator==(const RecordHeader&, const RecordHeader&) = default;
 };
@@ -48,7 +56,8 @@ inline uint64_t RecordBytes(uint64_t payload_bytes) {
 }
 
 // Writes the header into `out` (exactly RecordHeader::kBytes; zero-filled
-// beyond the encoded fields). REQUIRES: owner.size() <= kMaxOwnerBytes.
+// beyond the encoded fields). REQUIRES: owner.size() <= kMaxOwnerBytes,
+// annotation.size() <= kMaxAnnotationBytes.
 void EncodeRecordHeader(const RecordHeader& header, std::span<uint8_t> out);
 
 // Errors: kCorruption naming what is wrong (magic, version, header checksum,

@@ -86,6 +86,20 @@ struct LookupResult {
   std::vector<BlockTier> tiers;   // tier of each hit
 };
 
+// What a KV-aware router needs of the blocks of a Store (KV events,
+// docs/kv-events.md), as the engine knows them: kvtierd keeps it with the
+// blocks and publishes it for tenants whose config says so. The spans are
+// the caller's and need live only for the call. Every hash has hash_bytes
+// bytes (1-32; an engine's digest, or its low 64 bits as 8 big-endian bytes).
+struct BlockEventInfo {
+  uint32_t hash_bytes = 0;
+  std::span<const uint8_t> engine_hashes;  // hash_bytes per key, in key order
+  std::span<const uint8_t> parent_hash;    // the block before keys[0]; empty at a sequence start
+  std::span<const uint32_t> token_ids;     // block_size per key, or empty
+  uint32_t block_size = 0;                 // tokens per block
+  std::string_view lora_name;              // empty: none
+};
+
 struct OpResult {
   uint32_t blocks = 0;   // loaded, or newly stored
   uint32_t already = 0;  // Store: keys already present or in flight
@@ -189,9 +203,12 @@ class Client {
 
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys,
                              std::span<const uint32_t> block_ids);
+  // `events`: what KV events publish of these blocks (BlockEventInfo), or
+  // null. Errors: kInvalidArgument when its sizes do not match the keys.
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys,
                               std::span<const uint32_t> block_ids,
-                              const std::optional<BlockKey>& parent = std::nullopt);
+                              const std::optional<BlockKey>& parent = std::nullopt,
+                              const BlockEventInfo* events = nullptr);
   // GPU caches: as LoadAsync, and when the daemon could queue the copies at
   // once (OpHandle::event set), `stream` is made to wait for them on the GPU
   // before this returns, so the engine's next kernels on it read the loaded
@@ -207,7 +224,8 @@ class Client {
   // completes once the store is over (done or failed): a stream that waits
   // on it may overwrite the blocks. When it is null, Wait instead.
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                              const std::optional<BlockKey>& parent, CudaStream stream);
+                              const std::optional<BlockKey>& parent, CudaStream stream,
+                              const BlockEventInfo* events = nullptr);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
   // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
   // op keeps running; wait again), kUnavailable if the daemon restarted,
@@ -218,7 +236,8 @@ class Client {
   // Blocking forms: one round trip.
   Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
   Result<OpResult> Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                         const std::optional<BlockKey>& parent = std::nullopt);
+                         const std::optional<BlockKey>& parent = std::nullopt,
+                         const BlockEventInfo* events = nullptr);
 
   Result<DaemonStats> Stats();
   // Drops unleased blocks: the caller's own, or (admin) another tenant's or

@@ -116,6 +116,26 @@ kvtier_status kvtier_store_async(kvtier_client* client, uint32_t cache_id, const
                                  const uint32_t* block_ids, size_t n, const uint8_t* parent,
                                  kvtier_op* op);
 
+/* What a KV-aware router needs of the blocks of a store (KV events,
+ * docs/kv-events.md): every hash has hash_bytes bytes (1-32);
+ * engine_hashes: hash_bytes per key; parent_hash: the engine's hash of the
+ * block before keys[0], or NULL; token_ids: block_size per key, or NULL;
+ * lora_name: NUL-terminated, or NULL. */
+typedef struct kvtier_block_events {
+  uint32_t hash_bytes;
+  const uint8_t* engine_hashes;
+  const uint8_t* parent_hash;
+  const uint32_t* token_ids;
+  uint32_t block_size;
+  const char* lora_name;
+} kvtier_block_events;
+
+/* kvtier_store_async, with what KV events publish of the blocks (events may
+ * be NULL: as kvtier_store_async). */
+kvtier_status kvtier_store_events_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                                        const uint32_t* block_ids, size_t n, const uint8_t* parent,
+                                        const kvtier_block_events* events, kvtier_op* op);
+
 /* Waits for an op, at most timeout_ms (0: no limit). KVTIER_DEADLINE_EXCEEDED:
  * still running, wait again; KVTIER_UNAVAILABLE: the daemon restarted, the op
  * is lost (a load loaded nothing usable, a store stored nothing). *blocks and

@@ -347,6 +347,55 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
   return {std::move(k), std::move(ids)};
 }
 
+// A store's KV-event arguments (BlockEventInfo), owned. engine_hashes: one
+// per key, each bytes (all of one length, 1-32) or an int (its low 64 bits,
+// sent as 8 big-endian bytes, as vLLM's events carry them).
+struct PyBlockEvents {
+  std::vector<uint8_t> hashes;
+  std::vector<uint8_t> parent;
+  std::vector<uint32_t> tokens;
+  std::string lora;
+  BlockEventInfo info;
+};
+
+void AppendEngineHash(const py::handle& h, const char* what, std::vector<uint8_t>& out, uint32_t& width) {
+  std::string bytes;
+  if (py::isinstance<py::bytes>(h)) {
+    bytes = py::cast<std::string>(h);
+  } else if (py::isinstance<py::int_>(h)) {
+    const uint64_t v = py::cast<uint64_t>(py::reinterpret_borrow<py::int_>(h) & py::int_(UINT64_MAX));
+    for (int i = 7; i >= 0; --i) bytes.push_back(static_cast<char>(v >> (8 * i)));
+  } else {
+    RaiseInvalid(std::string(what) + ": bytes or an int is needed, not " + std::string(py::str(h.get_type())));
+  }
+  if (width == 0) width = static_cast<uint32_t>(bytes.size());
+  if (bytes.size() != width) {
+    RaiseInvalid(std::string(what) + ": hashes of " + std::to_string(bytes.size()) + " and " +
+                 std::to_string(width) + " bytes are mixed");
+  }
+  out.insert(out.end(), bytes.begin(), bytes.end());
+}
+
+std::optional<PyBlockEvents> BlockEvents(const py::object& engine_hashes, const py::object& parent_hash,
+                                         const py::object& token_ids, uint32_t block_size,
+                                         const py::object& lora_name) {
+  if (engine_hashes.is_none()) {
+    if (!parent_hash.is_none() || !token_ids.is_none() || !lora_name.is_none()) {
+      RaiseInvalid("parent_hash, token_ids and lora_name go with engine_hashes");
+    }
+    return std::nullopt;
+  }
+  PyBlockEvents e;
+  uint32_t width = 0;
+  for (const py::handle h : engine_hashes) AppendEngineHash(h, "engine_hashes", e.hashes, width);
+  if (!parent_hash.is_none()) AppendEngineHash(parent_hash, "parent_hash", e.parent, width);
+  if (!token_ids.is_none()) e.tokens = UInt32s(token_ids, "token_ids");
+  if (!lora_name.is_none()) e.lora = py::cast<std::string>(lora_name);
+  e.info = BlockEventInfo{.hash_bytes = width, .engine_hashes = e.hashes, .parent_hash = e.parent,
+                          .token_ids = e.tokens, .block_size = block_size, .lora_name = e.lora};
+  return e;
+}
+
 }  // namespace
 }  // namespace kvtier::python
 
@@ -628,16 +677,23 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "store",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
-             const py::object& block_ids, const py::object& parent) {
+             const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
+             const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
+             const py::object& lora_name) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
+            std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
-            return WithoutGil([&] { return c->Store(cache.id, k, ids, p); });
+            return WithoutGil([&] { return c->Store(cache.id, k, ids, p, ev ? &ev->info : nullptr); });
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
+          py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
+          py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
           "Copies engine blocks block_ids out under keys (parent: the key of the block before the "
-          "first).")
+          "first). For KV events (docs/kv-events.md), optionally: the engine's hash of each block "
+          "(bytes, or an int sent as its low 64 bits), of the block before the first, the blocks' "
+          "token ids (block_size per key, flat) and the LoRA adapter's name.")
       .def(
           "load_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
@@ -653,15 +709,20 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "store_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
-             const py::object& block_ids, const py::object& parent) {
+             const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
+             const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
+             const py::object& lora_name) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
+            std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
-            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p); });
+            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, ev ? &ev->info : nullptr); });
             return PyOp(c, h, "store");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
+          py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
+          py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
           "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
           "then.")
       .def(

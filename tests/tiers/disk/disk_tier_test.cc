@@ -53,6 +53,8 @@ class PresenceTracker final : public TierListener {
                                                     << " where it was not";
     ++gone_;
   }
+  // Each block's disk record carries its key (checked after restarts).
+  std::string DiskAnnotation(const StoredKey& key, TenantId) override { return "key " + key.ToHex(); }
   Held held() const {
     std::lock_guard lock(mu_);
     return held_;
@@ -127,7 +129,12 @@ class DiskTierTest : public ::testing::Test {
                           .clock = [this] { return now_; }};
     cache_ = BlockCache::Create(std::move(o)).value();
     cache_->SetTenantName(kTenant, "t0");
-    adopted_ = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+    std::vector<DiskRecord> records = disk_->TakeRecovered();
+    for (const DiskRecord& r : records) {
+      EXPECT_EQ(r.header.annotation, "key " + r.header.key.ToHex()) << "the annotation came back from the index";
+    }
+    recovered_ += records.size();
+    adopted_ = cache_->AdoptDiskRecords(std::move(records));
     presence_.Reset(PresenceTracker::Of(*cache_));  // a restart's snapshot
   }
   void Close() {
@@ -232,6 +239,7 @@ class DiskTierTest : public ::testing::Test {
   std::unique_ptr<BlockCache> cache_;
   std::shared_ptr<void> owner_ = std::make_shared<int>(0);
   uint64_t adopted_ = 0;
+  uint64_t recovered_ = 0;  // records the restarts gave back, annotations checked
   std::chrono::steady_clock::time_point now_{};  // the manual clock
 };
 

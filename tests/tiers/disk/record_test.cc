@@ -139,6 +139,33 @@ TEST(RecordTest, EverySingleBitFlipInTheEncodedPartIsRejected) {
   }
 }
 
+TEST(RecordTest, AnAnnotationMakesAVersion2RecordThatRoundTripsAndEveryBitFlipIsRejected) {
+  for (size_t annotation_len : {size_t{1}, size_t{100}, RecordHeader::kMaxAnnotationBytes}) {
+    RecordHeader h = SampleHeader(7);
+    h.annotation.assign(annotation_len, '\0');
+    for (size_t i = 0; i < annotation_len; ++i) h.annotation[i] = static_cast<char>(i * 7 + 1);
+    const Page good = Encode(h);
+    EXPECT_EQ(LoadU32(good, kVersionAt), RecordHeader::kAnnotatedVersion);
+    const size_t annotation_at = kOwnerAt + 7;
+    EXPECT_EQ(LoadU32(good, annotation_at), annotation_len);
+    EXPECT_EQ(std::string(good.begin() + annotation_at + 4, good.begin() + annotation_at + 4 + annotation_len),
+              h.annotation);
+    const size_t encoded_bytes = kFixedEncodedBytes + 7 + 4 + annotation_len;
+    EXPECT_EQ(LoadU32(good, kEncodedBytesAt), encoded_bytes);
+    const Result<RecordHeader> decoded = DecodeRecordHeader(good);
+    ASSERT_TRUE(decoded.has_value()) << decoded.error();
+    EXPECT_EQ(*decoded, h);
+    if (annotation_len > 100) continue;  // the flips below: the small ones suffice
+    for (size_t bit = 0; bit < encoded_bytes * 8; ++bit) {
+      Page page = good;
+      page[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+      ASSERT_FALSE(DecodeRecordHeader(page).has_value()) << "annotation_len " << annotation_len << ", bit " << bit;
+    }
+  }
+  // Without one it stays a version-1 record, byte for byte.
+  EXPECT_EQ(LoadU32(Encode(SampleHeader(7)), kVersionAt), RecordHeader::kVersion);
+}
+
 TEST(RecordTest, WrongMagicIsRejected) {
   Page page = Encode(SampleHeader(4));
   page[7] = '2';  // "PVTREC02"
@@ -147,7 +174,7 @@ TEST(RecordTest, WrongMagicIsRejected) {
 }
 
 TEST(RecordTest, WrongVersionIsRejected) {
-  for (uint32_t version : {0u, 2u, 0xffffffffu}) {
+  for (uint32_t version : {0u, 3u, 0xffffffffu}) {
     Page page = Encode(SampleHeader(4));
     StoreU32(page, kVersionAt, version);
     Reseal(page, 4);
@@ -164,10 +191,11 @@ TEST(RecordTest, OwnerTooLongIsRejected) {
   StoreU32(page, kOwnerLenAt, static_cast<uint32_t>(owner_len));
   Reseal(page, owner_len);
   // encoded_bytes (still 148, in range) is checked before owner_len, so the
-  // owner limit fires; encoded_bytes 149 then fails its own range check.
+  // owner limit fires; and with encoded_bytes agreeing with it (149, in
+  // range since version 2 records are longer), too.
   ExpectCorruption(page, "owner_len");
   StoreU32(page, kEncodedBytesAt, static_cast<uint32_t>(kFixedEncodedBytes + owner_len));
-  ExpectCorruption(page, "encoded_bytes");
+  ExpectCorruption(page, "owner_len");
 }
 
 TEST(RecordTest, EncodedBytesMustAgreeWithOwnerLen) {

@@ -147,11 +147,31 @@ class Client:
     def prefetch(self, cache: KvCache, keys: Sequence[bytes]) -> int: ...
     def load(self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds) -> OpResult: ...
     def store(
-        self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds, parent: bytes | None = None
+        self,
+        cache: KvCache,
+        keys: Sequence[bytes],
+        block_ids: BlockIds,
+        parent: bytes | None = None,
+        *,
+        engine_hashes: Sequence[bytes | int] | None = None,
+        parent_hash: bytes | int | None = None,
+        token_ids: Sequence[int] | None = None,
+        block_size: int = 0,
+        lora_name: str | None = None,
     ) -> OpResult: ...
     def load_async(self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds) -> Op: ...
     def store_async(
-        self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds, parent: bytes | None = None
+        self,
+        cache: KvCache,
+        keys: Sequence[bytes],
+        block_ids: BlockIds,
+        parent: bytes | None = None,
+        *,
+        engine_hashes: Sequence[bytes | int] | None = None,
+        parent_hash: bytes | int | None = None,
+        token_ids: Sequence[int] | None = None,
+        block_size: int = 0,
+        lora_name: str | None = None,
     ) -> Op: ...
     def stats(self) -> dict[str, Any]: ...
     def evict(self, tenant: str = "", tier: str | None = None) -> int: ...
