@@ -18,6 +18,7 @@ enum class DeviceBackendKind { kAuto, kHost, kCuda };
 enum class EvictionKind { kLru };
 enum class WritePolicy { kWriteBack, kWriteThrough };
 enum class RemoteWritePolicy { kOnStore, kOnDemote };
+enum class EventEncoding { kMap, kPositional };
 enum class LogFormat { kText, kJson };
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError, kCritical, kOff };
 
@@ -44,6 +45,11 @@ struct TenantConfig {
   std::string sharing_group = {};
   TierQuotas quotas = {};
   bool admin = false;
+  // KV events: its blocks are published (token ids are prompt content, so
+  // only when this says so), under the topic with {model} = model (default:
+  // the tenant's name).
+  bool publish_events = false;
+  std::string model = {};
 
   // Who shares this tenant's salt: "group-<sharing_group>" or
   // "tenant-<name>" (prefixed so a group and a tenant of the same name never
@@ -149,6 +155,26 @@ struct Config {
     // admin (a token bucket holding a second's worth).
     uint32_t bulk_calls_per_second = 10;
   } limits;
+
+  // KV events for KV-aware routers (docs/kv-events.md).
+  struct Events {
+    bool enabled = false;
+    std::string endpoint = "tcp://127.0.0.1:5557";  // ZMQ PUB, bound
+    std::string replay_endpoint = {};               // ZMQ ROUTER, bound; empty: no replay
+    // {node} and {model} (the tenant's) and {tenant} are filled in.
+    std::string topic = "kv@{node}@{model}";
+    std::string node = {};  // empty: the host name
+    EventEncoding encoding = EventEncoding::kMap;
+    bool hashes_as_bytes = false;  // `hash: bytes`; default `u64`
+    std::optional<int32_t> dp_rank = std::nullopt;
+    uint32_t cadence_ms = 10;
+    uint32_t max_batch_events = 1024;
+    uint64_t max_queued_events = 100000;
+    uint64_t buffer_batches = 10000;
+    uint64_t buffer_bytes = 64ull << 20;
+    uint32_t send_hwm = 100000;
+    uint64_t max_metadata_bytes = 256ull << 20;  // block metadata kept in memory
+  } events;
 
   struct Metrics {
     bool enabled = true;

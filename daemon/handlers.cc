@@ -398,6 +398,36 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  " needs a completion page and a slot below " +
                                                  std::to_string(CompletionPage::kSlots)));
   }
+  // A store's KV-event metadata: checked whatever is done with it, kept
+  // when this tenant's blocks are published.
+  std::optional<StoreEventFields> event_fields;
+  if (!load && st->engine_hashes() != nullptr) {
+    const auto* hashes = st->engine_hashes();
+    const auto* parent = st->parent_engine_hash();
+    const auto* tokens = st->token_ids();
+    const std::string_view lora = st->lora_name() != nullptr ? st->lora_name()->string_view() : "";
+    if (Status bad = ipc::CheckBlockEventSizes({.keys = keys->size(),
+                                                 .hash_bytes = st->hash_bytes(),
+                                                 .hashes = hashes->size(),
+                                                 .parent = parent != nullptr ? parent->size() : 0,
+                                                 .tokens = tokens != nullptr ? tokens->size() : 0,
+                                                 .block_size = st->block_size(),
+                                                 .lora_name = lora.size()});
+        !bad.ok()) {
+      return ipc::ErrorMessage(id, bad);
+    }
+    if (events_ != nullptr && events_->Publishes(s.tenant->id)) {
+      event_fields = StoreEventFields{
+          .hash_bytes = st->hash_bytes(),
+          .engine_hashes = {hashes->data(), hashes->size()},
+          .parent_hash = parent != nullptr ? std::span<const uint8_t>(parent->data(), parent->size())
+                                           : std::span<const uint8_t>(),
+          .token_ids = tokens != nullptr ? std::span<const uint32_t>(tokens->data(), tokens->size())
+                                         : std::span<const uint32_t>(),
+          .block_size = st->block_size(),
+          .lora_name = lora};
+    }
+  }
   const std::pair<uint64_t, SessionOp*> started = s.ops.Start();
   const uint64_t op = started.first;
   SessionOp& o = *started.second;
@@ -430,6 +460,14 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     if (st->parent() != nullptr) {
       parent = DeriveStoredKey(s.tenant->salt, (*ns)->layout->layout().fingerprint(),
                                ipc::FromWire<BlockKey>(*st->parent()));
+    }
+    if (event_fields) {
+      // Kept until the blocks are gone; a store that placed none lets go.
+      events_->Remember(*keys, *event_fields);
+      done = [this, keys = *keys, done = std::move(done)](OpOutcome outcome) {
+        events_->Release(keys);
+        done(std::move(outcome));
+      };
     }
     queued = cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done));
   }
@@ -595,6 +633,21 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                     });
+    if (events_ != nullptr) {
+      const KvEventPublisherCounters p = events_->publisher_counters();
+      const KvEventSourceCounters e = events_->counters();
+      counters.insert(counters.end(), {
+                                          {"events_published", p.events_published},
+                                          {"events_dropped", p.events_dropped},
+                                          {"events_batches", p.batches_published},
+                                          {"events_replays_served", p.replays_served},
+                                          {"events_replay_batches", p.replay_batches},
+                                          {"events_clears", e.clears_published},
+                                          {"events_blocks_tracked", e.blocks_tracked},
+                                          {"events_metadata_bytes", e.metadata_bytes},
+                                          {"events_metadata_refused", e.metadata_refused},
+                                      });
+    }
     if (remote_ != nullptr) {
       const RemoteCounters r = remote_->counters();
       counters.insert(counters.end(),
@@ -700,8 +753,12 @@ std::vector<uint8_t> Server::HandleEvict(Session& s, uint64_t id, const w::Evict
   // The walk runs in the background; the reply goes out when it is done (to
   // the session, if it is still there).
   if (!caller.config.admin) caller.evicting = true;
-  cache_->Evict(std::move(filter), [this, session = s.id, id, tenant = &caller](uint64_t evicted) {
+  // Everything of its tenants: KV events may end it with AllBlocksCleared.
+  std::optional<std::optional<std::vector<TenantId>>> evict_all;
+  if (!filter.tier && !filter.layout) evict_all = filter.owners;
+  cache_->Evict(std::move(filter), [this, session = s.id, id, tenant = &caller, evict_all](uint64_t evicted) {
     tenant->evicting = false;  // tenants live as long as the server
+    if (events_ != nullptr && evict_all) events_->AfterEvictAll(*evict_all);
     auto it = sessions_.find(session);
     if (it == sessions_.end()) return;
     spdlog::info("session {}: evicted {} block(s)", session, evicted);
@@ -769,6 +826,7 @@ MetricsSnapshot Server::Snapshot() const {
     m.disk = disk_->counters();
     m.disk_free_regions = disk_->free_regions();
   }
+  if (events_ != nullptr) m.events = MetricsSnapshot::Events{events_->publisher_counters(), events_->counters()};
   if (remote_ != nullptr) {
     m.remote = remote_->counters();
   }

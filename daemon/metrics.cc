@@ -190,6 +190,28 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
               "Host blocks that left before the remote write-back (write: demote) could put them.",
               static_cast<double>(c.remote_demotions_missed));
   }
+  if (s.events) {
+    const KvEventPublisherCounters& p = s.events->publisher;
+    const KvEventSourceCounters& e = s.events->source;
+    f.Counter("kvtier_kv_events_published_total", "KV events sent to subscribers (in batches).",
+              static_cast<double>(p.events_published));
+    f.Counter("kvtier_kv_events_dropped_total", "KV events dropped: the publisher's queue was full.",
+              static_cast<double>(p.events_dropped));
+    f.Counter("kvtier_kv_event_batches_total", "KV event batches sent.", static_cast<double>(p.batches_published));
+    f.Counter("kvtier_kv_event_replays_served_total", "Replay requests answered.",
+              static_cast<double>(p.replays_served));
+    f.Counter("kvtier_kv_event_replay_batches_total", "Batches sent again by replays.",
+              static_cast<double>(p.replay_batches));
+    f.Counter("kvtier_kv_events_clears_total", "AllBlocksCleared events sent (restarts, evict-all).",
+              static_cast<double>(e.clears_published));
+    f.Gauge("kvtier_kv_event_blocks_tracked", "Blocks whose metadata KV events keep.",
+            static_cast<double>(e.blocks_tracked));
+    f.Gauge("kvtier_kv_event_metadata_bytes", "Memory that metadata takes (bounded by events.max_metadata_bytes).",
+            static_cast<double>(e.metadata_bytes));
+    f.Counter("kvtier_kv_event_metadata_refused_total",
+              "Blocks not announced: their metadata would have passed events.max_metadata_bytes.",
+              static_cast<double>(e.metadata_refused));
+  }
   f.Gauge("kvtier_disk_free_regions",
           "Disk regions free to write (reclaim keeps some ahead of need).",
           static_cast<double>(s.disk_free_regions));

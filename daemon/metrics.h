@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/kv_event_source.h"
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_cache.h"
@@ -47,6 +48,11 @@ struct MetricsSnapshot {
   CacheCounters cache;
   DiskCounters disk;
   std::optional<RemoteCounters> remote;  // with a remote tier
+  struct Events {
+    KvEventPublisherCounters publisher;
+    KvEventSourceCounters source;
+  };
+  std::optional<Events> events;  // with KV events on
   uint64_t disk_free_regions = 0;
   uint64_t disk_writes_pending = 0;
   uint64_t namespaces = 0;           // layouts holding blocks

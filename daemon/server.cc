@@ -13,6 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/check.h"
 #include "config/size.h"
 #include "daemon/logging.h"
 #include "tiers/disk/file_device.h"
@@ -96,6 +97,49 @@ Status Server::SetupRemote() {
   spdlog::info("remote tier: {} seed node(s), key prefix '{}', {} I/O thread(s) (the cluster is reached on first "
                "use)",
                r.seeds.size(), r.key_prefix, r.io_threads);
+  return Status::Ok();
+}
+
+Status Server::SetupEvents() {
+  const Config::Events& e = options_.config.events;
+  std::string node = e.node;
+  if (node.empty()) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof(host) - 1) != 0) return Status::FromErrno(errno, "gethostname");
+    node = host;
+  }
+  std::vector<KvEventSource::TenantTopic> topics;
+  for (const auto& t : tenants_->tenants()) {
+    KVTIER_CHECK(t->id == topics.size());
+    std::string topic = e.topic;
+    auto fill = [&](std::string_view name, std::string_view value) {
+      for (size_t at = topic.find(name); at != std::string::npos; at = topic.find(name, at + value.size())) {
+        topic.replace(at, name.size(), value);
+      }
+    };
+    fill("{node}", node);
+    fill("{model}", t->config.model.empty() ? t->config.name : t->config.model);
+    fill("{tenant}", t->config.name);
+    topics.push_back({.publish = t->config.publish_events, .topic = std::move(topic)});
+  }
+  KVTIER_ASSIGN_OR_RETURN(
+      std::unique_ptr<KvEventPublisher> publisher,
+      KvEventPublisher::Start({.endpoint = e.endpoint,
+                               .replay_endpoint = e.replay_endpoint,
+                               .encoding = {.positional = e.encoding == EventEncoding::kPositional,
+                                            .hashes_as_bytes = e.hashes_as_bytes},
+                               .dp_rank = e.dp_rank,
+                               .cadence = std::chrono::milliseconds(e.cadence_ms),
+                               .max_batch_events = e.max_batch_events,
+                               .max_queued_events = e.max_queued_events,
+                               .buffer_batches = e.buffer_batches,
+                               .buffer_bytes = e.buffer_bytes,
+                               .send_high_water_mark = static_cast<int>(e.send_hwm)}));
+  size_t publishing = 0;
+  for (const auto& t : topics) publishing += t.publish ? 1 : 0;
+  spdlog::info("KV events on {} (replay: {}), {} of {} tenant(s) published", e.endpoint,
+               e.replay_endpoint.empty() ? "off" : e.replay_endpoint, publishing, topics.size());
+  events_ = std::make_unique<KvEventSource>(std::move(publisher), std::move(topics), e.max_metadata_bytes);
   return Status::Ok();
 }
 
@@ -194,6 +238,7 @@ Status Server::Setup() {
 
 
   KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
+  if (c.events.enabled) KVTIER_RETURN_IF_ERROR(SetupEvents());
   BlockCache::Options cache_options{
       .backend = backend_.get(),
       .post = [this](std::function<void()> fn) { Post(std::move(fn)); },
@@ -214,6 +259,7 @@ Status Server::Setup() {
       .max_namespaces = NamespaceTable::kMaxIds,
       .max_namespaces_per_tenant = c.limits.max_namespaces_per_tenant,
       .remote = remote_.get(),
+      .listener = events_.get(),
       .remote_write = c.tiers.remote.write == RemoteWritePolicy::kOnDemote
                           ? BlockCache::Options::RemoteWrite::kOnDemote
                           : BlockCache::Options::RemoteWrite::kOnStore,
@@ -229,7 +275,9 @@ Status Server::Setup() {
       spdlog::warn("disk I/O: the host pool is not registered for fixed-buffer I/O ({}); using plain I/O",
                    st.ToString());
     }
-    const uint64_t adopted = cache_->AdoptDiskRecords(disk_->TakeRecovered());
+    std::vector<DiskRecord> records = disk_->TakeRecovered();
+    if (events_) events_->Adopt(records);
+    const uint64_t adopted = cache_->AdoptDiskRecords(std::move(records));
     // The recovered records were a large transient vector: hand the freed
     // heap back, so the daemon's memory is what the index really needs.
     ::malloc_trim(0);
@@ -238,6 +286,12 @@ Status Server::Setup() {
   }
   spdlog::info("tiers: hbm {} bytes, host {} bytes", cache_->Usage(Tier::kHbm).capacity_bytes,
                cache_->Usage(Tier::kHost).capacity_bytes);
+  if (events_) {
+    // What a restart holds: routers drop what they knew of this node.
+    events_->Snapshot(*cache_);
+    spdlog::info("KV events: {} block(s) with metadata announced after the start",
+                 events_->counters().blocks_tracked);
+  }
 
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_) return Status::FromErrno(errno, "epoll_create1");

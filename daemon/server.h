@@ -25,6 +25,7 @@
 #include "config/config.h"
 #include "config/config_loader.h"
 #include "daemon/close_list.h"
+#include "daemon/kv_event_source.h"
 #include "daemon/metrics.h"
 #include "daemon/session.h"
 #include "daemon/startup_undo.h"
@@ -62,6 +63,8 @@ class Server {
   Status SetupBackend();
   Status SetupDisk();
   Status SetupRemote();
+  // KV events (events.enabled): binds the publisher's sockets.
+  Status SetupEvents();
   void AcceptAll();
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
@@ -125,6 +128,9 @@ class Server {
   std::unique_ptr<DiskTier> disk_;
   // The remote tier (tiers.remote), destroyed after the cache that uses it.
   std::unique_ptr<RemoteTier> remote_;
+  // KV events (null unless events.enabled): the cache's listener, so it
+  // outlives the cache.
+  std::unique_ptr<KvEventSource> events_;
   std::unique_ptr<BlockCache> cache_;
   std::unique_ptr<TenantRegistry> tenants_;
   UniqueFd epoll_;

@@ -68,7 +68,7 @@ Placement PlacementFromWire(const wire::Placement& w);
 struct BlockEventSizes {
   static constexpr uint32_t kMaxHashBytes = 32;
   static constexpr uint32_t kMaxBlockSize = 4096;  // tokens per block
-  static constexpr size_t kMaxLoraNameBytes = 256;
+  static constexpr size_t kMaxLoraNameBytes = 255;
   size_t keys = 0;
   uint32_t hash_bytes = 0;
   size_t hashes = 0;  // bytes of engine_hashes
