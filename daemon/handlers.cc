@@ -630,6 +630,10 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"namespaces", cache_->live_namespaces()},
                         {"evicts_pending", cache_->pending_evicts()},
                         {"timed_waits_pending", wait_deadlines_.size()},
+                        {"blocks_present_hbm", cache_->present_blocks(Presence::kHbm)},
+                        {"blocks_present_host", cache_->present_blocks(Presence::kHost)},
+                        {"blocks_present_disk", cache_->present_blocks(Presence::kDisk)},
+                        {"blocks_present_remote", cache_->present_blocks(Presence::kRemote)},
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                     });

@@ -282,6 +282,7 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   }
   CountEviction(Tier::kDisk, b->owner);
   Charge(*b, -1);
+  CountPresent(Presence::kDisk, false);
   if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Presence::kDisk);
   disk_only_.Erase(b);
 }

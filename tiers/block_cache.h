@@ -392,6 +392,9 @@ class BlockCache {
   // TierListener counts presence). Walks the whole cache: for snapshots and
   // tests, not for the request path.
   void ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t ns, Presence)>& fn);
+  // How many blocks are present in `where` (as ForEachPresent counts them:
+  // a host block that keeps its disk record is present in both).
+  uint64_t present_blocks(Presence where) const { return present_[static_cast<size_t>(where)]; }
 
   TierUsage Usage(Tier tier) const;
   // The host tier's memory, e.g. for registering it with io_uring as fixed
@@ -464,6 +467,7 @@ class BlockCache {
   // Takes `e` out of the index, ending its remote presence first.
   void Erase(BlockEntry* e);
   void Tell(bool present, const BlockEntry* e, Presence where) {
+    CountPresent(where, present);
     if (options_.listener == nullptr) return;
     if (present) {
       options_.listener->OnBlockPresent(e->key, e->owner, e->ns, where);
@@ -472,6 +476,10 @@ class BlockCache {
     }
   }
   void Tell(bool present, const BlockEntry* e, Tier t) { Tell(present, e, PresenceOf(t)); }
+  void CountPresent(Presence where, bool present) {
+    uint64_t& n = present_[static_cast<size_t>(where)];
+    n = present ? n + 1 : n - 1;
+  }
   void Charge(const DiskOnlyBlock& b, int sign);
   void Charge(Tier t, TenantId owner, uint32_t ns, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.
@@ -652,6 +660,7 @@ class BlockCache {
   double budget_tokens_ = 0;  // bytes that may be written now
   std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
+  uint64_t present_[4] = {};  // blocks present per Presence (present_blocks)
   std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
   std::deque<std::unique_ptr<Eviction>> evicts_;  // the front one runs (a step posted)
   // Lets completions that arrive after destruction (none should: the daemon

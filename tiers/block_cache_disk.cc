@@ -284,6 +284,7 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     b.device = static_cast<uint8_t>(r.location.device);
     disk_only_.Insert(b);
     Charge(b, +1);
+    CountPresent(Presence::kDisk, true);
     LogDiskRecord(b.owner, b.key, r.location);  // oldest first: records is in write order
     ++adopted;
   }

@@ -351,11 +351,18 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
 // per key, each bytes (all of one length, 1-32) or an int (its low 64 bits,
 // sent as 8 big-endian bytes, as vLLM's events carry them).
 struct PyBlockEvents {
+  uint32_t hash_bytes = 0;
   std::vector<uint8_t> hashes;
   std::vector<uint8_t> parent;
   std::vector<uint32_t> tokens;
+  uint32_t block_size = 0;
   std::string lora;
-  BlockEventInfo info;
+  // Views of the members: made where it is used, so a moved-from copy
+  // (a short string's bytes live inside it) is never seen.
+  BlockEventInfo info() const {
+    return BlockEventInfo{.hash_bytes = hash_bytes, .engine_hashes = hashes, .parent_hash = parent,
+                          .token_ids = tokens, .block_size = block_size, .lora_name = lora};
+  }
 };
 
 void AppendEngineHash(const py::handle& h, const char* what, std::vector<uint8_t>& out, uint32_t& width) {
@@ -391,8 +398,8 @@ std::optional<PyBlockEvents> BlockEvents(const py::object& engine_hashes, const 
   if (!parent_hash.is_none()) AppendEngineHash(parent_hash, "parent_hash", e.parent, width);
   if (!token_ids.is_none()) e.tokens = UInt32s(token_ids, "token_ids");
   if (!lora_name.is_none()) e.lora = py::cast<std::string>(lora_name);
-  e.info = BlockEventInfo{.hash_bytes = width, .engine_hashes = e.hashes, .parent_hash = e.parent,
-                          .token_ids = e.tokens, .block_size = block_size, .lora_name = e.lora};
+  e.hash_bytes = width;
+  e.block_size = block_size;
   return e;
 }
 
@@ -685,7 +692,8 @@ PYBIND11_MODULE(_kvtier, m) {
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
-            return WithoutGil([&] { return c->Store(cache.id, k, ids, p, ev ? &ev->info : nullptr); });
+            const std::optional<BlockEventInfo> info = ev ? std::optional(ev->info()) : std::nullopt;
+            return WithoutGil([&] { return c->Store(cache.id, k, ids, p, info ? &*info : nullptr); });
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
@@ -717,7 +725,8 @@ PYBIND11_MODULE(_kvtier, m) {
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
-            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, ev ? &ev->info : nullptr); });
+            const std::optional<BlockEventInfo> info = ev ? std::optional(ev->info()) : std::nullopt;
+            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, info ? &*info : nullptr); });
             return PyOp(c, h, "store");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
@@ -744,5 +753,13 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("tenant") = "", py::arg("tier") = py::none(),
           "Drops unleased blocks: this tenant's, or (admin) another tenant's or everyone's ('*'); "
-          "returns how many.");
+          "returns how many.")
+      .def(
+          "flush",
+          [](const PyClient& self) {
+            std::shared_ptr<Client> c = self.Get();
+            return WithoutGil([&] { return c->Flush(); });
+          },
+          "Admin: starts writing every host block that is not on disk yet to the disk tier; returns "
+          "how many writes were queued.");
 }

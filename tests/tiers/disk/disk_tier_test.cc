@@ -140,7 +140,12 @@ class DiskTierTest : public ::testing::Test {
   void Close() {
     if (cache_) {
       EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
-      EXPECT_EQ(presence_.held(), PresenceTracker::Of(*cache_)) << "the announcements do not add up";
+      const PresenceTracker::Held now = PresenceTracker::Of(*cache_);
+      EXPECT_EQ(presence_.held(), now) << "the announcements do not add up";
+      for (Presence p : {Presence::kHbm, Presence::kHost, Presence::kDisk, Presence::kRemote}) {
+        const auto n = std::count_if(now.begin(), now.end(), [&](const auto& held) { return held.second == p; });
+        EXPECT_EQ(cache_->present_blocks(p), static_cast<uint64_t>(n)) << PresenceName(p);
+      }
     }
     cache_.reset();
     disk_.reset();
