@@ -68,10 +68,19 @@ std::string ConfigSummary(const Config& c) {
     if (t.token) o << " token (set)";
     if (!t.sharing_group.empty()) o << " group " << t.sharing_group;
     if (t.admin) o << " admin";
+    if (t.publish_events) o << " events (model " << (t.model.empty() ? t.name : t.model) << ")";
     if (t.quotas.hbm_bytes) o << " quota hbm " << FormatSize(*t.quotas.hbm_bytes);
     if (t.quotas.host_bytes) o << " quota host " << FormatSize(*t.quotas.host_bytes);
     if (t.quotas.disk_bytes) o << " quota disk " << FormatSize(*t.quotas.disk_bytes);
     o << "\n";
+  }
+  if (c.events.enabled) {
+    o << "events:   " << c.events.endpoint << ", replay "
+      << (c.events.replay_endpoint.empty() ? "off" : c.events.replay_endpoint) << ", topic " << c.events.topic
+      << ", " << (c.events.encoding == EventEncoding::kMap ? "map" : "positional") << " encoding, hashes "
+      << (c.events.hashes_as_bytes ? "bytes" : "u64") << "\n";
+  } else {
+    o << "events:   disabled\n";
   }
   o << "metrics:  " << (c.metrics.enabled ? "http://" + c.metrics.listen + "/metrics" : "disabled")
     << "\n";

@@ -134,6 +134,40 @@ TEST_F(ConfigLoaderTest, RemoteTierSettings) {
   EXPECT_THAT(c.error().message(), HasSubstr("tiers.remote.max_value_bytes"));
 }
 
+TEST_F(ConfigLoaderTest, EventsAreOffByDefaultOnLoopbackAndCheckedWhenSet) {
+  Result<Config> c = LoadYaml("");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_FALSE(c->events.enabled);
+  EXPECT_EQ(c->events.endpoint, "tcp://127.0.0.1:5557");
+  EXPECT_FALSE(c->tenants.at(0).publish_events);
+
+  c = LoadYaml(
+      "events:\n  enabled: true\n  endpoint: ipc:///run/kvtier/events\n  replay_endpoint: 'tcp://[::1]:5558'\n"
+      "  topic: 'kv@{node}@{model}/{tenant}'\n  encoding: positional\n  hash: bytes\n  dp_rank: 3\n"
+      "tenants:\n  - {name: a, uid: 1, publish_events: true, model: llama}\n");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ(c->events.encoding, EventEncoding::kPositional);
+  EXPECT_TRUE(c->events.hashes_as_bytes);
+  EXPECT_EQ(c->events.dp_rank, 3);
+  EXPECT_TRUE(c->tenants[0].publish_events);
+  EXPECT_EQ(c->tenants[0].model, "llama");
+
+  const std::pair<const char*, const char*> bad[] = {
+      {"events:\n  endpoint: 'udp://x:1'\n", "events.endpoint: expected tcp://host:port or ipc://path"},
+      {"events:\n  endpoint: 'tcp://nohost'\n", "events.endpoint: expected host:port"},
+      {"events:\n  topic: 'kv@{pod}'\n", "events.topic: '{pod}' is not one of {node}, {model}, {tenant}"},
+      {"events:\n  encoding: json\n", "events.encoding"},
+      {"events:\n  hash: sha\n", "events.hash"},
+      {"events:\n  endpoint: 'ipc:///a'\n  replay_endpoint: 'ipc:///a'\n", "events.replay_endpoint: must differ"},
+      {"events:\n  cadence_ms: 0\n", "events.cadence_ms"},
+  };
+  for (const auto& [yaml, message] : bad) {
+    c = LoadYaml(yaml);
+    ASSERT_FALSE(c.has_value()) << yaml;
+    EXPECT_THAT(c.error().message(), HasSubstr(message)) << yaml;
+  }
+}
+
 #if !KVTIER_HAVE_CUDA
 TEST_F(ConfigLoaderTest, CudaBackendNeedsACudaBuild) {
   const Result<Config> c = LoadYaml("", {"device.backend=cuda"});
