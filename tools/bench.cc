@@ -3,6 +3,8 @@
 // absolute numbers mean little; ratios do).
 //
 //   kvtier-bench host   [--blocks 64] [--reps 7] [--socket PATH]
+//   kvtier-bench host --events [--blocks 64] [--block-tokens 16] [--reps 7]
+//       the same, events off vs on (tools/bench_events.h)
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
 //       KV cache, next to a single-thread memcpy of the same bytes
 //   kvtier-bench redis  [--blocks 64] [--reps 7] [--socket PATH]
@@ -51,6 +53,7 @@
 #include "tools/bench_gpu.h"
 #include "tools/bench_index.h"
 #include "tools/bench_redis.h"
+#include "tools/bench_events.h"
 #include "tools/bench_remote.h"
 #include "tools/bench_report.h"
 #include "tools/bench_trace.h"
@@ -443,6 +446,12 @@ int main(int argc, char** argv) {
   uint32_t blocks = 64, host_reps = 7;
   host->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   host->add_option("--reps", host_reps, "repetitions")->check(CLI::Range(1, 1000));
+  bool host_events = false;
+  uint32_t host_block_tokens = 16;
+  host->add_flag("--events", host_events,
+                 "events off vs on: two kvtierd of their own, the same ops with block metadata (KV events)");
+  host->add_option("--block-tokens", host_block_tokens, "tokens per block with --events (16: 2 MiB blocks)")
+      ->check(CLI::Range(1, 4096));
   CLI::App* redis = app.add_subcommand("redis", "store then load 2 MiB blocks: kvtierd vs a Redis it starts");
   redis->add_option("--blocks", blocks, "blocks per op")->check(CLI::Range(1, 4096));
   redis->add_option("--reps", host_reps, "repetitions (median reported; +1 warm-up)")->check(CLI::Range(1, 1000));
@@ -546,6 +555,20 @@ int main(int argc, char** argv) {
       daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
       return daemon->socket();
     });
+  }
+  if (host->parsed() && host_events) {
+    if (!socket.empty()) {
+      std::fprintf(stderr, "kvtier-bench: host --events starts its own two kvtierd; --socket is not used\n");
+      return 2;
+    }
+    std::vector<std::unique_ptr<OwnDaemon>> nodes;
+    return kvtier::bench::HostEvents(
+        {.blocks = blocks, .block_tokens = host_block_tokens, .reps = host_reps, .json = json},
+        [&](uint64_t host_bytes, std::vector<std::string> sets) {
+          nodes.push_back(std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets)));
+          OwnDaemon* node = nodes.back().get();
+          return kvtier::bench::StartedDaemon{node->socket(), [node] { node->Stop(); }};
+        });
   }
   if (remote->parsed()) {
     remote_options.json = json;
