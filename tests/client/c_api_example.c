@@ -80,6 +80,29 @@ int main(int argc, char** argv) {
       if (p[i] != 0x60 + b) return 13;
     }
   }
+  /* A store with what KV events publish of its blocks: the engine's 8-byte
+   * hash of each, the tokens, the block size. Sizes that do not match the
+   * keys are refused. */
+  uint32_t event_tokens[16 * 4];
+  for (size_t i = 0; i < 64; ++i) event_tokens[i] = (uint32_t)(i * 15485863u % 50000u);
+  uint8_t event_keys[4 * 16];
+  CHECK(kvtier_compute_keys(client, cache_id, event_tokens, 64, event_keys, 4, &num_keys));
+  uint8_t engine_hashes[4 * 8];
+  for (size_t i = 0; i < sizeof(engine_hashes); ++i) engine_hashes[i] = (uint8_t)(i * 31u);
+  uint32_t event_ids[4] = {8, 9, 10, 11};
+  kvtier_block_events events = {.hash_bytes = 8, .engine_hashes = engine_hashes, .parent_hash = NULL,
+                                .token_ids = event_tokens, .block_size = 16, .lora_name = "adapter-1"};
+  CHECK(kvtier_store_events_async(client, cache_id, event_keys, event_ids, 4, NULL, &events, &op));
+  CHECK(kvtier_wait(client, &op, 0, &stored, &already));
+  if (stored != 4) {
+    fprintf(stderr, "events store: %u stored, %u already\n", stored, already);
+    return 15;
+  }
+  events.hash_bytes = 33;
+  if (kvtier_store_events_async(client, cache_id, event_keys, event_ids, 4, NULL, &events, &op) !=
+      KVTIER_INVALID_ARGUMENT) {
+    return 16;
+  }
   /* An op that is not this client's is an error, not a hang. */
   kvtier_op bogus = op;
   bogus.op += 1000;
