@@ -461,3 +461,39 @@ def test_bad_event_metadata_is_a_clear_error(node: tuple[Daemon, zmq.Context]) -
                             block_size=BLOCK_TOKENS).blocks == 2
     finally:
         client.close()
+
+
+def test_blocks_put_to_the_remote_tier_are_external() -> None:
+    from redis_cluster import RedisCluster
+
+    cluster = RedisCluster(masters=3, replicas=0)
+    with tempfile.TemporaryDirectory(prefix="kvtier-events-") as directory:
+        d = events_daemon(directory, ["tiers.remote.enabled=true", f"tiers.remote.seeds=[{','.join(cluster.seeds)}]",
+                                      "tiers.remote.write=store", "tiers.disk.enabled=false"])
+        d.start()
+        ctx = zmq.Context()
+        consumer = Consumer(ctx, *endpoints(d))
+        client = kvtier.Client.connect(d.socket, name="events")
+        try:
+            time.sleep(0.2)
+            for seq, topic, payload in consumer.replay_from(0):
+                consumer.apply(seq, topic, payload)
+            cache = client.register_cpu_cache(kvtier.CpuKvCache(small_layout(), 64))
+            prompts = Prompts(client, cache, seed=7)
+            keys, hashes, tokens = prompts.make(8)
+            prompts.store(keys, hashes, tokens, list(range(8)))
+            deadline = time.monotonic() + 20
+            while client.stats()["counters"].get("remote_writes", 0) < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            settle(client, consumer)
+            assert consumer.held == {"CPU": set(hashes), "EXTERNAL": set(hashes)}
+            # This node forgets them: the cluster's copies are no longer its to announce.
+            client.evict()
+            settle(client, consumer)
+            assert consumer.counts() == {}
+        finally:
+            client.close()
+            consumer.close()
+            d.stop()
+            ctx.term()
+            cluster.stop()
