@@ -215,8 +215,10 @@ void BlockCache::MoveToTier(BlockEntry* e, Tier to) {
   const Tier from = e->tier;
   index_.ChangeTier(e, to);
   if (e->state != EntryState::kReady || from == to) return;
-  if (from != Tier::kDisk) Tell(false, e, from);
+  // Present in the new tier first: a consumer never sees the block held
+  // nowhere in between (nor does the listener drop what it keeps of it).
   if (to != Tier::kDisk) Tell(true, e, to);
+  if (from != Tier::kDisk) Tell(false, e, from);
 }
 
 void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {

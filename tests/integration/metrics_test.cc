@@ -93,7 +93,9 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
        "tiers.disk.bytes=64MiB", "tiers.disk.region_bytes=4MiB",
        // Blocks loaded from disk stay in host at once, so every tier shows some.
        "policy.disk_promotion_min_hits=0",
-       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true}]"});
+       // KV events on, so their families are on the page too.
+       "events.enabled=true", "events.endpoint=ipc:///tmp/kvtier-metrics-events-" + std::to_string(::getpid()),
+       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, publish_events: true}]"});
   ASSERT_TRUE(d.has_value()) << d.error();
   Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path(), .client_name = "metrics"});
   ASSERT_TRUE(c.has_value()) << c.error();
@@ -120,7 +122,11 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
     ids[i] = i;
     FillFromKey(keys[i], cache->block(i));
   }
-  ASSERT_EQ(client.Store(id, keys, ids).value().blocks, keys.size());
+  std::vector<uint8_t> engine_hashes(keys.size() * 16);
+  for (size_t i = 0; i < keys.size(); ++i) std::copy_n(keys[i].bytes.begin(), 16, engine_hashes.begin() + i * 16);
+  const BlockEventInfo events{.hash_bytes = 16, .engine_hashes = engine_hashes, .parent_hash = {}, .token_ids = {},
+                              .block_size = 16, .lora_name = {}};
+  ASSERT_EQ(client.Store(id, keys, ids, std::nullopt, &events).value().blocks, keys.size());
   const uint64_t flushed = client.Flush().value();
   ASSERT_GT(flushed, 0u);
   const DaemonStats settled =
@@ -132,6 +138,10 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   for (uint32_t i = 0; i < 8; ++i) into[i] = 100 + i;
   ASSERT_EQ(client.Load(id, std::span(keys).first(8), into).value().blocks, 8u);
 
+  // Events go out on the publisher's cadence: the start's clear marker, each
+  // block stored, each written to disk.
+  const uint64_t min_events = 1 + 96 + flushed;
+  StatsWhen(client, [&](const DaemonStats& s) { return s.Counter("events_published") >= min_events; });
   const std::string after_page = Scrape(address);
   ASSERT_FALSE(after_page.empty());
   EXPECT_EQ(PromtoolProblems(after_page, d->dir()), "");
@@ -179,6 +189,12 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(after.at("kvtier_client_mappings"), 1);
   EXPECT_EQ(after.at("kvtier_leases"), 0);
   EXPECT_THAT(after_page, HasSubstr("kvtier_build_info{backend=\"host"));
+  EXPECT_GE(after.at("kvtier_kv_events_published_total"), min_events);
+  EXPECT_EQ(after.at("kvtier_kv_events_dropped_total"), 0);
+  EXPECT_EQ(after.at("kvtier_kv_event_blocks_tracked"), 96);
+  EXPECT_GT(after.at("kvtier_kv_event_metadata_bytes"), 96 * 100);
+  EXPECT_EQ(after.at("kvtier_kv_event_metadata_refused_total"), 0);
+  EXPECT_EQ(after.at("kvtier_kv_events_clears_total"), 1);
 
   // Every series the Grafana dashboard queries is one the daemon exports.
   std::ifstream dashboard(std::string(KVTIER_SOURCE_DIR) + "/tools/grafana-dashboard.json");

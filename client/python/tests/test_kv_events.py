@@ -142,7 +142,9 @@ def events_daemon(directory: str, extra: list[str] = ()) -> Daemon:
         f"events.replay_endpoint=ipc://{directory}/replay",
         "events.node=node-a",
         "events.cadence_ms=2",
-        "tiers.host.bytes=2MiB",  # 128 blocks of 16 KiB
+        "tiers.hbm.enabled=true",  # a CPU arena on the host backend: 32 blocks of 16 KiB
+        "tiers.hbm.bytes=512KiB",
+        "tiers.host.bytes=2MiB",  # 128 blocks
         "tiers.disk.enabled=true",
         "tiers.disk.bytes=16MiB",
         "tiers.disk.region_bytes=1MiB",
@@ -171,15 +173,15 @@ def endpoints(d: Daemon) -> tuple[str, str]:
 
 def tier_blocks(client: kvtier.Client) -> dict[str, int]:
     """Blocks per medium, as kvtierd counts them: present where they can be
-    served from (a host block that keeps its disk record is in both). The
-    tiers' own counts (a block counted where it lives) must agree with it."""
+    served from (a block in memory that keeps its disk record is in both).
+    The tiers' own counts (a block counted where it lives) must agree."""
     stats = client.stats()
     c = stats["counters"]
     present = {"GPU": c["blocks_present_hbm"], "CPU": c["blocks_present_host"], "DISK": c["blocks_present_disk"],
                "EXTERNAL": c["blocks_present_remote"]}
     tiers = {t["tier"]: t["blocks"] for t in stats["tiers"]}
     assert (present["GPU"], present["CPU"]) == (tiers.get("hbm", 0), tiers.get("host", 0))
-    assert tiers.get("disk", 0) <= present["DISK"] <= tiers.get("disk", 0) + tiers.get("host", 0)
+    assert tiers.get("disk", 0) <= present["DISK"] <= sum(tiers.values())
     return {m: n for m, n in present.items() if n}
 
 
@@ -248,7 +250,8 @@ def test_a_subscriber_sees_every_tier_change_in_order(node: tuple[Daemon, zmq.Co
         assert [e["block_hashes"] for e in stored] == [[h] for h in hashes]
         assert [e["parent_block_hash"] for e in stored] == [None] + hashes[:-1]
         assert [e["token_ids"] for e in stored] == [prompts.tokens[h] for h in hashes]
-        assert {(e["medium"], e["block_size"], e["lora_name"]) for e in stored} == {("CPU", BLOCK_TOKENS, None)}
+        # hbm (GPU) first: a CPU arena stands in on the host backend.
+        assert {(e["medium"], e["block_size"], e["lora_name"]) for e in stored} == {("GPU", BLOCK_TOKENS, None)}
 
         # Past host's 128 blocks: the oldest go to disk (a removal from CPU,
         # a store in DISK).
@@ -264,7 +267,8 @@ def test_a_subscriber_sees_every_tier_change_in_order(node: tuple[Daemon, zmq.Co
         # A load reads them back up: present in CPU again (and still on disk).
         assert client.load(cache, keys, list(range(8))).blocks == 8
         settle(client, consumer)
-        assert set(hashes) <= consumer.held["CPU"] and set(hashes) <= consumer.held["DISK"]
+        in_memory = consumer.held.get("CPU", set()) | consumer.held.get("GPU", set())
+        assert set(hashes) <= in_memory and set(hashes) <= consumer.held["DISK"]
 
         # A flush writes what host holds to disk as well.
         client.flush()
@@ -318,7 +322,8 @@ def test_a_gap_is_recovered_through_the_replay_socket() -> None:
 
 def test_a_restart_ends_in_a_consistent_snapshot() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-events-") as directory:
-        d = events_daemon(directory)
+        # No hbm tier: a stop writes host blocks to disk, not hbm's.
+        d = events_daemon(directory, ["tiers.hbm.enabled=false"])
         d.start()
         client = kvtier.Client.connect(d.socket, name="events")
         cache = client.register_cpu_cache(kvtier.CpuKvCache(small_layout(), 64))
@@ -390,7 +395,7 @@ def test_vllm_decodes_every_batch(encoding: str, hash_kind: str) -> None:
             assert [e.parent_block_hash for e in stored] == [expect_parent] + expect[:-1]
             assert [e.token_ids for e in stored] == [tokens[i * 16 : (i + 1) * 16] for i in range(8)]
             assert {(e.block_size, e.medium, e.lora_name, e.lora_id) for e in stored} == {
-                (BLOCK_TOKENS, "CPU", "adapter-1", None)}
+                (BLOCK_TOKENS, "GPU", "adapter-1", None)}
             assert sorted(map(bytes if hash_kind == "bytes" else int, (e.block_hashes[0] for e in removed))) == \
                 sorted(expect)
         finally:
@@ -469,7 +474,8 @@ def test_blocks_put_to_the_remote_tier_are_external() -> None:
     cluster = RedisCluster(masters=3, replicas=0)
     with tempfile.TemporaryDirectory(prefix="kvtier-events-") as directory:
         d = events_daemon(directory, ["tiers.remote.enabled=true", f"tiers.remote.seeds=[{','.join(cluster.seeds)}]",
-                                      "tiers.remote.write=store", "tiers.disk.enabled=false"])
+                                      "tiers.remote.write=store", "tiers.disk.enabled=false",
+                                      "tiers.hbm.enabled=false"])  # store puts what reaches host
         d.start()
         ctx = zmq.Context()
         consumer = Consumer(ctx, *endpoints(d))
