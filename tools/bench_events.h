@@ -1,8 +1,9 @@
-// kvtier-bench host --events: what publishing KV events costs. Two kvtierd
-// of the same config but for events (off on one, on on the other, with a
-// ZMQ subscriber of the bench's own reading every batch), the same stores
-// and loads with the engine's block metadata on both, reps alternating
-// between them so that the machine's noise falls on both alike. Prints the
+// kvtier-bench host --events: what publishing KV events costs. Four kvtierd
+// of the same config but for events (off, on, on, off, started in that
+// order so that where one sits cancels out; a ZMQ subscriber of the bench's
+// own reads every batch of one), the same stores and loads with the
+// engine's block metadata on all, each rep visiting them in turn so that
+// the machine's noise falls on all alike. Prints the
 // store+load throughput with events on next to events off (goal: >= 0.97x),
 // and the events published per second of the timed reps' store, load and
 // evict (a BlockStored and a BlockRemoved per block), with any gap the
