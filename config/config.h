@@ -174,6 +174,7 @@ struct Config {
     uint64_t buffer_bytes = 64ull << 20;
     uint32_t send_hwm = 100000;
     uint64_t max_metadata_bytes = 256ull << 20;  // block metadata kept in memory
+    friend bool operator==(const Events&, const Events&) = default;
   } events;
 
   struct Metrics {

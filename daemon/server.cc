@@ -639,7 +639,9 @@ void Server::Reload() {
   cache_->SetWatermarks({c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
                         {c.policy.watermarks.host.high, c.policy.watermarks.host.low});
   if (disk_) disk_->SetWatermarks(c.policy.watermarks.disk.high, c.policy.watermarks.disk.low);
-  for (const std::string& what : tenants_->Reload(c)) {
+  std::vector<std::string> need_restart = tenants_->Reload(c);
+  if (!(c.events == options_.config.events)) need_restart.push_back("events");
+  for (const std::string& what : need_restart) {
     spdlog::warn("SIGHUP: {} changed; that takes a restart", what);
   }
   for (const auto& t : tenants_->tenants()) cache_->SetQuota(t->id, TenantRegistry::QuotaOf(t->config));

@@ -120,6 +120,9 @@ std::vector<std::string> TenantRegistry::Reload(const Config& config) {
         old.sharing_group != t.sharing_group || old.salt_file != t.salt_file) {
       need_restart.push_back("tenants[" + t.name + "] identity, admin, group or salt");
     }
+    if (old.publish_events != t.publish_events || old.model != t.model) {
+      need_restart.push_back("tenants[" + t.name + "] publish_events or model");
+    }
   }
   return need_restart;
 }
