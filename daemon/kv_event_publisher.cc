@@ -78,6 +78,12 @@ bool KvEventPublisher::Publish(std::string topic, KvEvent event) {
   return true;
 }
 
+void KvEventPublisher::PublishWaiting(std::string topic, KvEvent event) {
+  std::unique_lock lock(mu_);
+  room_.wait(lock, [&] { return queue_.size() < options_.max_queued_events || stopping_; });
+  queue_.emplace_back(std::move(topic), std::move(event));
+}
+
 KvEventPublisherCounters KvEventPublisher::counters() const {
   std::lock_guard lock(mu_);
   return counters_;
@@ -109,6 +115,7 @@ void KvEventPublisher::SendQueued() {
     std::lock_guard lock(mu_);
     taken.swap(queue_);
   }
+  room_.notify_all();
   if (taken.empty()) return;
   // One batch per topic (in the order of each topic's first event), split at
   // max_batch_events.

@@ -66,6 +66,10 @@ class KvEventPublisher {
 
   // Queues `event` under `topic`; false (and counted) when the queue is full.
   bool Publish(std::string topic, KvEvent event);
+  // As Publish, but waits for room instead of dropping: for a snapshot taken
+  // before kvtierd serves (millions of blocks after a restart must not
+  // overflow the queue). Never on a path that serves requests.
+  void PublishWaiting(std::string topic, KvEvent event);
   KvEventPublisherCounters counters() const;
   // The sequence number the next batch gets (0 after start).
   uint64_t next_sequence() const { return next_seq_.load(); }
@@ -82,6 +86,7 @@ class KvEventPublisher {
   std::unique_ptr<Sockets> sockets_;  // used by the publisher thread only (after Start)
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable room_;  // the publisher thread took what was queued
   std::vector<std::pair<std::string, KvEvent>> queue_;  // under mu_
   bool stopping_ = false;                                // under mu_
   KvEventPublisherCounters counters_;                    // under mu_

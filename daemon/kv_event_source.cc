@@ -1,5 +1,6 @@
 #include "daemon/kv_event_source.h"
 
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -98,12 +99,13 @@ KvEventSource::KvEventSource(std::unique_ptr<KvEventPublisher> publisher, std::v
     : publisher_(std::move(publisher)),
       tenants_(std::move(tenants)),
       present_(tenants_.size(), 0),
-      max_metadata_bytes_(max_metadata_bytes) {}
+      max_metadata_bytes_(max_metadata_bytes) {
+  // Every bucket the bound allows, now: the table never rehashes on the
+  // event loop (a rehash of a million entries would stall it).
+  blocks_.reserve(static_cast<size_t>(std::min<uint64_t>(max_metadata_bytes_ / kNodeBytes, uint64_t{1} << 24)));
+}
 
 uint64_t KvEventSource::BytesOf(const BlockMeta& m) {
-  // The map node (key, value, next pointer and cached hash) and what the
-  // vectors and strings hold outside it.
-  constexpr uint64_t kNodeBytes = sizeof(StoredKey) + sizeof(BlockMeta) + 2 * sizeof(void*);
   return kNodeBytes + m.tokens.capacity() * sizeof(uint32_t) + (m.lora.size() > 15 ? m.lora.capacity() : 0);
 }
 
@@ -177,10 +179,13 @@ void KvEventSource::Snapshot(BlockCache& cache) {
   for (const TenantTopic& t : tenants_) {
     if (t.publish) topics.insert(t.topic);
   }
+  // Before kvtierd serves: every block goes out, however many there are.
+  snapshotting_ = true;
   for (const std::string& topic : topics) PublishCleared(topic);
   cache.ForEachPresent([&](const StoredKey& key, TenantId owner, uint32_t ns, Presence where) {
     OnBlockPresent(key, owner, ns, where);
   });
+  snapshotting_ = false;
   for (auto it = blocks_.begin(); it != blocks_.end();) {
     auto next = std::next(it);
     if (it->second.pending > 0) --it->second.pending;  // Adopt's hold
@@ -219,8 +224,7 @@ void KvEventSource::OnBlockGone(const StoredKey& key, TenantId owner, uint32_t, 
   if (it == blocks_.end() || (it->second.places & Bit(where)) == 0) return;
   it->second.places &= static_cast<uint8_t>(~Bit(where));
   --present_[owner];
-  publisher_->Publish(tenants_[owner].topic, BlockRemovedEvent{.block_hashes = {it->second.hash},
-                                                               .medium = MediumOf(where)});
+  Publish(tenants_[owner].topic, BlockRemovedEvent{.block_hashes = {it->second.hash}, .medium = MediumOf(where)});
   if (it->second.places == 0 && it->second.pending == 0) Untrack(it);
 }
 
@@ -233,17 +237,24 @@ std::string KvEventSource::DiskAnnotation(const StoredKey& key, TenantId owner) 
 }
 
 void KvEventSource::PublishStored(TenantId owner, const BlockMeta& m, Presence where) {
-  publisher_->Publish(tenants_[owner].topic,
-                      BlockStoredEvent{.block_hashes = {m.hash},
-                                       .parent_block_hash = m.parent,
-                                       .token_ids = m.tokens,
-                                       .block_size = m.block_size,
-                                       .lora_name = m.lora.empty() ? std::nullopt : std::optional(m.lora),
-                                       .medium = MediumOf(where)});
+  Publish(tenants_[owner].topic, BlockStoredEvent{.block_hashes = {m.hash},
+                                                  .parent_block_hash = m.parent,
+                                                  .token_ids = m.tokens,
+                                                  .block_size = m.block_size,
+                                                  .lora_name = m.lora.empty() ? std::nullopt : std::optional(m.lora),
+                                                  .medium = MediumOf(where)});
+}
+
+void KvEventSource::Publish(const std::string& topic, KvEvent event) {
+  if (snapshotting_) {
+    publisher_->PublishWaiting(topic, std::move(event));
+  } else {
+    publisher_->Publish(topic, std::move(event));
+  }
 }
 
 void KvEventSource::PublishCleared(const std::string& topic) {
-  publisher_->Publish(topic, AllBlocksClearedEvent{});
+  Publish(topic, AllBlocksClearedEvent{});
   ++counters_.clears_published;
 }
 

@@ -97,10 +97,14 @@ class KvEventSource final : public TierListener {
     uint8_t places = 0;    // a bit per Presence
     uint32_t pending = 0;  // stores in flight that named it
   };
+  // A map node (key, value, next pointer and cached hash); BytesOf adds
+  // what its vectors and strings hold outside it.
+  static constexpr uint64_t kNodeBytes = sizeof(StoredKey) + sizeof(BlockMeta) + 2 * sizeof(void*);
   static uint64_t BytesOf(const BlockMeta& m);
   void Track(const StoredKey& key, BlockMeta meta);
   void Untrack(std::unordered_map<StoredKey, BlockMeta, Key128Hash>::iterator it);
   void PublishStored(TenantId owner, const BlockMeta& m, Presence where);
+  void Publish(const std::string& topic, KvEvent event);
   void PublishCleared(const std::string& topic);
 
   std::unique_ptr<KvEventPublisher> publisher_;
@@ -109,6 +113,7 @@ class KvEventSource final : public TierListener {
   const uint64_t max_metadata_bytes_;
   std::unordered_map<StoredKey, BlockMeta, Key128Hash> blocks_;
   KvEventSourceCounters counters_;
+  bool snapshotting_ = false;  // in Snapshot: events wait for room instead of dropping
 };
 
 // The annotation format (docs/disk-format.md), exposed for tests.

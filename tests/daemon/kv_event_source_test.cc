@@ -67,7 +67,7 @@ TEST_F(KvEventSourceTest, MetadataPastTheBoundIsRefusedCountedAndNeverAnnounced)
   std::vector<uint8_t> hashes(kBlocks * 8, 7);
   std::vector<uint32_t> tokens(kBlocks * 16, 3);
   // Room for about ten blocks' metadata (each counts its map node and its 16 tokens).
-  std::unique_ptr<KvEventSource> probe = Make(UINT64_MAX);
+  std::unique_ptr<KvEventSource> probe = Make(1 << 20);
   probe->Remember(std::span(keys).first(1), Fields(std::vector<uint8_t>(8, 7), std::vector<uint32_t>(16, 3), 16));
   const uint64_t per_block = probe->counters().metadata_bytes;
   ASSERT_GT(per_block, 16u * 4);

@@ -328,7 +328,9 @@ def test_a_gap_is_recovered_through_the_replay_socket() -> None:
 
 
 def test_a_restart_ends_in_a_consistent_snapshot() -> None:
-    with running(["tiers.hbm.enabled=false"]) as n:  # a stop writes host blocks to disk, not hbm's
+    # No hbm tier: a stop writes host blocks to disk, not hbm's. A queue of
+    # 16 events: the snapshot of 40 blocks waits for room, it drops nothing.
+    with running(["tiers.hbm.enabled=false", "events.max_queued_events=16"]) as n:
         cache = n.client.register_cpu_cache(kvtier.CpuKvCache(small_layout(), 64))
         prompts = Prompts(n.client, cache, seed=3)
         keys, hashes, tokens = prompts.make(40)
@@ -343,7 +345,8 @@ def test_a_restart_ends_in_a_consistent_snapshot() -> None:
         for i, h in enumerate(hashes):
             assert by_hash[h]["token_ids"] == prompts.tokens[h]
             assert by_hash[h]["parent_block_hash"] == (hashes[i - 1] if i else None)
-        assert n.client.stats()["counters"]["events_blocks_tracked"] == len(hashes)
+        counters = n.client.stats()["counters"]
+        assert counters["events_blocks_tracked"] == len(hashes) and counters["events_dropped"] == 0
 
 
 @pytest.mark.parametrize("encoding,hash_kind", [("map", "u64"), ("positional", "bytes")])
