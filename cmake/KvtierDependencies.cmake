@@ -2,6 +2,7 @@
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
+pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 pkg_check_modules(HIREDIS REQUIRED IMPORTED_TARGET hiredis)
 
 # ZMQ (libzmq3-dev; cppzmq-dev's zmq.hpp is header-only), for KV events.

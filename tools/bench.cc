@@ -3,6 +3,8 @@
 // absolute numbers mean little; ratios do).
 //
 //   kvtier-bench host   [--blocks 64] [--reps 7] [--socket PATH]
+//   kvtier-bench compress [--block-kib 2048] [--blocks 32] [--reps 5]
+//       the block codecs on one core (tools/bench_compress.h)
 //   kvtier-bench host --events [--blocks 64] [--block-tokens 16] [--reps 7]
 //       the same, events off vs on (tools/bench_events.h)
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
@@ -53,6 +55,7 @@
 #include "tools/bench_gpu.h"
 #include "tools/bench_index.h"
 #include "tools/bench_redis.h"
+#include "tools/bench_compress.h"
 #include "tools/bench_events.h"
 #include "tools/bench_remote.h"
 #include "tools/bench_report.h"
@@ -504,6 +507,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   gpu->add_option("--layout", gpu_options.layout, "engine cache layout")
       ->check(CLI::IsMember({"vllm-nhd", "vllm-hnd", "sglang-layer-first", "sglang-page-first", "contiguous"}));
+  CLI::App* compress = app.add_subcommand("compress", "the block codecs on one core: ratio and GB/s vs memcpy");
+  kvtier::bench::CompressOptions compress_options;
+  compress->add_option("--block-kib", compress_options.block_kib, "block size in KiB")->check(CLI::Range(4, 65536));
+  compress->add_option("--blocks", compress_options.blocks, "blocks per rep")->check(CLI::Range(1, 4096));
+  compress->add_option("--reps", compress_options.reps, "repetitions (median)")->check(CLI::Range(1, 1000));
   CLI::App* trace = app.add_subcommand("trace", "replay a Mooncake trace: hit rates vs LRU, Belady and the ceiling");
   kvtier::bench::TraceOptions trace_options;
   trace->add_option("--trace", trace_options.trace_path, "JSONL request trace (../shared/traces/)")->required();
@@ -538,6 +546,10 @@ int main(int argc, char** argv) {
     return kvtier::bench::Gpu(gpu_options);
   }
   kvtier::bench::PrintMachine();
+  if (compress->parsed()) {
+    compress_options.json = json;
+    return kvtier::bench::Compress(compress_options);
+  }
   if (trace->parsed()) {
     trace_options.socket = socket;
     trace_options.json = json;

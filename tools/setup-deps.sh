@@ -11,7 +11,7 @@ PACKAGES=(
   # and this script installs without recommends
   libclang-rt-14-dev
   # libraries (see ../shared/DESIGN.md, "Dependencies")
-  liburing-dev librocksdb-dev libxxhash-dev prometheus-cpp-dev libyaml-cpp-dev
+  liburing-dev librocksdb-dev libxxhash-dev libzstd-dev prometheus-cpp-dev libyaml-cpp-dev
   libflatbuffers-dev flatbuffers-compiler libspdlog-dev libcli11-dev libexpected-dev
   # tests and benchmarks (fio: kvtier-bench disk's baseline; e2fsprogs: mkfs.ext4 for
   # startup_test's small loop-mounted file system)

@@ -1,0 +1,198 @@
+#include "kernels/codec.h"
+
+#include <zstd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "common/check.h"
+#include "kernels/fp8_e4m3.h"
+
+namespace kvtier {
+namespace {
+
+constexpr int kZstdLevel = 1;
+
+// Bytes an encoding must save to be kept: 1/64 of the block.
+bool WorthIt(size_t raw, size_t encoded) { return encoded <= raw - raw / 64; }
+
+size_t Groups(size_t elems, uint32_t group) { return (elems + group - 1) / group; }
+
+uint16_t Load16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+void Store16(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+
+float ToFloat(DType d, uint16_t v) { return d == DType::kBf16 ? fp8::Bf16ToFloat(v) : fp8::Fp16ToFloat(v); }
+uint16_t FromFloat(DType d, float f) { return d == DType::kBf16 ? fp8::FloatToBf16(f) : fp8::FloatToFp16(f); }
+
+// Byte planes: element i's byte b goes to planes[b * n + i].
+void Split(std::span<const uint8_t> raw, size_t width, uint8_t* planes) {
+  const size_t n = raw.size() / width;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t b = 0; b < width; ++b) planes[b * n + i] = raw[i * width + b];
+  }
+}
+void Join(const uint8_t* planes, size_t width, std::span<uint8_t> dst) {
+  const size_t n = dst.size() / width;
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t b = 0; b < width; ++b) dst[i * width + b] = planes[b * n + i];
+  }
+}
+
+}  // namespace
+
+struct BlockCodec::Zstd {
+  ZSTD_CCtx* c = nullptr;
+  ZSTD_DCtx* d = nullptr;
+  ~Zstd() {
+    ZSTD_freeCCtx(c);
+    ZSTD_freeDCtx(d);
+  }
+};
+
+std::string_view CodecName(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::kNone: return "none";
+    case CodecKind::kLossless: return "lossless";
+    case CodecKind::kFp8: return "fp8";
+  }
+  return "?";
+}
+
+Result<CodecKind> ParseCodec(std::string_view name) {
+  for (CodecKind k : {CodecKind::kNone, CodecKind::kLossless, CodecKind::kFp8}) {
+    if (name == CodecName(k)) return k;
+  }
+  return Err(InvalidArgument("unknown codec '" + std::string(name) + "' (none, lossless or fp8)"));
+}
+
+Status CheckCodec(const CodecParams& p) {
+  const size_t width = DTypeSizeBytes(p.dtype);
+  switch (p.kind) {
+    case CodecKind::kNone: return Status::Ok();
+    case CodecKind::kLossless:
+      if (width == 0) return InvalidArgument("lossless: unknown dtype");
+      return Status::Ok();
+    case CodecKind::kFp8:
+      if (p.dtype != DType::kFp16 && p.dtype != DType::kBf16) {
+        return InvalidArgument("fp8 needs fp16 or bf16 KV, not " + std::string(DTypeName(p.dtype)) +
+                               " (use none or lossless)");
+      }
+      if (p.group_elems == 0) return InvalidArgument("fp8: group_elems must be at least 1");
+      return Status::Ok();
+  }
+  return InvalidArgument("unknown codec " + std::to_string(static_cast<int>(p.kind)));
+}
+
+Result<std::unique_ptr<BlockCodec>> BlockCodec::Create() {
+  auto z = std::make_unique<Zstd>();
+  z->c = ZSTD_createCCtx();
+  z->d = ZSTD_createDCtx();
+  if (z->c == nullptr || z->d == nullptr) return Err(Status(StatusCode::kResourceExhausted, "zstd: no memory"));
+  return std::unique_ptr<BlockCodec>(new BlockCodec(std::move(z)));
+}
+
+BlockCodec::BlockCodec(std::unique_ptr<Zstd> zstd) : zstd_(std::move(zstd)) {}
+BlockCodec::~BlockCodec() = default;
+
+size_t BlockCodec::MaxEncodedBytes(const CodecParams& p, size_t raw_bytes) {
+  switch (p.kind) {
+    case CodecKind::kNone: return 0;
+    case CodecKind::kLossless: return ZSTD_compressBound(raw_bytes);
+    case CodecKind::kFp8: {
+      const size_t elems = raw_bytes / 2;
+      return Groups(elems, std::max<uint32_t>(p.group_elems, 1)) * sizeof(float) + elems;
+    }
+  }
+  return 0;
+}
+
+std::optional<size_t> BlockCodec::Encode(const CodecParams& p, std::span<const uint8_t> raw, std::span<uint8_t> out) {
+  KVTIER_CHECK(CheckCodec(p).ok());
+  KVTIER_CHECK(out.size() >= MaxEncodedBytes(p, raw.size()));
+  if (p.kind == CodecKind::kLossless) {
+    const size_t width = DTypeSizeBytes(p.dtype);
+    KVTIER_CHECK(raw.size() % width == 0);
+    planes_.resize(raw.size());
+    Split(raw, width, planes_.data());
+    const size_t n = ZSTD_compressCCtx(zstd_->c, out.data(), out.size(), planes_.data(), planes_.size(), kZstdLevel);
+    if (ZSTD_isError(n) || !WorthIt(raw.size(), n)) return std::nullopt;
+    return n;
+  }
+  if (p.kind == CodecKind::kFp8) {
+    KVTIER_CHECK(raw.size() % 2 == 0);
+    const size_t elems = raw.size() / 2;
+    const size_t groups = Groups(elems, p.group_elems);
+    uint8_t* scales = out.data();
+    uint8_t* q = out.data() + groups * sizeof(float);
+    for (size_t g = 0; g < groups; ++g) {
+      const size_t begin = g * p.group_elems;
+      const size_t end = std::min(elems, begin + p.group_elems);
+      float amax = 0;
+      for (size_t i = begin; i < end; ++i) {
+        const float x = ToFloat(p.dtype, Load16(&raw[2 * i]));
+        if (!std::isfinite(x)) return std::nullopt;  // NaN or Inf: raw
+        amax = std::max(amax, std::fabs(x));
+      }
+      const float s = amax / fp8::kE4m3Max;
+      const float inv = s == 0 ? 0.0f : fp8::kE4m3Max / amax;  // x·inv: x/s within fp32 rounding
+      const uint32_t bits = fp8::FloatBits(s);
+      for (int b = 0; b < 4; ++b) scales[g * 4 + static_cast<size_t>(b)] = static_cast<uint8_t>(bits >> (8 * b));
+      for (size_t i = begin; i < end; ++i) {
+        const float x = ToFloat(p.dtype, Load16(&raw[2 * i]));
+        // An all-zero group keeps its zeros' signs (code 0x80 is -0).
+        q[i] = s == 0 ? (std::signbit(x) ? 0x80 : 0x00) : fp8::FloatToE4m3(x * inv);
+      }
+    }
+    return groups * sizeof(float) + elems;
+  }
+  return std::nullopt;
+}
+
+Status BlockCodec::Decode(const CodecParams& p, std::span<const uint8_t> stored, std::span<uint8_t> dst) {
+  auto corrupt = [&](const std::string& what) {
+    return Status(StatusCode::kCorruption, std::string(CodecName(p.kind)) + " block: " + what);
+  };
+  if (p.kind == CodecKind::kLossless) {
+    const size_t width = DTypeSizeBytes(p.dtype);
+    if (width == 0 || dst.size() % width != 0) return corrupt("the raw size is not a whole number of elements");
+    planes_.resize(dst.size());
+    const size_t n = ZSTD_decompressDCtx(zstd_->d, planes_.data(), planes_.size(), stored.data(), stored.size());
+    if (ZSTD_isError(n)) return corrupt(std::string("zstd: ") + ZSTD_getErrorName(n));
+    if (n != dst.size()) return corrupt(std::to_string(n) + " bytes, not " + std::to_string(dst.size()));
+    Join(planes_.data(), width, dst);
+    return Status::Ok();
+  }
+  if (p.kind == CodecKind::kFp8) {
+    if (dst.size() % 2 != 0 || p.group_elems == 0) return corrupt("bad raw size or group");
+    const size_t elems = dst.size() / 2;
+    const size_t groups = Groups(elems, p.group_elems);
+    if (stored.size() != groups * sizeof(float) + elems) {
+      return corrupt(std::to_string(stored.size()) + " bytes stored, expected " +
+                     std::to_string(groups * sizeof(float) + elems));
+    }
+    const uint8_t* q = stored.data() + groups * sizeof(float);
+    float table[256];
+    for (int i = 0; i < 256; ++i) table[i] = fp8::E4m3ToFloat(static_cast<uint8_t>(i));
+    for (size_t g = 0; g < groups; ++g) {
+      uint32_t bits = 0;
+      for (int b = 0; b < 4; ++b) bits |= uint32_t{stored[g * 4 + static_cast<size_t>(b)]} << (8 * b);
+      const float s = fp8::BitsFloat(bits);
+      if (!std::isfinite(s) || s < 0) return corrupt("a bad scale");
+      const size_t begin = g * p.group_elems;
+      const size_t end = std::min(elems, begin + p.group_elems);
+      for (size_t i = begin; i < end; ++i) {
+        if ((q[i] & 0x7f) == 0x7f) return corrupt("a NaN code");
+        Store16(&dst[2 * i], FromFloat(p.dtype, table[q[i]] * s));
+      }
+    }
+    return Status::Ok();
+  }
+  return corrupt("nothing to decode");
+}
+
+}  // namespace kvtier

@@ -1,0 +1,82 @@
+// Block codecs for the lower tiers (issue 18; ../shared/notes/compression.md):
+// what a block's bytes become in host, disk and remote tiers that hold more
+// blocks per byte, and back.
+//
+//   lossless  2-byte (or 4-byte) elements split into byte planes, then zstd
+//             level 1. Bit-exact. Not used (stored raw) when it saves less
+//             than 1/64.
+//   fp8       LOSSY: E4M3 with one fp32 scale per group of `group_elems`
+//             elements (a head's head_dim values of one token, by default),
+//             for fp16 and bf16. Per group s = amax/448, q = E4M3(x·448/amax)
+//             (round to nearest even, saturating), decoded as q*s rounded to
+//             the block's dtype. Each element is within
+//             0.0665·|x| + 2^-10·s of its input; zeros and signs are kept and
+//             a group's largest element comes back exactly. A block with a
+//             NaN or an Inf is not encoded (stored raw).
+//
+// Encoded layouts: lossless is a zstd frame of the planes; fp8 is the
+// groups' scales (fp32, little-endian) followed by one byte per element.
+//
+// BlockCodec: one thread's codec (its zstd contexts and scratch);
+// thread-compatible: a codec pool keeps one per thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/layout.h"
+#include "common/status.h"
+
+namespace kvtier {
+
+enum class CodecKind : uint8_t { kNone = 0, kLossless = 1, kFp8 = 2 };
+std::string_view CodecName(CodecKind kind);  // "none", "lossless", "fp8"
+// Errors: kInvalidArgument naming the text.
+Result<CodecKind> ParseCodec(std::string_view name);
+
+struct CodecParams {
+  CodecKind kind = CodecKind::kNone;
+  DType dtype = DType::kBf16;
+  uint32_t group_elems = 128;  // fp8: elements per scale
+};
+
+// Whether `p` can encode blocks of its dtype: lossless any dtype of 1, 2 or 4
+// bytes; fp8 only fp16 and bf16 with group_elems >= 1. Errors:
+// kInvalidArgument saying why (e.g. "fp8 needs fp16 or bf16 KV").
+Status CheckCodec(const CodecParams& p);
+
+class BlockCodec {
+ public:
+  static Result<std::unique_ptr<BlockCodec>> Create();
+  ~BlockCodec();
+  BlockCodec(const BlockCodec&) = delete;
+  BlockCodec& operator=(const BlockCodec&) = delete;
+
+  // The most bytes Encode may write for a block of `raw_bytes`.
+  static size_t MaxEncodedBytes(const CodecParams& p, size_t raw_bytes);
+
+  // Encodes `raw` into `out` (at least MaxEncodedBytes) and returns the
+  // bytes written, or nullopt when the block is to be stored raw: kNone, a
+  // saving under 1/64 (lossless), a NaN or Inf (fp8). REQUIRES:
+  // CheckCodec(p) is ok and raw.size() is a whole number of elements.
+  std::optional<size_t> Encode(const CodecParams& p, std::span<const uint8_t> raw, std::span<uint8_t> out);
+
+  // Decodes what Encode wrote into `dst` (the raw size). Errors:
+  // kCorruption when `stored` does not decode to exactly dst.size() bytes;
+  // dst is then not to be served.
+  Status Decode(const CodecParams& p, std::span<const uint8_t> stored, std::span<uint8_t> dst);
+
+ private:
+  struct Zstd;
+  explicit BlockCodec(std::unique_ptr<Zstd> zstd);
+
+  std::unique_ptr<Zstd> zstd_;
+  std::vector<uint8_t> planes_;  // scratch: the byte planes
+};
+
+}  // namespace kvtier

@@ -1,0 +1,105 @@
+// Element conversions for the block codecs (kernels/codec.h): OCP OFP8 E4M3
+// (E4M3FN: bias 7, largest finite ±448, no Inf, NaN S.1111.111), IEEE fp16
+// and bfloat16, each to and from fp32 with round-to-nearest-even. Written as
+// plain inline functions over integers and floats so that the CUDA codec
+// kernel can share them (its CPU reference is the host codec).
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvtier::fp8 {
+
+inline constexpr float kE4m3Max = 448.0f;
+
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// A finite fp32 to E4M3, round to nearest even, saturating to ±448 (a value
+// past 448 becomes 448, never NaN). Integer operations only (the codec runs
+// it per element). REQUIRES: x is finite.
+inline uint8_t FloatToE4m3(float x) {
+  const uint32_t u = FloatBits(x);
+  const uint8_t sign = (u >> 31) != 0 ? 0x80 : 0x00;
+  const uint32_t a = u & 0x7fffffff;
+  if (a >= 0x43e00000) return sign | 0x7e;  // 448 and up
+  const int exp = static_cast<int>(a >> 23) - 127;
+  const uint32_t full = (a & 0x7fffff) | (exp > -127 ? 0x800000u : 0u);  // with the implicit bit
+  uint32_t code;
+  int shift;
+  if (exp >= -6) {  // normal: 3 of 23 mantissa bits, the exponent field above them
+    code = (static_cast<uint32_t>(exp + 7) << 3) | ((a & 0x7fffff) >> 20);
+    shift = 20;
+  } else {  // subnormal: steps of 2^-9; below 2^-10 all of it rounds away
+    shift = 14 - exp;
+    if (shift > 24) return sign;
+    code = full >> shift;
+  }
+  const uint32_t rest = full & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (code & 1) != 0)) ++code;  // a carry moves into the exponent
+  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
+}
+
+inline float E4m3ToFloat(uint8_t q) {
+  const int field = (q >> 3) & 0xf;
+  const int mant = q & 0x7;
+  float v;
+  if (field == 0) {
+    v = std::ldexp(static_cast<float>(mant), -9);
+  } else if (field == 15 && mant == 7) {
+    v = NAN;
+  } else {
+    v = std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, field - 7);
+  }
+  return (q & 0x80) != 0 ? -v : v;
+}
+
+inline float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float Fp16ToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t e = (h >> 10) & 0x1f;
+  const uint32_t m = h & 0x3ff;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+    const float v = std::ldexp(static_cast<float>(m), -24);
+    return sign != 0 ? -v : v;
+  }
+  if (e == 31) return BitsFloat(sign | 0x7f800000 | (m << 13));  // Inf or NaN
+  return BitsFloat(sign | ((e - 15 + 127) << 23) | (m << 13));
+}
+
+inline uint16_t FloatToFp16(float f) {
+  const uint32_t x = FloatBits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t a = x & 0x7fffffff;
+  if (a >= 0x7f800000) return sign | (a > 0x7f800000 ? 0x7e00 : 0x7c00);  // NaN, Inf
+  if (a >= 0x477ff000) return sign | 0x7c00;  // 65520 and up round past 65504
+  if (a < 0x38800000) {                       // below 2^-14: subnormal steps of 2^-24 (exact scaling)
+    return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 16777216.0f));
+  }
+  uint32_t h = ((((a >> 23) - 127 + 15) << 10) | ((a & 0x7fffff) >> 13));
+  const uint32_t rest = a & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1) != 0)) ++h;  // a carry moves into the exponent
+  return sign | static_cast<uint16_t>(h);
+}
+
+}  // namespace kvtier::fp8
