@@ -32,12 +32,28 @@ uint16_t FromFloat(DType d, float f) { return d == DType::kBf16 ? fp8::FloatToBf
 // Byte planes: element i's byte b goes to planes[b * n + i].
 void Split(std::span<const uint8_t> raw, size_t width, uint8_t* planes) {
   const size_t n = raw.size() / width;
+  if (width == 2) {  // fp16 and bf16: a loop the compiler vectorizes
+    const uint8_t* in = raw.data();
+    for (size_t i = 0; i < n; ++i) {
+      planes[i] = in[2 * i];
+      planes[n + i] = in[2 * i + 1];
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     for (size_t b = 0; b < width; ++b) planes[b * n + i] = raw[i * width + b];
   }
 }
 void Join(const uint8_t* planes, size_t width, std::span<uint8_t> dst) {
   const size_t n = dst.size() / width;
+  if (width == 2) {
+    uint8_t* out = dst.data();
+    for (size_t i = 0; i < n; ++i) {
+      out[2 * i] = planes[i];
+      out[2 * i + 1] = planes[n + i];
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     for (size_t b = 0; b < width; ++b) dst[i * width + b] = planes[b * n + i];
   }

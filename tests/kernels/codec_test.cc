@@ -153,6 +153,14 @@ TEST(LosslessCodecTest, BitExactOnEveryKindOfInput) {
     EXPECT_EQ(*back, raw) << name;
     EXPECT_LT(stored, raw.size()) << name;
   }
+  // Other widths: fp32 (4 planes) and fp8 caches (1: zstd alone).
+  for (DType d : {DType::kFp32, DType::kFp8E4M3}) {
+    std::vector<uint8_t> raw(65536);
+    for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>((i % 7) * (i % 4 == 3 ? 1 : 0) + (i % 64));
+    const std::optional<std::vector<uint8_t>> back = RoundTrip(*c, {.kind = CodecKind::kLossless, .dtype = d}, raw);
+    ASSERT_TRUE(back.has_value()) << DTypeName(d);
+    EXPECT_EQ(*back, raw) << DTypeName(d);
+  }
   // Byte planes are worth it on bf16 KV: at least 1.3x on N(0,1).
   size_t stored = 0;
   const std::vector<uint8_t> raw = Bytes16(Normal(DType::kBf16, 1 << 20, 3));  // 2 MiB
