@@ -77,6 +77,7 @@ class BlockCodec {
 
   std::unique_ptr<Zstd> zstd_;
   std::vector<uint8_t> planes_;  // scratch: the byte planes
+  std::vector<float> floats_;    // scratch: a block in fp32 (fp8)
 };
 
 }  // namespace kvtier

@@ -30,26 +30,25 @@ inline float BitsFloat(uint32_t u) {
 // past 448 becomes 448, never NaN). Integer operations only (the codec runs
 // it per element). REQUIRES: x is finite.
 inline uint8_t FloatToE4m3(float x) {
+  // Branch-free but for the clamps (the rounding decision is a coin toss on
+  // real data: a branch there would be mispredicted half the time).
   const uint32_t u = FloatBits(x);
-  const uint8_t sign = (u >> 31) != 0 ? 0x80 : 0x00;
+  const uint32_t sign = (u >> 24) & 0x80;
   const uint32_t a = u & 0x7fffffff;
-  if (a >= 0x43e00000) return sign | 0x7e;  // 448 and up
   const int exp = static_cast<int>(a >> 23) - 127;
   const uint32_t full = (a & 0x7fffff) | (exp > -127 ? 0x800000u : 0u);  // with the implicit bit
-  uint32_t code;
-  int shift;
-  if (exp >= -6) {  // normal: 3 of 23 mantissa bits, the exponent field above them
-    code = (static_cast<uint32_t>(exp + 7) << 3) | ((a & 0x7fffff) >> 20);
-    shift = 20;
-  } else {  // subnormal: steps of 2^-9; below 2^-10 all of it rounds away
-    shift = 14 - exp;
-    if (shift > 24) return sign;
-    code = full >> shift;
-  }
+  // Normal: 3 of 23 mantissa bits under the exponent field. Subnormal:
+  // steps of 2^-9; below 2^-10 all of it rounds away (shift capped at 31).
+  const bool normal = exp >= -6;
+  const int sub_shift = 14 - exp > 31 ? 31 : 14 - exp;
+  const int shift = normal ? 20 : sub_shift;
+  const uint32_t normal_code = (static_cast<uint32_t>(exp + 7) << 3) | ((a & 0x7fffff) >> 20);
+  uint32_t code = normal ? normal_code : full >> shift;
   const uint32_t rest = full & ((1u << shift) - 1);
   const uint32_t half = 1u << (shift - 1);
-  if (rest > half || (rest == half && (code & 1) != 0)) ++code;  // a carry moves into the exponent
-  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
+  code += static_cast<uint32_t>(rest > half) | (static_cast<uint32_t>(rest == half) & code & 1);
+  code = a >= 0x43e00000 || code > 0x7e ? 0x7e : code;  // 448 and up, and what rounds past it
+  return static_cast<uint8_t>(sign | code);
 }
 
 inline float E4m3ToFloat(uint8_t q) {
