@@ -4,6 +4,7 @@
 #include <set>
 #include <utility>
 
+#include "common/le_bytes.h"
 #include "tiers/disk/record.h"
 
 namespace kvtier {
@@ -27,16 +28,6 @@ EngineBlockHash HashAt(std::span<const uint8_t> hashes, uint32_t width, size_t i
   return *EngineBlockHash::From(hashes.subspan(i * width, width));
 }
 
-void PutU32(std::string& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
-}
-bool GetU32(std::string_view& in, uint32_t* v) {
-  if (in.size() < 4) return false;
-  *v = 0;
-  for (int i = 0; i < 4; ++i) *v |= uint32_t{static_cast<uint8_t>(in[i])} << (8 * i);
-  in.remove_prefix(4);
-  return true;
-}
 void PutBytes8(std::string& out, std::span<const uint8_t> bytes) {
   out.push_back(static_cast<char>(bytes.size()));
   out.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
@@ -60,13 +51,13 @@ std::string EncodeBlockAnnotation(const EngineBlockHash& hash, const std::option
   std::string out(1, static_cast<char>(kAnnotationFormat));
   PutBytes8(out, hash.view());
   PutBytes8(out, parent ? parent->view() : std::span<const uint8_t>());
-  PutU32(out, block_size);
+  le::Put<uint32_t>(out, block_size);
   PutBytes8(out, AsBytes(lora));
   // Token ids that would not fit in a record header are left out.
   const bool fits = out.size() + 4 + tokens.size() * 4 <= RecordHeader::kMaxAnnotationBytes;
-  PutU32(out, fits ? static_cast<uint32_t>(tokens.size()) : 0);
+  le::Put<uint32_t>(out, fits ? static_cast<uint32_t>(tokens.size()) : 0);
   if (fits) {
-    for (const uint32_t t : tokens) PutU32(out, t);
+    for (const uint32_t t : tokens) le::Put<uint32_t>(out, t);
   }
   return out;
 }
@@ -77,8 +68,8 @@ std::optional<DecodedBlockAnnotation> DecodeBlockAnnotation(std::string_view in)
   DecodedBlockAnnotation d;
   std::string_view hash, parent, lora;
   uint32_t n = 0;
-  if (!GetBytes8(in, &hash) || !GetBytes8(in, &parent) || !GetU32(in, &d.block_size) || !GetBytes8(in, &lora) ||
-      !GetU32(in, &n) || in.size() != size_t{n} * 4 || hash.empty()) {
+  if (!GetBytes8(in, &hash) || !GetBytes8(in, &parent) || !le::Get(in, &d.block_size) || !GetBytes8(in, &lora) ||
+      !le::Get(in, &n) || in.size() != size_t{n} * 4 || hash.empty()) {
     return std::nullopt;
   }
   std::optional<EngineBlockHash> h = EngineBlockHash::From(AsBytes(hash));
@@ -90,7 +81,7 @@ std::optional<DecodedBlockAnnotation> DecodeBlockAnnotation(std::string_view in)
   }
   d.lora = lora;
   d.tokens.resize(n);
-  for (uint32_t& t : d.tokens) GetU32(in, &t);
+  for (uint32_t& t : d.tokens) le::Get(in, &t);
   return d;
 }
 

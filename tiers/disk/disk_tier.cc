@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "common/check.h"
+#include "common/le_bytes.h"
 #include "common/disk_limits.h"
 #include "common/layout.h"
 #include "common/mutex.h"
@@ -84,28 +85,8 @@ rocksdb::Slice KeySlice(const StoredKey& key) {
 
 // Index value: version u8, device u32, region u32, offset u64, record_bytes
 // u64, sequence u64, payload_bytes u64, payload_checksum u64, ns 16 bytes,
-// owner_len u8, owner. Little-endian; docs/disk-format.md.
-void PutU32(std::string& s, uint32_t v) {
-  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>(v >> (8 * i)));
-}
-void PutU64(std::string& s, uint64_t v) {
-  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>(v >> (8 * i)));
-}
-bool GetU32(std::string_view& in, uint32_t* v) {
-  if (in.size() < 4) return false;
-  *v = 0;
-  for (int i = 0; i < 4; ++i) *v |= uint32_t{static_cast<uint8_t>(in[i])} << (8 * i);
-  in.remove_prefix(4);
-  return true;
-}
-bool GetU64(std::string_view& in, uint64_t* v) {
-  if (in.size() < 8) return false;
-  *v = 0;
-  for (int i = 0; i < 8; ++i) *v |= uint64_t{static_cast<uint8_t>(in[i])} << (8 * i);
-  in.remove_prefix(8);
-  return true;
-}
-
+// owner_len u8, owner; version 2 then annotation_len u32 and the record's
+// annotation. Little-endian (common/le_bytes.h); docs/disk-format.md.
 bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   if (in.empty()) return false;
   const uint8_t version = static_cast<uint8_t>(in[0]);
@@ -114,9 +95,9 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   RecordHeader& h = out->header;
   DiskLocation& l = out->location;
   h.key = key;
-  if (!GetU32(in, &l.device) || !GetU32(in, &l.region) || !GetU64(in, &l.offset) ||
-      !GetU64(in, &l.record_bytes) || !GetU64(in, &l.sequence) || !GetU64(in, &h.payload_bytes) ||
-      !GetU64(in, &h.payload_checksum) || in.size() < 17) {
+  if (!le::Get(in, &l.device) || !le::Get(in, &l.region) || !le::Get(in, &l.offset) ||
+      !le::Get(in, &l.record_bytes) || !le::Get(in, &l.sequence) || !le::Get(in, &h.payload_bytes) ||
+      !le::Get(in, &h.payload_checksum) || in.size() < 17) {
     return false;
   }
   h.sequence = l.sequence;
@@ -129,7 +110,7 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   in.remove_prefix(owner_len);
   if (version == kIndexValueVersion) return in.empty();
   uint32_t annotation_len = 0;
-  if (!GetU32(in, &annotation_len) || annotation_len == 0 || annotation_len > RecordHeader::kMaxAnnotationBytes ||
+  if (!le::Get(in, &annotation_len) || annotation_len == 0 || annotation_len > RecordHeader::kMaxAnnotationBytes ||
       in.size() != annotation_len) {
     return false;
   }
@@ -169,7 +150,7 @@ std::string RegionKey(uint32_t device, uint32_t region) {
 
 std::string RegionValue(uint8_t state, uint64_t sequence) {
   std::string v(1, static_cast<char>(state));
-  PutU64(v, sequence);
+  le::Put<uint64_t>(v, sequence);
   return v;
 }
 
@@ -177,18 +158,18 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
 
 std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l) const {
   std::string v(1, static_cast<char>(h.annotation.empty() ? kIndexValueVersion : kAnnotatedIndexValueVersion));
-  PutU32(v, l.device);
-  PutU32(v, l.region);
-  PutU64(v, l.offset);
-  PutU64(v, l.record_bytes);
-  PutU64(v, l.sequence);
-  PutU64(v, h.payload_bytes);
-  PutU64(v, h.payload_checksum);
+  le::Put<uint32_t>(v, l.device);
+  le::Put<uint32_t>(v, l.region);
+  le::Put<uint64_t>(v, l.offset);
+  le::Put<uint64_t>(v, l.record_bytes);
+  le::Put<uint64_t>(v, l.sequence);
+  le::Put<uint64_t>(v, h.payload_bytes);
+  le::Put<uint64_t>(v, h.payload_checksum);
   v.append(reinterpret_cast<const char*>(h.ns.bytes.data()), 16);
   v.push_back(static_cast<char>(h.owner.size()));
   v.append(h.owner);
   if (!h.annotation.empty()) {
-    PutU32(v, static_cast<uint32_t>(h.annotation.size()));
+    le::Put<uint32_t>(v, static_cast<uint32_t>(h.annotation.size()));
     v.append(h.annotation);
   }
   return v;
