@@ -75,6 +75,7 @@ class Client::Impl {
     Layout layout;
     uint32_t num_blocks = 0;
     std::vector<Placement> placements;
+    CodecChoice codec = {};
     std::vector<UniqueFd> fds = {};  // our own dups, for re-registration
     std::vector<uint64_t> sizes = {};
     uint32_t namespace_id = 0;  // on the current connection
@@ -102,11 +103,11 @@ class Client::Impl {
   }
 
   Result<CacheId> Register(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
-                           std::vector<KvRegion> regions) {
+                           std::vector<KvRegion> regions, CodecChoice codec) {
     MutexLock lock(&mu_);
     KVTIER_RETURN_IF_ERROR(EnsureConnected());
     auto cache = std::make_unique<Cache>(Cache{.layout = layout, .num_blocks = num_blocks,
-                                               .placements = std::move(placements)});
+                                               .placements = std::move(placements), .codec = codec});
     for (const KvRegion& r : regions) {
       UniqueFd dup(::fcntl(r.memfd, F_DUPFD_CLOEXEC, 0));
       if (!dup) return Err(Status::FromErrno(errno, "dup of a KV cache memfd"));
@@ -117,11 +118,11 @@ class Client::Impl {
   }
 
   Result<CacheId> RegisterCuda(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
-                               std::vector<CudaKvRegion> regions) {
+                               std::vector<CudaKvRegion> regions, CodecChoice codec) {
     MutexLock lock(&mu_);
     KVTIER_RETURN_IF_ERROR(EnsureConnected());
     auto cache = std::make_unique<Cache>(Cache{.layout = layout, .num_blocks = num_blocks,
-                                               .placements = std::move(placements)});
+                                               .placements = std::move(placements), .codec = codec});
     KVTIER_ASSIGN_OR_RETURN(cache->cuda, CudaExport::Create(regions, kEventsPerCache));
     for (const CudaKvRegion& r : regions) cache->sizes.push_back(r.size_bytes);
     return Add(std::move(cache));
@@ -545,7 +546,8 @@ class Client::Impl {
     const uint64_t rid = next_id_++;
     const auto body = w::CreateRegisterKvCacheDirect(b, ipc::LayoutToWire(b, c.layout), c.num_blocks, &regions,
                                                      &placements, c.cuda != nullptr ? &events : nullptr,
-                                                     c.cuda != nullptr ? static_cast<int>(fds.size()) - 1 : -1);
+                                                     c.cuda != nullptr ? static_cast<int>(fds.size()) - 1 : -1,
+                                                     static_cast<w::Codec>(c.codec.kind), c.codec.fp8_group);
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, body), fds, rid, w::Body::Registered));
     c.namespace_id = r.msg->body_as_Registered()->namespace_id();
     c.hasher = std::make_unique<ChainHasher>(*hash_secret_, c.layout);
@@ -621,18 +623,19 @@ std::string Client::tenant() const { return impl_->tenant(); }
 bool Client::connected() const { return impl_->connected(); }
 
 Result<CacheId> Client::RegisterKvCache(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
-                                        std::vector<KvRegion> regions) {
-  return impl_->Register(layout, num_blocks, std::move(placements), std::move(regions));
+                                        std::vector<KvRegion> regions, CodecChoice codec) {
+  return impl_->Register(layout, num_blocks, std::move(placements), std::move(regions), codec);
 }
 
-Result<CacheId> Client::RegisterKvCache(const ShmKvCache& cache) {
+Result<CacheId> Client::RegisterKvCache(const ShmKvCache& cache, CodecChoice codec) {
   return impl_->Register(cache.layout(), cache.num_blocks(), cache.placements(),
-                         {KvRegion{cache.fd(), cache.size_bytes()}});
+                         {KvRegion{cache.fd(), cache.size_bytes()}}, codec);
 }
 
 Result<CacheId> Client::RegisterCudaKvCache(const Layout& layout, uint32_t num_blocks,
-                                            std::vector<Placement> placements, std::vector<CudaKvRegion> regions) {
-  return impl_->RegisterCuda(layout, num_blocks, std::move(placements), std::move(regions));
+                                            std::vector<Placement> placements, std::vector<CudaKvRegion> regions,
+                                            CodecChoice codec) {
+  return impl_->RegisterCuda(layout, num_blocks, std::move(placements), std::move(regions), codec);
 }
 
 Result<std::vector<BlockKey>> Client::ComputeKeys(CacheId cache, std::span<const uint32_t> tokens,

@@ -42,6 +42,10 @@ enum class DType : uint8_t {
   kFp8E5M2 = 5,
 };
 
+// How blocks are stored below host memory (kernels/codec.h,
+// docs/compression.md): as they are; lossless (bit-exact); fp8 (LOSSY).
+enum class CodecKind : uint8_t { kNone = 0, kLossless = 1, kFp8 = 2 };
+
 // Bytes per element; 0 for a value outside the enum.
 size_t DTypeSizeBytes(DType dtype);
 std::string_view DTypeName(DType dtype);

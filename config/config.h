@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/io_engine_kind.h"
+#include "kernels/codec.h"
 
 namespace kvtier {
 
@@ -50,6 +51,9 @@ struct TenantConfig {
   // the tenant's name).
   bool publish_events = false;
   std::string model = {};
+  // The codecs its clients may ask for when they register a KV cache
+  // (issue 18). fp8 is lossy: only where the operator lists it.
+  std::vector<CodecKind> codecs = {CodecKind::kNone, CodecKind::kLossless};
 
   // Who shares this tenant's salt: "group-<sharing_group>" or
   // "tenant-<name>" (prefixed so a group and a tenant of the same name never
@@ -119,6 +123,13 @@ struct Config {
       uint32_t breaker_failures = 3;
       uint32_t breaker_cooldown_ms = 2000;
     } remote;
+    // The codec pool that compresses blocks on their way to disk and
+    // decodes them on their way back (docs/compression.md).
+    struct Compression {
+      uint32_t threads = 2;        // 0: no pool; every block is stored raw
+      uint32_t max_queued = 64;    // encodes waiting; past it blocks go raw (counted)
+      uint64_t staging_bytes = 256ull << 20;  // encoded blocks waiting for their write
+    } compression;
   } tiers;
 
   struct Policy {

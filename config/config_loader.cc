@@ -437,6 +437,12 @@ void ReadTenant(Context* ctx, const YAML::Node& node, const std::string& path, T
   r.Read("admin", &t->admin, ParseBoolNode);
   r.Read("publish_events", &t->publish_events, ParseBoolNode);
   r.Read("model", &t->model, ParseNonEmpty);
+  r.Read("codecs", &t->codecs, [](const YAML::Node& n, std::vector<CodecKind>* out) {
+    return ParseList(n, out, [](const YAML::Node& item, CodecKind* v) {
+      return ParseEnum<CodecKind>(
+          item, {{"none", CodecKind::kNone}, {"lossless", CodecKind::kLossless}, {"fp8", CodecKind::kFp8}}, v);
+    });
+  });
   r.Finish();
   if (!t->uid && !t->gid && !t->token) {
     ctx->ErrorAt(path, "needs uid, gid, token or token_file to identify the tenant");
@@ -619,6 +625,17 @@ void ReadTiers(Context* ctx, const YAML::Node& node, Config::Tiers* tiers) {
     } else if (d.bytes / d.region_bytes < 2) {
       ctx->ErrorAt("tiers.disk.bytes", "must hold at least two regions of " +
                                            FormatSize(d.region_bytes) + ", got " + FormatSize(d.bytes));
+    }
+  }
+  {
+    Config::Tiers::Compression& c = tiers->compression;
+    MapReader h(ctx, r.Take("compression"), "tiers.compression");
+    h.Read("threads", &c.threads, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 256, v); });
+    h.Read("max_queued", &c.max_queued, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 20, v); });
+    h.Read("staging_bytes", &c.staging_bytes, ParseSizeNode);
+    h.Finish();
+    if (c.staging_bytes < (1ull << 20)) {
+      ctx->ErrorAt("tiers.compression.staging_bytes", "must be at least 1MiB, got " + FormatSize(c.staging_bytes));
     }
   }
   r.Finish();

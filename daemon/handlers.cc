@@ -176,6 +176,8 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
             " on disk with its header) is larger than a disk region (tiers.disk.region_bytes = " +
             std::to_string(disk_->max_record_bytes()) + "); raise tiers.disk.region_bytes"));
   }
+  Result<CodecParams> codec = CodecFor(*s.tenant, *layout, m);
+  if (!codec) return ipc::ErrorMessage(id, codec.error());
   const auto* regions = m.regions();
   if (regions == nullptr || regions->size() == 0 || regions->size() > kMaxRegions) {
     return ipc::ErrorMessage(id, InvalidArgument("RegisterKvCache needs 1 to " + std::to_string(kMaxRegions) +
@@ -256,13 +258,41 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
 
   const uint32_t ns_id = s.next_namespace_id++;
   auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));
-  s.namespaces[ns_id] = SessionNamespace{shared_layout, std::move(*mapping), std::move(completions)};
-  spdlog::info("session {}: registered KV cache {}: {} blocks, {}", s.id, ns_id, m.num_blocks(),
-               layout->ToString());
+  const LayoutFingerprint fingerprint = CodedFingerprint(layout->fingerprint(), *codec);
+  s.namespaces[ns_id] =
+      SessionNamespace{shared_layout, std::move(*mapping), std::move(completions), *codec, fingerprint};
+  spdlog::info("session {}: registered KV cache {}: {} blocks, {}, codec {}", s.id, ns_id, m.num_blocks(),
+               layout->ToString(), CodecName(codec->kind));
   FlatBufferBuilder b(128);
-  const w::Key fp = ipc::ToWire(layout->fingerprint());
-  const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes());
+  const w::Key fp = ipc::ToWire(fingerprint);
+  const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes(), static_cast<w::Codec>(codec->kind),
+                                        codec->group_elems);
   return ipc::FinishMessage(b, id, body);
+}
+
+Result<CodecParams> Server::CodecFor(const Tenant& tenant, const Layout& layout, const w::RegisterKvCache& m) {
+  const auto kind = static_cast<CodecKind>(m.codec());
+  if (kind != CodecKind::kNone && kind != CodecKind::kLossless && kind != CodecKind::kFp8) {
+    return Err(InvalidArgument("unknown codec " + std::to_string(static_cast<int>(m.codec()))));
+  }
+  const std::vector<CodecKind>& allowed = tenant.config.codecs;
+  if (std::find(allowed.begin(), allowed.end(), kind) == allowed.end()) {
+    return Err(Status(StatusCode::kPermissionDenied,
+                      "codec " + std::string(CodecName(kind)) + " is not allowed for tenant " + tenant.config.name +
+                          " (tenants[].codecs)"));
+  }
+  const LayoutSpec& spec = layout.spec();
+  CodecParams p{.kind = kind, .dtype = spec.dtype, .group_elems = 0};
+  if (kind == CodecKind::kFp8) {
+    if (spec.kv_kind == KvKind::kLatent) {
+      return Err(InvalidArgument("fp8 is for K and V caches; an MLA latent cache takes none or lossless"));
+    }
+    p.group_elems = m.codec_group() == 0 ? spec.head_dim : m.codec_group();
+  } else if (m.codec_group() != 0) {
+    return Err(InvalidArgument("codec_group is for fp8 only"));
+  }
+  if (Status st = CheckCodec(p); !st.ok()) return Err(st);
+  return p;
 }
 
 Result<std::vector<StoredKey>> Server::StoredKeys(const Session& s, const SessionNamespace& ns,
@@ -274,7 +304,7 @@ Result<std::vector<StoredKey>> Server::StoredKeys(const Session& s, const Sessio
   }
   std::vector<StoredKey> out;
   out.reserve(n);
-  const LayoutFingerprint& fp = ns.layout->layout().fingerprint();
+  const LayoutFingerprint& fp = ns.fingerprint;
   for (size_t i = 0; i < n; ++i) {
     out.push_back(DeriveStoredKey(s.tenant->salt, fp,
                                   ipc::FromWire<BlockKey>(*keys->Get(static_cast<flatbuffers::uoffset_t>(i)))));
@@ -340,7 +370,7 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   // The tail no local tier holds is fetched from the remote tier into host
   // (a later load then finds it local); the reply counts it once it is there.
   std::optional<uint32_t> local =
-      cache_->FetchFromRemote(s.tenant->id, (*ns)->layout->layout(), *keys, [this, session = s.id, reply](uint32_t n) {
+      cache_->FetchFromRemote(s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys, [this, session = s.id, reply](uint32_t n) {
         auto it = sessions_.find(session);
         if (it != sessions_.end()) Send(*it->second, reply(n));
       });
@@ -438,7 +468,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     o.completion_slot = static_cast<uint32_t>(completion_slot);
     o.completion_value = st->completion_value();
   }
-  EngineTarget target{(*ns)->layout, (*ns)->mapping, event};
+  EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
   uint32_t queued = 0;  // blocks whose copies were queued just now
   if (load) {
@@ -447,7 +477,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     std::optional<uint32_t> local;
     if (remote_ != nullptr) {
       local = cache_->FetchFromRemote(
-          s.tenant->id, (*ns)->layout->layout(), *keys,
+          s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
           [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done](uint32_t) {
             cache_->Load(tenant, keys, ids, target, alive, done);
           });
@@ -458,7 +488,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   } else {
     std::optional<StoredKey> parent;
     if (st->parent() != nullptr) {
-      parent = DeriveStoredKey(s.tenant->salt, (*ns)->layout->layout().fingerprint(),
+      parent = DeriveStoredKey(s.tenant->salt, (*ns)->fingerprint,
                                ipc::FromWire<BlockKey>(*st->parent()));
     }
     if (event_fields) {
@@ -627,6 +657,13 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_index_errors", disk_ ? disk_->counters().index_errors : 0},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
                         {"disk_writes_pending", cache_->pending_disk_writes()},
+                        {"codec_encoded", c.codec_encoded},
+                        {"codec_not_worth_it", c.codec_not_worth_it},
+                        {"codec_pool_busy", c.codec_pool_busy},
+                        {"codec_decoded", c.codec_decoded},
+                        {"codec_decode_failures", c.codec_decode_failures},
+                        {"codec_raw_bytes", c.codec_raw_bytes},
+                        {"codec_stored_bytes", c.codec_stored_bytes},
                         {"namespaces", cache_->live_namespaces()},
                         {"evicts_pending", cache_->pending_evicts()},
                         {"timed_waits_pending", wait_deadlines_.size()},

@@ -16,6 +16,7 @@
 #include "common/check.h"
 #include "config/size.h"
 #include "daemon/logging.h"
+#include "tiers/codec_pool.h"
 #include "tiers/disk/file_device.h"
 #include "tiers/host_backend.h"
 #if KVTIER_HAVE_CUDA
@@ -235,6 +236,10 @@ Status Server::Setup() {
   spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
   if (c.tiers.remote.enabled) KVTIER_RETURN_IF_ERROR(SetupRemote());
+  if (disk_ && c.tiers.compression.threads > 0) {
+    KVTIER_ASSIGN_OR_RETURN(codecs_, CodecPool::Create({.threads = c.tiers.compression.threads,
+                                                        .max_queued = c.tiers.compression.max_queued}));
+  }
 
 
   KVTIER_ASSIGN_OR_RETURN(tenants_, TenantRegistry::Create(c));
@@ -260,6 +265,8 @@ Status Server::Setup() {
       .max_namespaces_per_tenant = c.limits.max_namespaces_per_tenant,
       .remote = remote_.get(),
       .listener = events_.get(),
+      .codecs = codecs_.get(),
+      .codec_staging_bytes = c.tiers.compression.staging_bytes,
       .remote_write = c.tiers.remote.write == RemoteWritePolicy::kOnDemote
                           ? BlockCache::Options::RemoteWrite::kOnDemote
                           : BlockCache::Options::RemoteWrite::kOnStore,

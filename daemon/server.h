@@ -38,6 +38,8 @@
 
 namespace kvtier {
 
+class CodecPool;
+
 class Server {
  public:
   struct Options {
@@ -86,6 +88,9 @@ class Server {
   // --- requests (handlers.cc)
   void Handle(Session& s, const wire::Message& msg, std::vector<UniqueFd> fds);
   std::vector<uint8_t> HandleHello(Session& s, uint64_t id, const wire::Hello& m);
+  // The codec a registration asks for, if the tenant allows it and it fits
+  // the layout. Errors: kPermissionDenied (not allowed), kInvalidArgument.
+  static Result<CodecParams> CodecFor(const Tenant& tenant, const Layout& layout, const wire::RegisterKvCache& m);
   std::vector<uint8_t> HandleRegister(Session& s, uint64_t id, const wire::RegisterKvCache& m,
                                       std::vector<UniqueFd> fds);
   std::vector<uint8_t> HandleLookup(Session& s, uint64_t id, const wire::Lookup& m);
@@ -128,6 +133,9 @@ class Server {
   std::unique_ptr<DiskTier> disk_;
   // The remote tier (tiers.remote), destroyed after the cache that uses it.
   std::unique_ptr<RemoteTier> remote_;
+  // The codec pool (tiers.compression; with a disk tier), idle once the
+  // cache is drained and destroyed after it.
+  std::unique_ptr<CodecPool> codecs_;
   // KV events (null unless events.enabled): the cache's listener, so it
   // outlives the cache.
   std::unique_ptr<KvEventSource> events_;

@@ -45,6 +45,10 @@ struct SessionNamespace {
   std::shared_ptr<const KvCacheLayout> layout;
   std::shared_ptr<ClientMapping> mapping;
   std::shared_ptr<CompletionPage> completions = nullptr;  // optional
+  // How its blocks are stored below host, and the namespace that makes them
+  // (CodedFingerprint): what stored keys are derived with.
+  CodecParams codec = {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0};
+  LayoutFingerprint fingerprint = {};
 };
 
 class CloseList;

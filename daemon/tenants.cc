@@ -115,6 +115,7 @@ std::vector<std::string> TenantRegistry::Reload(const Config& config) {
     Tenant* mine = FindByName(t.name);
     if (mine == nullptr) continue;
     mine->config.quotas = t.quotas;
+    mine->config.codecs = t.codecs;  // for the registrations from now on
     const TenantConfig& old = mine->config;
     if (old.uid != t.uid || old.gid != t.gid || old.token != t.token || old.admin != t.admin ||
         old.sharing_group != t.sharing_group || old.salt_file != t.salt_file) {

@@ -1,5 +1,6 @@
 #include "kernels/codec.h"
 
+#include <xxhash.h>
 #include <zstd.h>
 
 #include <algorithm>
@@ -82,6 +83,20 @@ Result<CodecKind> ParseCodec(std::string_view name) {
     if (name == CodecName(k)) return k;
   }
   return Err(InvalidArgument("unknown codec '" + std::string(name) + "' (none, lossless or fp8)"));
+}
+
+LayoutFingerprint CodedFingerprint(const LayoutFingerprint& layout, const CodecParams& p) {
+  if (p.kind != CodecKind::kFp8) return layout;
+  std::string in = "KVTCODC1";
+  in.append(reinterpret_cast<const char*>(layout.bytes.data()), layout.bytes.size());
+  in.push_back(static_cast<char>(p.kind));
+  for (int i = 0; i < 4; ++i) in.push_back(static_cast<char>(p.group_elems >> (8 * i)));
+  const XXH128_hash_t h = XXH3_128bits(in.data(), in.size());
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, h);
+  LayoutFingerprint out;
+  std::memcpy(out.bytes.data(), canonical.digest, out.bytes.size());
+  return out;
 }
 
 Status CheckCodec(const CodecParams& p) {

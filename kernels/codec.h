@@ -29,12 +29,13 @@
 #include <string_view>
 #include <vector>
 
+#include "common/key128.h"
 #include "common/layout.h"
 #include "common/status.h"
 
 namespace kvtier {
 
-enum class CodecKind : uint8_t { kNone = 0, kLossless = 1, kFp8 = 2 };
+// CodecKind (common/layout.h): none, lossless, fp8.
 std::string_view CodecName(CodecKind kind);  // "none", "lossless", "fp8"
 // Errors: kInvalidArgument naming the text.
 Result<CodecKind> ParseCodec(std::string_view name);
@@ -43,7 +44,16 @@ struct CodecParams {
   CodecKind kind = CodecKind::kNone;
   DType dtype = DType::kBf16;
   uint32_t group_elems = 128;  // fp8: elements per scale
+
+  friend bool operator==(const CodecParams&, const CodecParams&) = default;
 };
+
+// The namespace a layout's blocks belong to under codec `p`: the layout's
+// own for none and lossless (bit-exact, so the blocks are the same), and one
+// of their own for fp8 (per group size), so that a lossy block is never
+// served to an engine that did not opt in. XXH3-128 of "KVTCODC1" ‖
+// layout fingerprint ‖ u8 codec ‖ u32 group_elems (docs/hashing.md).
+LayoutFingerprint CodedFingerprint(const LayoutFingerprint& layout, const CodecParams& p);
 
 // Whether `p` can encode blocks of its dtype: lossless any dtype of 1, 2 or 4
 // bytes; fp8 only fp16 and bf16 with group_elems >= 1. Errors:

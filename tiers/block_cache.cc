@@ -169,7 +169,17 @@ bool BlockCache::AboveLow(Tier t) const {
                         s->marks.low * static_cast<double>(s->pool->capacity_bytes());
 }
 
-void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->ns, e->block_bytes, sign); }
+void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->ns, ChargedBytes(e), sign); }
+
+LayoutFingerprint BlockCache::NamespaceOf(const Layout& layout, const CodecParams& codec) {
+  return CodedFingerprint(layout.fingerprint(), codec);
+}
+
+NamespaceFormat BlockCache::FormatFor(const Layout& layout, const CodecParams& codec) {
+  // A layout's own namespace holds raw and lossless blocks alike.
+  if (codec.kind == CodecKind::kFp8) return {layout.block_bytes(), codec};
+  return {layout.block_bytes(), {.kind = CodecKind::kLossless, .dtype = layout.spec().dtype, .group_elems = 0}};
+}
 
 void BlockCache::Charge(const DiskOnlyBlock& b, int sign) {
   Charge(Tier::kDisk, b.owner, b.ns, b.block_bytes, sign);
@@ -280,7 +290,7 @@ void BlockCache::Drop(BlockEntry* e) {
 
 void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   if (forget) {
-    options_.disk->Forget(b->key, options_.disk->LocationOf(b->device, b->offset_bytes(), b->block_bytes));
+    options_.disk->Forget(b->key, options_.disk->LocationOf(b->device, b->offset_bytes(), b->block_bytes, b->packed != 0));
   }
   CountEviction(Tier::kDisk, b->owner);
   Charge(*b, -1);
@@ -418,10 +428,10 @@ CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys)
       if (!Servable(e)) break;
       hit.push_back(e);
       r.tiers.push_back(e->tier);
-      if (e->hits < UINT16_MAX) ++e->hits;
+      if (e->hits < DiskOnlyBlock::kMaxHits) ++e->hits;
     } else if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
       r.tiers.push_back(Tier::kDisk);
-      if (b->hits < UINT16_MAX) ++b->hits;
+      if (b->hits < DiskOnlyBlock::kMaxHits) ++b->hits;
     } else {
       break;
     }
@@ -448,7 +458,7 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
     if (e == nullptr) e = Materialize(keys[i]);
     if (e == nullptr || !Servable(e)) break;
     Lease(e, tenant);
-    if (e->hits < UINT16_MAX) ++e->hits;
+    if (e->hits < DiskOnlyBlock::kMaxHits) ++e->hits;
     leased.push_back(e);
     if (e->tier == Tier::kDisk) on_disk.push_back(e);
   }
@@ -564,8 +574,11 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   KVTIER_CHECK(keys.size() == block_ids.size());
   const Layout& layout = target.layout->layout();
   // A new layout takes a namespace id while ids and the tenant's bound last.
-  Result<uint32_t> ns = namespaces_.IdFor(layout.fingerprint(), [&] { return layout.ToString(); });
+  Result<uint32_t> ns = namespaces_.IdFor(NamespaceOf(layout, target.codec), [&] { return layout.ToString(); });
   Status admitted = ns ? namespaces_.Admit(tenant, *ns) : ns.error();
+  // The first store tells a namespace its format (a restart's records may
+  // have told it before: the same, since the fingerprint fixes both).
+  if (admitted.ok()) namespaces_.SetFormat(*ns, FormatFor(layout, target.codec));
   if (!admitted.ok()) {
     Counted(tenant).store_rejected += keys.size();
     options_.post([done = std::move(done), admitted] { done(OpOutcome{.status = admitted}); });
@@ -611,6 +624,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
       break;
     }
     filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant));
+    filling.back()->compress = target.codec.kind != CodecKind::kNone;
     batch.blocks.push_back(BlockCopy{block_ids[i], slot});
   }
   Counted(tenant).already_stored += already;

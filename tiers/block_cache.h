@@ -65,6 +65,7 @@
 
 namespace kvtier {
 
+class CodecPool;
 class RemoteTier;
 
 // Where TierListener says a block is: a tier of this node (the first three
@@ -111,6 +112,11 @@ struct EngineTarget {
   // An event of the mapping (cuda), or -1. Loads record it after their copy;
   // stores wait for the engine's record of it before theirs (CopyBatch).
   int32_t event = -1;
+  // How its namespace's blocks are stored below host (issue 18): kNone;
+  // kLossless; or kFp8 (LOSSY, fp16 and bf16 only), whose blocks form a
+  // namespace of their own (CodedFingerprint). REQUIRES: CheckCodec passes
+  // for the layout's dtype (the daemon checks it at registration).
+  CodecParams codec = {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0};
 };
 
 struct OpOutcome {
@@ -171,6 +177,14 @@ struct CacheCounters : RequestCounters {
   // A tenant's oldest disk blocks forgotten to keep it within its disk quota
   // (also counted in its disk evictions).
   uint64_t disk_quota_evictions = 0;
+  // Compression (issue 18), of blocks whose store asked for a codec:
+  uint64_t codec_encoded = 0;       // written packed (compressed)
+  uint64_t codec_not_worth_it = 0;  // written raw: saved under 1/64, or a NaN or Inf (fp8)
+  uint64_t codec_pool_busy = 0;     // written raw: the codec pool's queue (or staging) was full
+  uint64_t codec_decoded = 0;       // packed records read back and decoded
+  uint64_t codec_decode_failures = 0;  // packed records that did not decode: dropped, never served
+  uint64_t codec_raw_bytes = 0;     // of the blocks written packed: their own bytes,
+  uint64_t codec_stored_bytes = 0;  // and what the codec made of them
   uint64_t bytes_hbm_to_host = 0;
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
@@ -271,6 +285,14 @@ class BlockCache {
     // Told of every block's arrival in and departure from each tier
     // (borrowed; must outlive the cache), or null.
     TierListener* listener = nullptr;
+    // The codec pool (borrowed; must outlive the cache), or null. With it,
+    // blocks whose store asked for a codec are written to disk packed,
+    // encoded on the pool (raw when its queue is full or staging is spent),
+    // and decoded there on their way back up. Without it they are written
+    // raw, and packed records found at a restart are forgotten.
+    CodecPool* codecs = nullptr;
+    // Encoded blocks waiting for their disk write at most (staging buffers).
+    uint64_t codec_staging_bytes = 256ull << 20;
     enum class RemoteWrite { kOnStore, kOnDemote };
     RemoteWrite remote_write = RemoteWrite::kOnStore;
     // The clock the budget uses (the seam tests drive); steady_clock if unset.
@@ -340,7 +362,8 @@ class BlockCache {
   // Returns the leading local count when there is nothing to fetch (no
   // remote tier, every key local, no host room); else nullopt, and `done`
   // runs on the owner thread with the leading keys held locally then.
-  std::optional<uint32_t> FetchFromRemote(TenantId tenant, const Layout& layout, std::span<const StoredKey> keys,
+  std::optional<uint32_t> FetchFromRemote(TenantId tenant, const Layout& layout, const CodecParams& codec,
+                                          std::span<const StoredKey> keys,
                                           std::function<void(uint32_t)> done);
 
   // Queues a write to disk of every host block that has no disk record
@@ -542,8 +565,27 @@ class BlockCache {
   // clean; otherwise it moves to the disk tier.
   // `budgeted`: bytes taken from the write budget, given back if it fails.
   void StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t budgeted = 0);
-  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
-                       uint64_t budgeted, Result<DiskLocation> where);
+  // `payload_bytes`: the record's (a codec's output when where->packed).
+  void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
+                       uint64_t payload_bytes, Result<DiskLocation> where);
+  // The header of `e`'s disk record, raw (payload: the block).
+  RecordHeader DiskHeader(const BlockEntry* e);
+  // Encodes `e` on the codec pool and appends it packed, or raw when the
+  // codec saves too little; `done` as Append's, with the payload's bytes.
+  // False (nothing started) when the pool or staging is full.
+  using DiskWriteDone = std::function<void(uint64_t payload_bytes, Result<DiskLocation>)>;
+  bool StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done);
+  // Decodes a packed record read into `staging` into host slot `dst` on the
+  // codec pool, then FinishDiskRead.
+  void DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst);
+  // The bytes `e` is charged in its tier: its record's payload on disk.
+  static uint64_t ChargedBytes(const BlockEntry* e) {
+    return e->tier == Tier::kDisk ? e->disk_payload_bytes : e->block_bytes;
+  }
+  // The namespace of `layout`'s blocks stored under `codec`, and the codec
+  // its packed records use.
+  static LayoutFingerprint NamespaceOf(const Layout& layout, const CodecParams& codec);
+  static NamespaceFormat FormatFor(const Layout& layout, const CodecParams& codec);
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
@@ -661,6 +703,7 @@ class BlockCache {
   std::chrono::steady_clock::time_point budget_refilled_{};
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
   uint64_t present_[4] = {};  // blocks present per Presence (present_blocks)
+  uint64_t codec_staging_bytes_ = 0;  // encoded blocks' staging buffers held now
   std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
   std::deque<std::unique_ptr<Eviction>> evicts_;  // the front one runs (a step posted)
   // Lets completions that arrive after destruction (none should: the daemon

@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "tiers/block_cache.h"
+#include "tiers/codec_pool.h"
 
 namespace kvtier {
 
@@ -44,15 +45,20 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   if (b == nullptr) return nullptr;
   const DiskOnlyBlock copy = *b;
   disk_only_.Erase(b);
-  // Same tier, owner and size: the accounting does not change.
+  // Same tier, owner and record: the accounting does not change.
   BlockEntry* e = index_.Insert(key, Tier::kDisk, nullptr);
-  e->block_bytes = copy.block_bytes;
+  const NamespaceFormat& format = namespaces_.FormatOf(copy.ns);
+  e->block_bytes = copy.packed ? static_cast<uint32_t>(format.block_bytes) : copy.block_bytes;
   e->ns = copy.ns;
   e->owner = copy.owner;
   e->hits = copy.hits;
   e->state = EntryState::kReady;
   e->on_disk = true;
-  e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes);
+  e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes, copy.packed);
+  e->disk_payload_bytes = copy.block_bytes;
+  // Written again (its record lost) as it was, or coded when its namespace
+  // is fp8's (a block stored raw there had a NaN or met a busy pool).
+  e->compress = copy.packed || format.codec.kind == CodecKind::kFp8;
   return e;  // its checksum comes with the read (has_checksum stays false until then)
 }
 
@@ -74,10 +80,11 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   DiskOnlyBlock b;
   b.key = e->key;
   b.set_offset_bytes(e->disk.offset);
-  b.block_bytes = e->block_bytes;
+  b.block_bytes = e->disk_payload_bytes;
+  b.packed = e->disk.packed ? 1 : 0;
   b.owner = e->owner;
   b.ns = static_cast<uint16_t>(e->ns);
-  b.hits = e->hits;
+  b.hits = std::min(e->hits, DiskOnlyBlock::kMaxHits);
   b.device = static_cast<uint8_t>(e->disk.device);
   Erase(e);
   disk_only_.Insert(b);
@@ -108,11 +115,52 @@ void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
   e->moving = true;
   index_.Park(e);
   ++inflight_copies_;
+  if (e->disk.packed) {
+    // Into a buffer of the record's payload, then decoded into the slot.
+    const uint64_t payload = e->disk_payload_bytes;
+    auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, AlignUpToPage(payload)));
+    KVTIER_CHECK(raw != nullptr);
+    std::shared_ptr<uint8_t> staging(raw, &std::free);
+    options_.disk->Read(e->key, e->disk, payload, raw,
+                        [this, key = e->key, dst, staging = std::move(staging),
+                         start = std::chrono::steady_clock::now()](Status st, uint64_t checksum) mutable {
+                          counters_.disk_read_latency.RecordSince(start);
+                          BlockEntry* read = index_.Find(key);  // moving: never dropped
+                          KVTIER_CHECK(read != nullptr && read->moving);
+                          if (!st.ok() || options_.codecs == nullptr) {
+                            FinishDiskRead(key, dst, st.ok() ? Status(StatusCode::kUnavailable, "no codec pool")
+                                                             : std::move(st), checksum);
+                            return;
+                          }
+                          DecodeDiskRead(read, std::move(staging), dst);
+                        });
+    return;
+  }
   options_.disk->Read(e->key, e->disk, e->block_bytes, dst,
                       [this, key = e->key, dst, start = std::chrono::steady_clock::now()](Status st, uint64_t checksum) {
                         counters_.disk_read_latency.RecordSince(start);
                         FinishDiskRead(key, dst, std::move(st), checksum);
                       });
+}
+
+void BlockCache::DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst) {
+  const CodecParams codec = namespaces_.FormatOf(e->ns).codec;
+  const std::span<const uint8_t> stored(staging.get(), e->disk_payload_bytes);
+  const std::span<uint8_t> out(dst, e->block_bytes);
+  // A load has nowhere else to go: queued past the pool's bound (reads in
+  // flight are bounded by the host slots they read into).
+  options_.codecs->Run([this, key = e->key, codec, stored, out, staging = std::move(staging), post = options_.post,
+                        self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    Status st = coder.Decode(codec, stored, out);
+    const uint64_t checksum = st.ok() ? PayloadChecksum(out) : 0;
+    staging.reset();
+    post([this, self, key, dst = out.data(), st = std::move(st), checksum]() mutable {
+      if (!self.lock()) return;
+      ++(st.ok() ? counters_.codec_decoded : counters_.codec_decode_failures);
+      if (!st.ok()) spdlog::warn("disk tier: a packed record did not decode: {}", st.ToString());
+      FinishDiskRead(key, dst, std::move(st), checksum);
+    });
+  });
 }
 
 void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum) {
@@ -164,6 +212,24 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   if (!keep_in_memory) QuotaStateOf(e->owner).host_bytes_leaving += e->block_bytes;
   ++inflight_copies_;
   ++disk_writes_in_flight_;
+  DiskWriteDone done = [this, key = e->key, stride, keep_in_memory, budgeted,
+                        start = std::chrono::steady_clock::now()](uint64_t payload_bytes,
+                                                                  Result<DiskLocation> where) {
+    counters_.disk_write_latency.RecordSince(start);
+    FinishDiskWrite(key, stride, keep_in_memory, budgeted, payload_bytes, std::move(where));
+  };
+  if (e->compress && options_.codecs != nullptr) {
+    const NamespaceFormat& format = namespaces_.FormatOf(e->ns);
+    if (format.block_bytes == e->block_bytes && StartPackedWrite(e, format.codec, done)) return;
+    ++counters_.codec_pool_busy;
+  }
+  const uint64_t payload_bytes = e->block_bytes;
+  options_.disk->Append(DiskHeader(e), e->slot, [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
+    done(payload_bytes, std::move(where));
+  });
+}
+
+RecordHeader BlockCache::DiskHeader(const BlockEntry* e) {
   RecordHeader h;
   h.key = e->key;
   h.ns = namespaces_.FingerprintOf(e->ns);
@@ -171,12 +237,58 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   h.payload_checksum = e->checksum;
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
   if (options_.listener != nullptr) h.annotation = options_.listener->DiskAnnotation(e->key, e->owner);
-  options_.disk->Append(std::move(h), e->slot,
-                        [this, key = e->key, stride, keep_in_memory, budgeted,
-                         start = std::chrono::steady_clock::now()](Result<DiskLocation> where) {
-                          counters_.disk_write_latency.RecordSince(start);
-                          FinishDiskWrite(key, stride, keep_in_memory, budgeted, std::move(where));
-                        });
+  return h;
+}
+
+bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done) {
+  const uint64_t capacity = AlignUpToPage(BlockCodec::MaxEncodedBytes(codec, e->block_bytes));
+  if (codec_staging_bytes_ + capacity > options_.codec_staging_bytes) return false;
+  auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, capacity));
+  if (raw == nullptr) return false;
+  // Counted off when the staging buffer goes (its write done, or the cache gone).
+  std::shared_ptr<uint8_t> staging(raw, [this, capacity, self = std::weak_ptr<BlockCache*>(self_)](uint8_t* p) {
+    std::free(p);
+    if (self.lock()) codec_staging_bytes_ -= capacity;
+  });
+  // The slot stays put while the block is moving (nothing frees it before
+  // FinishDiskWrite), so the pool reads it in place.
+  const std::span<const uint8_t> block(e->slot, e->block_bytes);
+  RecordHeader header = DiskHeader(e);
+  auto job = [this, key = e->key, codec, block, staging, capacity, header = std::move(header),
+              done = std::move(done), post = options_.post,
+              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    const std::optional<size_t> n = coder.Encode(codec, block, std::span(staging.get(), capacity));
+    const uint64_t checksum = n ? PayloadChecksum(std::span<const uint8_t>(staging.get(), *n)) : 0;
+    post([this, self, key, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
+          done = std::move(done)]() mutable {
+      if (!self.lock()) return;
+      if (!n) {  // saved too little, or a NaN or Inf: the block itself goes
+        ++counters_.codec_not_worth_it;
+        const uint64_t payload_bytes = block.size();
+        options_.disk->Append(std::move(header), block.data(),
+                              [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
+                                done(payload_bytes, std::move(where));
+                              });
+        return;
+      }
+      ++counters_.codec_encoded;
+      counters_.codec_raw_bytes += block.size();
+      counters_.codec_stored_bytes += *n;
+      header.codec = codec.kind;
+      header.dtype = codec.dtype;
+      header.group_elems = codec.kind == CodecKind::kFp8 ? codec.group_elems : 0;
+      header.raw_bytes = block.size();
+      header.payload_bytes = *n;
+      header.payload_checksum = checksum;
+      const uint8_t* payload = staging.get();
+      options_.disk->Append(std::move(header), payload,
+                            [done = std::move(done), staging = std::move(staging), n = *n](Result<DiskLocation> where) {
+                              done(n, std::move(where));
+                            });
+    });
+  };
+  codec_staging_bytes_ += capacity;  // until the last holder of `staging` lets go
+  return options_.codecs->TryRun(std::move(job));
 }
 
 // Tries per block before its write is given up, and write-back's pause after
@@ -185,8 +297,8 @@ constexpr uint8_t kMaxDiskWriteTries = 3;
 constexpr std::chrono::milliseconds kFirstWriteBackoff{10};
 constexpr std::chrono::milliseconds kMaxWriteBackoff{5000};
 
-void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory,
-                                 uint64_t budgeted, Result<DiskLocation> where) {
+void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
+                                 uint64_t payload_bytes, Result<DiskLocation> where) {
   --inflight_copies_;
   --disk_writes_in_flight_;
   tier(Tier::kHost)->moving_out_bytes -= stride;
@@ -232,6 +344,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   LogDiskRecord(owner, key, *where);
   if (keep_in_memory) {  // write-through: now clean, still served from memory
     e->disk = *where;
+    e->disk_payload_bytes = static_cast<uint32_t>(payload_bytes);
     SetOnDisk(e, true);
     index_.Unpark(e, /*hot=*/true);
     MaybeDemote();
@@ -240,6 +353,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   uint8_t* old = e->slot;
   Charge(e, -1);
   e->disk = *where;
+  e->disk_payload_bytes = static_cast<uint32_t>(payload_bytes);
   SetOnDisk(e, true);
   MoveToTier(e, Tier::kDisk);
   e->slot = nullptr;
@@ -266,7 +380,9 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     if (owner == tenant_names_.end() || r.header.owner.empty() ||
         index_.Find(r.header.key) != nullptr || disk_only_.Find(r.header.key) != nullptr ||
         r.location.device > UINT8_MAX || r.location.offset % kRecordAlignBytes != 0 ||
-        r.location.offset >= DiskOnlyBlock::kOffsetLimitBytes) {
+        r.location.offset >= DiskOnlyBlock::kOffsetLimitBytes ||
+        // Packed records need the codec pool to be read back.
+        (r.header.packed() && options_.codecs == nullptr)) {
       options_.disk->Forget(r.header.key, r.location);
       continue;
     }
@@ -274,9 +390,16 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     b.key = r.header.key;
     b.set_offset_bytes(r.location.offset);
     b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
+    b.packed = r.header.packed() ? 1 : 0;
     b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
     Result<uint32_t> ns = namespaces_.IdFor(r.header.ns);
-    if (!ns) {  // more layouts on disk than the node may hold now
+    // More layouts on disk than the node may hold now; or a packed record
+    // whose format is not its namespace's (the fingerprint fixes both, so
+    // only a damaged index can say otherwise).
+    const bool format_ok =
+        ns && (!r.header.packed() ||
+               namespaces_.SetFormat(*ns, {r.header.raw_bytes, {r.header.codec, r.header.dtype, r.header.group_elems}}));
+    if (!format_ok) {
       options_.disk->Forget(r.header.key, r.location);
       continue;
     }
@@ -332,13 +455,19 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   // Hit since it was written: carried forward, while the region's carry
   // budget and the write budget last.
   if (e->hits > 0) {
-    const uint64_t record = RecordBytes(e->block_bytes);
+    const uint64_t record = RecordBytes(e->disk_payload_bytes, e->disk.packed);
     if (may_carry && TakeWriteBudget(record)) {
       e->moving = true;  // until FinishRelocation; loads wait for it there
       index_.Park(e);
       disk_waiters_.try_emplace(key);
       ++inflight_copies_;
-      return {ReclaimAction::kCarry, e->block_bytes};
+      ReclaimAnswer carry(ReclaimAction::kCarry, e->disk_payload_bytes);
+      if (e->disk.packed) {  // its trailer has neither
+        carry.packed = true;
+        if (e->owner < tenant_names_.size()) carry.owner = tenant_names_[e->owner];
+        if (options_.listener != nullptr) carry.annotation = options_.listener->DiskAnnotation(key, e->owner);
+      }
+      return carry;
     }
     ++counters_.disk_reinsertions_dropped;
   }
@@ -355,7 +484,7 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
   e->moving = false;
   index_.Unpark(e, /*hot=*/true);
-  if (!now) RefundWriteBudget(RecordBytes(e->block_bytes));
+  if (!now) RefundWriteBudget(RecordBytes(e->disk_payload_bytes, e->disk.packed));
   if (now) {
     e->disk = *now;
     SetOnDisk(e, true);

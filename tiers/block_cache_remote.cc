@@ -22,12 +22,13 @@ uint32_t BlockCache::LeadingLocal(std::span<const StoredKey> keys) {
 }
 
 std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layout& layout,
-                                                    std::span<const StoredKey> keys,
+                                                    const CodecParams& codec, std::span<const StoredKey> keys,
                                                     std::function<void(uint32_t)> done) {
   const uint32_t local = LeadingLocal(keys);
   if (options_.remote == nullptr || local == keys.size()) return local;
-  Result<uint32_t> ns = namespaces_.IdFor(layout.fingerprint(), [&] { return layout.ToString(); });
+  Result<uint32_t> ns = namespaces_.IdFor(NamespaceOf(layout, codec), [&] { return layout.ToString(); });
   if (!ns || !namespaces_.Admit(tenant, *ns).ok()) return local;
+  namespaces_.SetFormat(*ns, FormatFor(layout, codec));
   const uint64_t bytes = layout.block_bytes();
   std::vector<BlockEntry*> filling;
   std::vector<StoredKey> fetch;
@@ -40,6 +41,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
     uint8_t* slot = MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, true) : nullptr;
     if (slot == nullptr) break;
     filling.push_back(InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
+    filling.back()->compress = codec.kind != CodecKind::kNone;
     fetch.push_back(keys[i]);
     out.emplace_back(slot, bytes);
   }
@@ -49,7 +51,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
   auto checksums = std::make_shared<std::vector<uint64_t>>(filling.size());
   std::vector<uint64_t>* checksums_out = checksums.get();
   options_.remote->Get(
-      layout.fingerprint(), std::move(fetch), std::move(out),
+      NamespaceOf(layout, codec), std::move(fetch), std::move(out),
       [this, tenant, local, filling = std::move(filling), checksums = std::move(checksums),
        done = std::move(done)](Result<uint32_t> got) {
         --inflight_copies_;

@@ -158,16 +158,20 @@ void BlockCache::PumpVerify() {
     const DiskTier::RegionRecord& item = *at;
     // Still that block's record? Records left behind by blocks that moved
     // or left are no records to check.
+    // Its record's payload: the block's bytes, or a codec's (packed).
     uint32_t block_bytes = 0;
+    bool packed = false;
     if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
       if (b->device == item.location.device && b->offset_bytes() == item.location.offset) {
         block_bytes = b->block_bytes;
+        packed = b->packed != 0;
       }
     } else if (const BlockEntry* e = index_.Find(item.key);
                e != nullptr && e->on_disk && !e->moving && SameRecord(e->disk, item.location)) {
       // (A moving block on disk is being read, or carried forward by a
       // reclaim, whose region may already hold other records.)
-      block_bytes = e->block_bytes;
+      block_bytes = e->disk_payload_bytes;
+      packed = e->disk.packed;
     }
     if (block_bytes == 0) {
       ++v.walk.next;
@@ -194,7 +198,7 @@ void BlockCache::PumpVerify() {
     ++v.walk.next;
     ++inflight_copies_;
     const DiskLocation where =
-        options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes);
+        options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes, packed);
     options_.disk->Read(
         item.key, where, block_bytes, v.buffers[buffer].get(),
         [this, held, buffer, key = item.key, where](Status st, uint64_t /*checksum*/) {

@@ -59,6 +59,12 @@ struct BlockEntry {
   // (until the region is reclaimed), so leaving host again costs no write.
   DiskLocation disk;
   bool on_disk = false;
+  // Its disk writes store it coded (issue 18) by its namespace's codec
+  // (NamespaceFormat): its store asked for lossless or fp8.
+  bool compress = false;
+  // The payload bytes of its record (disk.packed: what the codec wrote;
+  // else block_bytes), while on_disk. What the disk tier is charged.
+  uint32_t disk_payload_bytes = 0;
   // The remote tier holds it (or a put of it was tried): put once at most.
   bool on_remote = false;
   // The cluster holds it as far as this node knows (TierListener's kRemote).

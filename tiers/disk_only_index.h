@@ -27,11 +27,16 @@ struct DiskOnlyBlock {
   // as a disk path may have.
   static constexpr uint64_t kOffsetLimitBytes = (uint64_t{1} << 39) * kRecordAlignBytes;
 
+  static constexpr uint16_t kMaxHits = (1u << 15) - 1;
+
   StoredKey key;
+  // Its record's payload: the block's bytes, or what a codec wrote when
+  // `packed` (the block's own size is its namespace's, NamespaceFormat).
   uint32_t block_bytes = 0;
   uint16_t owner = 0;
   uint16_t ns = 0;
-  uint16_t hits = 0;
+  uint16_t hits : 15 = 0;  // saturating at kMaxHits
+  uint16_t packed : 1 = 0;
   uint8_t device = 0;
   uint8_t used : 1 = 0;  // set by the index: 0 marks an empty slot
 

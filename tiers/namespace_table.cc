@@ -64,6 +64,21 @@ const LayoutFingerprint& NamespaceTable::FingerprintOf(uint32_t id) const {
   return by_id_[id].fingerprint;
 }
 
+bool NamespaceTable::SetFormat(uint32_t id, const NamespaceFormat& format) {
+  KVTIER_CHECK(id < by_id_.size() && by_id_[id].in_use);
+  NamespaceFormat& mine = by_id_[id].format;
+  if (mine.block_bytes == 0) {
+    mine = format;
+    return true;
+  }
+  return mine == format;
+}
+
+const NamespaceFormat& NamespaceTable::FormatOf(uint32_t id) const {
+  KVTIER_CHECK(id < by_id_.size() && by_id_[id].in_use);
+  return by_id_[id].format;
+}
+
 Status NamespaceTable::Admit(TenantId tenant, uint32_t id) const {
   if (parts_.contains(PartKey(tenant, id))) return Status::Ok();
   const uint32_t held = TenantNamespaces(tenant);

@@ -27,9 +27,20 @@
 
 #include "common/key128.h"
 #include "common/status.h"
+#include "kernels/codec.h"
 #include "tiers/block_index.h"
 
 namespace kvtier {
+
+// What a namespace's packed (compressed) disk records hold (issue 18): the
+// blocks' own size and the codec that wrote them: lossless for a layout's
+// own namespace, fp8 for its fp8 namespace (CodedFingerprint).
+struct NamespaceFormat {
+  uint64_t block_bytes = 0;  // 0: not known yet
+  CodecParams codec;
+
+  friend bool operator==(const NamespaceFormat&, const NamespaceFormat&) = default;
+};
 
 // Blocks and bytes of one namespace (layout), per tier.
 struct NamespaceUsage {
@@ -68,6 +79,13 @@ class NamespaceTable {
   // A block of `bytes` of `owner` in namespace `id` enters (sign +1) or
   // leaves (-1) tier `t`.
   void Charge(uint32_t id, TenantId owner, Tier t, uint64_t bytes, int sign);
+  // Records the format of namespace `id`'s blocks: known from its stores
+  // and from the records adopted after a restart. False (nothing changes)
+  // when it has another one already: a record that disagrees is not its.
+  bool SetFormat(uint32_t id, const NamespaceFormat& format);
+  // Zero block_bytes while no store or record told it.
+  const NamespaceFormat& FormatOf(uint32_t id) const;
+
   // A pinned id is not reused while it holds no block (e.g. an Evict that
   // filters by it runs across turns of the loop).
   void Pin(uint32_t id);
@@ -89,6 +107,7 @@ class NamespaceTable {
   struct Namespace {
     LayoutFingerprint fingerprint;
     std::string description;
+    NamespaceFormat format;
     Counts total;
     uint32_t pins = 0;
     bool in_use = false;  // the id names `fingerprint`

@@ -168,6 +168,32 @@ TEST_F(ConfigLoaderTest, EventsAreOffByDefaultOnLoopbackAndCheckedWhenSet) {
   }
 }
 
+TEST_F(ConfigLoaderTest, CodecsAreNoneAndLosslessByDefaultAndFp8OnlyWhereListed) {
+  Result<Config> c = LoadYaml("");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ(c->tenants.at(0).codecs, (std::vector<CodecKind>{CodecKind::kNone, CodecKind::kLossless}));
+  EXPECT_EQ(c->tiers.compression.threads, 2u);
+  c = LoadYaml("tiers:\n  compression: {threads: 0, max_queued: 8, staging_bytes: 64MiB}\n"
+               "tenants:\n  - {name: a, uid: 1, codecs: [fp8]}\n");
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ(c->tenants[0].codecs, std::vector<CodecKind>{CodecKind::kFp8});
+  EXPECT_EQ(c->tiers.compression.threads, 0u);
+  EXPECT_EQ(c->tiers.compression.max_queued, 8u);
+  EXPECT_EQ(c->tiers.compression.staging_bytes, 64ull << 20);
+  const std::pair<const char*, const char*> bad[] = {
+      {"tenants:\n  - {name: a, uid: 1, codecs: [lossless, zstd]}\n", "expected one of none, lossless, fp8"},
+      {"tenants:\n  - {name: a, uid: 1, codecs: fp8}\n", "tenants[0].codecs"},
+      {"tiers:\n  compression: {max_queued: 0}\n", "tiers.compression.max_queued"},
+      {"tiers:\n  compression: {threads: 1000}\n", "tiers.compression.threads"},
+      {"tiers:\n  compression: {staging_bytes: 4KiB}\n", "tiers.compression.staging_bytes: must be at least 1MiB"},
+  };
+  for (const auto& [yaml, message] : bad) {
+    c = LoadYaml(yaml);
+    ASSERT_FALSE(c.has_value()) << yaml;
+    EXPECT_THAT(c.error().message(), HasSubstr(message)) << yaml;
+  }
+}
+
 #if !KVTIER_HAVE_CUDA
 TEST_F(ConfigLoaderTest, CudaBackendNeedsACudaBuild) {
   const Result<Config> c = LoadYaml("", {"device.backend=cuda"});

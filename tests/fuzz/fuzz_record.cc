@@ -1,11 +1,13 @@
 // Fuzz target: disk record headers, through the decoder the disk tier runs on
 // every read and on recovery (tiers/disk/record.h).
 //
-// Two properties: decoding arbitrary bytes never crashes and either fails
-// with kCorruption or yields a header that re-encodes to bytes that decode to
-// the same header; and any header built from the input's fields survives an
+// Two properties: decoding arbitrary bytes (as a header page, and as a
+// packed record's trailer) never crashes and either fails with kCorruption
+// or yields a header that re-encodes to the same bytes (the trailer) or to
+// bytes that decode to the same header (the page); and any header built from the input's fields survives an
 // encode/decode round trip unchanged.
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -27,6 +29,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     KVTIER_CHECK(back.has_value() && *back == *h);
   } else {
     KVTIER_CHECK(h.error().code() == kvtier::StatusCode::kCorruption);
+  }
+
+  // The same for a packed record's trailer, read from the input's end.
+  kvtier::Result<RecordHeader> t = kvtier::DecodeRecordTrailer(std::span<const uint8_t>(data, size));
+  if (t) {
+    std::vector<uint8_t> again(kvtier::kRecordTrailerBytes);
+    kvtier::EncodeRecordTrailer(*t, again);
+    KVTIER_CHECK(std::equal(again.begin(), again.end(), data + size - again.size()));
+  } else {
+    KVTIER_CHECK(t.error().code() == kvtier::StatusCode::kCorruption);
   }
 
   // A header from the input's fields.

@@ -8,7 +8,9 @@
 #include "kernels/codec.h"
 
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -307,6 +309,26 @@ TEST(CodecTest, WhatEachCodecAcceptsIsChecked) {
   EXPECT_TRUE(CheckCodec({.kind = CodecKind::kLossless, .dtype = DType::kFp32}).ok());
   EXPECT_EQ(ParseCodec("fp8").value(), CodecKind::kFp8);
   EXPECT_FALSE(ParseCodec("zstd").has_value());
+}
+
+TEST(CodecTest, Fp8BlocksHaveANamespaceOfTheirOwnPerGroupSize) {
+  LayoutFingerprint layout;
+  for (size_t i = 0; i < layout.bytes.size(); ++i) layout.bytes[i] = static_cast<uint8_t>(i * 7 + 1);
+  EXPECT_EQ(CodedFingerprint(layout, {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0}), layout);
+  EXPECT_EQ(CodedFingerprint(layout, {.kind = CodecKind::kLossless, .dtype = DType::kBf16, .group_elems = 0}),
+            layout);
+  const LayoutFingerprint fp8 =
+      CodedFingerprint(layout, {.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 128});
+  EXPECT_NE(fp8, layout);
+  EXPECT_NE(CodedFingerprint(layout, {.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 64}), fp8);
+  // As docs/hashing.md states it: XXH3-128 of "KVTCODC1" ‖ layout ‖ u8 2 ‖
+  // u32 group, in canonical byte order.
+  std::vector<uint8_t> in = {'K', 'V', 'T', 'C', 'O', 'D', 'C', '1'};
+  in.insert(in.end(), layout.bytes.begin(), layout.bytes.end());
+  in.insert(in.end(), {2, 128, 0, 0, 0});
+  XXH128_canonical_t want;
+  XXH128_canonicalFromHash(&want, XXH3_128bits(in.data(), in.size()));
+  EXPECT_TRUE(std::equal(fp8.bytes.begin(), fp8.bytes.end(), want.digest));
 }
 
 }  // namespace

@@ -255,7 +255,9 @@ TEST(DiskOnlyIndexTest, OffsetsPast16TiBRoundTrip) {
     b.key = RandomKey(rng);
     b.set_offset_bytes(offset);
     b.block_bytes = UINT32_MAX;
-    b.owner = b.ns = b.hits = UINT16_MAX;
+    b.owner = b.ns = UINT16_MAX;
+    b.hits = DiskOnlyBlock::kMaxHits;
+    b.packed = 1;
     b.device = UINT8_MAX;
     ASSERT_EQ(b.offset_bytes(), offset);
     index.Insert(b);
@@ -267,7 +269,8 @@ TEST(DiskOnlyIndexTest, OffsetsPast16TiBRoundTrip) {
     ASSERT_NE(b, nullptr) << "offset " << offsets[i];
     EXPECT_EQ(b->offset_bytes(), offsets[i]);
     EXPECT_EQ(b->block_bytes, UINT32_MAX);
-    EXPECT_EQ(b->hits, UINT16_MAX);
+    EXPECT_EQ(b->hits, DiskOnlyBlock::kMaxHits);
+    EXPECT_EQ(b->packed, 1u);
     EXPECT_EQ(b->device, UINT8_MAX);
   }
   size_t seen = 0;

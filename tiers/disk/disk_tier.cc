@@ -29,6 +29,9 @@ namespace {
 
 constexpr uint8_t kIndexValueVersion = 1;
 constexpr uint8_t kAnnotatedIndexValueVersion = 2;  // with the record's annotation after the owner
+// A packed record's: codec, dtype, group and raw bytes after the owner, then
+// the annotation's length (0: none) and the annotation.
+constexpr uint8_t kPackedIndexValueVersion = 3;
 constexpr uint64_t kRecoveryProgressEvery = 200000;
 // Forgotten blocks' index deletes are handed to the writer in batches of
 // this many (or sooner, ahead of any other index write).
@@ -46,10 +49,11 @@ struct FreeDeleter {
 };
 using AlignedPage = std::unique_ptr<uint8_t, FreeDeleter>;
 
-AlignedPage NewPage() {
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, RecordHeader::kBytes));
+// Zeroed, 4 KiB aligned; `bytes` a multiple of 4 KiB.
+AlignedPage NewPages(uint64_t bytes) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, bytes));
   KVTIER_CHECK(p != nullptr);
-  std::memset(p, 0, RecordHeader::kBytes);
+  std::memset(p, 0, bytes);
   return AlignedPage(p);
 }
 
@@ -90,7 +94,10 @@ rocksdb::Slice KeySlice(const StoredKey& key) {
 bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   if (in.empty()) return false;
   const uint8_t version = static_cast<uint8_t>(in[0]);
-  if (version != kIndexValueVersion && version != kAnnotatedIndexValueVersion) return false;
+  if (version != kIndexValueVersion && version != kAnnotatedIndexValueVersion &&
+      version != kPackedIndexValueVersion) {
+    return false;
+  }
   in.remove_prefix(1);
   RecordHeader& h = out->header;
   DiskLocation& l = out->location;
@@ -109,25 +116,44 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   h.owner.assign(in.data(), owner_len);
   in.remove_prefix(owner_len);
   if (version == kIndexValueVersion) return in.empty();
+  if (version == kPackedIndexValueVersion) {
+    uint8_t codec = 0;
+    uint8_t dtype = 0;
+    if (!le::Get(in, &codec) || !le::Get(in, &dtype) || !le::Get(in, &h.group_elems) ||
+        !le::Get(in, &h.raw_bytes)) {
+      return false;
+    }
+    if (codec != static_cast<uint8_t>(CodecKind::kLossless) && codec != static_cast<uint8_t>(CodecKind::kFp8)) {
+      return false;
+    }
+    h.codec = static_cast<CodecKind>(codec);
+    h.dtype = static_cast<DType>(dtype);
+    if (!CheckCodec(CodecParams{h.codec, h.dtype, h.group_elems}).ok()) return false;
+    l.packed = true;
+  }
   uint32_t annotation_len = 0;
-  if (!le::Get(in, &annotation_len) || annotation_len == 0 || annotation_len > RecordHeader::kMaxAnnotationBytes ||
-      in.size() != annotation_len) {
+  const bool may_be_empty = version == kPackedIndexValueVersion;
+  if (!le::Get(in, &annotation_len) || (annotation_len == 0 && !may_be_empty) ||
+      annotation_len > RecordHeader::kMaxAnnotationBytes || in.size() != annotation_len) {
     return false;
   }
   h.annotation.assign(in.data(), annotation_len);
   return true;
 }
 
-// A record's I/O is two requests (header page and payload); the last one to
-// finish carries on with the first error, if any. Thread-safe.
-struct TwoPartIo {
-  AlignedPage page = NewPage();  // the header's 4 KiB
-  std::atomic<int> pending{2};   // acq_rel: the last arrival sees both parts' effects
+// A record's I/O is one or two requests: a raw record's header page and
+// payload, a packed record's whole payload pages (none for a payload under
+// 4 KiB) and tail pages. The last one to finish carries on with the first
+// error, if any. Thread-safe.
+struct RecordIo {
+  RecordIo(int parts, uint64_t page_bytes) : page(NewPages(page_bytes)), pending(parts) {}
+  AlignedPage page;        // a raw record's header, or a packed one's tail
+  std::atomic<int> pending;  // acq_rel: the last arrival sees every part's effects
   Mutex mu;
   Status status KVTIER_GUARDED_BY(mu);
 
   // Records one part's result; returns true (and the combined status) for
-  // the second, false for the first.
+  // the last, false for the others.
   bool Arrive(const Result<uint64_t>& part, Status* combined) {
     if (!part) {
       MutexLock lock(&mu);
@@ -157,7 +183,10 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
 }  // namespace
 
 std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l) const {
-  std::string v(1, static_cast<char>(h.annotation.empty() ? kIndexValueVersion : kAnnotatedIndexValueVersion));
+  const uint8_t version = h.packed()             ? kPackedIndexValueVersion
+                          : h.annotation.empty() ? kIndexValueVersion
+                                                 : kAnnotatedIndexValueVersion;
+  std::string v(1, static_cast<char>(version));
   le::Put<uint32_t>(v, l.device);
   le::Put<uint32_t>(v, l.region);
   le::Put<uint64_t>(v, l.offset);
@@ -168,7 +197,13 @@ std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l
   v.append(reinterpret_cast<const char*>(h.ns.bytes.data()), 16);
   v.push_back(static_cast<char>(h.owner.size()));
   v.append(h.owner);
-  if (!h.annotation.empty()) {
+  if (h.packed()) {
+    le::Put<uint8_t>(v, static_cast<uint8_t>(h.codec));
+    le::Put<uint8_t>(v, static_cast<uint8_t>(h.dtype));
+    le::Put<uint32_t>(v, h.group_elems);
+    le::Put<uint64_t>(v, h.raw_bytes);
+  }
+  if (h.packed() || !h.annotation.empty()) {
     le::Put<uint32_t>(v, static_cast<uint32_t>(h.annotation.size()));
     v.append(h.annotation);
   }
@@ -321,9 +356,11 @@ bool DiskTier::PlausibleLocation(const DiskRecord& r) const {
   const DiskLocation& l = r.location;
   if (l.device >= devices_.size() || l.region >= devices_[l.device].regions.size()) return false;
   if (r.header.payload_bytes > Layout::kMaxBlockBytes) return false;
-  if (l.record_bytes != RecordBytes(r.header.payload_bytes) ||
-      l.record_bytes > options_.region_bytes)
+  if (r.header.packed() &&
+      (r.header.raw_bytes > Layout::kMaxBlockBytes || r.header.payload_bytes >= r.header.raw_bytes)) {
     return false;
+  }
+  if (l.record_bytes != RecordBytes(r.header) || l.record_bytes > options_.region_bytes) return false;
   const uint64_t region_start = uint64_t{l.region} * options_.region_bytes;
   return l.offset % kRecordAlignBytes == 0 && l.offset >= region_start &&
          l.offset - region_start <= options_.region_bytes - l.record_bytes;
@@ -408,14 +445,14 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
     const DiskLocation where{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0};
     const bool may_carry =
         carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
-    const ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
+    ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
     if (answer.action == ReclaimAction::kStale) continue;
     batch.Delete(blocks_cf_, KeySlice(m.key));
     ++counters_.records_reclaimed;
     if (live_records_ > 0) --live_records_;
     if (answer.action == ReclaimAction::kCarry) {
       ++carried;
-      StartCarry(m.key, where, answer.payload_bytes);
+      StartCarry(m.key, where, std::move(answer));
     }
   }
   batch.Put(regions_cf_, RegionKey(device, region),
@@ -423,13 +460,15 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
   SubmitReclaimDeletes(device, region, std::move(batch));
 }
 
-void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint64_t payload_bytes) {
-  const uint64_t record_bytes = RecordBytes(payload_bytes);
+void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer) {
+  const uint64_t payload_bytes = answer.payload_bytes;
+  const bool packed = answer.packed;
+  const uint64_t record_bytes = RecordBytes(payload_bytes, packed);
   ++counters_.records_carried;
   ++devices_[where.device].regions[where.region].reads;
   ++inflight_;
-  // The whole record (header page and payload) in one read, into a buffer
-  // of its own: it is written again from there.
+  // The whole record (header page and payload, or payload and trailer) in
+  // one read, into a buffer of its own: it is written again from there.
   auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, record_bytes));
   KVTIER_CHECK(raw != nullptr);
   carry_staging_bytes_ += record_bytes;
@@ -439,7 +478,8 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
         std::free(p);
         if (self.lock()) carry_staging_bytes_ -= record_bytes;
       });
-  auto finish = [this, key, where, record_bytes, staging,
+  auto finish = [this, key, where, record_bytes, staging, packed, owner = std::move(answer.owner),
+                 annotation = std::move(answer.annotation),
                  self = std::weak_ptr<DiskTier*>(self_)](Result<RecordHeader> header) mutable {
     auto tier = self.lock();
     if (!tier) return;
@@ -455,7 +495,11 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
     } else {
       ++counters_.reads;
       counters_.read_bytes += record_bytes;
-      const uint8_t* payload = staging.get() + RecordHeader::kBytes;
+      const uint8_t* payload = staging.get() + (packed ? 0 : RecordHeader::kBytes);
+      if (packed) {
+        header->owner = std::move(owner);
+        header->annotation = std::move(annotation);
+      }
       Append(std::move(*header), payload, [this, key, staging](Result<DiskLocation> now) {
         options_.relocated(key, std::move(now));
       });
@@ -464,16 +508,18 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, uint6
   };
   devices_[where.device].device->Read(
       where.offset, std::span<uint8_t>(raw, record_bytes),
-      [raw, key, payload_bytes, finish = std::move(finish),
+      [raw, key, payload_bytes, packed, record_bytes, finish = std::move(finish),
        post = options_.post](Result<uint64_t> got) mutable {
+        const uint8_t* payload = raw + (packed ? 0 : RecordHeader::kBytes);
         Result<RecordHeader> h =
-            got ? DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes))
-                : Result<RecordHeader>(Err(got.error()));
+            !got    ? Result<RecordHeader>(Err(got.error()))
+            : packed ? DecodeRecordTrailer(std::span<const uint8_t>(raw, record_bytes))
+                     : DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes));
         if (h && (h->key != key || h->payload_bytes != payload_bytes)) {
           h = Err(
               Status(StatusCode::kCorruption, "the record at this location is another block's"));
-        } else if (h && PayloadChecksum(std::span<const uint8_t>(
-                            raw + RecordHeader::kBytes, payload_bytes)) != h->payload_checksum) {
+        } else if (h && PayloadChecksum(std::span<const uint8_t>(payload, payload_bytes)) !=
+                            h->payload_checksum) {
           h = Err(Status(StatusCode::kCorruption, "payload checksum mismatch"));
         }
         post([finish = std::move(finish), h = std::move(h)]() mutable { finish(std::move(h)); });
@@ -534,7 +580,7 @@ void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
 void DiskTier::ServeWaiting(const Status* error) {
   while (!waiting_.empty()) {
     if (error == nullptr) {
-      const uint64_t bytes = RecordBytes(waiting_.front().header.payload_bytes);
+      const uint64_t bytes = RecordBytes(waiting_.front().header);
       const std::optional<std::pair<uint32_t, uint32_t>> where = RegionFor(bytes);
       if (!where) return;
       WaitingAppend w = std::move(waiting_.front());
@@ -584,7 +630,7 @@ std::optional<std::pair<uint32_t, uint32_t>> DiskTier::RegionFor(uint64_t bytes)
 
 void DiskTier::Append(RecordHeader header, const uint8_t* payload,
                       std::function<void(Result<DiskLocation>)> done) {
-  const uint64_t record_bytes = RecordBytes(header.payload_bytes);
+  const uint64_t record_bytes = RecordBytes(header);
   if (record_bytes > options_.region_bytes) {
     options_.post([done = std::move(done), record_bytes, region = options_.region_bytes] {
       done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) +
@@ -615,11 +661,11 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
 
 void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const uint8_t* payload,
                            std::function<void(Result<DiskLocation>)> done) {
-  const uint64_t record_bytes = RecordBytes(header.payload_bytes);
+  const uint64_t record_bytes = RecordBytes(header);
   Region& r = devices_[di].regions[ri];
   header.sequence = next_sequence_++;
   const uint64_t region_start = uint64_t{ri} * options_.region_bytes;
-  const DiskLocation loc{di, ri, region_start + r.write_offset, record_bytes, header.sequence};
+  const DiskLocation loc{di, ri, region_start + r.write_offset, record_bytes, header.sequence, header.packed()};
   r.members.push_back(
       Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
   r.write_offset += record_bytes;
@@ -627,8 +673,17 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
   ++r.writes;
   ++inflight_;
 
-  auto op = std::make_shared<TwoPartIo>();
-  EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
+  // Raw: the header page, then the payload. Packed: the payload's whole
+  // pages (if any), then the tail: its last bytes, zeros and the trailer.
+  const uint64_t head_bytes = header.packed() ? PackedHeadBytes(header.payload_bytes) : 0;
+  const uint64_t page_bytes = header.packed() ? record_bytes - head_bytes : RecordHeader::kBytes;
+  auto op = std::make_shared<RecordIo>(header.packed() && head_bytes == 0 ? 1 : 2, page_bytes);
+  if (header.packed()) {
+    std::memcpy(op->page.get(), payload + head_bytes, header.payload_bytes - head_bytes);
+    EncodeRecordTrailer(header, std::span(op->page.get() + page_bytes - kRecordTrailerBytes, kRecordTrailerBytes));
+  } else {
+    EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
+  }
   auto pending = std::make_shared<PendingAppend>(
       PendingAppend{header.key, loc, LocationValue(header, loc), std::move(done)});
   // Both writes done: on the owner thread, join the device's next group
@@ -650,6 +705,11 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
     });
   };
   BlockDevice* device = devices_[di].device;
+  if (header.packed()) {
+    if (head_bytes > 0) device->Write(loc.offset, std::span<const uint8_t>(payload, head_bytes), written);
+    device->Write(loc.offset + head_bytes, std::span<const uint8_t>(op->page.get(), page_bytes), written);
+    return;
+  }
   device->Write(loc.offset, std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes), written);
   device->Write(loc.offset + RecordHeader::kBytes,
                 std::span<const uint8_t>(payload, record_bytes - RecordHeader::kBytes), written);
@@ -748,9 +808,9 @@ void DiskTier::FinishAppend(PendingAppend& p, Status st) {
   ScheduleReclaim();  // the oldest region may have been waiting for this write
 }
 
-DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes) const {
+DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes, bool packed) const {
   return DiskLocation{device, static_cast<uint32_t>(offset / options_.region_bytes), offset,
-                      RecordBytes(payload_bytes), 0};
+                      RecordBytes(payload_bytes, packed), 0, packed};
 }
 
 void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payload_bytes, uint8_t* dst,
@@ -758,8 +818,12 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   KVTIER_CHECK(loc.device < devices_.size() && loc.region < devices_[loc.device].regions.size());
   ++devices_[loc.device].regions[loc.region].reads;
   ++inflight_;
-  const uint64_t record_bytes = RecordBytes(payload_bytes);
-  auto op = std::make_shared<TwoPartIo>();
+  const uint64_t record_bytes = RecordBytes(payload_bytes, loc.packed);
+  // As StartAppend wrote it: a packed record's tail comes into the op's
+  // pages, and its last payload bytes are copied out of them.
+  const uint64_t head_bytes = loc.packed ? PackedHeadBytes(payload_bytes) : 0;
+  const uint64_t page_bytes = loc.packed ? record_bytes - head_bytes : RecordHeader::kBytes;
+  auto op = std::make_shared<RecordIo>(loc.packed && head_bytes == 0 ? 1 : 2, page_bytes);
   auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc, record_bytes,
                  done = std::move(done)](Status st, uint64_t checksum) mutable {
     post([self, loc, record_bytes, st = std::move(st), checksum, done = std::move(done)]() mutable {
@@ -783,13 +847,19 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
       if (region.state == RegionState::kReclaiming) t.MaybeFree(loc.device, loc.region);
     });
   };
-  auto read = [op, key, payload_bytes, dst, finish](Result<uint64_t> got) mutable {
+  auto read = [op, key, payload_bytes, dst, finish, packed = loc.packed, head_bytes,
+               page_bytes](Result<uint64_t> got) mutable {
     Status st;
     if (!op->Arrive(got, &st)) return;
     uint64_t checksum = 0;
     if (st.ok()) {
       // Checked here, on the I/O thread, while the bytes are fresh.
-      Result<RecordHeader> h = DecodeRecordHeader(std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes));
+      Result<RecordHeader> h =
+          packed ? DecodeRecordTrailer(std::span<const uint8_t>(op->page.get(), page_bytes))
+                 : DecodeRecordHeader(std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes));
+      if (h && packed && h->payload_bytes == payload_bytes) {
+        std::memcpy(dst + head_bytes, op->page.get(), payload_bytes - head_bytes);
+      }
       if (!h) {
         st = h.error();
       } else if (h->key != key || h->payload_bytes != payload_bytes) {
@@ -803,6 +873,11 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
     finish(std::move(st), checksum);
   };
   BlockDevice* device = devices_[loc.device].device;
+  if (loc.packed) {
+    if (head_bytes > 0) device->Read(loc.offset, std::span<uint8_t>(dst, head_bytes), read);
+    device->Read(loc.offset + head_bytes, std::span<uint8_t>(op->page.get(), page_bytes), read);
+    return;
+  }
   device->Read(loc.offset, std::span<uint8_t>(op->page.get(), RecordHeader::kBytes), read);
   device->Read(loc.offset + RecordHeader::kBytes,
                std::span<uint8_t>(dst, record_bytes - RecordHeader::kBytes), read);

@@ -63,6 +63,7 @@ struct DiskLocation {
   uint64_t offset = 0;        // of the record's header, in the device
   uint64_t record_bytes = 0;
   uint64_t sequence = 0;
+  bool packed = false;        // a packed record (record.h): its header is a trailer
 };
 
 // An indexed record, as recovered at start-up.
@@ -78,8 +79,16 @@ enum class ReclaimAction : uint8_t {
   kCarry,    // hot: the tier is to write it again, and report through Options::relocated
 };
 struct ReclaimAnswer {
+  explicit(false) ReclaimAnswer(ReclaimAction a = ReclaimAction::kStale, uint64_t payload = 0)
+      : action(a), payload_bytes(payload) {}
+
   ReclaimAction action = ReclaimAction::kStale;
-  uint64_t payload_bytes = 0;  // kCarry: the block's size
+  uint64_t payload_bytes = 0;  // kCarry: the record's payload size
+  // kCarry of a packed record: its owner and annotation, which its trailer
+  // does not hold (the index does).
+  bool packed = false;
+  std::string owner;
+  std::string annotation;
 };
 
 struct DiskCounters {
@@ -153,8 +162,10 @@ class DiskTier {
   // The records the index held at Open, for the owner to rebuild its index.
   std::vector<DiskRecord> TakeRecovered();
 
-  // Appends a record. `payload` must be 4 KiB aligned, readable for
-  // RecordBytes(payload_bytes) - 4096 bytes, and stay untouched until `done`.
+  // Appends a record, raw or packed (header.codec). `payload` must be 4 KiB
+  // aligned and stay untouched until `done`; it must be readable for
+  // RecordBytes(payload_bytes) - 4096 bytes (raw), or for payload_bytes
+  // (packed: the tail page is the tier's).
   // The header's sequence is assigned here. `done` gets the location once the
   // record is durable and indexed. Errors: kInvalidArgument for a record
   // larger than a region (max_record_bytes); kResourceExhausted when no
@@ -164,16 +175,18 @@ class DiskTier {
               std::function<void(Result<DiskLocation>)> done);
 
   // Reads a record's payload into `dst` (4 KiB aligned, room for the padded
-  // payload) and checks it: the header must decode and name `key`, and the
-  // payload's XXH3-64 must match. Errors: kCorruption (counted) or the I/O
-  // error (counted); either way the caller must not serve `dst`.
+  // payload of a raw record, or for exactly payload_bytes of a packed one:
+  // location.packed) and checks it: the header must decode and name `key`,
+  // and the payload's XXH3-64 must match. Errors: kCorruption (counted) or
+  // the I/O error (counted); either way the caller must not serve `dst`.
   // `done` also gets the payload's checksum (from its verified header).
   void Read(const StoredKey& key, const DiskLocation& location, uint64_t payload_bytes, uint8_t* dst,
             std::function<void(Status, uint64_t checksum)> done);
 
   // The full location of the record at `offset` of `device` with a payload
-  // of `payload_bytes` (sequence 0: it is not needed to read or forget it).
-  DiskLocation LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes) const;
+  // of `payload_bytes`, raw or packed (sequence 0: it is not needed to read
+  // or forget it).
+  DiskLocation LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes, bool packed = false) const;
 
   // The block left the disk tier (promoted, evicted): drops its index entry.
   // The delete need not be synced: a record that comes back after a crash
@@ -272,7 +285,7 @@ class DiskTier {
   void StartReclaim(uint32_t device, uint32_t region);
   // Reads the record at `where` out of its region being reclaimed, then
   // appends it again and tells the owner.
-  void StartCarry(const StoredKey& key, const DiskLocation& where, uint64_t payload_bytes);
+  void StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer);
   void SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::WriteBatch batch);
   // Frees a reclaimed region once its deletes are durable and its I/O is done.
   void MaybeFree(uint32_t device, uint32_t region);

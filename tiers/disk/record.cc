@@ -70,6 +70,7 @@ void EncodeRecordHeader(const RecordHeader& header, std::span<uint8_t> out) {
   KVTIER_CHECK_MSG(out.size() == RecordHeader::kBytes, "record header buffer must be 4096 bytes");
   KVTIER_CHECK_MSG(header.owner.size() <= RecordHeader::kMaxOwnerBytes, "record owner too long");
   KVTIER_CHECK_MSG(header.annotation.size() <= RecordHeader::kMaxAnnotationBytes, "record annotation too long");
+  KVTIER_CHECK_MSG(!header.packed(), "a packed record has a trailer, not a header page");
   const size_t owner_len = header.owner.size();
   const bool annotated = !header.annotation.empty();
   const size_t annotation_part = annotated ? kAnnotationLenBytes + header.annotation.size() : 0;
@@ -155,6 +156,102 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in) {
   header.annotation.assign(reinterpret_cast<const char*>(p + kOwnerOffset + owner_len + kAnnotationLenBytes),
                            annotation_len);
   return header;
+}
+
+namespace {
+
+// Offsets of the trailer's fields (version 3; docs/disk-format.md).
+constexpr size_t kTrailerMagicOffset = 0;
+constexpr size_t kTrailerVersionOffset = 8;
+constexpr size_t kTrailerBytesOffset = 12;
+constexpr size_t kTrailerKeyOffset = 16;
+constexpr size_t kTrailerNsOffset = 32;
+constexpr size_t kTrailerSequenceOffset = 48;
+constexpr size_t kTrailerPayloadBytesOffset = 56;
+constexpr size_t kTrailerPayloadChecksumOffset = 64;
+constexpr size_t kTrailerRawBytesOffset = 72;
+constexpr size_t kTrailerCodecOffset = 80;
+constexpr size_t kTrailerDTypeOffset = 81;
+constexpr size_t kTrailerReservedOffset = 82;  // u16, zero
+constexpr size_t kTrailerGroupOffset = 84;
+constexpr size_t kTrailerChecksumOffset = 88;
+static_assert(kTrailerChecksumOffset + kChecksumBytes == kRecordTrailerBytes);
+
+tl::unexpected<Status> CorruptTrailer(std::string what) {
+  return Err(StatusCode::kCorruption, "record trailer: " + std::move(what));
+}
+
+}  // namespace
+
+void EncodeRecordTrailer(const RecordHeader& header, std::span<uint8_t> out) {
+  KVTIER_CHECK_MSG(out.size() == kRecordTrailerBytes, "record trailer buffer must be 96 bytes");
+  KVTIER_CHECK_MSG(header.packed(), "only a packed record has a trailer");
+  uint8_t* p = out.data();
+  std::fill(out.begin(), out.end(), uint8_t{0});
+  PutU64(p + kTrailerMagicOffset, RecordHeader::kMagic);
+  PutU32(p + kTrailerVersionOffset, RecordHeader::kPackedVersion);
+  PutU32(p + kTrailerBytesOffset, static_cast<uint32_t>(kRecordTrailerBytes));
+  std::memcpy(p + kTrailerKeyOffset, header.key.bytes.data(), StoredKey::kSize);
+  std::memcpy(p + kTrailerNsOffset, header.ns.bytes.data(), LayoutFingerprint::kSize);
+  PutU64(p + kTrailerSequenceOffset, header.sequence);
+  PutU64(p + kTrailerPayloadBytesOffset, header.payload_bytes);
+  PutU64(p + kTrailerPayloadChecksumOffset, header.payload_checksum);
+  PutU64(p + kTrailerRawBytesOffset, header.raw_bytes);
+  p[kTrailerCodecOffset] = static_cast<uint8_t>(header.codec);
+  p[kTrailerDTypeOffset] = static_cast<uint8_t>(header.dtype);
+  PutU32(p + kTrailerGroupOffset, header.group_elems);
+  PutU64(p + kTrailerChecksumOffset, XXH3_64bits(p, kTrailerChecksumOffset));
+}
+
+Result<RecordHeader> DecodeRecordTrailer(std::span<const uint8_t> record_tail) {
+  if (record_tail.size() < kRecordTrailerBytes) {
+    return CorruptTrailer("input is " + std::to_string(record_tail.size()) + " bytes, need " +
+                          std::to_string(kRecordTrailerBytes));
+  }
+  const uint8_t* p = record_tail.data() + record_tail.size() - kRecordTrailerBytes;
+  if (const uint64_t magic = GetU64(p + kTrailerMagicOffset); magic != RecordHeader::kMagic) {
+    return CorruptTrailer("bad magic " + Hex64(magic));
+  }
+  if (const uint32_t version = GetU32(p + kTrailerVersionOffset); version != RecordHeader::kPackedVersion) {
+    return CorruptTrailer("unsupported version " + std::to_string(version));
+  }
+  if (GetU32(p + kTrailerBytesOffset) != kRecordTrailerBytes) {
+    return CorruptTrailer("trailer_bytes " + std::to_string(GetU32(p + kTrailerBytesOffset)) + " is not " +
+                          std::to_string(kRecordTrailerBytes));
+  }
+  if (XXH3_64bits(p, kTrailerChecksumOffset) != GetU64(p + kTrailerChecksumOffset)) {
+    return CorruptTrailer("trailer checksum mismatch");
+  }
+  // Checked after the checksum: values that pass it were written by us, so
+  // one out of range means a bug or a foreign file, not a bit flip.
+  RecordHeader h;
+  std::memcpy(h.key.bytes.data(), p + kTrailerKeyOffset, StoredKey::kSize);
+  std::memcpy(h.ns.bytes.data(), p + kTrailerNsOffset, LayoutFingerprint::kSize);
+  h.sequence = GetU64(p + kTrailerSequenceOffset);
+  h.payload_bytes = GetU64(p + kTrailerPayloadBytesOffset);
+  h.payload_checksum = GetU64(p + kTrailerPayloadChecksumOffset);
+  h.raw_bytes = GetU64(p + kTrailerRawBytesOffset);
+  const uint8_t codec = p[kTrailerCodecOffset];
+  const uint8_t dtype = p[kTrailerDTypeOffset];
+  h.group_elems = GetU32(p + kTrailerGroupOffset);
+  if (codec != static_cast<uint8_t>(CodecKind::kLossless) && codec != static_cast<uint8_t>(CodecKind::kFp8)) {
+    return CorruptTrailer("codec " + std::to_string(codec) + " is not lossless (1) or fp8 (2)");
+  }
+  h.codec = static_cast<CodecKind>(codec);
+  if (DTypeSizeBytes(static_cast<DType>(dtype)) == 0) return CorruptTrailer("unknown dtype " + std::to_string(dtype));
+  h.dtype = static_cast<DType>(dtype);
+  if (p[kTrailerReservedOffset] != 0 || p[kTrailerReservedOffset + 1] != 0) {
+    return CorruptTrailer("reserved bytes are not zero");
+  }
+  if (h.raw_bytes == 0 || h.raw_bytes > Layout::kMaxBlockBytes || h.payload_bytes >= h.raw_bytes) {
+    return CorruptTrailer("payload_bytes " + std::to_string(h.payload_bytes) + " and raw_bytes " +
+                          std::to_string(h.raw_bytes) + " out of range (0 < payload < raw <= " +
+                          std::to_string(Layout::kMaxBlockBytes) + ")");
+  }
+  if (Status st = CheckCodec(CodecParams{h.codec, h.dtype, h.group_elems}); !st.ok()) {
+    return CorruptTrailer(st.message());
+  }
+  return h;
 }
 
 uint64_t PayloadChecksum(std::span<const uint8_t> payload) {

@@ -1,16 +1,25 @@
 // The disk tier's record: what one block looks like in a segment file
-// (docs/disk-format.md describes it byte for byte).
+// (docs/disk-format.md describes it byte for byte). Two layouts:
 //
-//   [ header: 4096 bytes ][ payload: payload_bytes, zero-padded to 4096 ]
+//   raw (codec kNone; versions 1 and 2):
+//     [ header: 4096 bytes ][ payload: payload_bytes, zero-padded to 4096 ]
+//   packed (a codec's output; version 3):
+//     [ payload: payload_bytes ][ zeros ][ trailer: 96 bytes ]
+//     the whole zero-padded to 4096; the trailer ends the record.
 //
-// The header's first kEncodedBytes hold the fields below, little-endian,
-// ending with an XXH3-64 of everything before it; the rest of the 4 KiB is
-// zero. Everything is 4 KiB aligned so records are written and read with
-// O_DIRECT straight from the host pool's slots.
+// A raw record's header holds the fields below, little-endian, ending with
+// an XXH3-64 of everything before it; the rest of its 4 KiB is zero. A
+// compressed payload has any length, so a page for its header would cost
+// up to 4 KiB a block: its header is a fixed-size trailer in the payload's
+// last page instead (two pages when the payload leaves less than 96 bytes
+// of its last one), without owner and annotation, which only the index
+// keeps. Payloads start 4 KiB aligned either way, so records are written
+// and read with O_DIRECT straight from the host pool's slots.
 //
-// A record is served only if its header decodes (magic, version, header
-// checksum), names the expected key, and its payload's XXH3-64 matches:
-// torn writes, stale regions and bit flips are misses, never data.
+// A record is served only if its header (or trailer) decodes (magic,
+// version, checksum), names the expected key, and its payload's XXH3-64
+// matches: torn writes, stale regions and bit flips are misses, never data.
+// The checksum covers the stored (encoded) bytes.
 //
 // Pure functions over caller buffers; thread-safe.
 #pragma once
@@ -21,6 +30,7 @@
 
 #include "common/key128.h"
 #include "common/status.h"
+#include "kernels/codec.h"
 
 namespace kvtier {
 
@@ -30,6 +40,7 @@ struct RecordHeader {
   // Both are read.
   static constexpr uint32_t kVersion = 1;
   static constexpr uint32_t kAnnotatedVersion = 2;
+  static constexpr uint32_t kPackedVersion = 3;  // the trailer of a packed record
   static constexpr uint64_t kBytes = 4096;
   static constexpr size_t kMaxOwnerBytes = 64;
   static constexpr size_t kMaxAnnotationBytes = 3072;
@@ -44,15 +55,38 @@ struct RecordHeader {
   // at most kMaxAnnotationBytes; carried forward with the record and kept in
   // the index, so a restart gives them back.
   std::string annotation;
+  // How the payload is stored. kNone: it is the block (a raw record).
+  // Otherwise it is what the codec wrote, payload_bytes long (less than
+  // raw_bytes, the block's size), with the element type and the fp8 group
+  // the decoder needs; the record is packed.
+  CodecKind codec = CodecKind::kNone;
+  DType dtype = DType::kBf16;  // packed only
+  uint32_t group_elems = 0;    // packed only: elements per fp8 scale (0 for lossless)
+  uint64_t raw_bytes = 0;      // packed only
+
+  bool packed() const { return codec != CodecKind::kNone; }
 
   friend bool operator==(const RecordHeader&, const RecordHeader&) = default;
 };
 
 inline constexpr uint64_t kRecordAlignBytes = 4096;
+// A packed record's trailer.
+inline constexpr uint64_t kRecordTrailerBytes = 96;
 
-// Bytes a record with this payload takes on disk.
-inline uint64_t RecordBytes(uint64_t payload_bytes) {
-  return RecordHeader::kBytes + (payload_bytes + kRecordAlignBytes - 1) / kRecordAlignBytes * kRecordAlignBytes;
+inline constexpr uint64_t AlignUpToPage(uint64_t bytes) {
+  return (bytes + kRecordAlignBytes - 1) / kRecordAlignBytes * kRecordAlignBytes;
+}
+// Bytes a record with this payload takes on disk: raw, or packed.
+inline constexpr uint64_t RecordBytes(uint64_t payload_bytes, bool packed = false) {
+  return packed ? AlignUpToPage(payload_bytes + kRecordTrailerBytes)
+                : RecordHeader::kBytes + AlignUpToPage(payload_bytes);
+}
+inline uint64_t RecordBytes(const RecordHeader& h) { return RecordBytes(h.payload_bytes, h.packed()); }
+// A packed record's whole pages of payload, written and read straight from
+// and into the caller's buffer; the rest of the record (its tail: the last
+// bytes of payload, zeros, the trailer) goes through a buffer of the tier's.
+inline constexpr uint64_t PackedHeadBytes(uint64_t payload_bytes) {
+  return payload_bytes / kRecordAlignBytes * kRecordAlignBytes;
 }
 
 // Writes the header into `out` (exactly RecordHeader::kBytes; zero-filled
@@ -63,6 +97,14 @@ void EncodeRecordHeader(const RecordHeader& header, std::span<uint8_t> out);
 // Errors: kCorruption naming what is wrong (magic, version, header checksum,
 // a length out of range) — the caller counts it and treats it as a miss.
 Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in);
+
+// A packed record's trailer: writes exactly kRecordTrailerBytes into `out`.
+// REQUIRES: header.packed(). Owner and annotation are not part of it.
+void EncodeRecordTrailer(const RecordHeader& header, std::span<uint8_t> out);
+// Decodes the trailer in the last kRecordTrailerBytes of `record_tail`.
+// Errors: kCorruption naming what is wrong (magic, version, checksum, a
+// codec, type or length out of range).
+Result<RecordHeader> DecodeRecordTrailer(std::span<const uint8_t> record_tail);
 
 // XXH3-64 of a payload, as stored in the header.
 uint64_t PayloadChecksum(std::span<const uint8_t> payload);

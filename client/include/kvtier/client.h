@@ -49,6 +49,20 @@ struct ClientOptions {
   std::chrono::milliseconds reconnect_interval{200};
 };
 
+// How a KV cache's blocks are stored below the daemon's host memory
+// (docs/compression.md): as they are (the default); kLossless, bit-exact,
+// about 1.4x smaller for bf16 KV; or kFp8, LOSSY: E4M3 with one scale per
+// `fp8_group` elements (0: a head's head_dim values of one token), about 2x
+// smaller, for fp16 and bf16 caches only, each element within
+// 0.0665·|x| + 2^-10·scale of its value; loads give back the engine's dtype.
+// fp8 blocks form a namespace of their own: a cache registered without fp8
+// never loads them. The tenant's `codecs` must allow the choice
+// (kPermissionDenied otherwise).
+struct CodecChoice {
+  CodecKind kind = CodecKind::kNone;
+  uint32_t fp8_group = 0;
+};
+
 // One region of engine memory for RegisterKvCache: a memfd sealed with
 // F_SEAL_SHRINK (borrowed: the client dups it, for re-registration).
 struct KvRegion {
@@ -178,15 +192,16 @@ class Client {
 
   // Registers engine memory described by `placements` over `regions`.
   Result<CacheId> RegisterKvCache(const Layout& layout, uint32_t num_blocks,
-                                  std::vector<Placement> placements, std::vector<KvRegion> regions);
-  Result<CacheId> RegisterKvCache(const ShmKvCache& cache);
+                                  std::vector<Placement> placements, std::vector<KvRegion> regions,
+                                  CodecChoice codec = {});
+  Result<CacheId> RegisterKvCache(const ShmKvCache& cache, CodecChoice codec = {});
   // Registers a KV cache in GPU memory (e.g. vLLM's per-layer tensors): each
   // region is exported as a CUDA IPC handle, and a pool of interprocess
   // events is created for GPU-side completion. Errors: kInvalidArgument for
   // memory that is not on one GPU; kUnimplemented when libkvtier was built
   // without CUDA, or the daemon runs the host backend.
   Result<CacheId> RegisterCudaKvCache(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
-                                      std::vector<CudaKvRegion> regions);
+                                      std::vector<CudaKvRegion> regions, CodecChoice codec = {});
 
   // Chain keys of every full block of `tokens` (docs/hashing.md), keyed by
   // this tenant's hash secret. Works offline once connected.

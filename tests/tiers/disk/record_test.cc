@@ -280,5 +280,123 @@ TEST(RecordTest, RecordBytesPadsThePayload) {
   EXPECT_EQ(RecordBytes(4097), 12288u);
 }
 
+TEST(RecordTest, APackedRecordHoldsItsPayloadAndTrailerInWholePages) {
+  // The trailer shares the payload's last page when 96 bytes are left.
+  EXPECT_EQ(RecordBytes(1, /*packed=*/true), 4096u);
+  EXPECT_EQ(RecordBytes(4000, true), 4096u);
+  EXPECT_EQ(RecordBytes(4001, true), 8192u);
+  EXPECT_EQ(RecordBytes(4096, true), 8192u);
+  EXPECT_EQ(RecordBytes(12000, true), 12288u);
+  EXPECT_EQ(PackedHeadBytes(4000), 0u);
+  EXPECT_EQ(PackedHeadBytes(12000), 8192u);
+  // 1 M blocks of 4 KiB compressed 1.46x: 2,806 bytes each, one page
+  // each, where a raw record takes two.
+  EXPECT_EQ(RecordBytes(2806, true), 4096u);
+  EXPECT_EQ(RecordBytes(4096), 8192u);
+}
+
+// Trailer offsets as docs/disk-format.md states them.
+constexpr size_t kTrailerRawBytesAt = 72;
+constexpr size_t kTrailerCodecAt = 80;
+constexpr size_t kTrailerDTypeAt = 81;
+constexpr size_t kTrailerGroupAt = 84;
+constexpr size_t kTrailerChecksumAt = 88;
+
+RecordHeader SamplePacked() {
+  RecordHeader h = SampleHeader(0);
+  h.codec = CodecKind::kFp8;
+  h.dtype = DType::kBf16;
+  h.group_elems = 128;
+  h.raw_bytes = 2 * h.payload_bytes;
+  return h;
+}
+
+Page EncodeTrailer(const RecordHeader& h) {
+  Page trailer(kRecordTrailerBytes);
+  EncodeRecordTrailer(h, trailer);
+  return trailer;
+}
+
+void ResealTrailer(Page& trailer) {
+  StoreU64(trailer, kTrailerChecksumAt, XXH3_64bits(trailer.data(), kTrailerChecksumAt));
+}
+
+void ExpectTrailerCorruption(const Page& trailer, const std::string& what) {
+  const Result<RecordHeader> decoded = DecodeRecordTrailer(trailer);
+  ASSERT_FALSE(decoded.has_value()) << "expected a failure naming " << what;
+  EXPECT_EQ(decoded.error().code(), StatusCode::kCorruption) << decoded.error();
+  EXPECT_NE(decoded.error().message().find(what), std::string::npos) << decoded.error();
+}
+
+TEST(RecordTest, TrailerRoundTripsAndMatchesTheDocument) {
+  RecordHeader h = SamplePacked();
+  const Page t = EncodeTrailer(h);
+  EXPECT_EQ(std::string(t.begin(), t.begin() + 8), "PVTREC01");
+  EXPECT_EQ(LoadU32(t, kVersionAt), 3u);
+  EXPECT_EQ(LoadU32(t, kEncodedBytesAt), 96u);
+  EXPECT_TRUE(std::equal(h.key.bytes.begin(), h.key.bytes.end(), t.begin() + 16));
+  EXPECT_TRUE(std::equal(h.ns.bytes.begin(), h.ns.bytes.end(), t.begin() + 32));
+  EXPECT_EQ(LoadU64(t, 48), h.sequence);
+  EXPECT_EQ(LoadU64(t, 56), h.payload_bytes);
+  EXPECT_EQ(LoadU64(t, 64), h.payload_checksum);
+  EXPECT_EQ(LoadU64(t, kTrailerRawBytesAt), h.raw_bytes);
+  EXPECT_EQ(t[kTrailerCodecAt], 2u);
+  EXPECT_EQ(t[kTrailerDTypeAt], 2u);
+  EXPECT_EQ(LoadU32(t, kTrailerGroupAt), 128u);
+  EXPECT_EQ(LoadU64(t, kTrailerChecksumAt), XXH3_64bits(t.data(), kTrailerChecksumAt));
+
+  // Decoded from the end of a longer tail; the owner is not in a trailer.
+  Page tail(4096, 0);
+  std::copy(t.begin(), t.end(), tail.end() - 96);
+  Result<RecordHeader> back = DecodeRecordTrailer(tail);
+  ASSERT_TRUE(back.has_value()) << back.error();
+  EXPECT_EQ(*back, h);
+
+  h.codec = CodecKind::kLossless;
+  h.dtype = DType::kFp32;
+  h.group_elems = 0;
+  back = DecodeRecordTrailer(EncodeTrailer(h));
+  ASSERT_TRUE(back.has_value()) << back.error();
+  EXPECT_EQ(*back, h);
+}
+
+TEST(RecordTest, EverySingleBitFlipOfATrailerIsRejected) {
+  const Page good = EncodeTrailer(SamplePacked());
+  for (size_t bit = 0; bit < good.size() * 8; ++bit) {
+    Page bad = good;
+    bad[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+    const Result<RecordHeader> decoded = DecodeRecordTrailer(bad);
+    ASSERT_FALSE(decoded.has_value()) << "bit " << bit;
+    EXPECT_EQ(decoded.error().code(), StatusCode::kCorruption);
+  }
+}
+
+TEST(RecordTest, TrailerFieldsOutOfRangeAreRejectedEvenWithAGoodChecksum) {
+  auto edited = [](auto edit) {
+    Page t = EncodeTrailer(SamplePacked());
+    edit(t);
+    ResealTrailer(t);
+    return t;
+  };
+  ExpectTrailerCorruption(edited([](Page& t) { t[kTrailerCodecAt] = 0; }), "codec 0");
+  ExpectTrailerCorruption(edited([](Page& t) { t[kTrailerCodecAt] = 3; }), "codec 3");
+  ExpectTrailerCorruption(edited([](Page& t) { t[kTrailerDTypeAt] = 9; }), "dtype 9");
+  ExpectTrailerCorruption(edited([](Page& t) { t[kTrailerDTypeAt] = 3; }), "fp8 needs fp16 or bf16");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU32(t, kTrailerGroupAt, 0); }), "group_elems");
+  ExpectTrailerCorruption(edited([](Page& t) { t[82] = 1; }), "reserved");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU64(t, kTrailerRawBytesAt, 0); }), "raw_bytes");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU64(t, kTrailerRawBytesAt, LoadU64(t, 56)); }),
+                          "out of range");
+  ExpectTrailerCorruption(
+      edited([](Page& t) { StoreU64(t, kTrailerRawBytesAt, Layout::kMaxBlockBytes + 1); }), "raw_bytes");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU32(t, kVersionAt, 2); }), "version 2");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU32(t, kEncodedBytesAt, 95); }), "trailer_bytes");
+  ExpectTrailerCorruption(Page(kRecordTrailerBytes, 0), "magic");
+  ExpectTrailerCorruption(Page(95, 0), "need 96");
+  // A raw record's header page is not a trailer, nor the other way round.
+  Page header = Encode(SampleHeader(0));
+  EXPECT_FALSE(DecodeRecordTrailer(std::span<const uint8_t>(header.data(), 96)).has_value());
+}
+
 }  // namespace
 }  // namespace kvtier
