@@ -254,12 +254,12 @@ bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskW
   // FinishDiskWrite), so the pool reads it in place.
   const std::span<const uint8_t> block(e->slot, e->block_bytes);
   RecordHeader header = DiskHeader(e);
-  auto job = [this, key = e->key, codec, block, staging, capacity, header = std::move(header),
+  auto job = [this, codec, block, staging, capacity, header = std::move(header),
               done = std::move(done), post = options_.post,
               self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
     const std::optional<size_t> n = coder.Encode(codec, block, std::span(staging.get(), capacity));
     const uint64_t checksum = n ? PayloadChecksum(std::span<const uint8_t>(staging.get(), *n)) : 0;
-    post([this, self, key, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
+    post([this, self, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
           done = std::move(done)]() mutable {
       if (!self.lock()) return;
       if (!n) {  // saved too little, or a NaN or Inf: the block itself goes
