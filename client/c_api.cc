@@ -88,10 +88,19 @@ uint64_t kvtier_shm_cache_block_bytes(const kvtier_shm_cache* cache) {
 }
 
 kvtier_status kvtier_register_shm_cache(kvtier_client* client, const kvtier_shm_cache* cache, uint32_t* cache_id) {
+  return kvtier_register_shm_cache_coded(client, cache, KVTIER_CODEC_NONE, 0, cache_id);
+}
+
+kvtier_status kvtier_register_shm_cache_coded(kvtier_client* client, const kvtier_shm_cache* cache, int codec,
+                                              uint32_t fp8_group, uint32_t* cache_id) {
   if (client == nullptr || cache == nullptr || cache_id == nullptr) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
   }
-  kvtier::Result<kvtier::CacheId> id = client->client->RegisterKvCache(cache->cache);
+  if (codec != KVTIER_CODEC_NONE && codec != KVTIER_CODEC_LOSSLESS && codec != KVTIER_CODEC_FP8) {
+    return Fail(kvtier::InvalidArgument("unknown codec " + std::to_string(codec)));
+  }
+  kvtier::Result<kvtier::CacheId> id = client->client->RegisterKvCache(
+      cache->cache, {.kind = static_cast<kvtier::CodecKind>(codec), .fp8_group = fp8_group});
   if (!id) return Fail(id.error());
   *cache_id = *id;
   return KVTIER_OK;

@@ -74,6 +74,22 @@ std::string_view KvKindName(KvKind kind) {
   return "invalid";
 }
 
+std::string_view CodecName(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::kNone: return "none";
+    case CodecKind::kLossless: return "lossless";
+    case CodecKind::kFp8: return "fp8";
+  }
+  return "?";
+}
+
+Result<CodecKind> ParseCodec(std::string_view name) {
+  for (CodecKind k : {CodecKind::kNone, CodecKind::kLossless, CodecKind::kFp8}) {
+    if (name == CodecName(k)) return k;
+  }
+  return Err(InvalidArgument("unknown codec '" + std::string(name) + "' (none, lossless or fp8)"));
+}
+
 Result<DType> ParseDType(std::string_view name) {
   for (DType d : {DType::kFp16, DType::kBf16, DType::kFp32, DType::kFp8E4M3, DType::kFp8E5M2}) {
     if (name == DTypeName(d)) return d;

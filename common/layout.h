@@ -50,6 +50,9 @@ enum class CodecKind : uint8_t { kNone = 0, kLossless = 1, kFp8 = 2 };
 size_t DTypeSizeBytes(DType dtype);
 std::string_view DTypeName(DType dtype);
 std::string_view KvKindName(KvKind kind);
+std::string_view CodecName(CodecKind kind);  // "none", "lossless", "fp8"
+// Errors: kInvalidArgument naming the text.
+Result<CodecKind> ParseCodec(std::string_view name);
 // Parses "fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2".
 Result<DType> ParseDType(std::string_view name);
 // Parses "kv" (separate K and V) or "latent".

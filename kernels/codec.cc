@@ -69,22 +69,6 @@ struct BlockCodec::Zstd {
   }
 };
 
-std::string_view CodecName(CodecKind kind) {
-  switch (kind) {
-    case CodecKind::kNone: return "none";
-    case CodecKind::kLossless: return "lossless";
-    case CodecKind::kFp8: return "fp8";
-  }
-  return "?";
-}
-
-Result<CodecKind> ParseCodec(std::string_view name) {
-  for (CodecKind k : {CodecKind::kNone, CodecKind::kLossless, CodecKind::kFp8}) {
-    if (name == CodecName(k)) return k;
-  }
-  return Err(InvalidArgument("unknown codec '" + std::string(name) + "' (none, lossless or fp8)"));
-}
-
 LayoutFingerprint CodedFingerprint(const LayoutFingerprint& layout, const CodecParams& p) {
   if (p.kind != CodecKind::kFp8) return layout;
   std::string in = "KVTCODC1";

@@ -35,10 +35,7 @@
 
 namespace kvtier {
 
-// CodecKind (common/layout.h): none, lossless, fp8.
-std::string_view CodecName(CodecKind kind);  // "none", "lossless", "fp8"
-// Errors: kInvalidArgument naming the text.
-Result<CodecKind> ParseCodec(std::string_view name);
+// CodecKind, CodecName and ParseCodec: common/layout.h.
 
 struct CodecParams {
   CodecKind kind = CodecKind::kNone;

@@ -26,6 +26,13 @@ int main(int argc, char** argv) {
   CHECK(kvtier_shm_cache_create(&layout, 16, &cache));
   uint32_t cache_id = 0;
   CHECK(kvtier_register_shm_cache(client, cache, &cache_id));
+  /* A codec the tenant allows (lossless, by default), and one it does not (fp8). */
+  uint32_t coded_id = 0;
+  CHECK(kvtier_register_shm_cache_coded(client, cache, KVTIER_CODEC_LOSSLESS, 0, &coded_id));
+  if (kvtier_register_shm_cache_coded(client, cache, KVTIER_CODEC_FP8, 0, &coded_id) != KVTIER_PERMISSION_DENIED) {
+    return 20;
+  }
+  if (kvtier_register_shm_cache_coded(client, cache, 7, 0, &coded_id) != KVTIER_INVALID_ARGUMENT) return 21;
 
   uint32_t tokens[16 * 4 + 5];
   for (size_t i = 0; i < sizeof(tokens) / sizeof(tokens[0]); ++i) tokens[i] = (uint32_t)(i * 7919u % 50000u);

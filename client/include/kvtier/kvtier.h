@@ -75,6 +75,14 @@ uint64_t kvtier_shm_cache_block_bytes(const kvtier_shm_cache* cache);
 kvtier_status kvtier_register_shm_cache(kvtier_client* client, const kvtier_shm_cache* cache,
                                         uint32_t* cache_id);
 
+/* How the daemon stores a cache's blocks on disk (docs/compression.md):
+ * as they are; lossless (bit-exact); fp8 (LOSSY: E4M3 with one scale per
+ * fp8_group elements, 0 = head_dim; fp16 and bf16 caches only). The tenant's
+ * config must allow it (KVTIER_PERMISSION_DENIED otherwise). */
+enum { KVTIER_CODEC_NONE = 0, KVTIER_CODEC_LOSSLESS = 1, KVTIER_CODEC_FP8 = 2 };
+kvtier_status kvtier_register_shm_cache_coded(kvtier_client* client, const kvtier_shm_cache* cache, int codec,
+                                              uint32_t fp8_group, uint32_t* cache_id);
+
 /* Chain keys of the full blocks of tokens: writes up to max_keys keys
  * (16 bytes each) to keys_out and their number to *num_keys. */
 kvtier_status kvtier_compute_keys(kvtier_client* client, uint32_t cache_id, const uint32_t* tokens,

@@ -55,6 +55,11 @@ T Must(Result<T> r) {
   return std::move(*r);
 }
 
+// A register call's codec and fp8_group arguments.
+CodecChoice Codec(const std::string& name, uint32_t fp8_group) {
+  return CodecChoice{.kind = Must(ParseCodec(name)), .fp8_group = fp8_group};
+}
+
 // Runs `call`, a call of the C++ client that may wait on the daemon, without
 // the GIL, and returns its Result.
 template <typename F>
@@ -545,10 +550,11 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("connected", [](const PyClient& c) { return c.Get()->connected(); })
       .def(
           "register_cpu_cache",
-          [](const PyClient& self, const py::object& cache_obj) {
+          [](const PyClient& self, const py::object& cache_obj, const std::string& codec, uint32_t fp8_group) {
             auto& cache = cache_obj.cast<ShmKvCache&>();
+            const CodecChoice choice = Codec(codec, fp8_group);
             std::shared_ptr<Client> c = self.Get();
-            CacheId id = WithoutGil([&] { return c->RegisterKvCache(cache); });
+            CacheId id = WithoutGil([&] { return c->RegisterKvCache(cache, choice); });
             return std::make_shared<KvCache>(KvCache{.id = id,
                                                      .layout = cache.layout(),
                                                      .num_blocks = cache.num_blocks(),
@@ -557,11 +563,16 @@ PYBIND11_MODULE(_kvtier, m) {
                                                      .adopted = std::nullopt,
                                                      .client_serial = self.serial()});
           },
-          py::arg("cache"), "Registers a CpuKvCache.")
+          py::arg("cache"), py::kw_only(), py::arg("codec") = "none", py::arg("fp8_group") = 0,
+          "Registers a CpuKvCache. codec: how its blocks are stored on the daemon's disk: 'none', "
+          "'lossless' (bit-exact) or 'fp8' (LOSSY: E4M3 with a scale per fp8_group elements, 0 = "
+          "head_dim); the tenant's config must allow it (docs/compression.md).")
       .def(
           "register_host_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
-             const py::object& regions_arg, const py::object& placements_arg) {
+             const py::object& regions_arg, const py::object& placements_arg, const std::string& codec,
+             uint32_t fp8_group) {
+            const CodecChoice choice = Codec(codec, fp8_group);
             std::vector<std::pair<uintptr_t, uint64_t>> regions = Regions(regions_arg);
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
             std::shared_ptr<Client> c = self.Get();
@@ -585,12 +596,13 @@ PYBIND11_MODULE(_kvtier, m) {
             std::vector<KvRegion> kv_regions = out->adopted->regions();
             CacheId id = WithoutGil([&] {
               return c->RegisterKvCache(layout, num_blocks, std::move(placements),
-                                        std::move(kv_regions));
+                                        std::move(kv_regions), choice);
             });
             out->id = id;
             return out;
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),
+          py::kw_only(), py::arg("codec") = "none", py::arg("fp8_group") = 0,
           "Registers CPU memory the engine allocated (regions: (pointer, size) pairs, e.g. of "
           "torch tensors) "
           "without moving it: see kvtier/host_memory.h. placements: a scheme name or a list of "
@@ -598,7 +610,9 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "register_cuda_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
-             const py::object& regions_arg, const py::object& placements_arg) {
+             const py::object& regions_arg, const py::object& placements_arg, const std::string& codec,
+             uint32_t fp8_group) {
+            const CodecChoice choice = Codec(codec, fp8_group);
             std::vector<CudaKvRegion> regions;
             for (const auto& [ptr, size] : Regions(regions_arg)) {
               regions.push_back(CudaKvRegion{reinterpret_cast<void*>(ptr), size});
@@ -607,7 +621,7 @@ PYBIND11_MODULE(_kvtier, m) {
             std::shared_ptr<Client> c = self.Get();
             CacheId id = WithoutGil([&] {
               return c->RegisterCudaKvCache(layout, num_blocks, std::move(placements),
-                                            std::move(regions));
+                                            std::move(regions), choice);
             });
             return std::make_shared<KvCache>(KvCache{.id = id,
                                                      .layout = layout,
@@ -618,6 +632,7 @@ PYBIND11_MODULE(_kvtier, m) {
                                                      .client_serial = self.serial()});
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),
+          py::kw_only(), py::arg("codec") = "none", py::arg("fp8_group") = 0,
           "Registers GPU memory (regions: (device pointer, size) pairs, e.g. of CUDA tensors) "
           "through CUDA IPC. "
           "Raises UnimplementedError where libkvtier or the daemon has no CUDA.")

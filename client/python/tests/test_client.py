@@ -191,6 +191,25 @@ def test_bad_input_is_a_clear_exception(daemon: Daemon, client: kvtier.Client) -
     client.close()  # twice is fine
 
 
+def test_a_codec_is_asked_for_at_registration_and_the_tenant_must_allow_it(client: kvtier.Client) -> None:
+    layout = small_layout()
+    cpu = kvtier.CpuKvCache(layout, 8)
+    # The default tenant allows none and lossless; fp8 (lossy) only where listed.
+    lossless = client.register_cpu_cache(cpu, codec="lossless")
+    keys = client.compute_keys(lossless, prompt(9, 2))
+    np.asarray(cpu)[0:2] = 5
+    assert client.store(lossless, keys, [0, 1]).blocks == 2
+    with pytest.raises(kvtier.PermissionDeniedError, match="tenants"):
+        client.register_cpu_cache(cpu, codec="fp8")
+    with pytest.raises(kvtier.InvalidArgumentError, match="unknown codec"):
+        client.register_cpu_cache(cpu, codec="zip")
+    with pytest.raises(kvtier.InvalidArgumentError, match="fp8 only"):
+        client.register_cpu_cache(cpu, codec="lossless", fp8_group=32)
+    # A cache without a codec shares the lossless blocks: they are exact.
+    plain = client.register_cpu_cache(cpu)
+    assert client.lookup(plain, keys).hits == 2
+
+
 def test_blocking_waits_release_the_gil(daemon: Daemon, client: kvtier.Client) -> None:
     cpu = kvtier.CpuKvCache(small_layout(), 8)
     cache = client.register_cpu_cache(cpu)

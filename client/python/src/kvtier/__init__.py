@@ -156,6 +156,9 @@ def _register_tensors(
     num_blocks: int,
     tensors: Sequence[Any],
     placements: str | Sequence[Placement],
+    *,
+    codec: str = "none",
+    fp8_group: int = 0,
 ) -> KvCache:
     """Registers an engine's own KV tensors (torch or NumPy; one per region of
     ``placements``), all on the CPU or all on one GPU, without copying them.
@@ -166,7 +169,8 @@ def _register_tensors(
     afterwards: keep the KvCache). Each tensor must be contiguous and of the
     layout's dtype (or uint8); tensors may be views of one storage, or share
     pages. CUDA tensors go through CUDA IPC (``UnimplementedError`` without
-    CUDA).
+    CUDA). ``codec``: how the daemon stores the blocks on disk, ``"none"``,
+    ``"lossless"`` (bit-exact) or ``"fp8"`` (LOSSY; docs/compression.md).
     """
     if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
         raise TypeError("tensors: a list of torch tensors or NumPy arrays is needed")
@@ -181,8 +185,8 @@ def _register_tensors(
         devices = {t.device.index for t in tensors}
         if len(devices) > 1:
             raise InvalidArgumentError(f"tensors: all on one GPU, not on {sorted(devices)}")
-        return self.register_cuda_memory(layout, num_blocks, pairs, placements)
-    return self.register_host_memory(layout, num_blocks, pairs, placements)
+        return self.register_cuda_memory(layout, num_blocks, pairs, placements, codec=codec, fp8_group=fp8_group)
+    return self.register_host_memory(layout, num_blocks, pairs, placements, codec=codec, fp8_group=fp8_group)
 
 
 def _enter(self: Client) -> Client:
