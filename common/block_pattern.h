@@ -51,4 +51,26 @@ inline bool MatchesKey(const BlockKey& key, std::span<const uint8_t> bytes) {
   return true;
 }
 
+// KV-like contents derived from a key: bf16 values of about N(0, 1) (a
+// sum of four uniforms), so that codecs compress them as they would real K
+// and V. `out.size()` must be even.
+inline void FillKvFromKey(const BlockKey& key, std::span<uint8_t> out) {
+  uint64_t state = key.Low64() ^ 0x4b56u;
+  for (size_t i = 0; i + 2 <= out.size(); i += 2) {
+    const uint64_t r = SplitMix64(state);
+    const float sum = static_cast<float>((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
+    const float x = (sum / 65536.0f - 2.0f) * 1.7320508f;  // mean 0, variance 1
+    uint32_t bits = 0;
+    std::memcpy(&bits, &x, 4);
+    const auto bf16 = static_cast<uint16_t>(bits >> 16);  // truncated: any bf16 will do
+    std::memcpy(out.data() + i, &bf16, 2);
+  }
+}
+
+inline bool MatchesKvKey(const BlockKey& key, std::span<const uint8_t> bytes) {
+  std::vector<uint8_t> want(bytes.size());
+  FillKvFromKey(key, want);
+  return std::memcmp(want.data(), bytes.data(), bytes.size()) == 0;
+}
+
 }  // namespace kvtier

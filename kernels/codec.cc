@@ -83,6 +83,27 @@ LayoutFingerprint CodedFingerprint(const LayoutFingerprint& layout, const CodecP
   return out;
 }
 
+bool WithinFp8Bound(const CodecParams& p, std::span<const uint8_t> raw, std::span<const uint8_t> decoded) {
+  KVTIER_CHECK(p.kind == CodecKind::kFp8 && p.group_elems > 0 && raw.size() == decoded.size() && raw.size() % 2 == 0);
+  auto value = [&](std::span<const uint8_t> v, size_t i) {
+    uint16_t b = 0;
+    std::memcpy(&b, &v[2 * i], 2);
+    return p.dtype == DType::kBf16 ? fp8::Bf16ToFloat(b) : fp8::Fp16ToFloat(b);
+  };
+  const size_t elems = raw.size() / 2;
+  for (size_t g = 0; g < elems; g += p.group_elems) {
+    const size_t end = std::min(elems, g + p.group_elems);
+    float amax = 0;
+    for (size_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(value(raw, i)));
+    const float slack = std::ldexp(amax / fp8::kE4m3Max, -10);
+    for (size_t i = g; i < end; ++i) {
+      const float x = value(raw, i);
+      if (!(std::fabs(value(decoded, i) - x) <= 0.0665f * std::fabs(x) + slack)) return false;
+    }
+  }
+  return true;
+}
+
 Status CheckCodec(const CodecParams& p) {
   const size_t width = DTypeSizeBytes(p.dtype);
   switch (p.kind) {

@@ -57,6 +57,12 @@ LayoutFingerprint CodedFingerprint(const LayoutFingerprint& layout, const CodecP
 // kInvalidArgument saying why (e.g. "fp8 needs fp16 or bf16 KV").
 Status CheckCodec(const CodecParams& p);
 
+// Whether every element of `decoded` is within fp8's bound of `raw`'s:
+// |x̂ − x| ≤ 0.0665·|x| + 2^-10·s, s its group's amax / 448; for checks of
+// what a lossy path served (tests, kvtier-bench). REQUIRES: p.kind is kFp8,
+// equal sizes, a whole number of elements.
+bool WithinFp8Bound(const CodecParams& p, std::span<const uint8_t> raw, std::span<const uint8_t> decoded);
+
 class BlockCodec {
  public:
   static Result<std::unique_ptr<BlockCodec>> Create();

@@ -533,6 +533,16 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   trace->add_option("--dir", trace_options.dir, "directory for the disk tier's segments (started daemon only)");
   trace->add_option("--set", trace_options.sets, "extra kvtierd --set key=value (started daemon only)");
+  trace
+      ->add_option_function<std::string>(
+          "--codec",
+          [&](const std::string& name) {
+            kvtier::Result<kvtier::CodecKind> k = kvtier::ParseCodec(name);
+            if (!k) throw CLI::ValidationError("--codec", k.error().message());
+            trace_options.codec = *k;
+          },
+          "lossless or fp8: replay with it and without (none), same tier bytes, KV-like blocks")
+      ->check(CLI::IsMember({"none", "lossless", "fp8"}));
   CLI::App* abuse = app.add_subcommand("abuse", "one tenant's lookup latency while another loops namespaces/evict");
   kvtier::bench::AbuseOptions abuse_options;
   abuse->add_option("--blocks", abuse_options.blocks, "4 KiB blocks the victim stores")

@@ -65,7 +65,8 @@ std::vector<std::string> DaemonSets(const TraceOptions& o, const std::string& se
     quotas +=
         (quotas.empty() ? "" : ", ") + std::string("disk: ") + std::to_string(o.disk_quota_bytes);
   }
-  sets.push_back("tenants=[{name: bench, uid: " + std::to_string(::getuid()) + ", admin: true" +
+  sets.push_back("tenants=[{name: bench, uid: " + std::to_string(::getuid()) +
+                 ", admin: true, codecs: [none, lossless, fp8]" +
                  (quotas.empty() ? "" : ", quotas: {" + quotas + "}") + "}]");
   sets.insert(sets.end(), o.sets.begin(), o.sets.end());
   return sets;
@@ -330,6 +331,96 @@ JsonFields JsonConfig(const TraceOptions& o, const ReplayCounts& sum, const Capa
   return config;
 }
 
+// One replay of `plan` on a daemon of its own with codec `codec` (and
+// KV-like block contents): what it did and what the daemon counted.
+struct CodecRun {
+  CodecKind codec = CodecKind::kNone;
+  ReplayCounts counts;
+  double wall_s = 0;
+  DaemonStats before, after;
+  uint64_t disk_blocks = 0;  // held on disk at the end
+};
+
+std::optional<CodecRun> RunWithCodec(TraceOptions o, ReplayPlan plan, CodecKind codec,
+                                     const StartDaemonFn& start_daemon, uint64_t stride) {
+  Cleanup cleanup;
+  o.socket.clear();
+  if (!StartDaemon(o, stride, start_daemon, cleanup)) return std::nullopt;
+  plan.socket = o.socket;
+  plan.codec = codec;
+  plan.kv_data = true;
+  auto admin = Client::Connect({.socket_path = o.socket, .client_name = "kvtier-bench-trace"});
+  Result<DaemonStats> before = admin ? (*admin)->Stats() : Result<DaemonStats>(Err(admin.error()));
+  Result<ReplayResult> replay = before ? Replay(plan, o.clients) : Result<ReplayResult>(Err(before.error()));
+  Result<DaemonStats> after = replay ? (*admin)->Stats() : Result<DaemonStats>(Err(replay.error()));
+  if (!after) {
+    std::fprintf(stderr, "kvtier-bench trace: codec %s: %s\n", std::string(CodecName(codec)).c_str(),
+                 after.error().ToString().c_str());
+    return std::nullopt;
+  }
+  CodecRun run{codec, replay->counts, replay->wall_s, std::move(*before), std::move(*after), 0};
+  for (const TierStats& t : run.after.tiers) {
+    if (t.tier == BlockTier::kDisk) run.disk_blocks = t.blocks;
+  }
+  return run;
+}
+
+// --codec: the replay with the codec and without, at equal tier bytes.
+int CompareCodecs(const TraceOptions& o, const ReplayPlan& plan, const StartDaemonFn& start_daemon,
+                  uint64_t stride) {
+  if (!o.socket.empty() || o.disk_bytes == 0) {
+    std::fprintf(stderr, "kvtier-bench trace: --codec needs a started daemon (no --socket) with a disk tier\n");
+    return 1;
+  }
+  std::vector<CodecRun> runs;
+  for (CodecKind codec : {CodecKind::kNone, o.codec}) {
+    std::printf("\nreplay with codec %s:\n", std::string(CodecName(codec)).c_str());
+    std::optional<CodecRun> run = RunWithCodec(o, plan, codec, start_daemon, stride);
+    if (!run) return 1;
+    const CodecRun& r = *run;
+    const uint64_t raw = r.after.Counter("codec_raw_bytes"), stored = r.after.Counter("codec_stored_bytes");
+    std::printf("  hits %.2f%% of %" PRIu64 " block accesses (hbm %.2f%%, host %.2f%%, disk %.2f%%); %" PRIu64
+                " blocks held on disk at the end; %.1f s\n",
+                Pct(r.counts.hits, r.counts.accesses), r.counts.accesses, Pct(r.counts.tier_hits[0], r.counts.accesses),
+                Pct(r.counts.tier_hits[1], r.counts.accesses), Pct(r.counts.tier_hits[2], r.counts.accesses),
+                r.disk_blocks, r.wall_s);
+    std::printf("  codec: %" PRId64 " blocks encoded (%.2fx), %" PRId64 " not worth it, %" PRId64
+                " written raw (pool busy), %" PRId64 " decoded, %" PRId64 " failed to decode\n",
+                Delta(r.before, r.after, "codec_encoded"),
+                stored > 0 ? static_cast<double>(raw) / static_cast<double>(stored) : 0.0,
+                Delta(r.before, r.after, "codec_not_worth_it"), Delta(r.before, r.after, "codec_pool_busy"),
+                Delta(r.before, r.after, "codec_decoded"), Delta(r.before, r.after, "codec_decode_failures"));
+    std::printf("  loads: %" PRIu64 " blocks, %" PRIu64 " %s\n", r.counts.loaded, r.counts.loaded - r.counts.mismatches,
+                codec == CodecKind::kFp8 ? "within fp8's bound" : "byte-exact");
+    runs.push_back(std::move(*run));
+  }
+  const CodecRun& base = runs[0];
+  const CodecRun& coded = runs[1];
+  const std::string name(CodecName(o.codec));
+  const std::vector<Comparison> cs = {
+      {"hit rate, " + name, Pct(coded.counts.hits, coded.counts.accesses), Pct(base.counts.hits, base.counts.accesses),
+       "codec none, same tier bytes, same run", "%"},
+      {"disk hit rate, " + name, Pct(coded.counts.tier_hits[2], coded.counts.accesses),
+       Pct(base.counts.tier_hits[2], base.counts.accesses), "codec none, same tier bytes, same run", "%"},
+  };
+  std::printf("\n%-28s %9s %9s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio", "baseline is");
+  for (const Comparison& c : cs) {
+    std::printf("%-28s %8.2f%% %8.2f%% %7.3fx  %s\n", c.name.c_str(), c.kvtier, c.baseline, c.ratio(),
+                c.baseline_name.c_str());
+  }
+  std::printf("%-28s %9" PRIu64 " %9" PRIu64 " %7.3fx  %s\n", ("disk blocks held, " + name).c_str(),
+              coded.disk_blocks, base.disk_blocks,
+              base.disk_blocks > 0 ? static_cast<double>(coded.disk_blocks) / static_cast<double>(base.disk_blocks) : 0.0,
+              "codec none");
+  if (!o.json.empty() && !WriteJson(o.json, {{"workload", "trace-codec"}, {"codec", name}, {"trace", o.trace_path}}, cs)) {
+    std::fprintf(stderr, "kvtier-bench trace: cannot write %s\n", o.json.c_str());
+    return 1;
+  }
+  const uint64_t wrong = base.counts.mismatches + coded.counts.mismatches;
+  if (wrong > 0) std::printf("WRONG BYTES: %" PRIu64 " loaded blocks\n", wrong);
+  return wrong == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
@@ -361,6 +452,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
 
   // The daemon: started with these tiers, or a running one.
   const uint64_t stride = (o.block_bytes + kSlotAlignBytes - 1) / kSlotAlignBytes * kSlotAlignBytes;
+  if (o.codec != CodecKind::kNone) return CompareCodecs(o, plan, start_daemon, stride);
   Cleanup cleanup;
   const bool started = o.socket.empty();
   if (started && !StartDaemon(o, stride, start_daemon, cleanup)) return 1;

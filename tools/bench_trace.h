@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layout.h"
 #include "common/status.h"
 #include "tools/bench_engine.h"
 
@@ -39,6 +40,10 @@ struct TraceOptions {
   std::string socket;                            // a running kvtierd; empty = start one
   std::vector<std::string> sets;                 // extra `--set key=value` for a started daemon
   std::string json;                              // also write the report here
+  // A codec (lossless or fp8): the replay runs twice on daemons of its own,
+  // with the codec and without (none), the same tier bytes and KV-like block
+  // contents, and reports the hit rates side by side.
+  CodecKind codec = CodecKind::kNone;
 };
 
 // Runs the replay and the simulations and prints (and writes) the report.

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "common/block_pattern.h"
+#include "kernels/codec.h"
 #include "kvtier/client.h"
 
 namespace kvtier::bench {
@@ -59,6 +60,25 @@ std::vector<uint32_t> Range(uint32_t first, uint32_t n) {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// A block's contents from its key, and whether a loaded block holds them:
+// exactly, or within fp8's bound for an fp8 cache.
+void Fill(const Prepared& p, const BlockKey& key, std::span<uint8_t> out) {
+  if (p.plan.kv_data || p.plan.codec != CodecKind::kNone) {
+    FillKvFromKey(key, out);
+  } else {
+    FillFromKey(key, out);
+  }
+}
+bool Matches(const Prepared& p, const BlockKey& key, std::span<const uint8_t> got) {
+  if (p.plan.codec == CodecKind::kFp8) {
+    std::vector<uint8_t> want(got.size());
+    FillKvFromKey(key, want);
+    const LayoutSpec& spec = p.layout.spec();
+    return WithinFp8Bound({.kind = CodecKind::kFp8, .dtype = spec.dtype, .group_elems = spec.head_dim}, want, got);
+  }
+  return p.plan.kv_data || p.plan.codec != CodecKind::kNone ? MatchesKvKey(key, got) : MatchesKey(key, got);
+}
+
 // One engine process: connect, register, write a byte to `ready_fd`, wait
 // for `go_fd` to close, then take requests until none are left.
 void RunClient(uint32_t index, const Prepared& p, Shared* shared, int ready_fd, int go_fd) {
@@ -69,7 +89,7 @@ void RunClient(uint32_t index, const Prepared& p, Shared* shared, int ready_fd, 
   if (!client) return Fail(slot, "connect", client.error());
   auto cache = ShmKvCache::Create(p.layout, p.max_blocks);
   if (!cache) return Fail(slot, "shm cache", cache.error());
-  auto id = (*client)->RegisterKvCache(*cache);
+  auto id = (*client)->RegisterKvCache(*cache, {.kind = p.plan.codec});
   if (!id) return Fail(slot, "register", id.error());
   char c = 1;
   if (::write(ready_fd, &c, 1) != 1)
@@ -110,11 +130,11 @@ void RunClient(uint32_t index, const Prepared& p, Shared* shared, int ready_fd, 
       if (!l) return Fail(slot, "load", l.error());
       loaded = l->blocks;
       rep.short_loads += loaded < found->hits;
-      for (uint32_t j = 0; j < loaded; ++j) rep.mismatches += !MatchesKey(keys[j], cache->block(j));
+      for (uint32_t j = 0; j < loaded; ++j) rep.mismatches += !Matches(p, keys[j], cache->block(j));
       rep.loaded += loaded;
     }
     if (loaded < n) {
-      for (uint32_t j = loaded; j < n; ++j) FillFromKey(keys[j], cache->block(j));
+      for (uint32_t j = loaded; j < n; ++j) Fill(p, keys[j], cache->block(j));
       std::optional<BlockKey> parent;
       if (loaded > 0) parent = keys[loaded - 1];
       auto s =

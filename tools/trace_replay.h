@@ -41,6 +41,11 @@ struct ReplayPlan {
   std::string socket;                         // REQUIRED: the daemon
   double speed = 0;                           // 0 = as fast as possible; else x the trace's pace
   uint64_t salt = 0;
+  // The codec the clients register their caches with; with one, blocks hold
+  // KV-like bf16 values (FillKvFromKey) and an fp8 load counts as exact when
+  // within fp8's bound.
+  CodecKind codec = CodecKind::kNone;
+  bool kv_data = false;  // KV-like block contents also without a codec
 };
 
 // What the clients did, summed.
@@ -51,7 +56,7 @@ struct ReplayCounts {
   uint64_t tier_hits[3] = {};  // of which in hbm, host, disk
   uint64_t loaded = 0;         // blocks loaded into the engine
   uint64_t short_loads = 0;    // loads that returned fewer blocks than their lookup's hits
-  uint64_t mismatches = 0;     // loaded blocks whose bytes were not their key's
+  uint64_t mismatches = 0;     // loaded blocks whose bytes were not their key's (fp8: not within its bound)
   uint64_t stored = 0;         // newly stored
   uint64_t already = 0;        // stores answered "already stored"
   uint64_t rejected = 0;       // blocks of stores refused with kResourceExhausted

@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/codec.h"
 #include "kernels/fp8_e4m3.h"
 #include "tests/integration/disk_helpers.h"
 
@@ -85,23 +86,9 @@ std::optional<std::vector<uint8_t>> Load(CodedSession& s, const BlockKey& key) {
   return std::vector<uint8_t>(b.begin(), b.end());
 }
 
-// Every element within 0.0665·|x| + 2^-10·s of its value (s: its group's
-// amax / 448, groups of head_dim = 64).
+// Every element within fp8's bound of what was stored (groups of head_dim = 64).
 bool WithinFp8Bound(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
-  auto value = [](const std::vector<uint8_t>& v, size_t i) {
-    uint16_t b = 0;
-    std::memcpy(&b, &v[2 * i], 2);
-    return fp8::Bf16ToFloat(b);
-  };
-  for (size_t g = 0; g < want.size() / 2; g += 64) {
-    float amax = 0;
-    for (size_t i = g; i < g + 64; ++i) amax = std::max(amax, std::fabs(value(want, i)));
-    for (size_t i = g; i < g + 64; ++i) {
-      const float x = value(want, i);
-      if (!(std::fabs(value(got, i) - x) <= 0.0665f * std::fabs(x) + std::ldexp(amax / 448.0f, -10))) return false;
-    }
-  }
-  return true;
+  return kvtier::WithinFp8Bound({.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 64}, want, got);
 }
 
 TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {

@@ -151,27 +151,8 @@ class CompressedDiskTest : public ::testing::Test {
   }
 
   // Every element of `got` within fp8's bound of `want` (groups of 64).
-  ::testing::AssertionResult WithinFp8Bound(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
-    const size_t n = want.size() / 2;
-    auto value = [](const std::vector<uint8_t>& v, size_t i) {
-      uint16_t b = 0;
-      std::memcpy(&b, &v[2 * i], 2);
-      return fp8::Bf16ToFloat(b);
-    };
-    for (size_t g = 0; g < n; g += 64) {
-      float amax = 0;
-      for (size_t i = g; i < g + 64; ++i) amax = std::max(amax, std::fabs(value(want, i)));
-      const float s = amax / 448.0f;
-      for (size_t i = g; i < g + 64; ++i) {
-        const float x = value(want, i);
-        const float y = value(got, i);
-        if (!(std::fabs(y - x) <= 0.0665f * std::fabs(x) + std::ldexp(s, -10))) {
-          return ::testing::AssertionFailure() << "element " << i << ": " << y << " for " << x << " (scale " << s << ")";
-        }
-        if (std::fabs(x) == amax && y != x) return ::testing::AssertionFailure() << "the group's largest changed";
-      }
-    }
-    return ::testing::AssertionSuccess();
+  static bool WithinFp8Bound(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
+    return kvtier::WithinFp8Bound(Codec(CodecKind::kFp8), want, got);
   }
 
   std::vector<StoredKey> OnDisk(const std::vector<StoredKey>& keys) {
