@@ -176,6 +176,7 @@ class EngineKv:
         layout: kvtier.Layout,
         capacity_blocks: int,
         device: str | torch.device = "cpu",
+        codec: str = "none",
     ) -> None:
         self.layout = layout
         self.capacity_blocks = capacity_blocks
@@ -187,7 +188,7 @@ class EngineKv:
         else:
             self.tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layout.num_layers)]
         self.sync()  # the zeros are written before the daemon maps the memory
-        self.cache = client.register_tensors(layout, capacity_blocks, self.tensors, self.placements())
+        self.cache = client.register_tensors(layout, capacity_blocks, self.tensors, self.placements(), codec=codec)
 
     def placements(self) -> list[kvtier.Placement]:
         """Where row (token t, head h) of engine block b is, per (layer, K/V)

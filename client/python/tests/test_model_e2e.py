@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import tempfile
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -182,6 +184,78 @@ def test_a_prefix_stored_here_is_loaded_in_another_process_and_decodes_as_a_reco
         f"({diff_fp32 / (_BF16_U * scale):.2f} u * max|logit|); bound {bound:.3g}"
     )
     assert diff_full <= bound and diff_fp32 <= bound
+
+
+# fp8 (E4M3, one scale per head_dim values of a token) keeps each element
+# within 0.0665·|x| + 2^-10·s of its value (docs/compression.md).
+_FP8_RELATIVE = 0.0665
+
+
+def within_fp8_bound(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every element of got within fp8's bound of want; groups are the last dim (head_dim)."""
+    x, y = want.float(), got.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 448
+    return bool(((y - x).abs() <= _FP8_RELATIVE * x.abs() + scale * 2.0**-10).all())
+
+
+def test_an_fp8_offloaded_prefix_decodes_close_to_the_exact_one() -> None:
+    """The prefix's blocks stored with codec fp8, written to disk (where they
+    are compressed) and loaded back: the KV is within fp8's bound of what was
+    stored, and the logits of decoding on it are compared with decoding on
+    the exact KV at the same tokens (max |difference| and top-1 agreement)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-py-") as directory:
+        tenant = f"{{name: local, uid: {os.getuid()}, admin: true, codecs: [none, fp8]}}"
+        daemon = Daemon(directory, ["tiers.disk.enabled=true", "tiers.disk.bytes=64MiB", "tiers.disk.region_bytes=1MiB",
+                                    f"tenants=[{tenant}]"])
+        daemon.start()
+        try:
+            with kvtier.Client.connect(daemon.socket, name="fp8-e2e") as client:
+                spec = TinyLlama(dtype="bf16")
+                model = spec.build()
+                vocab = spec.vocab_size
+                shared = tokens(1, SHARED_TOKENS, vocab)
+                prompt_a = shared + tokens(2, 22, vocab)
+                prompt_b = shared + tokens(3, 13, vocab)
+                prefix = SHARED_BLOCKS * BLOCK_TOKENS
+                engine = EngineKv(client, spec.layout(BLOCK_TOKENS), CAPACITY_BLOCKS, codec="fp8")
+                cache_a = DynamicCache(config=model.config)
+                forward(model, prompt_a, cache_a)
+                keys = store_prefix(client, engine, kv_of(cache_a, len(prompt_a)), prompt_a)
+                for _ in range(500):  # the flush moves host blocks to disk, encoded on the way
+                    client.flush()
+                    if set(client.lookup(engine.cache, keys).tiers) == {"disk"}:
+                        break
+                    time.sleep(0.01)
+                assert set(client.lookup(engine.cache, keys).tiers) == {"disk"}
+                engine.zero()
+                prefill = prefill_with_kvtier(client, engine, model, prompt_b)
+                assert (prefill.loaded_blocks, set(prefill.tiers)) == (SHARED_BLOCKS, {"disk"})
+                stats = client.stats()["counters"]
+                assert stats["codec_encoded"] == len(keys) and stats["codec_decoded"] >= SHARED_BLOCKS
+
+                exact = kv_of(cache_a, prefix)
+                loaded = engine.kv(SHARED_BLOCKS)
+                for (k, v), (kx, vx) in zip(loaded, exact):
+                    assert within_fp8_bound(k, kx) and within_fp8_bound(v, vx)
+                assert not same_bytes(loaded, exact), "fp8 is lossy: the KV must have changed"
+
+                fp8_tokens, fp8_logits = decode(model, prefill.cache, prefill.logits, STEPS)
+                reference = cache_from(exact, model.config)
+                _, ref_logits = decode(model, reference, forward(model, prompt_b[prefix:], reference), STEPS,
+                                       forced=fp8_tokens)
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(fp8_logits, ref_logits))
+                scale = max(float(b.float().abs().max()) for b in ref_logits)
+                top1 = sum(int(torch.argmax(a)) == int(torch.argmax(b)) for a, b in zip(fp8_logits, ref_logits))
+                print(
+                    f"fp8-offloaded prefix: logits max |diff| {diff:.3g} ({diff / scale:.3g} of max|logit|), "
+                    f"top-1 agreement {top1}/{len(ref_logits)}"
+                )
+                # A tenth of the logits' scale: fp8's 6.65% per element, through two
+                # layers, stays well within it; a wrong block would not.
+                assert diff <= 0.1 * scale
+                assert top1 >= len(ref_logits) - 1
+        finally:
+            daemon.stop()
 
 
 def test_the_placements_store_blocks_in_kvtiers_canonical_order(client: kvtier.Client) -> None:

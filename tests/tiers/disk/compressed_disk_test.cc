@@ -310,6 +310,26 @@ TEST_F(CompressedDiskTest, ADamagedPackedRecordIsAMissNeverData) {
   EXPECT_GT(cache_->counters().disk_read_failures, 0u);
 }
 
+TEST_F(CompressedDiskTest, VerifyChecksPackedRecordsAndDropsADamagedOne) {
+  Open();
+  std::vector<StoredKey> keys;
+  for (int i = 0; i < 10; ++i) keys.push_back(Store(i % 2 == 0 ? CodecKind::kLossless : CodecKind::kFp8));
+  cache_->FlushToDisk();
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  std::shared_ptr<const VerifyProgress> p = cache_->VerifyDisk(4);
+  ASSERT_TRUE(Drain([&] { return p->done; }));
+  EXPECT_EQ(p->total, keys.size());
+  EXPECT_EQ(p->checked, keys.size());
+  EXPECT_EQ(p->bad, 0u);
+  // One byte of the first record (a packed lossless one) flipped.
+  device_->WaitIdle();
+  device_->raw()[100] ^= 0x01;
+  std::shared_ptr<const VerifyProgress> again = cache_->VerifyDisk(4);
+  ASSERT_TRUE(Drain([&] { return again->done; }));
+  EXPECT_EQ(again->bad, 1u);
+  EXPECT_EQ(cache_->present_blocks(Presence::kDisk), keys.size() - 1);
+}
+
 TEST_F(CompressedDiskTest, WithoutACodecPoolAtRestartPackedRecordsAreForgottenNotServed) {
   Open();
   std::vector<StoredKey> keys;
