@@ -5,7 +5,9 @@
 // Each input:
 //   1. stores a few blocks of two tenants through a BlockCache and flushes
 //      them to a disk tier on a memory device (a RocksDB index in a
-//      temporary directory): an honest disk tier, closed cleanly;
+//      temporary directory): an honest disk tier, closed cleanly. Tenant 1
+//      stores KV-like blocks with the lossless codec, so its records are
+//      packed (a trailer, index value version 3); tenant 0's are raw;
 //   2. damages it as the input says: bytes of the device flipped, pages
 //      zeroed or copied over others; index entries deleted, rewritten with
 //      fields or bytes the input chooses, copied under other keys, or added
@@ -35,7 +37,9 @@
 #include "common/mutex.h"
 #include "tests/tiers/disk/memory_device.h"
 #include "tests/tiers/tiers_test_util.h"
+#include "common/block_pattern.h"
 #include "tiers/block_cache.h"
+#include "tiers/codec_pool.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/host_backend.h"
 
@@ -87,10 +91,13 @@ class Rig {
     if (!disk) return;
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_.block_bytes());
-    cache_ =
-        BlockCache::Create(
-            {.backend = &backend_, .post = post, .host_bytes = 8 * stride, .disk = disk_.get()})
-            .value();
+    BlockCache::Options o;
+    o.backend = &backend_;
+    o.post = post;
+    o.host_bytes = 8 * stride;
+    o.disk = disk_.get();
+    o.codecs = pool_.get();
+    cache_ = BlockCache::Create(std::move(o)).value();
     cache_->SetTenantName(0, "t0");
     cache_->SetTenantName(1, "t1");
     cache_->AdoptDiskRecords(disk_->TakeRecovered());
@@ -107,10 +114,10 @@ class Rig {
   DiskTier& disk() { return *disk_; }
 
   void Store(TenantId tenant, const StoredKey& key) {
-    engine_.Fill(0, key);
+    Expected(tenant, key, engine_.block(0));
     const uint32_t block = 0;
     bool done = false;
-    cache_->Store(tenant, std::span(&key, 1), std::span(&block, 1), std::nullopt, Target(), alive_,
+    cache_->Store(tenant, std::span(&key, 1), std::span(&block, 1), std::nullopt, Target(tenant), alive_,
                   [&](OpOutcome) { done = true; });
     Drain([&] { return done; });
   }
@@ -127,7 +134,7 @@ class Rig {
     engine_.Zero(kLoadBlock);
     bool done = false;
     uint32_t blocks = 0;
-    cache_->Load(tenant, std::span(&key, 1), std::span(&kLoadBlock, 1), Target(), alive_,
+    cache_->Load(tenant, std::span(&key, 1), std::span(&kLoadBlock, 1), Target(tenant), alive_,
                  [&](OpOutcome o) {
                    blocks = o.blocks;
                    done = true;
@@ -135,14 +142,25 @@ class Rig {
     Drain([&] { return done; });
     if (blocks == 0) return false;
     std::vector<uint8_t> want(engine_.block_bytes());
-    tiers_test::PatternFor(key, want);
+    Expected(tenant, key, want);
     KVTIER_CHECK_MSG(std::memcmp(want.data(), engine_.block(kLoadBlock).data(), want.size()) == 0,
                      "a load served bytes that were not stored under its key");
     return true;
   }
 
  private:
-  EngineTarget Target() { return {engine_.layout(), engine_.mapping()}; }
+  // Tenant 1's blocks are KV-like and stored lossless (packed on disk).
+  EngineTarget Target(TenantId tenant) {
+    const CodecKind codec = tenant == 1 ? CodecKind::kLossless : CodecKind::kNone;
+    return {engine_.layout(), engine_.mapping(), -1, {.kind = codec, .dtype = DType::kFp16, .group_elems = 0}};
+  }
+  static void Expected(TenantId tenant, const StoredKey& key, std::span<uint8_t> out) {
+    if (tenant == 1) {
+      FillKvFromKey(BlockKey{key.bytes}, out);
+    } else {
+      tiers_test::PatternFor(key, out);
+    }
+  }
 
   void Drain(const std::function<bool()>& until) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -162,6 +180,7 @@ class Rig {
 
   DeviceBackend& backend_;
   tiers_test::EngineMemory& engine_;
+  std::unique_ptr<CodecPool> pool_ = CodecPool::Create({.threads = 1, .max_queued = 64}).value();
   std::shared_ptr<void> alive_ = std::make_shared<int>(0);
   Mutex mu_;
   CondVar cv_;
