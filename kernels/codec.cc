@@ -21,13 +21,6 @@ bool WorthIt(size_t raw, size_t encoded) { return encoded <= raw - raw / 64; }
 
 size_t Groups(size_t elems, uint32_t group) { return (elems + group - 1) / group; }
 
-void Store16(uint8_t* p, uint16_t v) {
-  p[0] = static_cast<uint8_t>(v);
-  p[1] = static_cast<uint8_t>(v >> 8);
-}
-
-uint16_t FromFloat(DType d, float f) { return d == DType::kBf16 ? fp8::FloatToBf16(f) : fp8::FloatToFp16(f); }
-
 // Byte planes: element i's byte b goes to planes[b * n + i].
 void Split(std::span<const uint8_t> raw, size_t width, uint8_t* planes) {
   const size_t n = raw.size() / width;
@@ -167,34 +160,38 @@ std::optional<size_t> BlockCodec::Encode(const CodecParams& p, std::span<const u
     // an OR over exponent bits: loops the compiler vectorizes.
     floats_.resize(elems);
     const uint16_t* in = reinterpret_cast<const uint16_t*>(raw.data());  // little-endian host
+    const bool bf16 = p.dtype == DType::kBf16;
+    const uint16_t exponent = bf16 ? 0x7f80 : 0x7c00;
     uint32_t special = 0;
-    if (p.dtype == DType::kBf16) {
-      for (size_t i = 0; i < elems; ++i) {
-        floats_[i] = fp8::Bf16ToFloat(in[i]);
-        special |= static_cast<uint32_t>((in[i] & 0x7f80) == 0x7f80);
-      }
-    } else {
-      for (size_t i = 0; i < elems; ++i) {
-        floats_[i] = fp8::Fp16ToFloat(in[i]);
-        special |= static_cast<uint32_t>((in[i] & 0x7c00) == 0x7c00);
-      }
-    }
+    for (size_t i = 0; i < elems; ++i) special |= static_cast<uint32_t>((in[i] & exponent) == exponent);
     if (special != 0) return std::nullopt;  // NaN or Inf: raw
+    if (bf16) {
+      for (size_t i = 0; i < elems; ++i) floats_[i] = fp8::Bf16ToFloat(in[i]);
+    } else {
+      for (size_t i = 0; i < elems; ++i) floats_[i] = fp8::Fp16ToFloat(in[i]);
+    }
+    const float* f = floats_.data();  // q's byte stores may alias floats_ itself
     for (size_t g = 0; g < groups; ++g) {
       const size_t begin = g * p.group_elems;
       const size_t end = std::min(elems, begin + p.group_elems);
-      float amax = 0;
-      for (size_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(floats_[i]));
+      // The largest magnitude as an integer maximum of the inputs' bits
+      // (sign cleared: finite fp16 and bf16 order as their bits do).
+      uint16_t amax_bits = 0;
+      for (size_t i = begin; i < end; ++i) {
+        const auto m = static_cast<uint16_t>(in[i] & 0x7fff);
+        amax_bits = m > amax_bits ? m : amax_bits;
+      }
+      const float amax = bf16 ? fp8::Bf16ToFloat(amax_bits) : fp8::Fp16ToFloat(amax_bits);
       const float s = amax / fp8::kE4m3Max;
       const uint32_t bits = fp8::FloatBits(s);
       for (int b = 0; b < 4; ++b) scales[g * 4 + static_cast<size_t>(b)] = static_cast<uint8_t>(bits >> (8 * b));
       if (s == 0) {
         // An all-zero group keeps its zeros' signs (code 0x80 is -0).
-        for (size_t i = begin; i < end; ++i) q[i] = std::signbit(floats_[i]) ? 0x80 : 0x00;
+        for (size_t i = begin; i < end; ++i) q[i] = std::signbit(f[i]) ? 0x80 : 0x00;
         continue;
       }
       const float inv = fp8::kE4m3Max / amax;  // x·inv: x/s within fp32 rounding
-      for (size_t i = begin; i < end; ++i) q[i] = fp8::FloatToE4m3(floats_[i] * inv);
+      for (size_t i = begin; i < end; ++i) q[i] = fp8::FloatToE4m3Rounded(f[i] * inv);
     }
     return groups * sizeof(float) + elems;
   }
@@ -224,8 +221,12 @@ Status BlockCodec::Decode(const CodecParams& p, std::span<const uint8_t> stored,
                      std::to_string(groups * sizeof(float) + elems));
     }
     const uint8_t* q = stored.data() + groups * sizeof(float);
-    float table[256];
-    for (int i = 0; i < 256; ++i) table[i] = fp8::E4m3ToFloat(static_cast<uint8_t>(i));
+    // Checked first, in loops of their own, so that the conversion below
+    // has no branch and vectorizes.
+    uint32_t nan_codes = 0;
+    for (size_t i = 0; i < elems; ++i) nan_codes |= static_cast<uint32_t>((q[i] & 0x7f) == 0x7f);
+    if (nan_codes != 0) return corrupt("a NaN code");
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst.data());  // little-endian host, as Encode
     for (size_t g = 0; g < groups; ++g) {
       uint32_t bits = 0;
       for (int b = 0; b < 4; ++b) bits |= uint32_t{stored[g * 4 + static_cast<size_t>(b)]} << (8 * b);
@@ -233,9 +234,11 @@ Status BlockCodec::Decode(const CodecParams& p, std::span<const uint8_t> stored,
       if (!std::isfinite(s) || s < 0) return corrupt("a bad scale");
       const size_t begin = g * p.group_elems;
       const size_t end = std::min(elems, begin + p.group_elems);
-      for (size_t i = begin; i < end; ++i) {
-        if ((q[i] & 0x7f) == 0x7f) return corrupt("a NaN code");
-        Store16(&dst[2 * i], FromFloat(p.dtype, table[q[i]] * s));
+      if (p.dtype == DType::kBf16) {
+        // |q·s| <= 448·s is at most the group's amax: finite.
+        for (size_t i = begin; i < end; ++i) out[i] = fp8::FiniteToBf16(fp8::E4m3ToFloatFinite(q[i]) * s);
+      } else {
+        for (size_t i = begin; i < end; ++i) out[i] = fp8::FloatToFp16(fp8::E4m3ToFloatFinite(q[i]) * s);
       }
     }
     return Status::Ok();

@@ -51,6 +51,48 @@ inline uint8_t FloatToE4m3(float x) {
   return static_cast<uint8_t>(sign | code);
 }
 
+// FloatToE4m3 for the codec's loops: the same results for every finite x
+// with |x| <= 448 · (1 + 2^-20) (what a group's scaling yields), computed
+// with fp32 additions and integer selects only, so that the compiler
+// vectorizes a loop of it on any x86-64 (no per-lane shifts, no branches,
+// no float compare or conversion, which -ftrapping-math keeps in branches).
+// RNE to E4M3's step at x's exponent: (|x| + c) − c with c = 2^(e + 20), whose
+// fp32 ulp is that step (2^-9, E4M3's subnormal step, below 2^-6).
+inline uint8_t FloatToE4m3Rounded(float x) {
+  const uint32_t u = FloatBits(x);
+  const uint32_t sign = (u >> 24) & 0x80;
+  const uint32_t a = u & 0x7fffffff;
+  const uint32_t exp_bits = a & 0x7f800000;
+  const uint32_t c_bits = (exp_bits > 0x3c800000u ? exp_bits : 0x3c800000u) + (20u << 23);
+  const float sum = BitsFloat(a) + BitsFloat(c_bits);
+  uint32_t rb = FloatBits(sum - BitsFloat(c_bits));
+  rb = rb < 0x43e00000u ? rb : 0x43e00000u;  // saturates at 448
+  const uint32_t normal_code = (rb >> 20) - (120u << 3);
+  // Below 2^-6, sum = 2^14 + k·2^-9: k (0-7) is sum's low mantissa bits.
+  const uint32_t sub_code = FloatBits(sum) & 0xfu;
+  return static_cast<uint8_t>(sign | (rb >= 0x3c800000u ? normal_code : sub_code));
+}
+
+// E4m3ToFloat for the codec's loops: integer selects and one fp32
+// subtraction, no branches. REQUIRES: q is not a NaN code (S.1111.111).
+// A subnormal code (field 0) is built as 2^-6·(1 + mant/8) − 2^-6 =
+// mant·2^-9, exactly.
+inline float E4m3ToFloatFinite(uint8_t q) {
+  const uint32_t field = (q >> 3) & 0xfu;
+  const uint32_t mant_bits = uint32_t{q & 0x7u} << 20;
+  // Masks, not ?: (which GCC keeps as branches here).
+  const uint32_t sub = 0u - static_cast<uint32_t>(field == 0);  // all ones for a subnormal code
+  const uint32_t base = (0x3c800000u & sub) | (((field + 120u) << 23) & ~sub) | mant_bits;
+  const float magnitude = BitsFloat(base) - BitsFloat(0x3c800000u & sub);
+  return BitsFloat(FloatBits(magnitude) | (uint32_t{q & 0x80u} << 24));
+}
+
+// FloatToBf16 for values known to be finite (no NaN branch).
+inline uint16_t FiniteToBf16(float f) {
+  const uint32_t u = FloatBits(f);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 inline float E4m3ToFloat(uint8_t q) {
   const int field = (q >> 3) & 0xf;
   const int mant = q & 0x7;
