@@ -153,7 +153,7 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_disk_writes_given_up_total",
             "Blocks whose disk writes kept failing (or can never fit): not tried again.",
             static_cast<double>(c.disk_writes_given_up));
-  const std::string help_codec = "Blocks whose store asked for a codec, by what became of them on their way to disk.";
+  const std::string help_codec = "Blocks whose store asked for a codec, by what became of them on their way to disk or the remote tier.";
   const std::pair<const char*, uint64_t> coded[] = {{"encoded", c.codec_encoded},
                                                     {"not_worth_it", c.codec_not_worth_it},
                                                     {"pool_busy", c.codec_pool_busy}};
@@ -164,10 +164,12 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(c.codec_decoded));
   f.Counter("kvtier_codec_decode_failures_total", "Packed disk records that did not decode (never served).",
             static_cast<double>(c.codec_decode_failures));
-  f.Counter("kvtier_codec_bytes_total", "Blocks written packed: their own bytes (raw) and the codec's (stored).",
-            static_cast<double>(c.codec_raw_bytes), L({{"form", "raw"}}));
-  f.Counter("kvtier_codec_bytes_total", "Blocks written packed: their own bytes (raw) and the codec's (stored).",
-            static_cast<double>(c.codec_stored_bytes), L({{"form", "stored"}}));
+  const std::string help_codec_bytes =
+      "Blocks written coded (disk, remote): their own bytes (raw) and the codec's (stored).";
+  f.Counter("kvtier_codec_bytes_total", help_codec_bytes, static_cast<double>(c.codec_raw_bytes),
+            L({{"form", "raw"}}));
+  f.Counter("kvtier_codec_bytes_total", help_codec_bytes, static_cast<double>(c.codec_stored_bytes),
+            L({{"form", "stored"}}));
   if (s.remote) {
     const RemoteCounters& r = *s.remote;
     f.Counter("kvtier_remote_hits_total", "Blocks fetched from the remote tier and served (each checked).",

@@ -133,7 +133,7 @@ class Server {
   std::unique_ptr<DiskTier> disk_;
   // The remote tier (tiers.remote), destroyed after the cache that uses it.
   std::unique_ptr<RemoteTier> remote_;
-  // The codec pool (tiers.compression; with a disk tier), idle once the
+  // The codec pool (tiers.compression; with a disk or remote tier), idle once the
   // cache is drained and destroyed after it.
   std::unique_ptr<CodecPool> codecs_;
   // KV events (null unless events.enabled): the cache's listener, so it

@@ -543,6 +543,13 @@ class BlockCache {
   // Starts the queued puts, one batch per namespace (after each
   // PumpDiskWrites, and in MaybeDemote).
   void FlushRemotePuts();
+  // A put's blocks that asked for a codec are encoded on the codec pool
+  // first, then sent (SendRemotePut); false (nothing started) when there is
+  // nothing to encode, or the pool or staging is full (counted).
+  struct RemoteEncoding;
+  bool StartRemoteEncode(uint32_t ns, const std::vector<std::pair<BlockEntry*, bool>>& batch);
+  void SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, bool>> batch,
+                     std::shared_ptr<RemoteEncoding> encoding);
   // Returns DeviceBackend::Submit's answer: whether the copies (and their
   // signal event) were queued.
   bool SubmitCopy(CopyBatch batch, std::function<void(CopyResult)> on_done);

@@ -1,12 +1,15 @@
 // BlockCache and the remote tier: loads fetch what no local tier holds into
 // host slots (a remote hit is promoted), and host blocks are put there as
 // they are stored or as they leave host (Options::remote_write). See
-// tiers/remote/remote_tier.h.
+// tiers/remote/remote_tier.h. Blocks whose store asked for a codec are
+// encoded on the codec pool before they are put, and decoded by the remote
+// tier as they are fetched.
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "tiers/block_cache.h"
+#include "tiers/codec_pool.h"
 #include "tiers/remote/remote_tier.h"
 
 namespace kvtier {
@@ -50,6 +53,9 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
   ++inflight_copies_;
   auto checksums = std::make_shared<std::vector<uint64_t>>(filling.size());
   std::vector<uint64_t>* checksums_out = checksums.get();
+  // Values a codec stored are decoded into the slots on the remote tier's
+  // I/O threads: the namespace's codec, whatever this cache asked for.
+  const CodecParams stored_codec = FormatFor(layout, codec).codec;
   options_.remote->Get(
       NamespaceOf(layout, codec), std::move(fetch), std::move(out),
       [this, tenant, local, filling = std::move(filling), checksums = std::move(checksums),
@@ -73,7 +79,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
         done(local + n);
         MaybeDemote();
       },
-      checksums_out);
+      checksums_out, stored_codec);
   return std::nullopt;
 }
 
@@ -99,32 +105,107 @@ void BlockCache::FlushRemotePuts() {
       batch.push_back(put);
       return true;
     });
-    std::vector<StoredKey> keys;
-    std::vector<std::span<const uint8_t>> payloads;
-    for (const auto& [e, leaving] : batch) {
-      keys.push_back(e->key);
-      payloads.emplace_back(e->slot, e->block_bytes);
-    }
     ++inflight_copies_;  // the put reads host slots until it is done
-    options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
-                         [this, batch = std::move(batch)](Result<uint32_t> put) {
-                           --inflight_copies_;
-                           // Per block, the tier says only how many landed:
-                           // a batch that wholly did is announced.
-                           const bool all = put && *put == batch.size();
-                           for (const auto& [e, leaving] : batch) {
-                             if (all) SetRemotePresent(e, true);
-                             if (leaving) {
-                               tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(e->block_bytes);
-                             }
-                             Unlease(e, e->owner);
-                           }
-                           const uint64_t n = put ? *put : 0;
-                           counters_.remote_writes += n;
-                           counters_.remote_write_failures += batch.size() - n;
-                           MaybeDemote();
-                         });
+    if (!StartRemoteEncode(ns, batch)) SendRemotePut(ns, std::move(batch), nullptr);
   }
+}
+
+// The blocks of a remote put that asked for a codec, encoded (or not, when
+// it saves too little): what the put sends for them, kept until it is done.
+struct BlockCache::RemoteEncoding {
+  std::vector<std::vector<uint8_t>> stored;  // by block: empty = sent raw
+  std::vector<RemoteTier::Form> forms;
+  uint64_t reserved = 0;  // staging bytes counted for it
+};
+
+bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<BlockEntry*, bool>>& batch) {
+  const NamespaceFormat& format = namespaces_.FormatOf(ns);
+  if (options_.codecs == nullptr || format.codec.kind == CodecKind::kNone) return false;
+  std::vector<std::span<const uint8_t>> blocks(batch.size());
+  uint64_t reserve = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const BlockEntry* e = batch[i].first;
+    if (!e->compress || e->block_bytes != format.block_bytes) continue;
+    blocks[i] = {e->slot, e->block_bytes};  // leased: the slot stays until the put ends
+    reserve += BlockCodec::MaxEncodedBytes(format.codec, e->block_bytes);
+  }
+  if (reserve == 0) return false;
+  if (codec_staging_bytes_ + reserve > options_.codec_staging_bytes) {
+    counters_.codec_pool_busy += batch.size();
+    return false;
+  }
+  auto encoding = std::make_shared<RemoteEncoding>();
+  encoding->reserved = reserve;
+  codec_staging_bytes_ += reserve;
+  auto job = [this, ns, batch, blocks = std::move(blocks), codec = format.codec, encoding, post = options_.post,
+              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    encoding->stored.resize(blocks.size());
+    encoding->forms.resize(blocks.size());
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      encoding->forms[i] = {CodecKind::kNone, 0};
+      if (blocks[i].empty()) continue;
+      std::vector<uint8_t>& out = encoding->stored[i];
+      out.resize(BlockCodec::MaxEncodedBytes(codec, blocks[i].size()));
+      const std::optional<size_t> n = coder.Encode(codec, blocks[i], out);
+      if (!n) {
+        out.clear();
+        continue;
+      }
+      out.resize(*n);
+      encoding->forms[i] = {codec.kind, blocks[i].size()};
+    }
+    post([this, self, ns, batch = std::move(batch), encoding = std::move(encoding)]() mutable {
+      if (!self.lock()) return;
+      SendRemotePut(ns, std::move(batch), std::move(encoding));
+    });
+  };
+  if (!options_.codecs->TryRun(std::move(job))) {
+    codec_staging_bytes_ -= reserve;
+    counters_.codec_pool_busy += batch.size();
+    return false;
+  }
+  return true;
+}
+
+void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, bool>> batch,
+                               std::shared_ptr<RemoteEncoding> encoding) {
+  std::vector<StoredKey> keys;
+  std::vector<std::span<const uint8_t>> payloads;
+  std::vector<RemoteTier::Form> forms;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    BlockEntry* e = batch[i].first;
+    keys.push_back(e->key);
+    if (encoding != nullptr && !encoding->stored[i].empty()) {
+      payloads.emplace_back(encoding->stored[i]);
+      ++counters_.codec_encoded;
+      counters_.codec_raw_bytes += e->block_bytes;
+      counters_.codec_stored_bytes += encoding->stored[i].size();
+    } else {
+      payloads.emplace_back(e->slot, e->block_bytes);
+      if (encoding != nullptr && e->compress) ++counters_.codec_not_worth_it;
+    }
+    if (encoding != nullptr) forms.push_back(encoding->forms[i]);
+  }
+  options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
+                       [this, batch = std::move(batch), encoding](Result<uint32_t> put) {
+                         --inflight_copies_;
+                         if (encoding != nullptr) codec_staging_bytes_ -= encoding->reserved;
+                         // Per block, the tier says only how many landed:
+                         // a batch that wholly did is announced.
+                         const bool all = put && *put == batch.size();
+                         for (const auto& [e, leaving] : batch) {
+                           if (all) SetRemotePresent(e, true);
+                           if (leaving) {
+                             tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(e->block_bytes);
+                           }
+                           Unlease(e, e->owner);
+                         }
+                         const uint64_t n = put ? *put : 0;
+                         counters_.remote_writes += n;
+                         counters_.remote_write_failures += batch.size() - n;
+                         MaybeDemote();
+                       },
+                       std::move(forms));
 }
 
 }  // namespace kvtier

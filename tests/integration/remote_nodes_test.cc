@@ -90,6 +90,33 @@ TEST_F(RemoteNodesTest, APromptStoredThroughOneNodeIsARemoteHitOnAnotherByteForB
   EXPECT_EQ(hit->tiers[4], BlockTier::kRemote);
 }
 
+TEST_F(RemoteNodesTest, LosslessBlocksTravelCompressedAndLoadExactlyOnANodeThatAskedForNoCodec) {
+  // Node A's engine registers its cache with the lossless codec too.
+  Result<CacheId> coded = a_->client->RegisterKvCache(*a_->cache, {.kind = CodecKind::kLossless});
+  ASSERT_TRUE(coded.has_value()) << coded.error();
+  Result<std::vector<BlockKey>> keys = a_->client->ComputeKeys(*coded, PseudoTokens(21, 16 * kRemoteBlockTokens));
+  ASSERT_TRUE(keys.has_value());
+  for (uint32_t i = 0; i < 16; ++i) FillKvFromKey((*keys)[i], a_->cache->block(i));
+  ASSERT_TRUE(a_->client->Store(*coded, *keys, Range(0, 16)).has_value());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (a_->Counter("remote_writes") < 16 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(a_->Counter("remote_writes"), 16u) << a_->daemon.Log();
+  EXPECT_EQ(a_->Counter("codec_encoded"), 16u);
+  // The values are the codec's output: about a quarter smaller than the blocks.
+  EXPECT_LT(a_->Counter("remote_bytes_written"), 16u * RemoteLayout().block_bytes() * 85 / 100);
+
+  // Node B's cache asked for no codec: the same namespace (lossless is
+  // bit-exact), so it hits, and its remote tier decodes the values.
+  for (uint32_t i = 0; i < 16; ++i) std::fill(b_->cache->block(100 + i).begin(), b_->cache->block(100 + i).end(), 0);
+  Result<OpResult> loaded = b_->client->Load(b_->id, *keys, Range(100, 16));
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  ASSERT_EQ(loaded->blocks, 16u) << b_->daemon.Log();
+  for (uint32_t i = 0; i < 16; ++i) EXPECT_TRUE(MatchesKvKey((*keys)[i], b_->cache->block(100 + i))) << i;
+  EXPECT_EQ(b_->Counter("remote_corrupt"), 0u);
+}
+
 TEST_F(RemoteNodesTest, APrefetchFetchesRemoteBlocksIntoHostAhead) {
   const std::vector<BlockKey> keys = a_->StoreShared(11, 12);
   Result<uint32_t> present = b_->client->Prefetch(b_->id, keys);

@@ -18,6 +18,7 @@ namespace kvtier {
 struct RemoteTier::Worker {
   std::thread thread;
   std::unique_ptr<RedisCluster> cluster;
+  std::unique_ptr<BlockCodec> coder;  // decodes coded values, made on first use
   RedisCluster::Counters seen;  // the cluster's counters already folded into counters_
 };
 
@@ -72,23 +73,26 @@ void RemoteTier::Exists(std::vector<StoredKey> keys, Done done) {
 }
 
 void RemoteTier::Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out,
-                     Done done, std::vector<uint64_t>* checksums) {
+                     Done done, std::vector<uint64_t>* checksums, CodecParams codec) {
   Submit(Batch{.kind = Kind::kGet,
                .ns = ns,
                .keys = std::move(keys),
                .out = std::move(out),
                .done = std::move(done),
-               .checksums = checksums});
+               .checksums = checksums,
+               .codec = codec});
 }
 
 void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
-                     Done done) {
+                     Done done, std::vector<Form> forms) {
+  KVTIER_CHECK(forms.empty() || forms.size() == payloads.size());
   Submit(Batch{.kind = Kind::kPut,
                .ns = ns,
                .keys = std::move(keys),
                .payloads = std::move(payloads),
                .done = std::move(done),
-               .checksums = nullptr});
+               .checksums = nullptr,
+               .forms = std::move(forms)});
 }
 
 RemoteCounters RemoteTier::counters() const {
@@ -215,8 +219,13 @@ Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
     worker.seen = {};
   }
   RedisCluster& cluster = *worker.cluster;
+  if (batch.kind == Kind::kGet && batch.codec.kind != CodecKind::kNone && worker.coder == nullptr) {
+    Result<std::unique_ptr<BlockCodec>> coder = BlockCodec::Create();
+    if (!coder) return Err(coder.error());
+    worker.coder = std::move(*coder);
+  }
   Result<uint32_t> result = batch.kind == Kind::kExists ? DoExists(cluster, batch)
-                            : batch.kind == Kind::kGet  ? DoGet(cluster, batch)
+                            : batch.kind == Kind::kGet  ? DoGet(cluster, worker.coder.get(), batch)
                                                         : DoPut(cluster, batch);
   Record(result.has_value() || result.error().code() != StatusCode::kUnavailable);
   const RedisCluster::Counters& now = cluster.counters();
@@ -270,36 +279,57 @@ namespace {
 
 // A GET's value, checked and copied into its block's slot straight from
 // hiredis' read buffer (CopyRemoteValue: one pass over the bytes).
+// Where a GET's value goes: checked and copied into the block's slot as it
+// is read, or, stored by a codec, checked and decoded into it.
 class BlockSink final : public RedisValueSink {
  public:
-  BlockSink(const LayoutFingerprint& ns, const StoredKey& key, std::span<uint8_t> out)
-      : ns_(ns), key_(key), out_(out) {}
+  BlockSink(const LayoutFingerprint& ns, const StoredKey& key, std::span<uint8_t> out, const CodecParams& codec,
+            BlockCodec* coder)
+      : ns_(ns), key_(key), out_(out), codec_(codec), coder_(coder) {}
   void Take(std::span<const uint8_t> value) override {
-    got_ = CopyRemoteValue(value, ns_, key_, out_);
     value_bytes_ = value.size();
+    Result<RemoteValueHeader> header = DecodeRemoteValueHeader(value);
+    if (header && header->codec != RemoteValueHeader::kCodecRaw && coder_ != nullptr) {
+      Result<std::pair<RemoteValueHeader, uint64_t>> decoded =
+          DecodeRemoteValue(value, ns_, key_, codec_, *coder_, out_);
+      if (!decoded) {
+        got_ = Err(decoded.error());
+        return;
+      }
+      got_ = decoded->first;
+      checksum_ = decoded->second;
+      return;
+    }
+    got_ = CopyRemoteValue(value, ns_, key_, out_);  // a coded value without a codec fails its length check
+    if (*got_) checksum_ = (*got_)->payload_checksum;
   }
   // Unset until a value came.
   const std::optional<Result<RemoteValueHeader>>& got() const { return got_; }
   uint64_t value_bytes() const { return value_bytes_; }
+  uint64_t checksum() const { return checksum_; }  // of the block as served
 
  private:
   const LayoutFingerprint& ns_;
   const StoredKey& key_;
   std::span<uint8_t> out_;
+  const CodecParams& codec_;
+  BlockCodec* coder_;  // null: the namespace has no codec
   std::optional<Result<RemoteValueHeader>> got_;
   uint64_t value_bytes_ = 0;
+  uint64_t checksum_ = 0;
 };
 
 }  // namespace
 
-Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
+Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, BlockCodec* coder, Batch& batch) {
   const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
   std::vector<BlockSink> sinks;
   sinks.reserve(keys.size());
   std::vector<RedisCommand> commands;
   commands.reserve(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    sinks.emplace_back(batch.ns, batch.keys[i], batch.out[i]);
+    sinks.emplace_back(batch.ns, batch.keys[i], batch.out[i], batch.codec,
+                       batch.codec.kind == CodecKind::kNone ? nullptr : coder);
     commands.push_back({.argv = {"GET", keys[i]}, .sink = &sinks.back()});
   }
   std::vector<Result<RedisReply>> replies = cluster.Run(commands);
@@ -325,7 +355,7 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, Batch& batch) {
       (void)cluster.Run(del);
       break;
     }
-    if (batch.checksums != nullptr) (*batch.checksums)[served] = header->payload_checksum;
+    if (batch.checksums != nullptr) (*batch.checksums)[served] = sinks[served].checksum();
     bytes += sinks[served].value_bytes();
   }
   std::lock_guard lock(mu_);
@@ -351,10 +381,12 @@ Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
       ++rejected;  // larger than the deployment allows in one value
       continue;
     }
+    const Form form = batch.forms.empty() ? Form{CodecKind::kNone, payload.size()} : batch.forms[i];
     const RemoteValueHeader h{.ns = batch.ns,
                               .key = batch.keys[i],
+                              .codec = static_cast<uint16_t>(form.codec),
                               .payload_bytes = payload.size(),
-                              .raw_bytes = payload.size(),
+                              .raw_bytes = form.codec == CodecKind::kNone ? payload.size() : form.raw_bytes,
                               .payload_checksum = RemotePayloadChecksum(payload)};
     EncodeRemoteValueHeader(h, headers.emplace_back());
     index.push_back(i);

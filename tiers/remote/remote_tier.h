@@ -38,6 +38,7 @@
 #include "common/key128.h"
 #include "common/latency_histogram.h"
 #include "common/status.h"
+#include "kernels/codec.h"
 #include "tiers/remote/redis_cluster.h"
 
 namespace kvtier {
@@ -94,13 +95,22 @@ class RemoteTier {
   // size; valid until `done` runs) while each exists and checks; `done` gets
   // how many. Bytes past that count in `out` are unspecified. With
   // `checksums` (sized like keys, valid until `done` runs), each fetched
-  // block's XXH3-64, as checked, is written there.
+  // block's XXH3-64, as checked, is written there. A value stored by a
+  // codec is decoded into `out` on the I/O thread; it must be `codec`'s (the
+  // namespace's: lossless or fp8), else it is corrupt (a miss, deleted).
   void Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<uint8_t>> out, Done done,
-           std::vector<uint64_t>* checksums = nullptr);
+           std::vector<uint64_t>* checksums = nullptr, CodecParams codec = {});
+  // How a payload of Put is stored: the block's bytes, or a codec's output
+  // of a block of `raw_bytes`.
+  struct Form {
+    CodecKind codec = CodecKind::kNone;
+    uint64_t raw_bytes = 0;
+  };
   // Stores each block (payloads valid until `done` runs); `done` gets how
-  // many were stored (a refused one is counted in errors_rejected).
+  // many were stored (a refused one is counted in errors_rejected). `forms`
+  // (empty: every payload raw) says what each payload is.
   void Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
-           Done done);
+           Done done, std::vector<Form> forms = {});
 
   RemoteCounters counters() const;
   const RemoteTierOptions& options() const { return options_; }
@@ -115,6 +125,8 @@ class RemoteTier {
     std::vector<std::span<const uint8_t>> payloads = {};
     Done done = {};
     std::vector<uint64_t>* checksums = nullptr;
+    CodecParams codec = {};  // kGet: the namespace's
+    std::vector<Form> forms = {};  // kPut
   };
   struct Worker;
 
@@ -125,7 +137,8 @@ class RemoteTier {
   // Runs one batch on `worker`'s cluster; kUnavailable when it cannot be reached.
   Result<uint32_t> Execute(Worker& worker, Batch& batch);
   Result<uint32_t> DoExists(RedisCluster& cluster, const Batch& batch);
-  Result<uint32_t> DoGet(RedisCluster& cluster, Batch& batch);
+  // `coder`: the worker's, for a namespace with a codec (else null).
+  Result<uint32_t> DoGet(RedisCluster& cluster, BlockCodec* coder, Batch& batch);
   Result<uint32_t> DoPut(RedisCluster& cluster, const Batch& batch);
   // The breaker: whether a batch may go to the network now.
   bool Admit();

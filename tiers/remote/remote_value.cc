@@ -128,6 +128,23 @@ Result<RemoteValueHeader> CopyRemoteValue(std::span<const uint8_t> value, const 
   return h;
 }
 
+Result<std::pair<RemoteValueHeader, uint64_t>> DecodeRemoteValue(std::span<const uint8_t> value,
+                                                                 const LayoutFingerprint& ns, const StoredKey& key,
+                                                                 const CodecParams& codec, BlockCodec& coder,
+                                                                 std::span<uint8_t> out) {
+  KVTIER_ASSIGN_OR_RETURN(RemoteValueHeader h, CheckRemoteValue(value, ns, key));
+  if (h.codec != static_cast<uint16_t>(codec.kind) || codec.kind == CodecKind::kNone) {
+    return Err(Corrupt("remote value of codec " + std::to_string(h.codec) + " where its namespace's is " +
+                       std::string(CodecName(codec.kind))));
+  }
+  if (h.raw_bytes != out.size()) {
+    return Err(Corrupt("remote value decodes to " + std::to_string(h.raw_bytes) + " bytes for a block of " +
+                       std::to_string(out.size())));
+  }
+  KVTIER_RETURN_IF_ERROR(coder.Decode(codec, value.subspan(RemoteValueHeader::kBytes), out));
+  return std::pair(h, RemotePayloadChecksum(out));
+}
+
 std::string RemoteKey(std::string_view prefix, const StoredKey& key) {
   std::string out(prefix);
   out += key.ToHex();

@@ -3,10 +3,11 @@
 //
 //   [ header: kBytes ][ payload: payload_bytes ]
 //
-// The header holds, little-endian: magic, format version, codec, the
+// The header holds, little-endian: magic, format version, codec (0: the
+// block's bytes; 1 lossless, 2 fp8: a codec's output, kernels/codec.h), the
 // namespace fingerprint, the tenant-salted key, the payload's length, its raw
-// length (as the codec restores it), an XXH3-64 of the payload and an XXH3-64
-// of the header before it. A value is served only if it decodes, names the
+// length (as the codec restores it), an XXH3-64 of the payload (the stored
+// bytes) and an XXH3-64 of the header before it. A value is served only if it decodes, names the
 // key and namespace it was fetched for, is as long as it says, and its
 // payload checksum matches: a truncated, replaced or corrupted value is a
 // miss, never data.
@@ -25,6 +26,7 @@
 
 #include "common/key128.h"
 #include "common/status.h"
+#include "kernels/codec.h"
 
 namespace kvtier {
 
@@ -64,6 +66,18 @@ Result<RemoteValueHeader> CheckRemoteValue(std::span<const uint8_t> value,
 // and kCorruption for a payload that is not out's size.
 Result<RemoteValueHeader> CopyRemoteValue(std::span<const uint8_t> value, const LayoutFingerprint& ns,
                                           const StoredKey& key, std::span<uint8_t> out);
+
+// A value whose codec is not raw: checked as CheckRemoteValue does, its codec
+// must be `codec`'s kind and its raw length out's size; then decoded into
+// `out` with `coder`. Returns the header and the XXH3-64 of the decoded
+// block. A raw value goes through CopyRemoteValue (its checksum is the
+// block's). Errors: as CheckRemoteValue's, and kCorruption for a codec or
+// raw length that is not the expected one, or bytes that do not decode; `out`
+// is then not to be served.
+Result<std::pair<RemoteValueHeader, uint64_t>> DecodeRemoteValue(std::span<const uint8_t> value,
+                                                                 const LayoutFingerprint& ns, const StoredKey& key,
+                                                                 const CodecParams& codec, BlockCodec& coder,
+                                                                 std::span<uint8_t> out);
 
 // XXH3-64 of a payload, as the header stores it.
 uint64_t RemotePayloadChecksum(std::span<const uint8_t> payload);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/block_pattern.h"
 #include "tools/redis_cluster_process.h"
 #include "tiers/remote/remote_value.h"
 
@@ -144,6 +145,49 @@ TEST(RemoteTierTest, StoredBlocksAreFetchedByteExactAndCounted) {
   EXPECT_GE(c.bytes_written, 64u * (256 << 10));
   EXPECT_FALSE(c.breaker_open);
   EXPECT_GT(c.batch_latency.count(), 0u);
+}
+
+TEST(RemoteTierTest, CodedValuesAreDecodedOnFetchAndMustBeTheirNamespacesCodec) {
+  auto cluster = MustStart();
+  ASSERT_NE(cluster, nullptr);
+  auto tier = RemoteTier::Start(Options(cluster->seeds()));
+  ASSERT_TRUE(tier.has_value()) << tier.error();
+  // bf16 blocks of about N(0,1): the lossless codec takes a quarter off.
+  Blocks b(6, 64 << 10);
+  for (size_t i = 0; i < b.data.size(); ++i) FillKvFromKey(BlockKey{b.keys[i].bytes}, b.data[i]);
+  const CodecParams lossless{.kind = CodecKind::kLossless, .dtype = DType::kBf16, .group_elems = 0};
+  std::unique_ptr<BlockCodec> coder = BlockCodec::Create().value();
+  std::vector<std::vector<uint8_t>> stored(b.data.size());
+  std::vector<RemoteTier::Form> forms;
+  for (size_t i = 0; i < b.data.size(); ++i) {
+    stored[i].resize(BlockCodec::MaxEncodedBytes(lossless, b.data[i].size()));
+    const std::optional<size_t> n = coder->Encode(lossless, b.data[i], stored[i]);
+    ASSERT_TRUE(n.has_value());
+    stored[i].resize(*n);
+    forms.push_back({CodecKind::kLossless, b.data[i].size()});
+  }
+  // The last block goes raw: a namespace's values may be either.
+  stored.back() = b.data.back();
+  forms.back() = {};
+  ASSERT_EQ(*Wait([&](RemoteTier::Done d) {
+              (*tier)->Put(b.ns, b.keys, std::vector<std::span<const uint8_t>>(stored.begin(), stored.end()),
+                           std::move(d), forms);
+            }),
+            6u);
+  EXPECT_LT((*tier)->counters().bytes_written, 6u * (64 << 10)) << "the coded values are smaller";
+  std::vector<std::vector<uint8_t>> out(6, std::vector<uint8_t>(64 << 10));
+  std::vector<std::span<uint8_t>> spans(out.begin(), out.end());
+  std::vector<uint64_t> checksums(6);
+  ASSERT_EQ(*Wait([&](RemoteTier::Done d) { (*tier)->Get(b.ns, b.keys, spans, std::move(d), &checksums, lossless); }),
+            6u);
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(out[i], b.data[i]) << i;
+    EXPECT_EQ(checksums[i], RemotePayloadChecksum(b.data[i])) << "the checksum is of the block as served";
+  }
+  // Fetched as another codec's namespace would (fp8): never decoded, a miss.
+  const CodecParams fp8{.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 64};
+  EXPECT_EQ(*Wait([&](RemoteTier::Done d) { (*tier)->Get(b.ns, b.keys, spans, std::move(d), nullptr, fp8); }), 0u);
+  EXPECT_EQ((*tier)->counters().corrupt, 1u);
 }
 
 TEST(RemoteTierTest, CorruptedOrReplacedValuesAreMissesAndDeleted) {
