@@ -582,6 +582,8 @@ class BlockCache {
   // False (nothing started) when the pool or staging is full.
   using DiskWriteDone = std::function<void(uint64_t payload_bytes, Result<DiskLocation>)>;
   bool StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done);
+  // A block written coded (to disk or the remote tier), in the counters.
+  void CountEncoded(uint64_t raw_bytes, uint64_t stored_bytes);
   // Decodes a packed record read into `staging` into host slot `dst` on the
   // codec pool, then FinishDiskRead.
   void DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst);

@@ -220,8 +220,10 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   };
   if (e->compress && options_.codecs != nullptr) {
     const NamespaceFormat& format = namespaces_.FormatOf(e->ns);
-    if (format.block_bytes == e->block_bytes && StartPackedWrite(e, format.codec, done)) return;
-    ++counters_.codec_pool_busy;
+    if (format.block_bytes == e->block_bytes) {
+      if (StartPackedWrite(e, format.codec, done)) return;
+      ++counters_.codec_pool_busy;
+    }
   }
   const uint64_t payload_bytes = e->block_bytes;
   options_.disk->Append(DiskHeader(e), e->slot, [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
@@ -238,6 +240,12 @@ RecordHeader BlockCache::DiskHeader(const BlockEntry* e) {
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
   if (options_.listener != nullptr) h.annotation = options_.listener->DiskAnnotation(e->key, e->owner);
   return h;
+}
+
+void BlockCache::CountEncoded(uint64_t raw_bytes, uint64_t stored_bytes) {
+  ++counters_.codec_encoded;
+  counters_.codec_raw_bytes += raw_bytes;
+  counters_.codec_stored_bytes += stored_bytes;
 }
 
 bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done) {
@@ -271,9 +279,7 @@ bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskW
                               });
         return;
       }
-      ++counters_.codec_encoded;
-      counters_.codec_raw_bytes += block.size();
-      counters_.codec_stored_bytes += *n;
+      CountEncoded(block.size(), *n);
       header.codec = codec.kind;
       header.dtype = codec.dtype;
       header.group_elems = codec.kind == CodecKind::kFp8 ? codec.group_elems : 0;

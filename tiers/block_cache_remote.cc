@@ -123,15 +123,17 @@ bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<Bloc
   if (options_.codecs == nullptr || format.codec.kind == CodecKind::kNone) return false;
   std::vector<std::span<const uint8_t>> blocks(batch.size());
   uint64_t reserve = 0;
+  uint64_t to_encode = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const BlockEntry* e = batch[i].first;
     if (!e->compress || e->block_bytes != format.block_bytes) continue;
     blocks[i] = {e->slot, e->block_bytes};  // leased: the slot stays until the put ends
     reserve += BlockCodec::MaxEncodedBytes(format.codec, e->block_bytes);
+    ++to_encode;
   }
-  if (reserve == 0) return false;
+  if (to_encode == 0) return false;
   if (codec_staging_bytes_ + reserve > options_.codec_staging_bytes) {
-    counters_.codec_pool_busy += batch.size();
+    counters_.codec_pool_busy += to_encode;
     return false;
   }
   auto encoding = std::make_shared<RemoteEncoding>();
@@ -161,7 +163,7 @@ bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<Bloc
   };
   if (!options_.codecs->TryRun(std::move(job))) {
     codec_staging_bytes_ -= reserve;
-    counters_.codec_pool_busy += batch.size();
+    counters_.codec_pool_busy += to_encode;
     return false;
   }
   return true;
@@ -177,9 +179,7 @@ void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, b
     keys.push_back(e->key);
     if (encoding != nullptr && !encoding->stored[i].empty()) {
       payloads.emplace_back(encoding->stored[i]);
-      ++counters_.codec_encoded;
-      counters_.codec_raw_bytes += e->block_bytes;
-      counters_.codec_stored_bytes += encoding->stored[i].size();
+      CountEncoded(e->block_bytes, encoding->stored[i].size());
     } else {
       payloads.emplace_back(e->slot, e->block_bytes);
       if (encoding != nullptr && e->compress) ++counters_.codec_not_worth_it;

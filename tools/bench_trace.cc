@@ -402,16 +402,10 @@ int CompareCodecs(const TraceOptions& o, const ReplayPlan& plan, const StartDaem
        "codec none, same tier bytes, same run", "%"},
       {"disk hit rate, " + name, Pct(coded.counts.tier_hits[2], coded.counts.accesses),
        Pct(base.counts.tier_hits[2], base.counts.accesses), "codec none, same tier bytes, same run", "%"},
+      {"disk blocks held, " + name, static_cast<double>(coded.disk_blocks), static_cast<double>(base.disk_blocks),
+       "codec none, same tier bytes, same run", "blocks"},
   };
-  std::printf("\n%-28s %9s %9s %8s  %s\n", "comparison", "kvtier", "baseline", "ratio", "baseline is");
-  for (const Comparison& c : cs) {
-    std::printf("%-28s %8.2f%% %8.2f%% %7.3fx  %s\n", c.name.c_str(), c.kvtier, c.baseline, c.ratio(),
-                c.baseline_name.c_str());
-  }
-  std::printf("%-28s %9" PRIu64 " %9" PRIu64 " %7.3fx  %s\n", ("disk blocks held, " + name).c_str(),
-              coded.disk_blocks, base.disk_blocks,
-              base.disk_blocks > 0 ? static_cast<double>(coded.disk_blocks) / static_cast<double>(base.disk_blocks) : 0.0,
-              "codec none");
+  PrintComparisons(cs);
   if (!o.json.empty() && !WriteJson(o.json, {{"workload", "trace-codec"}, {"codec", name}, {"trace", o.trace_path}}, cs)) {
     std::fprintf(stderr, "kvtier-bench trace: cannot write %s\n", o.json.c_str());
     return 1;

@@ -62,8 +62,9 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // A block's contents from its key, and whether a loaded block holds them:
 // exactly, or within fp8's bound for an fp8 cache.
+bool KvData(const Prepared& p) { return p.plan.kv_data || p.plan.codec != CodecKind::kNone; }
 void Fill(const Prepared& p, const BlockKey& key, std::span<uint8_t> out) {
-  if (p.plan.kv_data || p.plan.codec != CodecKind::kNone) {
+  if (KvData(p)) {
     FillKvFromKey(key, out);
   } else {
     FillFromKey(key, out);
@@ -76,7 +77,7 @@ bool Matches(const Prepared& p, const BlockKey& key, std::span<const uint8_t> go
     const LayoutSpec& spec = p.layout.spec();
     return WithinFp8Bound({.kind = CodecKind::kFp8, .dtype = spec.dtype, .group_elems = spec.head_dim}, want, got);
   }
-  return p.plan.kv_data || p.plan.codec != CodecKind::kNone ? MatchesKvKey(key, got) : MatchesKey(key, got);
+  return KvData(p) ? MatchesKvKey(key, got) : MatchesKey(key, got);
 }
 
 // One engine process: connect, register, write a byte to `ready_fd`, wait
