@@ -191,6 +191,10 @@ TEST_F(KvEventsDaemonTest, StoresFlushesAndEvictsArePublishedInOrderAndReplayed)
     ASSERT_EQ(frames.size(), 3u);
     EXPECT_EQ(frames[0].to_string(), "kv@n@m");
     EXPECT_EQ(frames[1].size(), 8u);
+    // The start's clear (seq 0) reaches this subscriber only when the
+    // publisher's thread sent it after the subscription arrived: a race of
+    // the start, not of the events under test. It is checked in the replay.
+    if (Seq(frames[1]) == 0) continue;
     received.push_back({Seq(frames[1]), frames[0].to_string(), frames[2].to_string()});
     for (Event& e : Decode(received.back().payload)) events.push_back(std::move(e));
   }
