@@ -74,6 +74,9 @@ class ClientMapping {
 struct BlockCopy {
   uint32_t engine_block = 0;
   uint8_t* slot = nullptr;  // block_bytes of kvtier memory (an arena slot)
+  // kSlotToEngine: the slot holds CopyBatch::codec's output of this many
+  // bytes, decoded into the engine's pages (0: the block itself).
+  uint32_t coded_bytes = 0;
 };
 
 // One copy between two kvtier slots (demotion, promotion).
@@ -121,6 +124,8 @@ struct CopyBatch {
   // stream to wait for a load on the GPU. A batch has one or the other.
   int32_t wait_event = -1;
   int32_t signal_event = -1;
+  // kSlotToEngine: what the blocks with coded_bytes hold (DecodesOnLoad).
+  CodecParams codec = {};
 };
 
 struct CopyResult {
@@ -159,6 +164,11 @@ class DeviceBackend {
   // batch failed before its copies (and signal_event) were queued; `done`
   // then reports why. True says signal_event, if any, has been recorded.
   virtual bool Submit(CopyBatch batch, CopyDone done) = 0;
+
+  // Whether a kSlotToEngine batch may hold blocks coded by `kind`, decoded
+  // on their way into the engine's pages (no raw copy of them in between).
+  // A decode that fails fails the batch with kCorruption.
+  virtual bool DecodesOnLoad(CodecKind kind) const { return kind == CodecKind::kNone; }
 
   // Live client mappings (for Stats: a dead client's must reach zero).
   virtual uint64_t live_mappings() const = 0;

@@ -46,6 +46,15 @@ enum class DType : uint8_t {
 // docs/compression.md): as they are; lossless (bit-exact); fp8 (LOSSY).
 enum class CodecKind : uint8_t { kNone = 0, kLossless = 1, kFp8 = 2 };
 
+// A codec with what it needs to know of the blocks (kernels/codec.h).
+struct CodecParams {
+  CodecKind kind = CodecKind::kNone;
+  DType dtype = DType::kBf16;
+  uint32_t group_elems = 128;  // fp8: elements per scale
+
+  friend bool operator==(const CodecParams&, const CodecParams&) = default;
+};
+
 // Bytes per element; 0 for a value outside the enum.
 size_t DTypeSizeBytes(DType dtype);
 std::string_view DTypeName(DType dtype);

@@ -660,6 +660,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"codec_encoded", c.codec_encoded},
                         {"codec_not_worth_it", c.codec_not_worth_it},
                         {"codec_pool_busy", c.codec_pool_busy},
+                        {"codec_host_coded", c.codec_host_coded},
+                        {"codec_host_no_room", c.codec_host_no_room},
                         {"codec_decoded", c.codec_decoded},
                         {"codec_decode_failures", c.codec_decode_failures},
                         {"codec_raw_bytes", c.codec_raw_bytes},

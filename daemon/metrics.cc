@@ -153,19 +153,24 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_disk_writes_given_up_total",
             "Blocks whose disk writes kept failing (or can never fit): not tried again.",
             static_cast<double>(c.disk_writes_given_up));
-  const std::string help_codec = "Blocks whose store asked for a codec, by what became of them on their way to disk or the remote tier.";
+  const std::string help_codec =
+      "Encodes of blocks whose store asked for a codec (for a host slot, a disk record or a remote value), by "
+      "outcome: encoded, or kept raw (not_worth_it; pool_busy; host_no_room: no host slot of the coded size).";
   const std::pair<const char*, uint64_t> coded[] = {{"encoded", c.codec_encoded},
                                                     {"not_worth_it", c.codec_not_worth_it},
-                                                    {"pool_busy", c.codec_pool_busy}};
+                                                    {"pool_busy", c.codec_pool_busy},
+                                                    {"host_no_room", c.codec_host_no_room}};
   for (const auto& [outcome, value] : coded) {
     f.Counter("kvtier_codec_writes_total", help_codec, static_cast<double>(value), L({{"outcome", outcome}}));
   }
+  f.Counter("kvtier_codec_host_coded_total", "Host blocks moved into a host slot of their coded size.",
+            static_cast<double>(c.codec_host_coded));
   f.Counter("kvtier_codec_decoded_total", "Packed disk records decoded on their way back to host.",
             static_cast<double>(c.codec_decoded));
   f.Counter("kvtier_codec_decode_failures_total", "Packed disk records that did not decode (never served).",
             static_cast<double>(c.codec_decode_failures));
   const std::string help_codec_bytes =
-      "Blocks written coded (disk, remote): their own bytes (raw) and the codec's (stored).";
+      "Blocks encoded (host slots, disk, remote): their own bytes (raw) and the codec's (stored).";
   f.Counter("kvtier_codec_bytes_total", help_codec_bytes, static_cast<double>(c.codec_raw_bytes),
             L({{"form", "raw"}}));
   f.Counter("kvtier_codec_bytes_total", help_codec_bytes, static_cast<double>(c.codec_stored_bytes),

@@ -35,15 +35,7 @@
 
 namespace kvtier {
 
-// CodecKind, CodecName and ParseCodec: common/layout.h.
-
-struct CodecParams {
-  CodecKind kind = CodecKind::kNone;
-  DType dtype = DType::kBf16;
-  uint32_t group_elems = 128;  // fp8: elements per scale
-
-  friend bool operator==(const CodecParams&, const CodecParams&) = default;
-};
+// CodecKind, CodecParams, CodecName and ParseCodec: common/layout.h.
 
 // The namespace a layout's blocks belong to under codec `p`: the layout's
 // own for none and lossless (bit-exact, so the blocks are the same), and one

@@ -267,7 +267,7 @@ void BlockCache::Unlease(BlockEntry* e, TenantId tenant) {
   --Counted(tenant).leases;
   index_.ReleaseLease(e);
   if (e->leases == 0 && e->retired_slot != nullptr) {
-    tier(e->retired_tier)->pool->Free(e->retired_slot, e->block_bytes);
+    tier(e->retired_tier)->pool->Free(e->retired_slot, e->retired_bytes);
     e->retired_slot = nullptr;
   }
   if (e->leases == 0) Dematerialize(e);  // a load that could not read it up
@@ -283,8 +283,20 @@ void BlockCache::Drop(BlockEntry* e) {
   if (!e->on_disk && PutsToRemote(e, Options::RemoteWrite::kOnDemote)) ++counters_.remote_demotions_missed;
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
-  if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, e->block_bytes);
+  if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, SlotBytes(e));
   Erase(e);
+}
+
+void BlockCache::RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old_bytes) {
+  if (e->leases == 0) {
+    tier(from)->pool->Free(old, old_bytes);
+    return;
+  }
+  // Loads that leased the block before still read the old slot.
+  KVTIER_CHECK(e->retired_slot == nullptr);
+  e->retired_slot = old;
+  e->retired_tier = from;
+  e->retired_bytes = static_cast<uint32_t>(old_bytes);
 }
 
 
@@ -305,7 +317,7 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
   for (BlockEntry* e = index_.Coldest(t); e != nullptr && scanned < options_.eviction_scan_limit;
        e = BlockIndex::Hotter(e), ++scanned) {
     if (e->leases != 0 || e->state != EntryState::kReady || e->moving) continue;
-    if (block_bytes != 0 && SlotPool::StrideFor(e->block_bytes) != SlotPool::StrideFor(block_bytes)) {
+    if (block_bytes != 0 && SlotPool::StrideFor(SlotBytes(e)) != SlotPool::StrideFor(block_bytes)) {
       continue;
     }
     if (owner && e->owner != *owner) continue;
@@ -330,7 +342,7 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
     if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
       const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
       if (coldest != nullptr &&
-          SlotPool::StrideFor(coldest->block_bytes) != SlotPool::StrideFor(bytes)) {
+          SlotPool::StrideFor(SlotBytes(coldest)) != SlotPool::StrideFor(bytes)) {
         // Draining: refused until its blocks have left (this size's own
         // blocks are hotter than the coldest). Busy: this size's own
         // coldest may still go below.
@@ -514,7 +526,13 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .signal_event = target.event};
-  for (size_t i = 0; i < leased.size(); ++i) batch.blocks.push_back(BlockCopy{block_ids[i], leased[i]->slot});
+  // Coded host blocks are decoded on their way (DecodesOnLoad): all of one
+  // namespace, the target's.
+  for (size_t i = 0; i < leased.size(); ++i) {
+    const BlockEntry* e = leased[i];
+    batch.blocks.push_back(BlockCopy{block_ids[i], e->slot, e->coded_bytes});
+    if (e->coded_bytes != 0) batch.codec = namespaces_.FormatOf(e->ns).codec;
+  }
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
   return SubmitCopy(std::move(batch), [this, tenant, leased = std::move(leased), bytes,
                                        done = std::move(done)](CopyResult result) {
@@ -551,7 +569,11 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
 
 bool BlockCache::MaybePromote(BlockEntry* e) {
   TierState* hbm = tier(Tier::kHbm);
-  if (!hbm->pool || e->tier != Tier::kHost || e->moving || e->state != EntryState::kReady) return false;
+  // hbm holds blocks as they are: a coded one stays in host.
+  if (!hbm->pool || e->tier != Tier::kHost || e->moving || e->state != EntryState::kReady ||
+      e->coded_bytes != 0) {
+    return false;
+  }
   // A load that leased the block before its last move still reads the old
   // slot; an entry keeps one retired slot, so the block stays put until that
   // lease is released (FinishMove would otherwise have two to keep).
@@ -648,6 +670,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
         // block gets its checksum when it moves to host.
         e->checksum = result.checksums[i];
         e->has_checksum = e->tier == Tier::kHost;
+        MaybeCompact(e);
         if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
           QueueDiskWrite(e->key, /*keep_in_memory=*/true);
         }
@@ -703,6 +726,7 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::spa
 }
 
 void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
+  KVTIER_CHECK(e->coded_bytes == 0);  // hbm and its moves hold blocks as they are
   e->moving = true;
   index_.Park(e);
   const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
@@ -736,19 +760,13 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   e->slot = dst;
   tier(to)->pool->SetOwner(dst, e);
   Charge(e, +1);
-  if (e->leases > 0) {
-    // Loads that leased the block before the move still read the old slot.
-    KVTIER_CHECK(e->retired_slot == nullptr);
-    e->retired_slot = old;
-    e->retired_tier = from;
-  } else {
-    tier(from)->pool->Free(old, e->block_bytes);
-  }
+  RetireSlot(e, from, old, e->block_bytes);
   if (to == Tier::kHost) {
     e->checksum = result.checksums.at(0);
     e->has_checksum = true;
     ++counters_.demotions;
     counters_.bytes_hbm_to_host += e->block_bytes;
+    MaybeCompact(e);
     if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
   } else {
     ++counters_.promotions;

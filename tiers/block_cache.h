@@ -178,13 +178,15 @@ struct CacheCounters : RequestCounters {
   // (also counted in its disk evictions).
   uint64_t disk_quota_evictions = 0;
   // Compression (issue 18), of blocks whose store asked for a codec:
-  uint64_t codec_encoded = 0;       // written packed (compressed)
+  uint64_t codec_encoded = 0;       // encoded for a host slot, a disk record or a remote value
   uint64_t codec_not_worth_it = 0;  // written raw: saved under 1/64, or a NaN or Inf (fp8)
   uint64_t codec_pool_busy = 0;     // written raw: the codec pool's queue (or staging) was full
   uint64_t codec_decoded = 0;       // packed records read back and decoded
   uint64_t codec_decode_failures = 0;  // packed records that did not decode: dropped, never served
-  uint64_t codec_raw_bytes = 0;     // of the blocks written packed: their own bytes,
+  uint64_t codec_raw_bytes = 0;     // of the blocks encoded: their own bytes,
   uint64_t codec_stored_bytes = 0;  // and what the codec made of them
+  uint64_t codec_host_coded = 0;    // host blocks moved into a slot of their coded size
+  uint64_t codec_host_no_room = 0;  // encoded for host, but no slot of that size: kept raw
   uint64_t bytes_hbm_to_host = 0;
   uint64_t bytes_host_to_hbm = 0;
   uint64_t bytes_host_to_disk = 0;
@@ -587,20 +589,52 @@ class BlockCache {
   // Decodes a packed record read into `staging` into host slot `dst` on the
   // codec pool, then FinishDiskRead.
   void DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst);
+  // What `e`'s memory slot holds (and was allocated for): its coded bytes
+  // or the block.
+  static uint64_t SlotBytes(const BlockEntry* e) { return e->coded_bytes != 0 ? e->coded_bytes : e->block_bytes; }
   // The bytes `e` is charged in its tier: its record's payload on disk.
   static uint64_t ChargedBytes(const BlockEntry* e) {
-    return e->tier == Tier::kDisk ? e->disk_payload_bytes : e->block_bytes;
+    return e->tier == Tier::kDisk ? e->disk_payload_bytes : SlotBytes(e);
   }
+  // Gives up `e`'s memory slot (the block left its tier): freed now, or kept
+  // as its retired slot until the loads that leased it let go.
+  void RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old_bytes);
+  // Coded host blocks (issue 18, docs/compression.md): whether namespace
+  // `ns`'s blocks are kept coded in host (a codec pool, and a backend that
+  // decodes them on load).
+  bool KeepsCoded(uint32_t ns) const;
+  // Encodes ready host block `e` (stored raw, its store asked for a codec)
+  // on the codec pool and moves it into a host slot of its coded size; kept
+  // raw when the pool is busy, the codec saves too little or no slot of
+  // that size can be had (each counted). A block being compacted is moving.
+  void MaybeCompact(BlockEntry* e);
+  void FinishHostEncode(const StoredKey& key, std::shared_ptr<uint8_t> staging, std::optional<size_t> n);
+  void FinishCompaction(const StoredKey& key, uint8_t* dst, uint64_t coded_bytes, CopyResult result);
+  // Ends `e`'s compaction (it stays raw, or went coded): the disk write
+  // asked for meanwhile goes in line.
+  void EndCompaction(BlockEntry* e);
+  // A staging buffer of `bytes` (4 KiB aligned) counted against
+  // codec_staging_bytes until its last holder lets go; null when that is
+  // spent.
+  std::shared_ptr<uint8_t> TakeStaging(uint64_t bytes);
+  // Whether host block `e` is ready to be written to disk: only in memory,
+  // settled, checksummed, and not given up on.
+  static bool DirtyInHost(const BlockEntry* e);
   // The namespace of `layout`'s blocks stored under `codec`, and the codec
   // its packed records use.
   static LayoutFingerprint NamespaceOf(const Layout& layout, const CodecParams& codec);
   static NamespaceFormat FormatFor(const Layout& layout, const CodecParams& codec);
+  // The host slot `e`'s disk read needs: the record's payload, kept coded
+  // (KeepsCoded), or the block.
+  uint64_t ReadSlotBytes(const BlockEntry* e) const;
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
   // Reads `e` (on disk, not moving) into host slot `dst`.
   void StartDiskRead(BlockEntry* e, uint8_t* dst);
-  void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum);
+  // `coded_bytes`: the slot holds the record's payload as it was coded.
+  void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum,
+                      uint64_t coded_bytes = 0);
   // Loads `leased` (all resident in memory tiers) into the engine. Returns
   // whether copies were queued (with target.event).
   bool CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,

@@ -27,11 +27,13 @@ bool BlockCache::BackToDisk(BlockEntry* e) {
     return false;
   }
   uint8_t* slot = e->slot;
+  const uint64_t slot_bytes = SlotBytes(e);
   Charge(e, -1);
   MoveToTier(e, Tier::kDisk);
   e->slot = nullptr;
+  e->coded_bytes = 0;
   Charge(e, +1);
-  tier(Tier::kHost)->pool->Free(slot, e->block_bytes);
+  tier(Tier::kHost)->pool->Free(slot, slot_bytes);
   ++counters_.disk_returns;
   const TenantId owner = e->owner;
   const StoredKey key = e->key;
@@ -97,8 +99,7 @@ void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) 
   // No record left (a reclaim took it while a load held the block): nothing
   // to read. Otherwise a slot, unless host is all leased: then the block
   // stays on disk and this load misses it.
-  uint8_t* dst =
-      e->on_disk ? AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true) : nullptr;
+  uint8_t* dst = e->on_disk ? AllocateSlot(Tier::kHost, ReadSlotBytes(e), /*may_drop=*/true) : nullptr;
   if (dst == nullptr) {
     auto waiters = std::move(it->second);
     disk_waiters_.erase(it);
@@ -115,6 +116,17 @@ void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
   e->moving = true;
   index_.Park(e);
   ++inflight_copies_;
+  if (e->disk.packed && KeepsCoded(e->ns)) {
+    // Straight into a host slot of the payload's size, kept coded.
+    const uint64_t payload = e->disk_payload_bytes;
+    options_.disk->Read(e->key, e->disk, payload, dst,
+                        [this, key = e->key, dst, payload,
+                         start = std::chrono::steady_clock::now()](Status st, uint64_t checksum) {
+                          counters_.disk_read_latency.RecordSince(start);
+                          FinishDiskRead(key, dst, std::move(st), checksum, payload);
+                        });
+    return;
+  }
   if (e->disk.packed) {
     // Into a buffer of the record's payload, then decoded into the slot.
     const uint64_t payload = e->disk_payload_bytes;
@@ -143,27 +155,12 @@ void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
                       });
 }
 
-void BlockCache::DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst) {
-  const CodecParams codec = namespaces_.FormatOf(e->ns).codec;
-  const std::span<const uint8_t> stored(staging.get(), e->disk_payload_bytes);
-  const std::span<uint8_t> out(dst, e->block_bytes);
-  // A load has nowhere else to go: queued past the pool's bound (reads in
-  // flight are bounded by the host slots they read into).
-  options_.codecs->Run([this, key = e->key, codec, stored, out, staging = std::move(staging), post = options_.post,
-                        self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
-    Status st = coder.Decode(codec, stored, out);
-    const uint64_t checksum = st.ok() ? PayloadChecksum(out) : 0;
-    staging.reset();
-    post([this, self, key, dst = out.data(), st = std::move(st), checksum]() mutable {
-      if (!self.lock()) return;
-      ++(st.ok() ? counters_.codec_decoded : counters_.codec_decode_failures);
-      if (!st.ok()) spdlog::warn("disk tier: a packed record did not decode: {}", st.ToString());
-      FinishDiskRead(key, dst, std::move(st), checksum);
-    });
-  });
+uint64_t BlockCache::ReadSlotBytes(const BlockEntry* e) const {
+  return e->disk.packed && KeepsCoded(e->ns) ? e->disk_payload_bytes : e->block_bytes;
 }
 
-void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum) {
+void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum,
+                                uint64_t coded_bytes) {
   --inflight_copies_;
   BlockEntry* e = index_.Find(key);  // moving entries are never dropped
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
@@ -173,14 +170,15 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     Charge(e, -1);
     MoveToTier(e, Tier::kHost);
     e->slot = dst;
+    e->coded_bytes = static_cast<uint32_t>(coded_bytes);
     tier(Tier::kHost)->pool->SetOwner(dst, e);
     e->checksum = checksum;
     e->has_checksum = true;
     Charge(e, +1);
     ++counters_.disk_promotions;
-    counters_.bytes_disk_to_host += e->block_bytes;
+    counters_.bytes_disk_to_host += SlotBytes(e);
   } else {
-    tier(Tier::kHost)->pool->Free(dst, e->block_bytes);
+    tier(Tier::kHost)->pool->Free(dst, coded_bytes != 0 ? coded_bytes : e->block_bytes);
     ++counters_.disk_read_failures;
     // The record is bad: it is no disk copy any more (and the block must not
     // go back to the disk-only table when the loads below let go of it).
@@ -199,6 +197,8 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
     e = index_.Find(key);
     // Never served: a record that failed its checks (or its read) is dropped.
     if (e != nullptr && e->leases == 0 && !e->moving) Drop(e);
+  } else if (e = index_.Find(key); e != nullptr && e->tier == Tier::kHost) {
+    MaybeCompact(e);  // a raw record of a block that asked for a codec
   }
   MaybeDemote();
 }
@@ -207,9 +207,9 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   e->moving = true;
   index_.Park(e);  // out of the eviction path while it is written
   // A write-through copy leaves nothing in host: no space is on its way out.
-  const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(e->block_bytes);
+  const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(SlotBytes(e));
   tier(Tier::kHost)->moving_out_bytes += stride;
-  if (!keep_in_memory) QuotaStateOf(e->owner).host_bytes_leaving += e->block_bytes;
+  if (!keep_in_memory) QuotaStateOf(e->owner).host_bytes_leaving += SlotBytes(e);
   ++inflight_copies_;
   ++disk_writes_in_flight_;
   DiskWriteDone done = [this, key = e->key, stride, keep_in_memory, budgeted,
@@ -218,14 +218,15 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
     counters_.disk_write_latency.RecordSince(start);
     FinishDiskWrite(key, stride, keep_in_memory, budgeted, payload_bytes, std::move(where));
   };
-  if (e->compress && options_.codecs != nullptr) {
+  // A coded host block is written as it is: DiskHeader says so.
+  if (e->compress && e->coded_bytes == 0 && options_.codecs != nullptr) {
     const NamespaceFormat& format = namespaces_.FormatOf(e->ns);
     if (format.block_bytes == e->block_bytes) {
       if (StartPackedWrite(e, format.codec, done)) return;
       ++counters_.codec_pool_busy;
     }
   }
-  const uint64_t payload_bytes = e->block_bytes;
+  const uint64_t payload_bytes = SlotBytes(e);
   options_.disk->Append(DiskHeader(e), e->slot, [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
     done(payload_bytes, std::move(where));
   });
@@ -235,66 +236,18 @@ RecordHeader BlockCache::DiskHeader(const BlockEntry* e) {
   RecordHeader h;
   h.key = e->key;
   h.ns = namespaces_.FingerprintOf(e->ns);
-  h.payload_bytes = e->block_bytes;
-  h.payload_checksum = e->checksum;
+  h.payload_bytes = SlotBytes(e);
+  h.payload_checksum = e->checksum;  // of what its slot holds
+  if (e->coded_bytes != 0) {
+    const CodecParams& codec = namespaces_.FormatOf(e->ns).codec;
+    h.codec = codec.kind;
+    h.dtype = codec.dtype;
+    h.group_elems = codec.kind == CodecKind::kFp8 ? codec.group_elems : 0;
+    h.raw_bytes = e->block_bytes;
+  }
   if (e->owner < tenant_names_.size()) h.owner = tenant_names_[e->owner];
   if (options_.listener != nullptr) h.annotation = options_.listener->DiskAnnotation(e->key, e->owner);
   return h;
-}
-
-void BlockCache::CountEncoded(uint64_t raw_bytes, uint64_t stored_bytes) {
-  ++counters_.codec_encoded;
-  counters_.codec_raw_bytes += raw_bytes;
-  counters_.codec_stored_bytes += stored_bytes;
-}
-
-bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done) {
-  const uint64_t capacity = AlignUpToPage(BlockCodec::MaxEncodedBytes(codec, e->block_bytes));
-  if (codec_staging_bytes_ + capacity > options_.codec_staging_bytes) return false;
-  auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, capacity));
-  if (raw == nullptr) return false;
-  // Counted off when the staging buffer goes (its write done, or the cache gone).
-  std::shared_ptr<uint8_t> staging(raw, [this, capacity, self = std::weak_ptr<BlockCache*>(self_)](uint8_t* p) {
-    std::free(p);
-    if (self.lock()) codec_staging_bytes_ -= capacity;
-  });
-  // The slot stays put while the block is moving (nothing frees it before
-  // FinishDiskWrite), so the pool reads it in place.
-  const std::span<const uint8_t> block(e->slot, e->block_bytes);
-  RecordHeader header = DiskHeader(e);
-  auto job = [this, codec, block, staging, capacity, header = std::move(header),
-              done = std::move(done), post = options_.post,
-              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
-    const std::optional<size_t> n = coder.Encode(codec, block, std::span(staging.get(), capacity));
-    const uint64_t checksum = n ? PayloadChecksum(std::span<const uint8_t>(staging.get(), *n)) : 0;
-    post([this, self, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
-          done = std::move(done)]() mutable {
-      if (!self.lock()) return;
-      if (!n) {  // saved too little, or a NaN or Inf: the block itself goes
-        ++counters_.codec_not_worth_it;
-        const uint64_t payload_bytes = block.size();
-        options_.disk->Append(std::move(header), block.data(),
-                              [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
-                                done(payload_bytes, std::move(where));
-                              });
-        return;
-      }
-      CountEncoded(block.size(), *n);
-      header.codec = codec.kind;
-      header.dtype = codec.dtype;
-      header.group_elems = codec.kind == CodecKind::kFp8 ? codec.group_elems : 0;
-      header.raw_bytes = block.size();
-      header.payload_bytes = *n;
-      header.payload_checksum = checksum;
-      const uint8_t* payload = staging.get();
-      options_.disk->Append(std::move(header), payload,
-                            [done = std::move(done), staging = std::move(staging), n = *n](Result<DiskLocation> where) {
-                              done(n, std::move(where));
-                            });
-    });
-  };
-  codec_staging_bytes_ += capacity;  // until the last holder of `staging` lets go
-  return options_.codecs->TryRun(std::move(job));
 }
 
 // Tries per block before its write is given up, and write-back's pause after
@@ -311,7 +264,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   BlockEntry* e = index_.Find(key);
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kHost);
   e->moving = false;
-  if (stride != 0) QuotaStateOf(e->owner).host_bytes_leaving -= e->block_bytes;
+  if (stride != 0) QuotaStateOf(e->owner).host_bytes_leaving -= SlotBytes(e);
   if (!where) {
     ++counters_.disk_write_failures;
     RefundWriteBudget(budgeted);
@@ -357,22 +310,18 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
     return;
   }
   uint8_t* old = e->slot;
+  const uint64_t old_bytes = SlotBytes(e);
   Charge(e, -1);
   e->disk = *where;
   e->disk_payload_bytes = static_cast<uint32_t>(payload_bytes);
   SetOnDisk(e, true);
   MoveToTier(e, Tier::kDisk);
   e->slot = nullptr;
+  e->coded_bytes = 0;
   Charge(e, +1);
   index_.Unpark(e, /*hot=*/true);
-  if (e->leases > 0) {
-    KVTIER_CHECK(e->retired_slot == nullptr);
-    e->retired_slot = old;  // loads that leased it before still read the host slot
-    e->retired_tier = Tier::kHost;
-  } else {
-    tier(Tier::kHost)->pool->Free(old, e->block_bytes);
-    Dematerialize(e);
-  }
+  RetireSlot(e, Tier::kHost, old, old_bytes);
+  Dematerialize(e);  // unless loads still hold it
   EnforceDiskQuota(owner, kDiskQuotaStepsPerWrite, &key);  // its disk bytes grew
   MaybeDemote();
 }
@@ -540,13 +489,12 @@ void BlockCache::RefundWriteBudget(uint64_t bytes) {
                             budget_tokens_ + static_cast<double>(bytes));
 }
 
-namespace {
-
-// A host block whose only copy is in memory, ready to be written.
-bool DirtyInHost(const BlockEntry* e) {
+bool BlockCache::DirtyInHost(const BlockEntry* e) {
   return e->tier == Tier::kHost && e->state == EntryState::kReady && !e->on_disk && !e->moving &&
          e->has_checksum && e->disk_write_failures < kMaxDiskWriteTries;
 }
+
+namespace {
 
 // Most entries PumpDiskWrites looks at per call before it posts itself.
 constexpr uint32_t kPumpStepsPerCall = 512;
@@ -557,8 +505,13 @@ uint64_t BlockCache::FlushToDisk() {
   if (options_.disk == nullptr) return 0;
   uint64_t queued = 0;
   index_.ForEach([&](BlockEntry* e) {
-    if (!DirtyInHost(e)) return;
-    QueueDiskWrite(e->key, /*keep_in_memory=*/false);
+    if (e->compacting && !e->on_disk) {
+      e->deferred_write = std::max<uint8_t>(e->deferred_write, 1);  // written once it is coded
+    } else if (DirtyInHost(e)) {
+      QueueDiskWrite(e->key, /*keep_in_memory=*/false);
+    } else {
+      return;
+    }
     ++queued;
   });
   flushing_ = queued > 0;
@@ -598,6 +551,10 @@ void BlockCache::PumpDiskWrites() {
     const QueuedDiskWrite w = disk_write_queue_.front();
     disk_write_queue_.pop_front();
     BlockEntry* e = index_.Find(w.key);
+    if (e != nullptr && e->compacting && !e->on_disk) {
+      e->deferred_write = std::max<uint8_t>(e->deferred_write, w.keep_in_memory ? 2 : 1);
+      continue;
+    }
     if (e == nullptr || !DirtyInHost(e)) continue;
     StartDiskWrite(e, w.keep_in_memory);
   }
@@ -661,8 +618,8 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
       v->owner < quotas_.size() ? quotas_[v->owner].bytes[static_cast<size_t>(Tier::kDisk)]
                                 : std::nullopt;
   const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits &&
-                        (!disk_quota || *disk_quota >= v->block_bytes);
-  const uint64_t record = RecordBytes(v->block_bytes);
+                        (!disk_quota || *disk_quota >= SlotBytes(v));
+  const uint64_t record = RecordBytes(SlotBytes(v), v->coded_bytes != 0);
   if (admitted && TakeWriteBudget(record)) {
     StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
   } else {

@@ -72,6 +72,7 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
             MakeReady(e);
             SetRemotePresent(e, true);
             ++counters_.remote_promotions;
+            MaybeCompact(e);
           } else {
             Drop(e);  // a miss, an error or the breaker: never served
           }
@@ -91,16 +92,26 @@ bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) 
 void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
   Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
   e->on_remote = true;
-  if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(e->block_bytes);
+  // Its slot cannot change while it leaves: it is neither moving nor
+  // compacting, and its lease keeps it so.
+  if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(SlotBytes(e));
   remote_puts_.emplace_back(e, leaving);
 }
 
 void BlockCache::FlushRemotePuts() {
-  while (!remote_puts_.empty()) {
-    // One batch per namespace: the first block's, taken out of the queue.
-    const uint32_t ns = remote_puts_.front().first->ns;
+  // A block being coded in host waits for it, and is sent coded: its
+  // compaction's end flushes again.
+  std::vector<std::pair<BlockEntry*, bool>> ready;
+  std::erase_if(remote_puts_, [&](const std::pair<BlockEntry*, bool>& put) {
+    if (put.first->compacting) return false;
+    ready.push_back(put);
+    return true;
+  });
+  while (!ready.empty()) {
+    // One batch per namespace: the first block's, taken out of the line.
+    const uint32_t ns = ready.front().first->ns;
     std::vector<std::pair<BlockEntry*, bool>> batch;
-    std::erase_if(remote_puts_, [&](const std::pair<BlockEntry*, bool>& put) {
+    std::erase_if(ready, [&](const std::pair<BlockEntry*, bool>& put) {
       if (put.first->ns != ns) return false;
       batch.push_back(put);
       return true;
@@ -126,7 +137,8 @@ bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<Bloc
   uint64_t to_encode = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const BlockEntry* e = batch[i].first;
-    if (!e->compress || e->block_bytes != format.block_bytes) continue;
+    // A coded host block is sent as it is.
+    if (!e->compress || e->coded_bytes != 0 || e->block_bytes != format.block_bytes) continue;
     blocks[i] = {e->slot, e->block_bytes};  // leased: the slot stays until the put ends
     reserve += BlockCodec::MaxEncodedBytes(format.codec, e->block_bytes);
     ++to_encode;
@@ -177,14 +189,19 @@ void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, b
   for (size_t i = 0; i < batch.size(); ++i) {
     BlockEntry* e = batch[i].first;
     keys.push_back(e->key);
+    RemoteTier::Form form;
     if (encoding != nullptr && !encoding->stored[i].empty()) {
       payloads.emplace_back(encoding->stored[i]);
       CountEncoded(e->block_bytes, encoding->stored[i].size());
+      form = encoding->forms[i];
+    } else if (e->coded_bytes != 0) {  // coded in host (also since the encode began)
+      payloads.emplace_back(e->slot, e->coded_bytes);
+      form = {namespaces_.FormatOf(ns).codec.kind, e->block_bytes};
     } else {
       payloads.emplace_back(e->slot, e->block_bytes);
       if (encoding != nullptr && e->compress) ++counters_.codec_not_worth_it;
     }
-    if (encoding != nullptr) forms.push_back(encoding->forms[i]);
+    forms.push_back(form);
   }
   options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
                        [this, batch = std::move(batch), encoding](Result<uint32_t> put) {
@@ -196,7 +213,7 @@ void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, b
                          for (const auto& [e, leaving] : batch) {
                            if (all) SetRemotePresent(e, true);
                            if (leaving) {
-                             tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(e->block_bytes);
+                             tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
                            }
                            Unlease(e, e->owner);
                          }

@@ -65,6 +65,14 @@ struct BlockEntry {
   // The payload bytes of its record (disk.packed: what the codec wrote;
   // else block_bytes), while on_disk. What the disk tier is charged.
   uint32_t disk_payload_bytes = 0;
+  // Its host slot holds its namespace codec's output, of this many bytes
+  // (0: the block itself). The slot is of that size, and so is its charge.
+  uint32_t coded_bytes = 0;
+  // Being encoded for a host slot of its coded size (also moving); a disk
+  // write asked for meanwhile waits for the end: 1 write-back or flush, 2
+  // write-through.
+  bool compacting = false;
+  uint8_t deferred_write = 0;
   // The remote tier holds it (or a put of it was tried): put once at most.
   bool on_remote = false;
   // The cluster holds it as far as this node knows (TierListener's kRemote).
@@ -77,6 +85,7 @@ struct BlockEntry {
   // lease taken before the move is released (loads read the old slot).
   uint8_t* retired_slot = nullptr;
   Tier retired_tier = Tier::kHost;
+  uint32_t retired_bytes = 0;  // what the retired slot was allocated for
 
   // Intrusive links (owned by BlockIndex).
   BlockEntry* lru_prev = nullptr;  // towards colder

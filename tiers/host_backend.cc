@@ -54,18 +54,32 @@ struct HostBackend::Batch {
   CopyDone done;
   std::vector<uint64_t> checksums;      // each task writes only its own range
   std::atomic<size_t> tasks_left{0};    // acq_rel: the last task sees every write
+  Mutex mu;
+  Status status KVTIER_GUARDED_BY(mu);  // the first failure of a task
+};
+
+struct HostBackend::Worker {
+  std::unique_ptr<BlockCodec> codec;
+  std::vector<uint8_t> scratch;
 };
 
 Result<std::unique_ptr<HostBackend>> HostBackend::Create(const Options& options) {
   if (options.copy_threads == 0) return Err(InvalidArgument("host backend: copy_threads must be >= 1"));
-  return std::unique_ptr<HostBackend>(new HostBackend(options));
+  std::vector<std::unique_ptr<Worker>> workers;
+  for (uint32_t i = 0; i < options.copy_threads; ++i) {
+    Result<std::unique_ptr<BlockCodec>> codec = BlockCodec::Create();
+    if (!codec) return Err(codec.error().WithContext("host backend: a copy thread's codec"));
+    workers.push_back(std::make_unique<Worker>(Worker{.codec = std::move(*codec), .scratch = {}}));
+  }
+  return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers)));
 }
 
-HostBackend::HostBackend(const Options& options)
-    : num_threads_(options.copy_threads),
+HostBackend::HostBackend(std::vector<std::unique_ptr<Worker>> workers)
+    : num_threads_(static_cast<uint32_t>(workers.size())),
+      workers_(std::move(workers)),
       live_mappings_(std::make_shared<std::atomic<uint64_t>>(0)) {
   threads_.reserve(num_threads_);
-  for (uint32_t i = 0; i < num_threads_; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+  for (uint32_t i = 0; i < num_threads_; ++i) threads_.emplace_back([this, i] { WorkerLoop(*workers_[i]); });
 }
 
 HostBackend::~HostBackend() {
@@ -162,7 +176,20 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   return true;
 }
 
-void HostBackend::RunTask(const Task& task) {
+namespace {
+
+// Decodes a coded slot into the worker's scratch and scatters it.
+Status DecodeAndScatter(const CopyPlan& plan, const CodecParams& codec, const BlockCopy& copy,
+                        BlockCodec& coder, std::vector<uint8_t>& scratch) {
+  scratch.resize(plan.block_bytes());
+  KVTIER_RETURN_IF_ERROR(coder.Decode(codec, std::span<const uint8_t>(copy.slot, copy.coded_bytes), scratch));
+  ScatterBlock(plan, copy.engine_block, scratch.data());
+  return Status::Ok();
+}
+
+}  // namespace
+
+void HostBackend::RunTask(const Task& task, Worker& worker) {
   Batch& b = *task.batch;
   const CopyBatch& c = b.copies;
   for (size_t i = task.begin; i < task.end; ++i) {
@@ -172,7 +199,13 @@ void HostBackend::RunTask(const Task& task) {
         GatherBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot, checksum);
         break;
       case CopyDirection::kSlotToEngine:
-        ScatterBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot);
+        if (c.blocks[i].coded_bytes == 0) {
+          ScatterBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot);
+        } else if (Status st = DecodeAndScatter(b.plan, c.codec, c.blocks[i], *worker.codec, worker.scratch);
+                   !st.ok()) {
+          MutexLock lock(&b.mu);
+          if (b.status.ok()) b.status = std::move(st);
+        }
         break;
       case CopyDirection::kSlotToSlot: {
         const SlotCopy& sc = c.slot_copies[i];
@@ -191,7 +224,12 @@ void HostBackend::RunTask(const Task& task) {
     // whoever learns of the completion must see the mapping released
     // (live_mappings of a dead client reaches 0 with its last completion).
     CopyDone done = std::move(b.done);
-    CopyResult result{.status = Status::Ok(), .checksums = std::move(b.checksums)};
+    Status status;
+    {
+      MutexLock lock(&b.mu);
+      status = std::move(b.status);
+    }
+    CopyResult result{.status = std::move(status), .checksums = std::move(b.checksums)};
     b.copies = CopyBatch{};
     done(std::move(result));
   }
@@ -208,7 +246,7 @@ HostBackend::Task HostBackend::FlowQueues::PopNext() {
   return task;
 }
 
-void HostBackend::WorkerLoop() {
+void HostBackend::WorkerLoop(Worker& worker) {
   while (true) {
     Task task;
     {
@@ -224,7 +262,7 @@ void HostBackend::WorkerLoop() {
         work_cv_.Wait(&mu_);
       }
     }
-    RunTask(task);
+    RunTask(task, worker);
   }
 }
 

@@ -4,6 +4,11 @@
 // gather/scatter (kernels/copy_reference.h). It is what CI and every machine
 // without a GPU run, and a real mode for CPU inference engines.
 //
+// Blocks a load finds coded (BlockCopy::coded_bytes) are decoded by the
+// copy thread, with a codec of its own, into a scratch block of its own (in
+// its cache) and scattered from there into the engine's pages: no host slot
+// ever holds them raw. Every codec decodes on load (DecodesOnLoad).
+//
 // Workers take tasks (slices of a batch) by priority: loads, then stores,
 // then background moves; within a priority, flows (tenants) in turn and each
 // flow's in order (CopyBatch::flow).
@@ -25,6 +30,7 @@
 #include "common/device_backend.h"
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
+#include "kernels/codec.h"
 
 namespace kvtier {
 
@@ -49,6 +55,7 @@ class HostBackend final : public DeviceBackend {
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override;
   bool Submit(CopyBatch batch, CopyDone done) override;
+  bool DecodesOnLoad(CodecKind /*kind*/) const override { return true; }
   uint64_t live_mappings() const override;
 
  private:
@@ -59,9 +66,12 @@ class HostBackend final : public DeviceBackend {
     size_t end = 0;
   };
 
-  explicit HostBackend(const Options& options);
-  void WorkerLoop();
-  static void RunTask(const Task& task);
+  // A worker's own: its codec (zstd contexts) and a block of scratch.
+  struct Worker;
+
+  explicit HostBackend(std::vector<std::unique_ptr<Worker>> workers);
+  void WorkerLoop(Worker& worker);
+  static void RunTask(const Task& task, Worker& worker);
 
   Mutex mu_;
   CondVar work_cv_;
@@ -76,6 +86,7 @@ class HostBackend final : public DeviceBackend {
   FlowQueues queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   const uint32_t num_threads_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // one per thread
   std::vector<std::thread> threads_;
   // Shared with mappings so they can count down after the backend is gone.
   std::shared_ptr<std::atomic<uint64_t>> live_mappings_;

@@ -25,6 +25,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using tiers_test::EngineMemory;
+using tiers_test::HoldingBackend;
 using tiers_test::SmallSpec;
 using tiers_test::WorkerGate;
 
@@ -32,83 +33,6 @@ constexpr uint64_t kStride = 8192;  // slot stride of SmallSpec()'s 6144-byte bl
 constexpr TenantId kTenant = 1;
 constexpr size_t kHbm = static_cast<size_t>(Tier::kHbm);
 constexpr size_t kHost = static_cast<size_t>(Tier::kHost);
-
-// Wraps a real backend (the host one) and, while told to, keeps back the
-// completions of loads (slot -> engine copies) until the test passes them on.
-// Lets a test decide that a load finishes after some background move, which
-// worker timing alone does not. Thread-safe.
-class HoldingBackend final : public DeviceBackend {
- public:
-  explicit HoldingBackend(DeviceBackend* inner) : inner_(inner) {}
-
-  std::string_view name() const override { return inner_->name(); }
-  std::string Describe() const override { return inner_->Describe(); }
-  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
-    return inner_->AllocateDeviceArena(device, size_bytes);
-  }
-  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
-    return inner_->AllocateHostArena(size_bytes);
-  }
-  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
-                                                         std::vector<IpcEventHandle> events) override {
-    return inner_->MapClientMemory(std::move(regions), std::move(events));
-  }
-  uint64_t live_mappings() const override { return inner_->live_mappings(); }
-
-  bool Submit(CopyBatch batch, CopyDone done) override {
-    const bool hold = batch.direction == CopyDirection::kSlotToEngine && hold_loads_.load();
-    return inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
-      if (!hold) {
-        done(std::move(r));
-        return;
-      }
-      MutexLock lock(&mu_);
-      held_.push_back([done = std::move(done), r = std::move(r)]() mutable { done(std::move(r)); });
-      cv_.SignalAll();
-    });
-  }
-
-  // Loads submitted from now on are held (seq_cst; only the test thread sets it).
-  void HoldLoads(bool hold) { hold_loads_.store(hold); }
-  // Waits until `n` completions are held; false after 30 s.
-  bool WaitHeld(size_t n) {
-    const auto deadline = std::chrono::steady_clock::now() + 30s;
-    MutexLock lock(&mu_);
-    while (held_.size() < n) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) return false;
-      (void)cv_.WaitFor(&mu_, deadline - now);
-    }
-    return true;
-  }
-  // Passes on the most recently held completion.
-  void ReleaseNewest() {
-    std::function<void()> f;
-    {
-      MutexLock lock(&mu_);
-      if (held_.empty()) return;
-      f = std::move(held_.back());
-      held_.pop_back();
-    }
-    f();
-  }
-  // Passes on every held completion, oldest first.
-  void ReleaseAll() {
-    std::deque<std::function<void()>> held;
-    {
-      MutexLock lock(&mu_);
-      held.swap(held_);
-    }
-    for (auto& f : held) f();
-  }
-
- private:
-  DeviceBackend* const inner_;
-  std::atomic<bool> hold_loads_{false};
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> held_ KVTIER_GUARDED_BY(mu_);
-};
 
 // Every member listed, so that -Wmissing-field-initializers stays quiet.
 BlockCache::Options CacheOptions(DeviceBackend* backend, BlockCache::Post post, uint64_t hbm_bytes,

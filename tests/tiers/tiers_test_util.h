@@ -1,4 +1,5 @@
-// Test helpers for tiers/: a gate that occupies a backend worker; an
+// Test helpers for tiers/: a gate that occupies a backend worker; a backend
+// that holds back loads' completions; an
 // engine's KV cache in a sealed memfd, registered with a DeviceBackend the way
 // a CPU engine registers it (one contiguous region, KvCacheLayout::Contiguous);
 // and a deterministic byte pattern per stored key, so that any block can be
@@ -15,7 +16,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <deque>
+#include <functional>
 #include <cstdint>
 #include <cstring>
 #include <latch>
@@ -29,6 +34,7 @@
 #include "common/kv_cache_layout.h"
 #include "common/layout.h"
 #include "common/memory_mapping.h"
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -66,6 +72,90 @@ class WorkerGate {
   };
   std::shared_ptr<State> state_;
   bool released_ = false;
+};
+
+// Wraps a real backend (the host one) and, while told to, keeps back the
+// completions of loads (slot -> engine copies) until the test passes them on.
+// Lets a test decide that a load finishes after some background move, which
+// worker timing alone does not. With `decodes_on_load` false it says it
+// decodes no codec on load, as a backend without a decode kernel would.
+// Thread-safe.
+class HoldingBackend final : public DeviceBackend {
+ public:
+  explicit HoldingBackend(DeviceBackend* inner, bool decodes_on_load = true)
+      : inner_(inner), decodes_on_load_(decodes_on_load) {}
+
+  std::string_view name() const override { return inner_->name(); }
+  std::string Describe() const override { return inner_->Describe(); }
+  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
+    return inner_->AllocateDeviceArena(device, size_bytes);
+  }
+  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
+    return inner_->AllocateHostArena(size_bytes);
+  }
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override {
+    return inner_->MapClientMemory(std::move(regions), std::move(events));
+  }
+  uint64_t live_mappings() const override { return inner_->live_mappings(); }
+  bool DecodesOnLoad(CodecKind kind) const override {
+    return decodes_on_load_ ? inner_->DecodesOnLoad(kind) : kind == CodecKind::kNone;
+  }
+
+  bool Submit(CopyBatch batch, CopyDone done) override {
+    const bool hold = batch.direction == CopyDirection::kSlotToEngine && hold_loads_.load();
+    return inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
+      if (!hold) {
+        done(std::move(r));
+        return;
+      }
+      MutexLock lock(&mu_);
+      held_.push_back([done = std::move(done), r = std::move(r)]() mutable { done(std::move(r)); });
+      cv_.SignalAll();
+    });
+  }
+
+  // Loads submitted from now on are held (seq_cst; only the test thread sets it).
+  void HoldLoads(bool hold) { hold_loads_.store(hold); }
+  // Waits until `n` completions are held; false after 30 s.
+  bool WaitHeld(size_t n) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    MutexLock lock(&mu_);
+    while (held_.size() < n) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return false;
+      (void)cv_.WaitFor(&mu_, deadline - now);
+    }
+    return true;
+  }
+  // Passes on the most recently held completion.
+  void ReleaseNewest() {
+    std::function<void()> f;
+    {
+      MutexLock lock(&mu_);
+      if (held_.empty()) return;
+      f = std::move(held_.back());
+      held_.pop_back();
+    }
+    f();
+  }
+  // Passes on every held completion, oldest first.
+  void ReleaseAll() {
+    std::deque<std::function<void()>> held;
+    {
+      MutexLock lock(&mu_);
+      held.swap(held_);
+    }
+    for (auto& f : held) f();
+  }
+
+ private:
+  DeviceBackend* const inner_;
+  const bool decodes_on_load_;
+  std::atomic<bool> hold_loads_{false};
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> held_ KVTIER_GUARDED_BY(mu_);
 };
 
 // A small separate-K/V fp16 layout: num_layers * 2048 bytes per block (4

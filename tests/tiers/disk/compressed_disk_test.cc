@@ -1,7 +1,7 @@
 // BlockCache with a codec pool over a disk tier (issue 18): blocks whose
-// store asked for lossless or fp8 are written to disk packed, read back and
-// decoded into host slots; a load gets the block exactly (lossless), within
-// fp8's bound (fp8), or misses. Real host backend, disk tier on a memory
+// store asked for lossless or fp8 are coded in host, written to disk packed
+// and read back into host slots of their coded size; a load gets the block
+// exactly (lossless), within fp8's bound (fp8), or misses. Real host backend, disk tier on a memory
 // device, real codec pool.
 #include <gtest/gtest.h>
 
@@ -72,9 +72,12 @@ class CompressedDiskTest : public ::testing::Test {
     disk_ = tiers_test::OpenDiskUnder(&cache_, {device_.get()}, dir_ + "/index", kRegionBytes, loop_.post()).value();
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
     BlockCache::Options o;
-    o.backend = backend_.get();
+    // A backend that decodes no codec on load (as one without a kernel for
+    // it): blocks stay raw in host, and packed records are decoded on the pool.
+    no_decode_ = std::make_unique<tiers_test::HoldingBackend>(backend_.get(), /*decodes_on_load=*/false);
+    o.backend = decodes_on_load_ ? static_cast<DeviceBackend*>(backend_.get()) : no_decode_.get();
     o.post = loop_.post();
-    o.host_bytes = 4 * stride;
+    o.host_bytes = 16 * stride;
     o.host_watermarks = {.high = 0.9, .low = 0.5};
     o.disk = disk_.get();
     o.codecs = pool_.get();
@@ -169,6 +172,8 @@ class CompressedDiskTest : public ::testing::Test {
   uint64_t regions_ = 16;
   std::mt19937_64 rng_{1818};
   std::unique_ptr<HostBackend> backend_;
+  std::unique_ptr<tiers_test::HoldingBackend> no_decode_;
+  bool decodes_on_load_ = true;
   std::unique_ptr<EngineMemory> engine_;
   std::unique_ptr<MemoryDevice> device_;
   std::unique_ptr<CodecPool> pool_;
@@ -198,7 +203,10 @@ TEST_F(CompressedDiskTest, LosslessBlocksGoToDiskPackedAndComeBackBitExactAlsoAf
     ASSERT_TRUE(Load(k, CodecKind::kLossless));
     EXPECT_EQ(Loaded(), stored_.at(k));
   }
-  EXPECT_GE(cache_->counters().codec_decoded, on_disk.size());
+  // Read up into host slots of their coded size, as they are: decoded by
+  // the loads' copies, never on the pool.
+  EXPECT_EQ(cache_->counters().codec_decoded, 0u);
+  EXPECT_GE(cache_->counters().disk_promotions, on_disk.size());
   // A restart is warm: the packed records are adopted and decode exactly, for
   // a cache registered without a codec too (the same namespace, bit-exact).
   Close();
@@ -210,6 +218,31 @@ TEST_F(CompressedDiskTest, LosslessBlocksGoToDiskPackedAndComeBackBitExactAlsoAf
   }
   EXPECT_EQ(cache_->counters().codec_decode_failures, 0u);
   EXPECT_EQ(cache_->counters().disk_read_failures, 0u);
+}
+
+TEST_F(CompressedDiskTest, WithABackendThatCannotDecodeOnLoadPackedRecordsAreDecodedOnThePool) {
+  decodes_on_load_ = false;
+  Open();
+  std::vector<StoredKey> keys;
+  for (int i = 0; i < 8; ++i) keys.push_back(Store(i % 2 == 0 ? CodecKind::kLossless : CodecKind::kFp8));
+  EXPECT_EQ(cache_->counters().codec_host_coded, 0u) << "host holds what its loads can copy";
+  EXPECT_EQ(cache_->counters().codec_encoded, 0u);
+  cache_->FlushToDisk();
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  EXPECT_EQ(cache_->counters().codec_encoded, 8u) << "written packed";
+  const std::vector<StoredKey> on_disk = OnDisk(keys);
+  ASSERT_EQ(on_disk.size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const CodecKind codec = i % 2 == 0 ? CodecKind::kLossless : CodecKind::kFp8;
+    ASSERT_TRUE(Load(keys[i], codec));
+    if (codec == CodecKind::kLossless) {
+      EXPECT_EQ(Loaded(), stored_.at(keys[i]));
+    } else {
+      EXPECT_TRUE(WithinFp8Bound(stored_.at(keys[i]), Loaded()));
+    }
+  }
+  EXPECT_EQ(cache_->counters().codec_decoded, keys.size());
+  EXPECT_EQ(cache_->counters().codec_decode_failures, 0u);
 }
 
 TEST_F(CompressedDiskTest, Fp8BlocksComeBackWithinTheBoundInANamespaceOfTheirOwn) {

@@ -1,0 +1,204 @@
+// BlockCache's codec side (issue 18, docs/compression.md): host blocks kept
+// in slots of their coded size, packed disk writes, and the decode of packed
+// records read back. The class is declared in block_cache.h. All of the
+// codec work runs on the codec pool; the event loop only hands it blocks and
+// takes back what it made.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "common/check.h"
+#include "tiers/block_cache.h"
+#include "tiers/codec_pool.h"
+
+namespace kvtier {
+
+void BlockCache::CountEncoded(uint64_t raw_bytes, uint64_t stored_bytes) {
+  ++counters_.codec_encoded;
+  counters_.codec_raw_bytes += raw_bytes;
+  counters_.codec_stored_bytes += stored_bytes;
+}
+
+std::shared_ptr<uint8_t> BlockCache::TakeStaging(uint64_t bytes) {
+  const uint64_t capacity = AlignUpToPage(bytes);
+  if (codec_staging_bytes_ + capacity > options_.codec_staging_bytes) return nullptr;
+  auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, capacity));
+  if (raw == nullptr) return nullptr;
+  codec_staging_bytes_ += capacity;
+  // Counted off when the last holder lets go (its work done, or the cache gone).
+  return std::shared_ptr<uint8_t>(raw, [this, capacity, self = std::weak_ptr<BlockCache*>(self_)](uint8_t* p) {
+    std::free(p);
+    if (self.lock()) codec_staging_bytes_ -= capacity;
+  });
+}
+
+bool BlockCache::KeepsCoded(uint32_t ns) const {
+  if (options_.codecs == nullptr) return false;
+  const CodecKind kind = namespaces_.FormatOf(ns).codec.kind;
+  return kind != CodecKind::kNone && options_.backend->DecodesOnLoad(kind);
+}
+
+void BlockCache::MaybeCompact(BlockEntry* e) {
+  if (!e->compress || e->coded_bytes != 0 || e->tier != Tier::kHost || e->state != EntryState::kReady ||
+      e->moving || e->retired_slot != nullptr || !e->has_checksum || !KeepsCoded(e->ns)) {
+    return;
+  }
+  const NamespaceFormat& format = namespaces_.FormatOf(e->ns);
+  if (format.block_bytes != e->block_bytes) return;
+  const uint64_t capacity = BlockCodec::MaxEncodedBytes(format.codec, e->block_bytes);
+  std::shared_ptr<uint8_t> staging = TakeStaging(capacity);
+  if (staging == nullptr) {
+    ++counters_.codec_pool_busy;
+    return;
+  }
+  // Moving: nothing frees, moves or writes its slot meanwhile; loads may
+  // still lease and read it.
+  e->moving = true;
+  e->compacting = true;
+  index_.Park(e);
+  ++inflight_copies_;
+  const std::span<const uint8_t> block(e->slot, e->block_bytes);
+  auto job = [this, codec = format.codec, block, staging, capacity, key = e->key, post = options_.post,
+              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    const std::optional<size_t> n = coder.Encode(codec, block, std::span(staging.get(), capacity));
+    post([this, self, key, staging = std::move(staging), n]() mutable {
+      if (!self.lock()) return;
+      FinishHostEncode(key, std::move(staging), n);
+    });
+  };
+  if (!options_.codecs->TryRun(std::move(job))) {
+    ++counters_.codec_pool_busy;
+    --inflight_copies_;
+    EndCompaction(e);
+  }
+}
+
+void BlockCache::FinishHostEncode(const StoredKey& key, std::shared_ptr<uint8_t> staging,
+                                  std::optional<size_t> n) {
+  BlockEntry* e = index_.Find(key);  // moving entries are never dropped
+  KVTIER_CHECK(e != nullptr && e->compacting);
+  // A slot of the coded size; its raw slot is freed once it has moved.
+  // With a tier below to write back to, only from free room (write-back
+  // keeps some): making room would drop blocks not written yet. Without
+  // one, as a store makes room: the coldest blocks go.
+  const bool may_drop = options_.disk == nullptr && !RemoteWriteBack();
+  uint8_t* dst = n ? AllocateSlot(Tier::kHost, *n, may_drop) : nullptr;
+  if (!n) e->compress = false;  // deterministic: its disk and remote writes need not try again
+  if (dst == nullptr) {
+    ++(n ? counters_.codec_host_no_room : counters_.codec_not_worth_it);
+    --inflight_copies_;
+    EndCompaction(e);
+    MaybeDemote();
+    return;
+  }
+  CountEncoded(e->block_bytes, *n);
+  CopyBatch batch{.direction = CopyDirection::kSlotToSlot,
+                  .priority = CopyPriority::kBackground,
+                  .flow = e->owner,
+                  .slot_copies = {SlotCopy{staging.get(), dst, *n}},
+                  .checksum_destination = true};
+  --inflight_copies_;  // SubmitCopy counts the copy
+  SubmitCopy(std::move(batch), [this, key, dst, n = *n, staging = std::move(staging)](CopyResult r) {
+    FinishCompaction(key, dst, n, std::move(r));
+  });
+}
+
+void BlockCache::FinishCompaction(const StoredKey& key, uint8_t* dst, uint64_t coded_bytes, CopyResult result) {
+  BlockEntry* e = index_.Find(key);
+  KVTIER_CHECK(e != nullptr && e->compacting && e->tier == Tier::kHost);
+  if (!result.status.ok()) {
+    tier(Tier::kHost)->pool->Free(dst, coded_bytes);
+    EndCompaction(e);
+    MaybeDemote();
+    return;
+  }
+  uint8_t* old = e->slot;
+  Charge(e, -1);
+  e->slot = dst;
+  e->coded_bytes = static_cast<uint32_t>(coded_bytes);
+  e->checksum = result.checksums.at(0);  // of what the slot holds now
+  tier(Tier::kHost)->pool->SetOwner(dst, e);
+  Charge(e, +1);
+  RetireSlot(e, Tier::kHost, old, e->block_bytes);
+  ++counters_.codec_host_coded;
+  EndCompaction(e);
+  MaybeDemote();
+}
+
+void BlockCache::EndCompaction(BlockEntry* e) {
+  e->moving = false;
+  e->compacting = false;
+  index_.Unpark(e, /*hot=*/true);
+  const uint8_t deferred = std::exchange(e->deferred_write, 0);
+  if (deferred != 0 && options_.disk != nullptr && DirtyInHost(e)) {
+    QueueDiskWrite(e->key, /*keep_in_memory=*/deferred == 2);
+  }
+}
+
+void BlockCache::DecodeDiskRead(BlockEntry* e, std::shared_ptr<uint8_t> staging, uint8_t* dst) {
+  const CodecParams codec = namespaces_.FormatOf(e->ns).codec;
+  const std::span<const uint8_t> stored(staging.get(), e->disk_payload_bytes);
+  const std::span<uint8_t> out(dst, e->block_bytes);
+  // A load has nowhere else to go: queued past the pool's bound (reads in
+  // flight are bounded by the host slots they read into).
+  options_.codecs->Run([this, key = e->key, codec, stored, out, staging = std::move(staging), post = options_.post,
+                        self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    Status st = coder.Decode(codec, stored, out);
+    const uint64_t checksum = st.ok() ? PayloadChecksum(out) : 0;
+    staging.reset();
+    post([this, self, key, dst = out.data(), st = std::move(st), checksum]() mutable {
+      if (!self.lock()) return;
+      ++(st.ok() ? counters_.codec_decoded : counters_.codec_decode_failures);
+      if (!st.ok()) spdlog::warn("disk tier: a packed record did not decode: {}", st.ToString());
+      FinishDiskRead(key, dst, std::move(st), checksum);
+    });
+  });
+}
+
+
+
+
+bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskWriteDone done) {
+  const uint64_t capacity = BlockCodec::MaxEncodedBytes(codec, e->block_bytes);
+  std::shared_ptr<uint8_t> staging = TakeStaging(capacity);
+  if (staging == nullptr) return false;
+  // The slot stays put while the block is moving (nothing frees it before
+  // FinishDiskWrite), so the pool reads it in place.
+  const std::span<const uint8_t> block(e->slot, e->block_bytes);
+  RecordHeader header = DiskHeader(e);
+  auto job = [this, codec, block, staging, capacity, header = std::move(header),
+              done = std::move(done), post = options_.post,
+              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+    const std::optional<size_t> n = coder.Encode(codec, block, std::span(staging.get(), capacity));
+    const uint64_t checksum = n ? PayloadChecksum(std::span<const uint8_t>(staging.get(), *n)) : 0;
+    post([this, self, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
+          done = std::move(done)]() mutable {
+      if (!self.lock()) return;
+      if (!n) {  // saved too little, or a NaN or Inf: the block itself goes
+        ++counters_.codec_not_worth_it;
+        const uint64_t payload_bytes = block.size();
+        options_.disk->Append(std::move(header), block.data(),
+                              [done = std::move(done), payload_bytes](Result<DiskLocation> where) {
+                                done(payload_bytes, std::move(where));
+                              });
+        return;
+      }
+      CountEncoded(block.size(), *n);
+      header.codec = codec.kind;
+      header.dtype = codec.dtype;
+      header.group_elems = codec.kind == CodecKind::kFp8 ? codec.group_elems : 0;
+      header.raw_bytes = block.size();
+      header.payload_bytes = *n;
+      header.payload_checksum = checksum;
+      const uint8_t* payload = staging.get();
+      options_.disk->Append(std::move(header), payload,
+                            [done = std::move(done), staging = std::move(staging), n = *n](Result<DiskLocation> where) {
+                              done(n, std::move(where));
+                            });
+    });
+  };
+  return options_.codecs->TryRun(std::move(job));
+}
+
+}  // namespace kvtier
