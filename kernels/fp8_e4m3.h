@@ -4,6 +4,9 @@
 // plain inline functions over integers and floats so that the CUDA codec
 // kernel can share them (its CPU reference is the host codec).
 //
+// The conversions the CUDA codec kernels share (kernels/cuda/
+// codec_kernel_body.h) are host-and-device code under nvcc (KVTIER_FP8_HD).
+//
 // Pure functions; thread-safe.
 #pragma once
 
@@ -11,19 +14,33 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__CUDACC__)
+#define KVTIER_FP8_HD __host__ __device__ __forceinline__
+#else
+#define KVTIER_FP8_HD inline
+#endif
+
 namespace kvtier::fp8 {
 
 inline constexpr float kE4m3Max = 448.0f;
 
-inline uint32_t FloatBits(float f) {
+KVTIER_FP8_HD uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return u;
+#endif
 }
-inline float BitsFloat(uint32_t u) {
+KVTIER_FP8_HD float BitsFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
+#endif
 }
 
 // A finite fp32 to E4M3, round to nearest even, saturating to ±448 (a value
@@ -58,7 +75,7 @@ inline uint8_t FloatToE4m3(float x) {
 // no float compare or conversion, which -ftrapping-math keeps in branches).
 // RNE to E4M3's step at x's exponent: (|x| + c) − c with c = 2^(e + 20), whose
 // fp32 ulp is that step (2^-9, E4M3's subnormal step, below 2^-6).
-inline uint8_t FloatToE4m3Rounded(float x) {
+KVTIER_FP8_HD uint8_t FloatToE4m3Rounded(float x) {
   const uint32_t u = FloatBits(x);
   const uint32_t sign = (u >> 24) & 0x80;
   const uint32_t a = u & 0x7fffffff;
@@ -77,7 +94,7 @@ inline uint8_t FloatToE4m3Rounded(float x) {
 // subtraction, no branches. REQUIRES: q is not a NaN code (S.1111.111).
 // A subnormal code (field 0) is built as 2^-6·(1 + mant/8) − 2^-6 =
 // mant·2^-9, exactly.
-inline float E4m3ToFloatFinite(uint8_t q) {
+KVTIER_FP8_HD float E4m3ToFloatFinite(uint8_t q) {
   const uint32_t field = (q >> 3) & 0xfu;
   const uint32_t mant_bits = uint32_t{q & 0x7u} << 20;
   // Masks, not ?: (which GCC keeps as branches here).
@@ -88,7 +105,7 @@ inline float E4m3ToFloatFinite(uint8_t q) {
 }
 
 // FloatToBf16 for values known to be finite (no NaN branch).
-inline uint16_t FiniteToBf16(float f) {
+KVTIER_FP8_HD uint16_t FiniteToBf16(float f) {
   const uint32_t u = FloatBits(f);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
@@ -107,7 +124,7 @@ inline float E4m3ToFloat(uint8_t q) {
   return (q & 0x80) != 0 ? -v : v;
 }
 
-inline float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
+KVTIER_FP8_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
 
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
@@ -116,26 +133,31 @@ inline uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float Fp16ToFloat(uint16_t h) {
+KVTIER_FP8_HD float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const uint32_t e = (h >> 10) & 0x1f;
   const uint32_t m = h & 0x3ff;
   if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
-    const float v = std::ldexp(static_cast<float>(m), -24);
+    const float v = static_cast<float>(m) * 0x1p-24f;
     return sign != 0 ? -v : v;
   }
   if (e == 31) return BitsFloat(sign | 0x7f800000 | (m << 13));  // Inf or NaN
   return BitsFloat(sign | ((e - 15 + 127) << 23) | (m << 13));
 }
 
-inline uint16_t FloatToFp16(float f) {
+KVTIER_FP8_HD uint16_t FloatToFp16(float f) {
   const uint32_t x = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
   const uint32_t a = x & 0x7fffffff;
   if (a >= 0x7f800000) return sign | (a > 0x7f800000 ? 0x7e00 : 0x7c00);  // NaN, Inf
   if (a >= 0x477ff000) return sign | 0x7c00;  // 65520 and up round past 65504
   if (a < 0x38800000) {                       // below 2^-14: subnormal steps of 2^-24 (exact scaling)
+    // Exact scaling; rounds to nearest even (the default rounding mode).
+#if defined(__CUDA_ARCH__)
+    return sign | static_cast<uint16_t>(rintf(fabsf(f) * 16777216.0f));
+#else
     return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 16777216.0f));
+#endif
   }
   uint32_t h = ((((a >> 23) - 127 + 15) << 10) | ((a & 0x7fffff) >> 13));
   const uint32_t rest = a & 0x1fff;
