@@ -18,6 +18,15 @@ namespace kvtier::codec_cases {
 
 inline bool TwoByteFloats(DType d) { return d == DType::kBf16 || d == DType::kFp16; }
 
+// The named layouts whose elements fp8 encodes (fp16, bf16).
+inline std::vector<layout_cases::NamedCase> Fp8Cases() {
+  std::vector<layout_cases::NamedCase> out;
+  for (const layout_cases::NamedCase& c : layout_cases::NamedCases()) {
+    if (TwoByteFloats(c.make().spec.dtype)) out.push_back(c);
+  }
+  return out;
+}
+
 // Fills `cache` with N(0, 1) values of `kv`'s dtype, some large (outlier
 // channels), some zero; then makes every element of every block finite
 // (elements need not sit at even offsets of a region, so the fill's words
