@@ -236,7 +236,8 @@ Status Server::Setup() {
   spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
   if (c.tiers.remote.enabled) KVTIER_RETURN_IF_ERROR(SetupRemote());
-  if ((disk_ || remote_) && c.tiers.compression.threads > 0) {
+  // The codec pool: host, disk and remote tiers all hold coded blocks.
+  if (c.tiers.compression.threads > 0) {
     KVTIER_ASSIGN_OR_RETURN(codecs_, CodecPool::Create({.threads = c.tiers.compression.threads,
                                                         .max_queued = c.tiers.compression.max_queued}));
   }

@@ -359,7 +359,16 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
       victim = PickVictim(t, bytes, std::nullopt, /*clean_only=*/true);
     }
     if (victim == nullptr) victim = PickVictim(t, bytes, std::nullopt);
-    if (victim == nullptr) return nullptr;
+    if (victim == nullptr) {
+      // No block of this size can go now (all leased or moving: a store's
+      // own, blocks being coded): an extent of another size, whatever the
+      // coldest is, before giving up.
+      if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u) &&
+          EmptyExtent(t, bytes, nullptr) == ExtentReclaim::kRoom) {
+        continue;
+      }
+      return nullptr;
+    }
     if (!BackToDisk(victim)) Drop(victim);
   }
 }

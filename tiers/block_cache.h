@@ -179,8 +179,9 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_quota_evictions = 0;
   // Compression (issue 18), of blocks whose store asked for a codec:
   uint64_t codec_encoded = 0;       // encoded for a host slot, a disk record or a remote value
-  uint64_t codec_not_worth_it = 0;  // written raw: saved under 1/64, or a NaN or Inf (fp8)
-  uint64_t codec_pool_busy = 0;     // written raw: the codec pool's queue (or staging) was full
+  // kept raw: saved under 1/64, a NaN or Inf (fp8), or (host) no smaller slot
+  uint64_t codec_not_worth_it = 0;
+  uint64_t codec_pool_busy = 0;     // kept raw: the codec pool's queue (or staging) was full
   uint64_t codec_decoded = 0;       // packed records read back and decoded
   uint64_t codec_decode_failures = 0;  // packed records that did not decode: dropped, never served
   uint64_t codec_raw_bytes = 0;     // of the blocks encoded: their own bytes,
@@ -288,12 +289,15 @@ class BlockCache {
     // (borrowed; must outlive the cache), or null.
     TierListener* listener = nullptr;
     // The codec pool (borrowed; must outlive the cache), or null. With it,
-    // blocks whose store asked for a codec are written to disk packed,
-    // encoded on the pool (raw when its queue is full or staging is spent),
-    // and decoded there on their way back up. Without it they are written
-    // raw, and packed records found at a restart are forgotten.
+    // blocks whose store asked for a codec are encoded on the pool (kept raw
+    // when its queue is full or staging is spent): into host slots of their
+    // coded size where the backend decodes them on load (KeepsCoded), and
+    // on their way to disk (packed) or the remote tier otherwise; packed
+    // records are read back coded, or decoded on the pool. Without it they
+    // are kept raw, and packed records found at a restart are forgotten.
     CodecPool* codecs = nullptr;
-    // Encoded blocks waiting for their disk write at most (staging buffers).
+    // Encoded blocks waiting for their host slot, disk write or remote put
+    // at most (staging buffers).
     uint64_t codec_staging_bytes = 256ull << 20;
     enum class RemoteWrite { kOnStore, kOnDemote };
     RemoteWrite remote_write = RemoteWrite::kOnStore;
@@ -613,6 +617,8 @@ class BlockCache {
   // Ends `e`'s compaction (it stays raw, or went coded): the disk write
   // asked for meanwhile goes in line.
   void EndCompaction(BlockEntry* e);
+  // Starts compactions that waited for their share of the tier.
+  void CompactDeferred();
   // A staging buffer of `bytes` (4 KiB aligned) counted against
   // codec_staging_bytes until its last holder lets go; null when that is
   // spent.
@@ -747,6 +753,14 @@ class BlockCache {
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
   uint64_t present_[4] = {};  // blocks present per Presence (present_blocks)
   uint64_t codec_staging_bytes_ = 0;  // encoded blocks' staging buffers held now
+  // Raw host slots of blocks being compacted (MaybeCompact): at most 1 /
+  // kMaxCompactingShare of the host tier.
+  static constexpr uint64_t kMaxCompactingShare = 8;
+  uint64_t compacting_bytes_ = 0;
+  // Blocks whose compaction waits for that share (stale keys are skipped),
+  // at most kMaxCompactLater; a few start as each compaction ends.
+  static constexpr size_t kMaxCompactLater = 4096;
+  std::deque<StoredKey> compact_later_;
   std::shared_ptr<Verification> verification_;  // the running or last VerifyDisk
   std::deque<std::unique_ptr<Eviction>> evicts_;  // the front one runs (a step posted)
   // Lets completions that arrive after destruction (none should: the daemon

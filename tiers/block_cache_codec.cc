@@ -46,7 +46,19 @@ void BlockCache::MaybeCompact(BlockEntry* e) {
   }
   const NamespaceFormat& format = namespaces_.FormatOf(e->ns);
   if (format.block_bytes != e->block_bytes) return;
+  // Blocks being coded cannot be evicted: at most a share of the tier, so
+  // that stores always find room among the rest.
+  const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
   const uint64_t capacity = BlockCodec::MaxEncodedBytes(format.codec, e->block_bytes);
+  if (compacting_bytes_ + stride > tier(Tier::kHost)->pool->capacity_bytes() / kMaxCompactingShare) {
+    // Its turn comes as others end (a bounded line; past it, kept raw).
+    if (compact_later_.size() < kMaxCompactLater) {
+      compact_later_.push_back(e->key);
+    } else {
+      ++counters_.codec_pool_busy;
+    }
+    return;
+  }
   std::shared_ptr<uint8_t> staging = TakeStaging(capacity);
   if (staging == nullptr) {
     ++counters_.codec_pool_busy;
@@ -58,6 +70,7 @@ void BlockCache::MaybeCompact(BlockEntry* e) {
   e->compacting = true;
   index_.Park(e);
   ++inflight_copies_;
+  compacting_bytes_ += stride;
   const std::span<const uint8_t> block(e->slot, e->block_bytes);
   auto job = [this, codec = format.codec, block, staging, capacity, key = e->key, post = options_.post,
               self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
@@ -82,13 +95,17 @@ void BlockCache::FinishHostEncode(const StoredKey& key, std::shared_ptr<uint8_t>
   // With a tier below to write back to, only from free room (write-back
   // keeps some): making room would drop blocks not written yet. Without
   // one, as a store makes room: the coldest blocks go.
+  // A coded block that takes a slot of the raw one's size (slots are 4 KiB
+  // steps) gains nothing in host: it stays raw (its disk record still packs).
+  const bool smaller = n && SlotPool::StrideFor(*n) < SlotPool::StrideFor(e->block_bytes);
   const bool may_drop = options_.disk == nullptr && !RemoteWriteBack();
-  uint8_t* dst = n ? AllocateSlot(Tier::kHost, *n, may_drop) : nullptr;
+  uint8_t* dst = smaller ? AllocateSlot(Tier::kHost, *n, may_drop) : nullptr;
   if (!n) e->compress = false;  // deterministic: its disk and remote writes need not try again
   if (dst == nullptr) {
-    ++(n ? counters_.codec_host_no_room : counters_.codec_not_worth_it);
+    ++(smaller ? counters_.codec_host_no_room : counters_.codec_not_worth_it);
     --inflight_copies_;
     EndCompaction(e);
+    CompactDeferred();
     MaybeDemote();
     return;
   }
@@ -110,6 +127,7 @@ void BlockCache::FinishCompaction(const StoredKey& key, uint8_t* dst, uint64_t c
   if (!result.status.ok()) {
     tier(Tier::kHost)->pool->Free(dst, coded_bytes);
     EndCompaction(e);
+    CompactDeferred();
     MaybeDemote();
     return;
   }
@@ -123,10 +141,22 @@ void BlockCache::FinishCompaction(const StoredKey& key, uint8_t* dst, uint64_t c
   RetireSlot(e, Tier::kHost, old, e->block_bytes);
   ++counters_.codec_host_coded;
   EndCompaction(e);
+  CompactDeferred();
   MaybeDemote();
 }
 
+void BlockCache::CompactDeferred() {
+  // A few per ended compaction: the loop's work stays bounded.
+  for (int i = 0; i < 8 && !compact_later_.empty(); ++i) {
+    const StoredKey key = compact_later_.front();
+    compact_later_.pop_front();
+    if (BlockEntry* e = index_.Find(key); e != nullptr) MaybeCompact(e);
+    if (!compact_later_.empty() && compact_later_.back() == key) break;  // it went back in line: no room yet
+  }
+}
+
 void BlockCache::EndCompaction(BlockEntry* e) {
+  compacting_bytes_ -= SlotPool::StrideFor(e->block_bytes);
   e->moving = false;
   e->compacting = false;
   index_.Unpark(e, /*hot=*/true);

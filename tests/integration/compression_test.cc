@@ -1,5 +1,7 @@
-// Compression end to end (issue 18): a real kvtierd with a disk tier and a
-// codec pool, real client processes registering KV caches with a codec.
+// Compression end to end (issue 18): a real kvtierd with a codec pool (and a
+// disk tier, or none), real client processes registering KV caches with a
+// codec.
+//   - without a disk tier, host memory holds more coded blocks than raw ones;
 //   - lossless blocks come back bit-exact from disk, also after a restart;
 //   - fp8 blocks come back within fp8's bound, in a namespace of their own:
 //     a cache registered without fp8 never loads them;
@@ -8,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
@@ -152,6 +155,64 @@ TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {
     EXPECT_TRUE(WithinFp8Bound(fp8_stored.at(k), *got));
   }
   EXPECT_EQ(fp8->client->Stats().value().Counter("codec_decode_failures"), 0u);
+}
+
+// 64 KiB blocks: slots' 4 KiB steps cost little, as with real models' blocks.
+Layout BigLayout() {
+  LayoutSpec spec = SmallLayout().spec();
+  spec.num_layers = 8;
+  return Layout::Create(spec).value();
+}
+
+// Without a disk or remote tier, host memory holds the coded blocks: full
+// and evicting, it holds more of them than of raw ones, and loads decode
+// them straight into the engine's pages.
+TEST(CompressionTest, AHostOnlyDaemonKeepsCodedBlocksInHostAndLoadsThemRight) {
+  const std::string tenants =
+      "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, codecs: [none, lossless, fp8]}]";
+  uint64_t held[3] = {};
+  const CodecKind kinds[3] = {CodecKind::kNone, CodecKind::kLossless, CodecKind::kFp8};
+  for (int run = 0; run < 3; ++run) {
+    SCOPED_TRACE(std::string(CodecName(kinds[run])));
+    Result<DaemonProcess> d = DaemonProcess::Start({"tiers.host.bytes=16MiB", tenants});
+    ASSERT_TRUE(d.has_value()) << d.error();
+    Result<CodedSession> s = OpenCoded(*d, {.kind = kinds[run]}, BigLayout());
+    ASSERT_TRUE(s.has_value()) << s.error();
+    std::mt19937_64 rng(7);
+    std::map<BlockKey, std::vector<uint8_t>> stored;
+    // 512 blocks of 64 KiB through a host tier of 256.
+    const std::vector<BlockKey> keys = s->client->ComputeKeys(s->id, Prompt(3, 512)).value();
+    StoreKv(*s, keys, rng, &stored);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    DaemonStats st = s->client->Stats().value();
+    while (kinds[run] != CodecKind::kNone && st.Counter("codec_host_coded") < 400 &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      st = s->client->Stats().value();
+    }
+    for (const TierStats& t : st.tiers) {
+      if (t.tier == BlockTier::kHost) held[run] = t.blocks;
+    }
+    if (kinds[run] != CodecKind::kNone) {
+      EXPECT_GE(st.Counter("codec_host_coded"), 400u);
+    }
+    // The newest blocks are there and load right.
+    for (size_t i = keys.size() - 8; i < keys.size(); ++i) {
+      std::optional<std::vector<uint8_t>> got = Load(*s, keys[i]);
+      ASSERT_TRUE(got.has_value()) << i;
+      if (kinds[run] == CodecKind::kFp8) {
+        EXPECT_TRUE(WithinFp8Bound(stored.at(keys[i]), *got));
+      } else {
+        EXPECT_EQ(*got, stored.at(keys[i]));
+      }
+    }
+    EXPECT_EQ(s->client->Stats().value().Counter("codec_decoded"), 0u) << "decoded by the loads' copies";
+  }
+  EXPECT_EQ(held[0], 256u);
+  std::printf("a host tier of 256 raw blocks holds %llu lossless ones, %llu fp8 ones\n",
+              static_cast<unsigned long long>(held[1]), static_cast<unsigned long long>(held[2]));
+  EXPECT_GT(held[1] * 100, held[0] * 105) << "lossless " << held[1] << " of raw " << held[0];
+  EXPECT_GT(held[2] * 100, held[0] * 140) << "fp8 " << held[2] << " of raw " << held[0];
 }
 
 TEST(CompressionTest, ATenantAsksOnlyForTheCodecsItsConfigAllowsAndThatFitTheLayout) {

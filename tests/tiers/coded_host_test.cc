@@ -305,5 +305,37 @@ TEST_F(CodedHostTest, BlocksDemotedFromHbmAreCodedAndStayInHost) {
   }
 }
 
+// Stores of 16 blocks into a full host tier of 32 raw slots: blocks being
+// coded cannot be evicted, so at most 1/8 of the tier is coded at once (the
+// rest wait their turn), and every store finds room.
+TEST_F(CodedHostTest, BatchedStoresIntoASmallFullHostTierAllSucceed) {
+  Open({.host_slots = 32});
+  std::vector<StoredKey> keys;
+  for (int round = 0; round < 10; ++round) {
+    keys.clear();
+    std::vector<uint32_t> blocks;
+    for (uint32_t i = 0; i < 16; ++i) {
+      keys.push_back(NewKey());
+      blocks.push_back(i);
+      FillKv(i, keys.back());
+    }
+    bool done = false;
+    OpOutcome out;
+    cache_->Store(kTenant, keys, blocks, std::nullopt, Target(CodecKind::kFp8), owner_, [&](OpOutcome o) {
+      out = o;
+      done = true;
+    });
+    ASSERT_TRUE(Drain([&] { return done; }));
+    ASSERT_TRUE(out.status.ok()) << "round " << round << ": " << out.status;
+    ASSERT_EQ(out.blocks, 16u);
+  }
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  EXPECT_GT(cache_->counters().codec_host_coded, 16u);
+  for (const StoredKey& k : keys) {
+    ASSERT_TRUE(Load(k, CodecKind::kFp8));
+    EXPECT_TRUE(LoadedRight(k, CodecKind::kFp8));
+  }
+}
+
 }  // namespace
 }  // namespace kvtier
