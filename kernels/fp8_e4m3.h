@@ -5,7 +5,7 @@
 // kernel can share them (its CPU reference is the host codec).
 //
 // The conversions the CUDA codec kernels share (kernels/cuda/
-// codec_kernel_body.h) are host-and-device code under nvcc (KVTIER_FP8_HD).
+// codec_kernel_body.h) are host-and-device code under nvcc (KVTIER_HOST_DEVICE).
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -14,17 +14,14 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define KVTIER_FP8_HD __host__ __device__ __forceinline__
-#else
-#define KVTIER_FP8_HD inline
-#endif
+#include "kernels/host_device.h"
+
 
 namespace kvtier::fp8 {
 
 inline constexpr float kE4m3Max = 448.0f;
 
-KVTIER_FP8_HD uint32_t FloatBits(float f) {
+KVTIER_HOST_DEVICE uint32_t FloatBits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
@@ -33,7 +30,7 @@ KVTIER_FP8_HD uint32_t FloatBits(float f) {
   return u;
 #endif
 }
-KVTIER_FP8_HD float BitsFloat(uint32_t u) {
+KVTIER_HOST_DEVICE float BitsFloat(uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
@@ -75,7 +72,7 @@ inline uint8_t FloatToE4m3(float x) {
 // no float compare or conversion, which -ftrapping-math keeps in branches).
 // RNE to E4M3's step at x's exponent: (|x| + c) − c with c = 2^(e + 20), whose
 // fp32 ulp is that step (2^-9, E4M3's subnormal step, below 2^-6).
-KVTIER_FP8_HD uint8_t FloatToE4m3Rounded(float x) {
+KVTIER_HOST_DEVICE uint8_t FloatToE4m3Rounded(float x) {
   const uint32_t u = FloatBits(x);
   const uint32_t sign = (u >> 24) & 0x80;
   const uint32_t a = u & 0x7fffffff;
@@ -94,7 +91,7 @@ KVTIER_FP8_HD uint8_t FloatToE4m3Rounded(float x) {
 // subtraction, no branches. REQUIRES: q is not a NaN code (S.1111.111).
 // A subnormal code (field 0) is built as 2^-6·(1 + mant/8) − 2^-6 =
 // mant·2^-9, exactly.
-KVTIER_FP8_HD float E4m3ToFloatFinite(uint8_t q) {
+KVTIER_HOST_DEVICE float E4m3ToFloatFinite(uint8_t q) {
   const uint32_t field = (q >> 3) & 0xfu;
   const uint32_t mant_bits = uint32_t{q & 0x7u} << 20;
   // Masks, not ?: (which GCC keeps as branches here).
@@ -105,7 +102,7 @@ KVTIER_FP8_HD float E4m3ToFloatFinite(uint8_t q) {
 }
 
 // FloatToBf16 for values known to be finite (no NaN branch).
-KVTIER_FP8_HD uint16_t FiniteToBf16(float f) {
+KVTIER_HOST_DEVICE uint16_t FiniteToBf16(float f) {
   const uint32_t u = FloatBits(f);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
@@ -124,7 +121,7 @@ inline float E4m3ToFloat(uint8_t q) {
   return (q & 0x80) != 0 ? -v : v;
 }
 
-KVTIER_FP8_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
+KVTIER_HOST_DEVICE float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
 
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
@@ -133,7 +130,7 @@ inline uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-KVTIER_FP8_HD float Fp16ToFloat(uint16_t h) {
+KVTIER_HOST_DEVICE float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const uint32_t e = (h >> 10) & 0x1f;
   const uint32_t m = h & 0x3ff;
@@ -145,7 +142,7 @@ KVTIER_FP8_HD float Fp16ToFloat(uint16_t h) {
   return BitsFloat(sign | ((e - 15 + 127) << 23) | (m << 13));
 }
 
-KVTIER_FP8_HD uint16_t FloatToFp16(float f) {
+KVTIER_HOST_DEVICE uint16_t FloatToFp16(float f) {
   const uint32_t x = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
   const uint32_t a = x & 0x7fffffff;

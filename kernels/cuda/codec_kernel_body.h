@@ -22,12 +22,8 @@
 
 #include "kernels/copy_plan.h"
 #include "kernels/fp8_e4m3.h"
+#include "kernels/host_device.h"
 
-#if defined(__CUDACC__)
-#define KVTIER_CODEC_HD __host__ __device__ __forceinline__
-#else
-#define KVTIER_CODEC_HD inline
-#endif
 
 namespace kvtier::cuda::detail {
 
@@ -49,7 +45,7 @@ struct Fp8Shape {
   bool bf16 = true;
 };
 
-KVTIER_CODEC_HD Fp8Shape Fp8ShapeOf(uint64_t block_bytes, uint32_t group_elems, bool bf16) {
+KVTIER_HOST_DEVICE Fp8Shape Fp8ShapeOf(uint64_t block_bytes, uint32_t group_elems, bool bf16) {
   const uint64_t elems = block_bytes / 2;
   return {elems, group_elems, static_cast<uint32_t>((elems + group_elems - 1) / group_elems), bf16};
 }
@@ -57,7 +53,7 @@ KVTIER_CODEC_HD Fp8Shape Fp8ShapeOf(uint64_t block_bytes, uint32_t group_elems, 
 // The engine address of byte `offset` of engine block `block`'s slot image.
 // The pieces are in slot order (CopyPlan): the last that starts at or
 // before `offset` holds it.
-KVTIER_CODEC_HD uint8_t* EngineByte(const CopyPiece* pieces, uint32_t num_pieces, uint32_t block, uint64_t offset) {
+KVTIER_HOST_DEVICE uint8_t* EngineByte(const CopyPiece* pieces, uint32_t num_pieces, uint32_t block, uint64_t offset) {
   uint32_t lo = 0;
   uint32_t hi = num_pieces;
   while (hi - lo > 1) {
@@ -77,8 +73,8 @@ KVTIER_CODEC_HD uint8_t* EngineByte(const CopyPiece* pieces, uint32_t num_pieces
                                     i * p.inner_stride + (d - row * p.row_bytes));
 }
 
-KVTIER_CODEC_HD uint16_t LoadElem(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
-KVTIER_CODEC_HD void StoreElem(uint8_t* p, uint16_t v) {
+KVTIER_HOST_DEVICE uint16_t LoadElem(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+KVTIER_HOST_DEVICE void StoreElem(uint8_t* p, uint16_t v) {
   p[0] = static_cast<uint8_t>(v);
   p[1] = static_cast<uint8_t>(v >> 8);
 }
@@ -86,7 +82,7 @@ KVTIER_CODEC_HD void StoreElem(uint8_t* p, uint16_t v) {
 // Thread `thread` of CTA `cta_x` encodes its group of `b`. A NaN or an Inf
 // sets *special (the block is to be stored raw; what the thread wrote then
 // does not matter).
-KVTIER_CODEC_HD void Fp8EncodeThread(const CopyPiece* pieces, uint32_t num_pieces, const Fp8Shape& shape,
+KVTIER_HOST_DEVICE void Fp8EncodeThread(const CopyPiece* pieces, uint32_t num_pieces, const Fp8Shape& shape,
                                      const CodedBlock& b, uint32_t* special, uint32_t cta_x, uint32_t thread) {
   const uint64_t g = uint64_t{cta_x} * kCodecThreads + thread;
   if (g >= shape.groups) return;
@@ -125,7 +121,7 @@ KVTIER_CODEC_HD void Fp8EncodeThread(const CopyPiece* pieces, uint32_t num_piece
 // Thread `thread` of CTA `cta_x` decodes its kDecodeElems elements of `b`
 // into the engine's pages. A NaN code or a scale that is not a finite
 // non-negative number sets *bad (the block is corrupt: not to be served).
-KVTIER_CODEC_HD void Fp8DecodeThread(const CopyPiece* pieces, uint32_t num_pieces, const Fp8Shape& shape,
+KVTIER_HOST_DEVICE void Fp8DecodeThread(const CopyPiece* pieces, uint32_t num_pieces, const Fp8Shape& shape,
                                      const CodedBlock& b, uint32_t* bad, uint32_t cta_x, uint32_t thread) {
   const uint64_t first = (uint64_t{cta_x} * kCodecThreads + thread) * kDecodeElems;
   const uint8_t* q = b.slot + uint64_t{shape.groups} * 4;
@@ -145,10 +141,10 @@ KVTIER_CODEC_HD void Fp8DecodeThread(const CopyPiece* pieces, uint32_t num_piece
 }
 
 // CTAs per block of a launch.
-KVTIER_CODEC_HD uint32_t Fp8EncodeCtas(const Fp8Shape& shape) {
+KVTIER_HOST_DEVICE uint32_t Fp8EncodeCtas(const Fp8Shape& shape) {
   return (shape.groups + kCodecThreads - 1) / kCodecThreads;
 }
-KVTIER_CODEC_HD uint32_t Fp8DecodeCtas(const Fp8Shape& shape) {
+KVTIER_HOST_DEVICE uint32_t Fp8DecodeCtas(const Fp8Shape& shape) {
   const uint64_t per_cta = uint64_t{kCodecThreads} * kDecodeElems;
   return static_cast<uint32_t>((shape.elems + per_cta - 1) / per_cta);
 }

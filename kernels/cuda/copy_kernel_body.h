@@ -20,12 +20,8 @@
 
 #include "common/device_backend.h"
 #include "kernels/copy_plan.h"
+#include "kernels/host_device.h"
 
-#if defined(__CUDACC__)
-#define KVTIER_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KVTIER_HOST_DEVICE inline
-#endif
 
 namespace kvtier::cuda::detail {
 

@@ -17,6 +17,7 @@
 #include "kernels/codec.h"
 #include "kernels/fp8_e4m3.h"
 #include "tests/tiers/disk/cache_loop.h"
+#include "tests/tiers/coded_blocks.h"
 #include "tests/tiers/tiers_test_util.h"
 #include "tiers/block_cache.h"
 #include "tiers/codec_pool.h"
@@ -34,19 +35,9 @@ constexpr uint32_t kLoadBlock = 60;
 
 // bf16 K and V of 12 layers, 16 tokens, 2 heads of 64: 96 KiB blocks (so
 // that slots' 4 KiB granularity costs little, as with real models' blocks).
-LayoutSpec Spec() {
-  return LayoutSpec{.model_id = "test/coded-host",
-                    .num_layers = 12,
-                    .kv_kind = KvKind::kSeparateKv,
-                    .num_kv_heads = 2,
-                    .head_dim = 64,
-                    .dtype = DType::kBf16,
-                    .block_tokens = 16};
-}
+LayoutSpec Spec() { return tiers_test::Bf16KvSpec("test/coded-host", 12); }
 
-CodecParams Codec(CodecKind kind) {
-  return {.kind = kind, .dtype = DType::kBf16, .group_elems = kind == CodecKind::kFp8 ? 64u : 0u};
-}
+CodecParams Codec(CodecKind kind) { return tiers_test::Bf16Codec(kind); }
 
 struct Config {
   uint64_t host_slots = 32;  // of raw blocks
@@ -85,22 +76,13 @@ class CodedHostTest : public ::testing::Test {
 
   EngineTarget Target(CodecKind codec) { return {engine_->layout(), engine_->mapping(), -1, Codec(codec)}; }
 
-  // bf16 values of N(0, 1), a few of them large, as K and V look.
+  // Values as K and V look.
   void FillKv(uint32_t block, const StoredKey& key) {
-    std::normal_distribution<float> normal;
     std::span<uint8_t> bytes = engine_->block(block);
-    for (size_t i = 0; i < bytes.size(); i += 2) {
-      const float x = normal(rng_) * (rng_() % 64 == 0 ? 20.0f : 1.0f);
-      const uint16_t b = fp8::FloatToBf16(x);
-      std::memcpy(&bytes[i], &b, 2);
-    }
+    tiers_test::FillKvLike(rng_, bytes);
     stored_[key].assign(bytes.begin(), bytes.end());
   }
-  StoredKey NewKey() {
-    StoredKey k;
-    for (auto& b : k.bytes) b = static_cast<uint8_t>(rng_());
-    return k;
-  }
+  StoredKey NewKey() { return tiers_test::RandomKey(rng_); }
 
   // Stores a new block under `codec` and waits until its compaction is over.
   StoredKey Store(CodecKind codec) {
