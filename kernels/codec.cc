@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "kernels/copy_reference.h"
 #include "kernels/fp8_e4m3.h"
 
 namespace kvtier {
@@ -244,6 +245,14 @@ Status BlockCodec::Decode(const CodecParams& p, std::span<const uint8_t> stored,
     return Status::Ok();
   }
   return corrupt("nothing to decode");
+}
+
+Status DecodeAndScatter(BlockCodec& coder, const CodecParams& p, std::span<const uint8_t> stored,
+                        const CopyPlan& plan, uint32_t engine_block, std::vector<uint8_t>& scratch) {
+  scratch.resize(plan.block_bytes());
+  KVTIER_RETURN_IF_ERROR(coder.Decode(p, stored, scratch));
+  ScatterBlock(plan, engine_block, scratch.data());
+  return Status::Ok();
 }
 
 }  // namespace kvtier

@@ -55,6 +55,18 @@ Status CheckCodec(const CodecParams& p);
 // equal sizes, a whole number of elements.
 bool WithinFp8Bound(const CodecParams& p, std::span<const uint8_t> raw, std::span<const uint8_t> decoded);
 
+class BlockCodec;
+class CopyPlan;
+
+// Decodes `stored` (what Encode wrote for `p`) into `scratch` (resized to the
+// plan's block bytes) and scatters it into engine block `engine_block`: a
+// load of a coded block by the CPU (the host backend's copy threads, the
+// cuda backend's copies between host memories). Errors as Decode; nothing
+// is written into the engine then. REQUIRES: engine_block < the plan's
+// num_blocks.
+Status DecodeAndScatter(BlockCodec& coder, const CodecParams& p, std::span<const uint8_t> stored,
+                        const CopyPlan& plan, uint32_t engine_block, std::vector<uint8_t>& scratch);
+
 class BlockCodec {
  public:
   static Result<std::unique_ptr<BlockCodec>> Create();

@@ -65,14 +65,19 @@ class PinnedArena final : public Arena {
 
 namespace {
 
-// Runs a batch whose memory is all on the host with the CPU reference.
-CopyResult CopyOnCpu(const CopyBatch& c) {
+// Runs a batch whose memory is all on the host with the CPU reference (and
+// the lane's codec for coded blocks of a load).
+CopyResult CopyOnCpu(const CopyBatch& c, Lane& lane) {
   CopyResult r;
   const bool engine = c.direction != CopyDirection::kSlotToSlot;
   if (engine) {
     const CopyPlan plan = CopyPlan::Build(*c.layout, MappedRegions{c.mapping->region_bases()});
     for (const BlockCopy& b : c.blocks) {
-      if (c.direction == CopyDirection::kSlotToEngine) {
+      if (c.direction == CopyDirection::kSlotToEngine && b.coded_bytes != 0) {
+        r.status = DecodeAndScatter(*lane.coder, c.codec, std::span<const uint8_t>(b.slot, b.coded_bytes), plan,
+                                    b.engine_block, lane.scratch);
+        if (!r.status.ok()) return r;
+      } else if (c.direction == CopyDirection::kSlotToEngine) {
         ScatterBlock(plan, b.engine_block, b.slot);
       } else if (c.checksum_destination) {
         GatherBlock(plan, b.engine_block, b.slot, &r.checksums.emplace_back());
@@ -93,12 +98,18 @@ CopyResult CopyOnCpu(const CopyBatch& c) {
 }
 
 // Finishes a batch on a backend thread: checksums, then `done`, after letting
-// go of the client's mapping (as the host backend does).
-void Finish(Pending p, Status status) {
+// go of the client's mapping (as the host backend does). `lane`: the lane's
+// completion thread (the only caller whose batches may still be copied, by
+// the CPU); null for a batch that failed before its lane.
+void Finish(Pending p, Status status, Lane* lane) {
   CopyResult result{.status = std::move(status)};
+  if (result.status.ok() && p.decode_flag.set()) {
+    result.status = Status(StatusCode::kCorruption, "an fp8 block of the load holds a NaN code or a bad scale");
+  }
   if (result.status.ok()) {
     if (p.on_cpu) {
-      result = CopyOnCpu(p.batch);
+      KVTIER_CHECK(lane != nullptr);
+      result = CopyOnCpu(p.batch, *lane);
     } else if (p.batch.checksum_destination) {
       for (const auto& [dst, size] : p.checksum_of) result.checksums.push_back(dst ? ChecksumOf(dst, size) : 0);
     }
@@ -124,8 +135,46 @@ void CompleteLoop(Lane* lane) {
       }
       (void)cudaEventDestroy(p.event);
     }
-    Finish(std::move(p), std::move(status));
+    Finish(std::move(p), std::move(status), lane);
   }
+}
+
+// A load's blocks split for its kernels: raw ones for the scatter, fp8-coded
+// ones for the decode.
+struct LoadBlocks {
+  std::span<const BlockCopy> raw;  // the batch's own blocks when none is coded, else raw_split
+  std::vector<BlockCopy> raw_split;
+  std::vector<cuda::CodedBlock> coded;
+  cuda::Fp8Shape shape;
+};
+
+// Errors: kInvalidArgument for coded blocks of a codec the GPU does not
+// decode (DecodesOnLoad), kCorruption for a coded block not of fp8's size.
+Status SplitLoad(const CopyBatch& batch, LoadBlocks& l) {
+  l.raw = batch.blocks;
+  const uint64_t coded = std::ranges::count_if(batch.blocks, [](const BlockCopy& b) { return b.coded_bytes != 0; });
+  if (coded == 0) return Status::Ok();
+  if (batch.codec.kind != CodecKind::kFp8) {
+    return InvalidArgument("the cuda backend decodes " + std::string(CodecName(batch.codec.kind)) +
+                           " blocks only between host memories");
+  }
+  l.shape = cuda::Fp8ShapeOf(batch.layout->layout().block_bytes(), batch.codec.group_elems,
+                             batch.codec.dtype == DType::kBf16);
+  const uint64_t want = uint64_t{l.shape.groups} * 4 + l.shape.elems;
+  l.coded.reserve(coded);
+  l.raw_split.reserve(batch.blocks.size() - coded);
+  for (const BlockCopy& b : batch.blocks) {
+    if (b.coded_bytes == 0) {
+      l.raw_split.push_back(b);
+    } else if (b.coded_bytes != want) {
+      return Status(StatusCode::kCorruption, "an fp8 block of " + std::to_string(b.coded_bytes) +
+                                                 " bytes, where the layout's take " + std::to_string(want));
+    } else {
+      l.coded.push_back(cuda::CodedBlock{.engine_block = b.engine_block, .slot = b.slot});
+    }
+  }
+  l.raw = l.raw_split;
+  return Status::Ok();
 }
 
 // Queues a batch's copies on its lane (or, for a CPU batch, just its
@@ -145,11 +194,22 @@ bool Enqueue(CudaBackend::State& s, Pending p, int device) {
     (void)cudaGetLastError();
     if (batch.direction != CopyDirection::kSlotToSlot) {
       KVTIER_ASSIGN_OR_RETURN(const cuda::DevicePieces plan, mapping->PlanFor(batch.layout, device));
-      queued_work = true;  // a launch that fails part way may have queued some of its kernels
-      const cudaError_t err = batch.direction == CopyDirection::kEngineToSlot
-                                  ? cuda::LaunchGather(plan, batch.blocks, lane.stream)
-                                  : cuda::LaunchScatter(plan, batch.blocks, lane.stream);
-      KVTIER_CUDA_RETURN_IF_ERROR(err, "launching the gather/scatter kernel");
+      if (batch.direction == CopyDirection::kEngineToSlot) {
+        queued_work = true;  // a launch that fails part way may have queued some of its kernels
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchGather(plan, batch.blocks, lane.stream),
+                                    "launching the gather kernel");
+      } else {
+        LoadBlocks load;
+        KVTIER_RETURN_IF_ERROR(SplitLoad(batch, load));
+        if (!load.coded.empty()) {
+          KVTIER_ASSIGN_OR_RETURN(p.decode_flag, s.decode_flags.Take());
+        }
+        queued_work = true;
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan, load.raw, lane.stream), "launching the scatter kernel");
+        KVTIER_CUDA_RETURN_IF_ERROR(
+            cuda::LaunchFp8Decode(plan, load.shape, load.coded, p.decode_flag.get(), lane.stream),
+            "launching the fp8 decode kernel");
+      }
     }
     for (const SlotCopy& c : batch.slot_copies) {
       queued_work = true;
@@ -201,11 +261,12 @@ void WatchLoop(CudaBackend::State& s) {
         Enqueue(s, std::move(w.pending), w.device);
       } else if (q != cudaErrorNotReady) {
         (void)cudaGetLastError();
-        Finish(std::move(w.pending), CudaStatus(q, "waiting for the engine's event"));
+        Finish(std::move(w.pending), CudaStatus(q, "waiting for the engine's event"), nullptr);
       } else if (now > w.deadline) {
         Finish(std::move(w.pending),
                Status(StatusCode::kDeadlineExceeded, "the engine's event was not reached within " +
-                                                         std::to_string(CudaBackend::kStoreEventTimeout.count()) + " s"));
+                                                         std::to_string(CudaBackend::kStoreEventTimeout.count()) + " s"),
+               nullptr);
       } else {
         still.push_back(std::move(w));
       }
@@ -216,7 +277,7 @@ void WatchLoop(CudaBackend::State& s) {
     if (!watching.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   for (WaitingStore& w : watching) {
-    Finish(std::move(w.pending), Status(StatusCode::kCancelled, "the cuda backend is shutting down"));
+    Finish(std::move(w.pending), Status(StatusCode::kCancelled, "the cuda backend is shutting down"), nullptr);
   }
 }
 
@@ -302,6 +363,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options)
       lane->device = d;
       KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&lane->stream, cudaStreamNonBlocking, priority),
                                   "cudaStreamCreateWithPriority");
+      Result<std::unique_ptr<BlockCodec>> coder = BlockCodec::Create();
+      if (!coder) return Err(coder.error().WithContext("cuda backend: a lane's codec"));
+      lane->coder = std::move(*coder);
       lane->thread = std::thread(CompleteLoop, lane.get());
       state->lanes.push_back(std::move(lane));
     }

@@ -27,6 +27,10 @@
 //     Submit queues the work before it returns; one completion thread per
 //     stream waits for each batch's event in order, computes the checksums of
 //     destinations in host memory and runs `done`.
+//   - coded blocks (issue 18): a load's fp8 blocks in the host tier are
+//     dequantized by a kernel straight into the engine's pages (no raw copy
+//     in between); a corrupt one fails the load with kCorruption. Stores
+//     gather raw blocks; the codec pool encodes them in host memory after.
 //   - several GPUs: kernels run on the engine's GPU; peer access is enabled
 //     between every pair of devices that allows it at start-up, and a copy
 //     between an engine and the hbm tier of a GPU it cannot reach fails
@@ -72,6 +76,9 @@ class CudaBackend final : public DeviceBackend {
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override;
   bool Submit(CopyBatch batch, CopyDone done) override;
+  // fp8 blocks are decoded by a kernel (kernels/cuda/codec_kernels.h) into
+  // the engine's pages on the GPU, and by the CPU codec into a CPU engine's.
+  bool DecodesOnLoad(CodecKind kind) const override { return kind == CodecKind::kNone || kind == CodecKind::kFp8; }
   uint64_t live_mappings() const override;
 
   const std::vector<int>& devices() const;

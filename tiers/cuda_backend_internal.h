@@ -25,7 +25,9 @@
 #include "common/check.h"
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
+#include "kernels/codec.h"
 #include "kernels/copy_plan.h"
+#include "kernels/cuda/codec_kernels.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_util.h"
 #include "tiers/cuda_backend.h"
@@ -36,6 +38,83 @@ namespace cuda_internal {
 using IpcMemKey = std::array<uint8_t, ClientRegionHandle::kCudaIpcHandleBytes>;
 using cuda::ScopedDevice;
 
+// Flags the fp8 decode kernel sets when a load's coded block is corrupt:
+// one per batch with coded blocks, in pinned host memory mapped for every
+// device (the kernel writes it, the completion thread reads it once the
+// batch's event has completed). Pages of kFlagsPerPage are allocated as the
+// batches in flight need them and kept for reuse. Thread-safe.
+class DecodeFlags {
+ public:
+  static constexpr size_t kFlagsPerPage = 1024;
+
+  // A flag, zeroed, until destruction returns it.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(DecodeFlags* owner, uint32_t* flag) : owner_(owner), flag_(flag) {}
+    Lease(Lease&& o) noexcept : owner_(std::exchange(o.owner_, nullptr)), flag_(std::exchange(o.flag_, nullptr)) {}
+    Lease& operator=(Lease&& o) noexcept {
+      if (this != &o) {
+        Release();
+        owner_ = std::exchange(o.owner_, nullptr);
+        flag_ = std::exchange(o.flag_, nullptr);
+      }
+      return *this;
+    }
+    ~Lease() { Release(); }
+    // Host and device address (unified addressing), or null.
+    uint32_t* get() const { return flag_; }
+    bool set() const { return flag_ != nullptr && *const_cast<volatile uint32_t*>(flag_) != 0; }
+
+   private:
+    void Release() {
+      if (flag_ != nullptr) owner_->Return(flag_);
+      flag_ = nullptr;
+    }
+    DecodeFlags* owner_ = nullptr;
+    uint32_t* flag_ = nullptr;
+  };
+
+  DecodeFlags() = default;
+  DecodeFlags(const DecodeFlags&) = delete;
+  DecodeFlags& operator=(const DecodeFlags&) = delete;
+  ~DecodeFlags() {
+    for (uint32_t* page : pages_) (void)cudaFreeHost(page);
+  }
+
+  // Errors: the CUDA error of allocating a page.
+  Result<Lease> Take() {
+    MutexLock lock(&mu_);
+    if (free_.empty()) {
+      void* page = nullptr;
+      KVTIER_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&page, kFlagsPerPage * sizeof(uint32_t),
+                                                cudaHostAllocMapped | cudaHostAllocPortable),
+                                  "cudaHostAlloc of the decode flags");
+      void* on_device = nullptr;
+      if (cudaHostGetDevicePointer(&on_device, page, 0) != cudaSuccess || on_device != page) {
+        (void)cudaFreeHost(page);
+        (void)cudaGetLastError();
+        return Err(Status(StatusCode::kFailedPrecondition, "decode flags mapped at a different device address"));
+      }
+      pages_.push_back(static_cast<uint32_t*>(page));
+      for (size_t i = 0; i < kFlagsPerPage; ++i) free_.push_back(pages_.back() + i);
+    }
+    uint32_t* flag = free_.back();
+    free_.pop_back();
+    *flag = 0;
+    return Lease(this, flag);
+  }
+
+ private:
+  void Return(uint32_t* flag) {
+    MutexLock lock(&mu_);
+    free_.push_back(flag);
+  }
+  Mutex mu_;
+  std::vector<uint32_t*> pages_ KVTIER_GUARDED_BY(mu_);
+  std::vector<uint32_t*> free_ KVTIER_GUARDED_BY(mu_);
+};
+
 // A batch on its way through a lane.
 struct Pending {
   cudaEvent_t event = nullptr;  // recorded after the batch's work; null if nothing was queued
@@ -45,6 +124,8 @@ struct Pending {
   CopyDone done;
   // With checksum_destination: each destination, or null where it is device memory.
   std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
+  // A load with fp8-coded blocks decoded on the GPU: set when one was corrupt.
+  DecodeFlags::Lease decode_flag;
 };
 
 // One stream and the thread that completes its batches, in stream order.
@@ -56,6 +137,10 @@ struct Lane {
   std::deque<Pending> queue KVTIER_GUARDED_BY(mu);
   bool stopping KVTIER_GUARDED_BY(mu) = false;
   std::thread thread;
+  // The completion thread's own, for coded blocks of loads between host
+  // memories (copied by the CPU).
+  std::unique_ptr<BlockCodec> coder;
+  std::vector<uint8_t> scratch;
 };
 
 // A store waiting, on the watcher thread, for the engine's record of its event.
@@ -123,6 +208,7 @@ struct CudaBackend::State {
   std::vector<std::vector<bool>> peer;          // [i][j]: device i's kernels reach device j's memory
   std::vector<cudaStream_t> setup_streams;      // per device: plan uploads and frees
   std::string description;
+  cuda_internal::DecodeFlags decode_flags;  // before lanes: their batches return flags
   std::vector<std::unique_ptr<cuda_internal::Lane>> lanes;  // devices.size() x kNumCopyPriorities
   std::atomic<uint64_t> live_mappings{0};
 

@@ -176,19 +176,6 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   return true;
 }
 
-namespace {
-
-// Decodes a coded slot into the worker's scratch and scatters it.
-Status DecodeAndScatter(const CopyPlan& plan, const CodecParams& codec, const BlockCopy& copy,
-                        BlockCodec& coder, std::vector<uint8_t>& scratch) {
-  scratch.resize(plan.block_bytes());
-  KVTIER_RETURN_IF_ERROR(coder.Decode(codec, std::span<const uint8_t>(copy.slot, copy.coded_bytes), scratch));
-  ScatterBlock(plan, copy.engine_block, scratch.data());
-  return Status::Ok();
-}
-
-}  // namespace
-
 void HostBackend::RunTask(const Task& task, Worker& worker) {
   Batch& b = *task.batch;
   const CopyBatch& c = b.copies;
@@ -201,7 +188,9 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
       case CopyDirection::kSlotToEngine:
         if (c.blocks[i].coded_bytes == 0) {
           ScatterBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot);
-        } else if (Status st = DecodeAndScatter(b.plan, c.codec, c.blocks[i], *worker.codec, worker.scratch);
+        } else if (Status st = DecodeAndScatter(*worker.codec, c.codec,
+                                                std::span<const uint8_t>(c.blocks[i].slot, c.blocks[i].coded_bytes),
+                                                b.plan, c.blocks[i].engine_block, worker.scratch);
                    !st.ok()) {
           MutexLock lock(&b.mu);
           if (b.status.ok()) b.status = std::move(st);

@@ -17,11 +17,10 @@ __global__ void __launch_bounds__(kCodecThreads)
     Fp8Kernel(const CopyPiece* __restrict__ pieces, uint32_t num_pieces, const Fp8Shape shape,
               const __grid_constant__ CodedList list, uint32_t* flags) {
   const CodedBlock& b = list.blocks[blockIdx.y];
-  uint32_t* flag = flags + blockIdx.y;
   if constexpr (kEncode) {
-    detail::Fp8EncodeThread(pieces, num_pieces, shape, b, flag, blockIdx.x, threadIdx.x);
+    detail::Fp8EncodeThread(pieces, num_pieces, shape, b, flags + blockIdx.y, blockIdx.x, threadIdx.x);
   } else {
-    detail::Fp8DecodeThread(pieces, num_pieces, shape, b, flag, blockIdx.x, threadIdx.x);
+    detail::Fp8DecodeThread(pieces, num_pieces, shape, b, flags, blockIdx.x, threadIdx.x);
   }
 }
 
@@ -35,7 +34,9 @@ cudaError_t Launch(const DevicePieces& plan, const Fp8Shape& shape, std::span<co
     list.count = static_cast<uint32_t>(std::min<size_t>(kBlocksPerLaunch, blocks.size() - first));
     std::copy_n(blocks.begin() + static_cast<ptrdiff_t>(first), list.count, list.blocks);
     const dim3 grid(ctas, list.count);
-    Fp8Kernel<kEncode><<<grid, kCodecThreads, 0, stream>>>(plan.pieces, plan.count, shape, list, flags + first);
+    // Encode: a flag per block; decode: one for the launch.
+    uint32_t* launch_flags = kEncode ? flags + first : flags;
+    Fp8Kernel<kEncode><<<grid, kCodecThreads, 0, stream>>>(plan.pieces, plan.count, shape, list, launch_flags);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -44,13 +45,13 @@ cudaError_t Launch(const DevicePieces& plan, const Fp8Shape& shape, std::span<co
 }  // namespace
 
 cudaError_t LaunchFp8Encode(const DevicePieces& plan, const Fp8Shape& shape, std::span<const CodedBlock> blocks,
-                            uint32_t* flags, cudaStream_t stream) {
-  return Launch<true>(plan, shape, blocks, flags, stream);
+                            uint32_t* special, cudaStream_t stream) {
+  return Launch<true>(plan, shape, blocks, special, stream);
 }
 
 cudaError_t LaunchFp8Decode(const DevicePieces& plan, const Fp8Shape& shape, std::span<const CodedBlock> blocks,
-                            uint32_t* flags, cudaStream_t stream) {
-  return Launch<false>(plan, shape, blocks, flags, stream);
+                            uint32_t* bad, cudaStream_t stream) {
+  return Launch<false>(plan, shape, blocks, bad, stream);
 }
 
 }  // namespace kvtier::cuda

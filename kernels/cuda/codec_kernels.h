@@ -6,10 +6,11 @@
 // conversions (kernels/fp8_e4m3.h), compiled without fused multiply-adds.
 // Per-thread code: kernels/cuda/codec_kernel_body.h.
 //
-// Slots and flags may be device memory or mapped pinned host memory. Each
-// block of a launch has a flag (uint32, zeroed by the caller) that a kernel
-// sets to 1: encode, a NaN or an Inf (store that block raw); decode, a NaN
-// code or a bad scale (the block is corrupt: do not serve it).
+// Slots and flags may be device memory or mapped pinned host memory. Flags
+// are uint32, zeroed by the caller, that a kernel sets to 1: encode, one per
+// block, for a NaN or an Inf (store that block raw); decode, one for the
+// whole launch, for a NaN code or a bad scale in any block (the load is
+// corrupt: do not serve it).
 //
 // Launchers are called from host code; they queue work on `stream` and
 // return the launch error (cudaSuccess when queued). Thread-safe.
@@ -27,12 +28,14 @@ namespace kvtier::cuda {
 
 using detail::CodedBlock;
 using detail::Fp8Shape;
+using detail::Fp8ShapeOf;
 
 // REQUIRES: every engine_block < the plan's num_blocks; a slot holds
-// groups * 4 + elems bytes; flags holds blocks.size() entries.
+// groups * 4 + elems bytes; `special` holds blocks.size() entries.
 cudaError_t LaunchFp8Encode(const DevicePieces& plan, const Fp8Shape& shape, std::span<const CodedBlock> blocks,
-                            uint32_t* flags, cudaStream_t stream);
+                            uint32_t* special, cudaStream_t stream);
+// REQUIRES: as encode; `bad` is one flag for every block.
 cudaError_t LaunchFp8Decode(const DevicePieces& plan, const Fp8Shape& shape, std::span<const CodedBlock> blocks,
-                            uint32_t* flags, cudaStream_t stream);
+                            uint32_t* bad, cudaStream_t stream);
 
 }  // namespace kvtier::cuda

@@ -120,6 +120,16 @@ void CheckCase(const CopyCase& c, uint64_t seed, uint32_t group, SlotMemory memo
   }
   for (uint32_t f : read_flags()) ASSERT_EQ(f, 0u);
 
+  // A NaN code in one slot flags the decode (one flag for the launch).
+  const uint8_t nan_code = 0x7f;
+  KVTIER_ASSERT_CUDA(cudaMemcpy(slots + (n - 1) * coded + shape.groups * 4 + shape.elems / 3, &nan_code, 1,
+                                cudaMemcpyDefault));
+  KVTIER_ASSERT_CUDA(cudaMemset(flags.data(), 0, flags.size()));
+  KVTIER_ASSERT_CUDA(cuda::LaunchFp8Decode(plan->pieces(), shape, loads, reinterpret_cast<uint32_t*>(flags.data()),
+                                           nullptr));
+  KVTIER_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(read_flags().at(0), 1u) << "a NaN code in the last slot was decoded without a flag";
+
   // A NaN in engine block 0 flags its encode, and only its.
   GatherBlock(host_plan, 0, raw.data());
   const uint16_t nan = dtype == DType::kBf16 ? 0x7fc0 : 0x7e00;

@@ -2,7 +2,8 @@
 // gpu_client engine processes (tests/gpu/gpu_client.cc) that register KV
 // caches in GPU memory. Blocks stored by one process load, byte-exact, into
 // another, ordered on the engine's stream through IPC events; a client killed
-// while it holds IPC mappings leaves none behind.
+// while it holds IPC mappings leaves none behind; fp8 blocks coded in the
+// host tier are decoded by the load's kernel.
 #include <signal.h>
 #include <unistd.h>
 
@@ -94,6 +95,32 @@ TEST_P(CudaIpcGpuTest, KilledClientLeavesNoMappings) {
 
   // The daemon still serves: another process loads what the dead one stored.
   EXPECT_EQ(RunClient("load", daemon_->socket_path(), 2), 0) << daemon_->Log();
+}
+
+// fp8 (issue 18): the host tier keeps the blocks coded (the codec pool
+// encodes them after the store), and a load dequantizes them on the GPU
+// straight into the engine's pages: exactly the CPU codec's decode, with no
+// CPU decode on the way.
+TEST(CudaIpcFp8GpuTest, CodedHostBlocksDecodeOnTheGpuIntoAnotherProcess) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"device.backend=cuda", "tiers.hbm.enabled=false", "tiers.host.bytes=256MiB", "tiers.disk.enabled=false",
+       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, codecs: [none, fp8]}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  Result<std::unique_ptr<Client>> admin = Client::Connect({.socket_path = d->socket_path()});
+  ASSERT_TRUE(admin.has_value()) << admin.error();
+
+  ASSERT_EQ(RunClient("store-fp8", d->socket_path(), 3), 0) << d->Log();
+  const DaemonStats coded =
+      testing::StatsWhen(**admin, [](const DaemonStats& s) { return s.Counter("codec_host_coded") >= kBlocks; });
+  ASSERT_EQ(coded.Counter("codec_host_coded"), kBlocks) << d->Log();
+  ASSERT_EQ(RunClient("load-fp8", d->socket_path(), 3), 0) << d->Log();
+
+  const DaemonStats after = testing::StatsWhen(**admin, [](const DaemonStats& s) { return s.mappings == 0; });
+  EXPECT_EQ(after.Counter("loads"), kBlocks);
+  EXPECT_EQ(after.Counter("codec_decoded"), 0u) << "the CPU decoded what the GPU should have";
+  EXPECT_EQ(after.Counter("codec_decode_failures"), 0u);
+  EXPECT_EQ(after.mappings, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, CudaIpcGpuTest, ::testing::Values(true, false),

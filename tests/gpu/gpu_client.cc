@@ -13,6 +13,11 @@
 //                                         LoadAsync, before any Wait
 //   gpu_client hold  SOCKET SEED BLOCKS   store, then load and store again (the same
 //                                         events, recorded by both sides) until killed
+//   gpu_client store-fp8 / load-fp8 ...   the same with a cache registered with the
+//                                         fp8 codec and blocks of bf16 N(0,1) values
+//                                         (random bytes would hold NaNs, stored raw);
+//                                         a load must give exactly what the CPU codec
+//                                         decodes of what it encodes
 //
 // Exit codes: 0 ok, 2 usage, 3 no GPU, 10+ a failed step (printed).
 #include <cuda_runtime_api.h>
@@ -20,14 +25,17 @@
 
 #include <chrono>
 #include <cstdio>
+#include <random>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/block_pattern.h"
+#include "kernels/codec.h"
 #include "kernels/copy_reference.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/fp8_e4m3.h"
 #include "kvtier/client.h"
 #include "tests/gpu/spin_kernel.h"
 
@@ -60,7 +68,22 @@ struct Engine {
   std::vector<uint8_t*> host_bases;
 };
 
-int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint32_t blocks) {
+// Block `i` of an fp8 run: bf16 N(0,1) values from (seed, i).
+void FillNormal(uint64_t seed, uint32_t i, std::span<uint8_t> slot) {
+  std::mt19937_64 rng(seed * 1'000'003 + i);
+  std::normal_distribution<float> normal;
+  for (size_t k = 0; k + 1 < slot.size(); k += 2) {
+    const uint16_t v = fp8::FloatToBf16(normal(rng));
+    std::memcpy(&slot[k], &v, 2);
+  }
+}
+
+int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blocks) {
+  const bool fp8 = mode.ends_with("-fp8");
+  if (fp8) mode.resize(mode.size() - 4);
+  const CodecParams fp8_params{.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 128};
+  Result<std::unique_ptr<BlockCodec>> coder = BlockCodec::Create();
+  if (!coder) return Fail(10, coder.error().ToString());
   if (Result<int> n = cuda::DeviceCount(); !n) return Fail(3, "no CUDA device: " + n.error().ToString());
   Result<Layout> layout = Layout::Create(LayoutSpec{.model_id = "test/gpu-ipc",
                                                     .num_layers = 4,
@@ -96,7 +119,8 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
   if (!client) return Fail(11, client.error().ToString());
   std::vector<CudaKvRegion> regions;
   for (size_t i = 0; i < e.sizes.size(); ++i) regions.push_back(CudaKvRegion{e.device_bases[i], e.sizes[i]});
-  Result<CacheId> cache = (*client)->RegisterCudaKvCache(e.layout, e.num_blocks, e.placements, regions);
+  const CodecChoice codec{.kind = fp8 ? CodecKind::kFp8 : CodecKind::kNone, .fp8_group = fp8 ? 128u : 0u};
+  Result<CacheId> cache = (*client)->RegisterCudaKvCache(e.layout, e.num_blocks, e.placements, regions, codec);
   if (!cache) return Fail(12, "RegisterCudaKvCache: " + cache.error().ToString());
   Result<std::vector<BlockKey>> keys =
       (*client)->ComputeKeys(*cache, PseudoTokens(seed, uint64_t{blocks} * e.layout.spec().block_tokens));
@@ -109,7 +133,11 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
   auto store = [&](const std::vector<BlockKey>& ks) -> int {
     std::vector<uint32_t> ids;
     for (uint32_t i = 0; i < blocks; ++i) {
-      FillFromKey(ks[i], slot);
+      if (fp8) {
+        FillNormal(seed, i, slot);
+      } else {
+        FillFromKey(ks[i], slot);
+      }
       ScatterBlock(host_plan, i, slot.data());
       ids.push_back(i);
     }
@@ -146,9 +174,20 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
       CUDA_OR_FAIL(cudaMemcpyAsync(e.host_bases[r], e.device_bases[r], e.sizes[r], cudaMemcpyDeviceToHost, stream));
     }
     CUDA_OR_FAIL(cudaStreamSynchronize(stream));
+    std::vector<uint8_t> want(block_bytes);
+    std::vector<uint8_t> coded(BlockCodec::MaxEncodedBytes(fp8_params, block_bytes));
     for (uint32_t i = 0; i < blocks; ++i) {
       GatherBlock(host_plan, ids[i], slot.data());
-      if (!MatchesKey(ks[i], slot)) return Fail(21, "loaded block " + std::to_string(i) + " differs from its key");
+      if (!fp8) {
+        if (!MatchesKey(ks[i], slot)) return Fail(21, "loaded block " + std::to_string(i) + " differs from its key");
+        continue;
+      }
+      FillNormal(seed, i, want);
+      const std::optional<size_t> n = (*coder)->Encode(fp8_params, want, coded);
+      if (!n || !(*coder)->Decode(fp8_params, std::span(coded.data(), *n), want).ok()) {
+        return Fail(23, "the CPU codec did not encode and decode block " + std::to_string(i));
+      }
+      if (slot != want) return Fail(21, "loaded fp8 block " + std::to_string(i) + " differs from the CPU codec's");
     }
     Result<OpResult> r = (*client)->Wait(*op);
     if (!r || r->blocks != blocks) return Fail(22, "load Wait");
@@ -157,6 +196,7 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
 
   if (mode == "store") return store(*keys);
   if (mode == "load") return load(*keys);
+  if (fp8) return Fail(2, "no fp8 variant of " + mode);
   if (mode == "hold") {
     if (int rc = store(*keys); rc != 0) return rc;
     for (uint64_t round = 1;; ++round) {
@@ -177,7 +217,7 @@ int Run(const std::string& mode, const std::string& socket, uint64_t seed, uint3
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    std::fprintf(stderr, "usage: gpu_client store|load|hold SOCKET SEED BLOCKS\n");
+    std::fprintf(stderr, "usage: gpu_client store|load|hold|store-fp8|load-fp8 SOCKET SEED BLOCKS\n");
     return 2;
   }
   return kvtier::Run(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10),

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,7 @@
 
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
+#include "kernels/codec.h"
 #include "tests/tiers/tiers_test_util.h"
 
 namespace kvtier {
@@ -275,6 +277,54 @@ TEST(HostBackendTest, GatherAndScatterThroughAClientMapping) {
     EXPECT_TRUE(engine.Holds(15 - b, KeyN(b)));
     EXPECT_TRUE(engine.IsZero(b));
   }
+}
+
+// A load of coded blocks (issue 18): each copy thread decodes them straight
+// into the engine's pages, next to raw ones; a corrupt one fails the load and
+// writes nothing of itself into the engine.
+TEST(HostBackendTest, LoadsDecodeCodedBlocksAndRefuseACorruptOne) {
+  auto backend = MakeBackend(2);
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(), 8);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  const uint64_t bytes = engine.block_bytes();
+  const CodecParams fp8{.kind = CodecKind::kFp8, .dtype = DType::kFp16, .group_elems = 64};
+  std::unique_ptr<BlockCodec> coder = BlockCodec::Create().value();
+  std::mt19937_64 rng(5);
+  std::uniform_int_distribution<uint16_t> finite(0, 0x7bff);  // fp16 below Inf, either sign
+  std::vector<uint8_t> raw(bytes);
+  for (size_t i = 0; i + 1 < bytes; i += 2) {
+    const uint16_t h = static_cast<uint16_t>(finite(rng) | ((i & 2) != 0 ? 0x8000 : 0));
+    std::memcpy(&raw[i], &h, 2);
+  }
+  std::vector<uint8_t> coded(BlockCodec::MaxEncodedBytes(fp8, bytes));
+  const std::optional<size_t> n = coder->Encode(fp8, raw, coded);
+  ASSERT_TRUE(n.has_value());
+  std::vector<uint8_t> want(bytes);
+  ASSERT_TRUE(coder->Decode(fp8, std::span(coded.data(), *n), want).ok());
+
+  auto load = [&](std::vector<BlockCopy> blocks) {
+    CopyBatch batch{.direction = CopyDirection::kSlotToEngine,
+                    .priority = CopyPriority::kLoad,
+                    .layout = engine.layout(),
+                    .mapping = engine.mapping(),
+                    .blocks = std::move(blocks),
+                    .codec = fp8};
+    Completions c(1);
+    backend->Submit(std::move(batch), c.Done(0));
+    c.Wait();
+    return c.results()[0].status;
+  };
+  engine.ZeroAll();
+  const uint32_t coded_bytes = static_cast<uint32_t>(*n);
+  ASSERT_TRUE(load({BlockCopy{1, coded.data(), coded_bytes}, BlockCopy{2, raw.data()}}).ok());
+  EXPECT_TRUE(std::ranges::equal(engine.block(1), want));
+  EXPECT_TRUE(std::ranges::equal(engine.block(2), raw));
+
+  coded[(bytes / 2 / 64) * 4 + 9] = 0x7f;  // a NaN code
+  const Status corrupt = load({BlockCopy{3, coded.data(), coded_bytes}});
+  EXPECT_EQ(corrupt.code(), StatusCode::kCorruption) << corrupt;
+  EXPECT_TRUE(engine.IsZero(3));
 }
 
 // Engine blocks whose rows are strided (head-major inside each block, so
