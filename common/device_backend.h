@@ -75,7 +75,9 @@ struct BlockCopy {
   uint32_t engine_block = 0;
   uint8_t* slot = nullptr;  // block_bytes of kvtier memory (an arena slot)
   // kSlotToEngine: the slot holds CopyBatch::codec's output of this many
-  // bytes, decoded into the engine's pages (0: the block itself).
+  // bytes, decoded into the engine's pages. kEngineToSlot: the block is to
+  // be coded by CopyBatch::codec into the slot, of this many bytes
+  // (EncodesOnStore). 0: the block as it is.
   uint32_t coded_bytes = 0;
 };
 
@@ -124,14 +126,20 @@ struct CopyBatch {
   // stream to wait for a load on the GPU. A batch has one or the other.
   int32_t wait_event = -1;
   int32_t signal_event = -1;
-  // kSlotToEngine: what the blocks with coded_bytes hold (DecodesOnLoad).
+  // What the blocks with coded_bytes hold (kSlotToEngine, DecodesOnLoad) or
+  // are to hold (kEngineToSlot, EncodesOnStore).
   CodecParams codec = {};
 };
 
 struct CopyResult {
   Status status = Status::Ok();
-  // With checksum_destination: one per block / slot copy, in order.
+  // With checksum_destination: one per block / slot copy, in order (of the
+  // coded bytes for a coded block).
   std::vector<uint64_t> checksums = {};
+  // kEngineToSlot: the blocks asked to be coded that the codec does not
+  // code (fp8: a NaN or an Inf), as indexes into `blocks`, ascending. Their
+  // slots hold nothing of use; the block is to be stored as it is.
+  std::vector<uint32_t> not_coded = {};
 };
 
 using CopyDone = std::function<void(CopyResult)>;
@@ -169,6 +177,13 @@ class DeviceBackend {
   // on their way into the engine's pages (no raw copy of them in between).
   // A decode that fails fails the batch with kCorruption.
   virtual bool DecodesOnLoad(CodecKind kind) const { return kind == CodecKind::kNone; }
+
+  // Whether a kEngineToSlot batch may ask for blocks coded by `kind` into
+  // slots of their coded size (BlockCopy::coded_bytes), coded on the copy's
+  // way (no raw copy of them in host memory, no CPU pass); blocks the codec
+  // does not code are reported (CopyResult::not_coded). Only for codecs
+  // whose output has one size per block size (fp8).
+  virtual bool EncodesOnStore(CodecKind /*kind*/) const { return false; }
 
   // Live client mappings (for Stats: a dead client's must reach zero).
   virtual uint64_t live_mappings() const = 0;

@@ -255,4 +255,11 @@ Status DecodeAndScatter(BlockCodec& coder, const CodecParams& p, std::span<const
   return Status::Ok();
 }
 
+std::optional<size_t> GatherAndEncode(BlockCodec& coder, const CodecParams& p, const CopyPlan& plan,
+                                      uint32_t engine_block, std::span<uint8_t> out, std::vector<uint8_t>& scratch) {
+  scratch.resize(plan.block_bytes());
+  GatherBlock(plan, engine_block, scratch.data());
+  return coder.Encode(p, scratch, out);
+}
+
 }  // namespace kvtier

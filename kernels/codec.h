@@ -67,6 +67,12 @@ class CopyPlan;
 Status DecodeAndScatter(BlockCodec& coder, const CodecParams& p, std::span<const uint8_t> stored,
                         const CopyPlan& plan, uint32_t engine_block, std::vector<uint8_t>& scratch);
 
+// Gathers engine block `engine_block` into `scratch` (resized to the plan's
+// block bytes) and encodes it into `out` (at least MaxEncodedBytes): a store
+// coded on its way. Returns what Encode returns.
+std::optional<size_t> GatherAndEncode(BlockCodec& coder, const CodecParams& p, const CopyPlan& plan,
+                                      uint32_t engine_block, std::span<uint8_t> out, std::vector<uint8_t>& scratch);
+
 class BlockCodec {
  public:
   static Result<std::unique_ptr<BlockCodec>> Create();

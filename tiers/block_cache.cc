@@ -203,11 +203,12 @@ void BlockCache::Charge(Tier tier_id, TenantId owner, uint32_t ns, uint64_t byte
 }
 
 BlockEntry* BlockCache::InsertFilling(const StoredKey& key, const StoredKey* parent, Tier t, uint8_t* slot,
-                                      uint64_t bytes, uint32_t ns, TenantId tenant) {
+                                      uint64_t bytes, uint32_t ns, TenantId tenant, uint64_t coded_bytes) {
   BlockEntry* e = index_.Insert(key, t, parent);
   e->slot = slot;
   tier(t)->pool->SetOwner(slot, e);
   e->block_bytes = static_cast<uint32_t>(bytes);
+  e->coded_bytes = static_cast<uint32_t>(coded_bytes);
   e->ns = ns;
   e->owner = tenant;
   e->state = EntryState::kFilling;
@@ -616,20 +617,23 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     return 0;
   }
   const uint64_t bytes = layout.block_bytes();
-  std::vector<BlockEntry*> filling;
-  uint32_t already = 0;
-  Status status;
+  // Host blocks the backend codes on the copy's way go straight into slots
+  // of their coded size.
+  const uint64_t coded = CodedOnStore(*ns, bytes);
+  auto job = std::make_shared<StoreJob>(
+      StoreJob{.tenant = tenant, .bytes = bytes, .owner = std::move(owner), .done = std::move(done)});
   CopyBatch batch{.direction = CopyDirection::kEngineToSlot,
                   .priority = CopyPriority::kStore,
                   .flow = tenant,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .checksum_destination = true,
-                  .wait_event = target.event};
+                  .wait_event = target.event,
+                  .codec = target.codec};
   const StoredKey* prev = parent ? &*parent : nullptr;
   for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
     if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) {
-      ++already;  // present (in memory or only on disk), or its copy is in flight
+      ++job->already;  // present (in memory or only on disk), or its copy is in flight
       continue;
     }
     // hbm first when it has a free slot; otherwise host, evicting its coldest
@@ -638,69 +642,145 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     uint8_t* slot = nullptr;
     Tier t = Tier::kHbm;
     if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, false);
+    const uint64_t host_bytes = coded != 0 ? coded : bytes;
     if (slot == nullptr) {
       t = Tier::kHost;
-      if (MakeHostQuotaRoom(tenant, bytes)) slot = AllocateSlot(Tier::kHost, bytes, true);
+      if (MakeHostQuotaRoom(tenant, host_bytes)) slot = AllocateSlot(Tier::kHost, host_bytes, true);
     }
     if (slot == nullptr) {
-      const bool quota = !QuotaAllows(tenant, Tier::kHost, bytes);
+      const bool quota = !QuotaAllows(tenant, Tier::kHost, host_bytes);
       const bool draining = tier(Tier::kHost)->pool->draining();
-      status = Status(StatusCode::kResourceExhausted,
-                      "no room for block " + std::to_string(i) + " of the store: " +
-                          (quota      ? "the tenant's host quota is full of leased or moving blocks"
-                           : draining ? "an extent of another block size is being emptied for this "
-                                        "size (its blocks are being written to disk); retry shortly"
-                                      : NoRoomReason()));
+      job->status = Status(StatusCode::kResourceExhausted,
+                           "no room for block " + std::to_string(i) + " of the store: " +
+                               (quota      ? "the tenant's host quota is full of leased or moving blocks"
+                                : draining ? "an extent of another block size is being emptied for this "
+                                             "size (its blocks are being written to disk); retry shortly"
+                                           : NoRoomReason()));
       Counted(tenant).store_rejected += keys.size() - i;
       break;
     }
-    filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant));
-    filling.back()->compress = target.codec.kind != CodecKind::kNone;
-    batch.blocks.push_back(BlockCopy{block_ids[i], slot});
+    const uint64_t slot_coded = t == Tier::kHost ? coded : 0;
+    job->filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant, slot_coded));
+    job->filling.back()->compress = target.codec.kind != CodecKind::kNone;
+    job->block_ids.push_back(block_ids[i]);
+    batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
-  Counted(tenant).already_stored += already;
-  if (filling.empty()) {
-    options_.post([done = std::move(done), status, already] {
-      done(OpOutcome{.status = status, .blocks = 0, .already = already});
-    });
+  Counted(tenant).already_stored += job->already;
+  if (job->filling.empty()) {
+    options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;
   }
-  const auto n = static_cast<uint32_t>(filling.size());
-  const bool queued = SubmitCopy(std::move(batch), [this, tenant, filling = std::move(filling),
-                                                    owner = std::move(owner), status, already,
-                                                    bytes, done = std::move(done)](CopyResult result) {
-    const bool commit = result.status.ok() && !owner.expired();
-    for (size_t i = 0; i < filling.size(); ++i) {
-      BlockEntry* e = filling[i];
-      Unlease(e, tenant);
-      if (commit) {
-        MakeReady(e);
-        // Only host memory is checksummed by the copy (DeviceBackend); an hbm
-        // block gets its checksum when it moves to host.
-        e->checksum = result.checksums[i];
-        e->has_checksum = e->tier == Tier::kHost;
-        MaybeCompact(e);
-        if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
-          QueueDiskWrite(e->key, /*keep_in_memory=*/true);
-        }
-        if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
-      } else {
-        Drop(e);
-      }
-    }
-    TenantShare& mine = Counted(tenant);
-    if (commit) {
-      mine.stores += filling.size();
-      mine.bytes_engine_to_cache += bytes * filling.size();
-    } else if (result.status.ok()) {
-      mine.stores_discarded += filling.size();
-    }
-    done(OpOutcome{.status = result.status.ok() ? status : result.status,
-                   .blocks = commit ? static_cast<uint32_t>(filling.size()) : 0,
-                   .already = already});
-    MaybeDemote();
-  });
+  const auto n = static_cast<uint32_t>(job->filling.size());
+  job->target = std::move(target);
+  const bool queued = SubmitCopy(std::move(batch), [this, job](CopyResult result) { FinishStore(job, std::move(result)); });
   return queued ? n : 0;
+}
+
+uint64_t BlockCache::CodedOnStore(uint32_t ns, uint64_t bytes) const {
+  const NamespaceFormat& format = namespaces_.FormatOf(ns);
+  if (format.block_bytes != bytes || !KeepsCoded(ns) || !options_.backend->EncodesOnStore(format.codec.kind)) {
+    return 0;
+  }
+  const uint64_t n = BlockCodec::MaxEncodedBytes(format.codec, bytes);
+  return SlotPool::StrideFor(n) < SlotPool::StrideFor(bytes) ? n : 0;
+}
+
+void BlockCache::FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult result) {
+  const bool commit = result.status.ok() && !job->owner.expired();
+  if (commit && !result.not_coded.empty() && RegatherRaw(job, std::move(result))) return;
+  for (size_t i = 0; i < job->filling.size(); ++i) {
+    BlockEntry* e = job->filling[i];
+    Unlease(e, job->tenant);
+    if (commit) {
+      MakeReady(e);
+      // Only host memory is checksummed by the copy (DeviceBackend); an hbm
+      // block gets its checksum when it moves to host.
+      e->checksum = result.checksums[i];
+      e->has_checksum = e->tier == Tier::kHost;
+      if (e->coded_bytes != 0) {  // coded by the copy
+        CountEncoded(e->block_bytes, e->coded_bytes);
+        ++counters_.codec_host_coded;
+      }
+      MaybeCompact(e);
+      if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
+        QueueDiskWrite(e->key, /*keep_in_memory=*/true);
+      }
+      if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
+    } else {
+      Drop(e);
+    }
+  }
+  TenantShare& mine = Counted(job->tenant);
+  if (commit) {
+    mine.stores += job->filling.size();
+    mine.bytes_engine_to_cache += job->bytes * job->filling.size();
+  } else if (result.status.ok()) {
+    mine.stores_discarded += job->filling.size();
+  }
+  job->done(OpOutcome{.status = result.status.ok() ? job->status : result.status,
+                      .blocks = commit ? static_cast<uint32_t>(job->filling.size()) : 0,
+                      .already = job->already});
+  MaybeDemote();
+}
+
+bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult result) {
+  // The engine keeps its blocks until the store is answered: those the codec
+  // did not code (fp8: a NaN or an Inf) are gathered again as they are, into
+  // raw host slots, and never retried by the pool. One without room is not
+  // stored (a store that finds no room stops there too).
+  CopyBatch again{.direction = CopyDirection::kEngineToSlot,
+                  .priority = CopyPriority::kStore,
+                  .flow = job->tenant,
+                  .layout = job->target.layout,
+                  .mapping = job->target.mapping,
+                  .checksum_destination = true};
+  std::vector<size_t> regathered;
+  for (uint32_t i : result.not_coded) {
+    BlockEntry* e = job->filling.at(i);
+    KVTIER_CHECK(e->tier == Tier::kHost && e->coded_bytes != 0);
+    uint8_t* raw = AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true);
+    if (raw == nullptr) {
+      ++Counted(job->tenant).store_rejected;
+      job->status = Status(StatusCode::kResourceExhausted, "no room for a block the codec did not code");
+      Unlease(e, job->tenant);
+      Drop(e);
+      job->filling[i] = nullptr;
+      continue;
+    }
+    Charge(e, -1);
+    tier(Tier::kHost)->pool->Free(e->slot, e->coded_bytes);
+    e->slot = raw;
+    e->coded_bytes = 0;
+    e->compress = false;
+    tier(Tier::kHost)->pool->SetOwner(raw, e);
+    Charge(e, +1);
+    again.blocks.push_back(BlockCopy{job->block_ids[i], e->slot});
+    regathered.push_back(i);
+  }
+  // The blocks stored so far, with their checksums, then those gathered again.
+  std::vector<BlockEntry*> kept;
+  std::vector<uint64_t> checksums;
+  for (size_t i = 0; i < job->filling.size(); ++i) {
+    if (job->filling[i] == nullptr || std::ranges::find(regathered, i) != regathered.end()) continue;
+    kept.push_back(job->filling[i]);
+    checksums.push_back(result.checksums.at(i));
+  }
+  for (size_t i : regathered) kept.push_back(job->filling[i]);
+  job->filling = std::move(kept);
+  job->block_ids.clear();  // no further round
+  if (again.blocks.empty()) {
+    FinishStore(job, CopyResult{.status = Status::Ok(), .checksums = std::move(checksums)});
+    return true;
+  }
+  SubmitCopy(std::move(again), [this, job, checksums = std::move(checksums)](CopyResult raw) mutable {
+    if (raw.status.ok()) {
+      checksums.insert(checksums.end(), raw.checksums.begin(), raw.checksums.end());
+      raw.checksums = std::move(checksums);
+    }
+    KVTIER_CHECK(raw.not_coded.empty());
+    FinishStore(job, std::move(raw));
+  });
+  return true;
 }
 
 std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {

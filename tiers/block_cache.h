@@ -516,8 +516,31 @@ class BlockCache {
   void CountEviction(Tier t, TenantId owner);
   // A new entry for `key` (child of `parent`) whose bytes are on their way
   // into `slot` of tier `t`: filling, leased for `tenant`, charged.
+  // `coded_bytes`: the slot is of that size, for the block coded by its copy.
   BlockEntry* InsertFilling(const StoredKey& key, const StoredKey* parent, Tier t, uint8_t* slot, uint64_t bytes,
-                            uint32_t ns, TenantId tenant);
+                            uint32_t ns, TenantId tenant, uint64_t coded_bytes = 0);
+  // A store on its way: its blocks (filling, leased, in copy order), their
+  // engine blocks, and what to answer.
+  struct StoreJob {
+    TenantId tenant = 0;
+    uint64_t bytes = 0;  // per block
+    std::weak_ptr<void> owner = {};
+    OpDone done = {};
+    std::vector<BlockEntry*> filling = {};
+    std::vector<uint32_t> block_ids = {};  // filling's engine blocks
+    EngineTarget target = {};
+    Status status = Status::Ok();  // why the store stopped before its last key, if it did
+    uint32_t already = 0;
+  };
+  // A store's copy is done: its blocks are ready (or dropped), and it is
+  // answered; blocks the copy did not code go through RegatherRaw first.
+  void FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult result);
+  // Gathers a store's blocks that its copy did not code again as they are,
+  // into raw host slots, then FinishStore. Returns true (it took over).
+  bool RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult result);
+  // The coded size of namespace `ns`'s host slots when the backend codes its
+  // stores on the way (EncodesOnStore) and that takes a smaller slot; else 0.
+  uint64_t CodedOnStore(uint32_t ns, uint64_t bytes) const;
   // A lease for `tenant`'s load or store (counted as its leases). Releasing
   // the last one frees a retired slot.
   void Lease(BlockEntry* e, TenantId tenant);

@@ -66,35 +66,65 @@ class PinnedArena final : public Arena {
 namespace {
 
 // Runs a batch whose memory is all on the host with the CPU reference (and
-// the lane's codec for coded blocks of a load).
+// the lane's codec for coded blocks).
 CopyResult CopyOnCpu(const CopyBatch& c, Lane& lane) {
   CopyResult r;
-  const bool engine = c.direction != CopyDirection::kSlotToSlot;
-  if (engine) {
-    const CopyPlan plan = CopyPlan::Build(*c.layout, MappedRegions{c.mapping->region_bases()});
-    for (const BlockCopy& b : c.blocks) {
-      if (c.direction == CopyDirection::kSlotToEngine && b.coded_bytes != 0) {
-        r.status = DecodeAndScatter(*lane.coder, c.codec, std::span<const uint8_t>(b.slot, b.coded_bytes), plan,
-                                    b.engine_block, lane.scratch);
-        if (!r.status.ok()) return r;
-      } else if (c.direction == CopyDirection::kSlotToEngine) {
-        ScatterBlock(plan, b.engine_block, b.slot);
-      } else if (c.checksum_destination) {
-        GatherBlock(plan, b.engine_block, b.slot, &r.checksums.emplace_back());
+  if (c.direction == CopyDirection::kSlotToSlot) {
+    for (const SlotCopy& sc : c.slot_copies) {
+      if (c.checksum_destination) {
+        r.checksums.push_back(CopyWithChecksum(sc.dst, sc.src, sc.size_bytes));
       } else {
-        GatherBlock(plan, b.engine_block, b.slot);
+        std::memcpy(sc.dst, sc.src, sc.size_bytes);
       }
     }
     return r;
   }
-  for (const SlotCopy& sc : c.slot_copies) {
-    if (c.checksum_destination) {
-      r.checksums.push_back(CopyWithChecksum(sc.dst, sc.src, sc.size_bytes));
-    } else {
-      std::memcpy(sc.dst, sc.src, sc.size_bytes);
+  const CopyPlan plan = CopyPlan::Build(*c.layout, MappedRegions{c.mapping->region_bases()});
+  for (uint32_t i = 0; i < c.blocks.size(); ++i) {
+    const BlockCopy& b = c.blocks[i];
+    if (c.direction == CopyDirection::kSlotToEngine) {
+      if (b.coded_bytes == 0) {
+        ScatterBlock(plan, b.engine_block, b.slot);
+        continue;
+      }
+      r.status = DecodeAndScatter(*lane.coder, c.codec, std::span<const uint8_t>(b.slot, b.coded_bytes), plan,
+                                  b.engine_block, lane.scratch);
+      if (!r.status.ok()) return r;
+      continue;
+    }
+    uint64_t* checksum = c.checksum_destination ? &r.checksums.emplace_back() : nullptr;
+    if (b.coded_bytes == 0) {
+      GatherBlock(plan, b.engine_block, b.slot, checksum);
+      continue;
+    }
+    const std::span<uint8_t> out(b.slot, b.coded_bytes);
+    const std::optional<size_t> n =
+        out.size() < BlockCodec::MaxEncodedBytes(c.codec, plan.block_bytes())
+            ? std::nullopt
+            : GatherAndEncode(*lane.coder, c.codec, plan, b.engine_block, out, lane.scratch);
+    if (n != out.size()) {
+      r.not_coded.push_back(i);
+    } else if (checksum != nullptr) {
+      *checksum = ChecksumOf(b.slot, *n);
     }
   }
   return r;
+}
+
+// The fp8 kernels' flags into a batch's result: a load's corrupt block, a
+// store's blocks not coded.
+void ReadCodecFlags(const Pending& p, CopyResult& result) {
+  if (p.codec_flags.get() == nullptr) return;
+  if (p.batch.direction == CopyDirection::kSlotToEngine) {
+    if (p.codec_flags.set(0)) {
+      result.status = Status(StatusCode::kCorruption, "an fp8 block of the load holds a NaN code or a bad scale");
+    }
+    return;
+  }
+  size_t coded = 0;
+  for (uint32_t i = 0; i < p.batch.blocks.size(); ++i) {
+    if (p.batch.blocks[i].coded_bytes != 0 && p.codec_flags.set(coded++)) result.not_coded.push_back(i);
+  }
 }
 
 // Finishes a batch on a backend thread: checksums, then `done`, after letting
@@ -103,15 +133,20 @@ CopyResult CopyOnCpu(const CopyBatch& c, Lane& lane) {
 // the CPU); null for a batch that failed before its lane.
 void Finish(Pending p, Status status, Lane* lane) {
   CopyResult result{.status = std::move(status)};
-  if (result.status.ok() && p.decode_flag.set()) {
-    result.status = Status(StatusCode::kCorruption, "an fp8 block of the load holds a NaN code or a bad scale");
-  }
+  if (result.status.ok()) ReadCodecFlags(p, result);
   if (result.status.ok()) {
     if (p.on_cpu) {
       KVTIER_CHECK(lane != nullptr);
       result = CopyOnCpu(p.batch, *lane);
     } else if (p.batch.checksum_destination) {
-      for (const auto& [dst, size] : p.checksum_of) result.checksums.push_back(dst ? ChecksumOf(dst, size) : 0);
+      size_t next_not_coded = 0;
+      for (size_t i = 0; i < p.checksum_of.size(); ++i) {
+        const auto [dst, size] = p.checksum_of[i];
+        // A block not coded: its slot holds nothing of use.
+        const bool skip = next_not_coded < result.not_coded.size() && result.not_coded[next_not_coded] == i;
+        next_not_coded += skip ? 1 : 0;
+        result.checksums.push_back(dst != nullptr && !skip ? ChecksumOf(dst, size) : 0);
+      }
     }
   }
   p.batch = CopyBatch{};
@@ -139,41 +174,44 @@ void CompleteLoop(Lane* lane) {
   }
 }
 
-// A load's blocks split for its kernels: raw ones for the scatter, fp8-coded
-// ones for the decode.
-struct LoadBlocks {
-  std::span<const BlockCopy> raw;  // the batch's own blocks when none is coded, else raw_split
-  std::vector<BlockCopy> raw_split;
+// An engine batch's blocks split for its kernels: those as they are for the
+// gather or scatter, fp8-coded ones for the encode or decode.
+struct SplitBlocks {
+  std::span<const BlockCopy> plain;  // the batch's own blocks when none is coded, else plain_split
+  std::vector<BlockCopy> plain_split;
   std::vector<cuda::CodedBlock> coded;
   cuda::Fp8Shape shape;
 };
 
 // Errors: kInvalidArgument for coded blocks of a codec the GPU does not
-// decode (DecodesOnLoad), kCorruption for a coded block not of fp8's size.
-Status SplitLoad(const CopyBatch& batch, LoadBlocks& l) {
-  l.raw = batch.blocks;
+// code (DecodesOnLoad, EncodesOnStore), kCorruption for a load's coded
+// block not of fp8's size, kInvalidArgument for a store's.
+Status Split(const CopyBatch& batch, SplitBlocks& l) {
+  l.plain = batch.blocks;
   const uint64_t coded = std::ranges::count_if(batch.blocks, [](const BlockCopy& b) { return b.coded_bytes != 0; });
   if (coded == 0) return Status::Ok();
   if (batch.codec.kind != CodecKind::kFp8) {
-    return InvalidArgument("the cuda backend decodes " + std::string(CodecName(batch.codec.kind)) +
+    return InvalidArgument("the cuda backend codes " + std::string(CodecName(batch.codec.kind)) +
                            " blocks only between host memories");
   }
   l.shape = cuda::Fp8ShapeOf(batch.layout->layout().block_bytes(), batch.codec.group_elems,
                              batch.codec.dtype == DType::kBf16);
   const uint64_t want = uint64_t{l.shape.groups} * 4 + l.shape.elems;
   l.coded.reserve(coded);
-  l.raw_split.reserve(batch.blocks.size() - coded);
+  l.plain_split.reserve(batch.blocks.size() - coded);
   for (const BlockCopy& b : batch.blocks) {
     if (b.coded_bytes == 0) {
-      l.raw_split.push_back(b);
+      l.plain_split.push_back(b);
     } else if (b.coded_bytes != want) {
-      return Status(StatusCode::kCorruption, "an fp8 block of " + std::to_string(b.coded_bytes) +
-                                                 " bytes, where the layout's take " + std::to_string(want));
+      const std::string what = "an fp8 block of " + std::to_string(b.coded_bytes) + " bytes, where the layout's take " +
+                               std::to_string(want);
+      return batch.direction == CopyDirection::kSlotToEngine ? Status(StatusCode::kCorruption, what)
+                                                             : InvalidArgument(what);
     } else {
       l.coded.push_back(cuda::CodedBlock{.engine_block = b.engine_block, .slot = b.slot});
     }
   }
-  l.raw = l.raw_split;
+  l.plain = l.plain_split;
   return Status::Ok();
 }
 
@@ -194,20 +232,24 @@ bool Enqueue(CudaBackend::State& s, Pending p, int device) {
     (void)cudaGetLastError();
     if (batch.direction != CopyDirection::kSlotToSlot) {
       KVTIER_ASSIGN_OR_RETURN(const cuda::DevicePieces plan, mapping->PlanFor(batch.layout, device));
-      if (batch.direction == CopyDirection::kEngineToSlot) {
-        queued_work = true;  // a launch that fails part way may have queued some of its kernels
-        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchGather(plan, batch.blocks, lane.stream),
-                                    "launching the gather kernel");
-      } else {
-        LoadBlocks load;
-        KVTIER_RETURN_IF_ERROR(SplitLoad(batch, load));
-        if (!load.coded.empty()) {
-          KVTIER_ASSIGN_OR_RETURN(p.decode_flag, s.decode_flags.Take());
-        }
-        queued_work = true;
-        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan, load.raw, lane.stream), "launching the scatter kernel");
+      const bool store = batch.direction == CopyDirection::kEngineToSlot;
+      SplitBlocks split;
+      KVTIER_RETURN_IF_ERROR(Split(batch, split));
+      if (!split.coded.empty()) {
+        // A store's flag per coded block, a load's one.
+        KVTIER_ASSIGN_OR_RETURN(p.codec_flags, s.codec_flags.Take(store ? split.coded.size() : 1));
+      }
+      queued_work = true;  // a launch that fails part way may have queued some of its kernels
+      if (store) {
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchGather(plan, split.plain, lane.stream), "launching the gather kernel");
         KVTIER_CUDA_RETURN_IF_ERROR(
-            cuda::LaunchFp8Decode(plan, load.shape, load.coded, p.decode_flag.get(), lane.stream),
+            cuda::LaunchFp8Encode(plan, split.shape, split.coded, p.codec_flags.get(), lane.stream),
+            "launching the fp8 encode kernel");
+      } else {
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan, split.plain, lane.stream),
+                                    "launching the scatter kernel");
+        KVTIER_CUDA_RETURN_IF_ERROR(
+            cuda::LaunchFp8Decode(plan, split.shape, split.coded, p.codec_flags.get(), lane.stream),
             "launching the fp8 decode kernel");
       }
     }
@@ -473,7 +515,8 @@ bool CudaBackend::Submit(CopyBatch batch, CopyDone done) {
   };
   const uint64_t block_bytes = engine ? batch.layout->layout().block_bytes() : 0;
   for (const BlockCopy& b : batch.blocks) {
-    note(b.slot, batch.direction == CopyDirection::kEngineToSlot ? b.slot : nullptr, block_bytes);
+    note(b.slot, batch.direction == CopyDirection::kEngineToSlot ? b.slot : nullptr,
+         b.coded_bytes != 0 ? b.coded_bytes : block_bytes);
   }
   for (const SlotCopy& c : batch.slot_copies) {
     if (const std::optional<int> d = s.DeviceOf(c.src)) hbm = d;

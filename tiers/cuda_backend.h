@@ -27,10 +27,13 @@
 //     Submit queues the work before it returns; one completion thread per
 //     stream waits for each batch's event in order, computes the checksums of
 //     destinations in host memory and runs `done`.
-//   - coded blocks (issue 18): a load's fp8 blocks in the host tier are
-//     dequantized by a kernel straight into the engine's pages (no raw copy
-//     in between); a corrupt one fails the load with kCorruption. Stores
-//     gather raw blocks; the codec pool encodes them in host memory after.
+//   - coded blocks (issue 18): a store's fp8 blocks are quantized by a
+//     kernel straight from the engine's pages into host slots of their coded
+//     size (a block with a NaN or an Inf is reported, not coded), and a
+//     load's dequantized straight into the engine's pages; no raw copy in
+//     host memory and no CPU pass. A corrupt block fails its load with
+//     kCorruption. Pinned, mapped flags (CodecFlags) carry what the kernels
+//     found to the completion thread.
 //   - several GPUs: kernels run on the engine's GPU; peer access is enabled
 //     between every pair of devices that allows it at start-up, and a copy
 //     between an engine and the hbm tier of a GPU it cannot reach fails
@@ -76,9 +79,11 @@ class CudaBackend final : public DeviceBackend {
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override;
   bool Submit(CopyBatch batch, CopyDone done) override;
-  // fp8 blocks are decoded by a kernel (kernels/cuda/codec_kernels.h) into
-  // the engine's pages on the GPU, and by the CPU codec into a CPU engine's.
+  // fp8 blocks are coded by kernels (kernels/cuda/codec_kernels.h) on the
+  // GPU between the engine's pages and host slots of their coded size, and
+  // by the lane's CPU codec for a CPU engine's.
   bool DecodesOnLoad(CodecKind kind) const override { return kind == CodecKind::kNone || kind == CodecKind::kFp8; }
+  bool EncodesOnStore(CodecKind kind) const override { return kind == CodecKind::kFp8; }
   uint64_t live_mappings() const override;
 
   const std::vector<int>& devices() const;

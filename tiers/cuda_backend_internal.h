@@ -38,81 +38,92 @@ namespace cuda_internal {
 using IpcMemKey = std::array<uint8_t, ClientRegionHandle::kCudaIpcHandleBytes>;
 using cuda::ScopedDevice;
 
-// Flags the fp8 decode kernel sets when a load's coded block is corrupt:
-// one per batch with coded blocks, in pinned host memory mapped for every
-// device (the kernel writes it, the completion thread reads it once the
-// batch's event has completed). Pages of kFlagsPerPage are allocated as the
-// batches in flight need them and kept for reuse. Thread-safe.
-class DecodeFlags {
+// Flags the fp8 kernels set (codec_kernels.h): a store's, one per coded
+// block (a NaN or an Inf: not coded); a load's, one per batch (a corrupt
+// block). In pinned host memory mapped for every device: the kernel writes
+// them, the completion thread reads them once the batch's event has
+// completed. Runs of a power of two, cut from pages allocated as the batches
+// in flight need them and kept for reuse (never more than twice the most
+// flags in flight at once). Thread-safe.
+class CodecFlags {
  public:
-  static constexpr size_t kFlagsPerPage = 1024;
+  static constexpr size_t kPageFlags = 1024;
 
-  // A flag, zeroed, until destruction returns it.
+  // Zeroed flags until destruction returns them.
   class Lease {
    public:
     Lease() = default;
-    Lease(DecodeFlags* owner, uint32_t* flag) : owner_(owner), flag_(flag) {}
-    Lease(Lease&& o) noexcept : owner_(std::exchange(o.owner_, nullptr)), flag_(std::exchange(o.flag_, nullptr)) {}
+    Lease(CodecFlags* owner, uint32_t* flags, size_t order) : owner_(owner), flags_(flags), order_(order) {}
+    Lease(Lease&& o) noexcept
+        : owner_(std::exchange(o.owner_, nullptr)), flags_(std::exchange(o.flags_, nullptr)), order_(o.order_) {}
     Lease& operator=(Lease&& o) noexcept {
       if (this != &o) {
         Release();
         owner_ = std::exchange(o.owner_, nullptr);
-        flag_ = std::exchange(o.flag_, nullptr);
+        flags_ = std::exchange(o.flags_, nullptr);
+        order_ = o.order_;
       }
       return *this;
     }
     ~Lease() { Release(); }
     // Host and device address (unified addressing), or null.
-    uint32_t* get() const { return flag_; }
-    bool set() const { return flag_ != nullptr && *const_cast<volatile uint32_t*>(flag_) != 0; }
+    uint32_t* get() const { return flags_; }
+    bool set(size_t i) const { return flags_ != nullptr && static_cast<volatile const uint32_t*>(flags_)[i] != 0; }
 
    private:
     void Release() {
-      if (flag_ != nullptr) owner_->Return(flag_);
-      flag_ = nullptr;
+      if (flags_ != nullptr) owner_->Return(flags_, order_);
+      flags_ = nullptr;
     }
-    DecodeFlags* owner_ = nullptr;
-    uint32_t* flag_ = nullptr;
+    CodecFlags* owner_ = nullptr;
+    uint32_t* flags_ = nullptr;
+    size_t order_ = 0;
   };
 
-  DecodeFlags() = default;
-  DecodeFlags(const DecodeFlags&) = delete;
-  DecodeFlags& operator=(const DecodeFlags&) = delete;
-  ~DecodeFlags() {
-    for (uint32_t* page : pages_) (void)cudaFreeHost(page);
+  CodecFlags() = default;
+  CodecFlags(const CodecFlags&) = delete;
+  CodecFlags& operator=(const CodecFlags&) = delete;
+  ~CodecFlags() {
+    for (void* page : pages_) (void)cudaFreeHost(page);
   }
 
-  // Errors: the CUDA error of allocating a page.
-  Result<Lease> Take() {
+  // `n` >= 1 flags. Errors: the CUDA error of allocating a page.
+  Result<Lease> Take(size_t n) {
+    size_t order = 0;
+    while ((size_t{1} << order) < n) ++order;
+    const size_t run = size_t{1} << order;
     MutexLock lock(&mu_);
-    if (free_.empty()) {
+    if (free_.size() <= order) free_.resize(order + 1);
+    std::vector<uint32_t*>& runs = free_[order];
+    if (runs.empty()) {
+      const size_t count = std::max(run, kPageFlags);
       void* page = nullptr;
-      KVTIER_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&page, kFlagsPerPage * sizeof(uint32_t),
-                                                cudaHostAllocMapped | cudaHostAllocPortable),
-                                  "cudaHostAlloc of the decode flags");
+      KVTIER_CUDA_RETURN_IF_ERROR(
+          cudaHostAlloc(&page, count * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc of codec flags");
       void* on_device = nullptr;
       if (cudaHostGetDevicePointer(&on_device, page, 0) != cudaSuccess || on_device != page) {
         (void)cudaFreeHost(page);
         (void)cudaGetLastError();
-        return Err(Status(StatusCode::kFailedPrecondition, "decode flags mapped at a different device address"));
+        return Err(Status(StatusCode::kFailedPrecondition, "codec flags mapped at a different device address"));
       }
-      pages_.push_back(static_cast<uint32_t*>(page));
-      for (size_t i = 0; i < kFlagsPerPage; ++i) free_.push_back(pages_.back() + i);
+      pages_.push_back(page);
+      for (size_t i = 0; i < count; i += run) runs.push_back(static_cast<uint32_t*>(page) + i);
     }
-    uint32_t* flag = free_.back();
-    free_.pop_back();
-    *flag = 0;
-    return Lease(this, flag);
+    uint32_t* flags = runs.back();
+    runs.pop_back();
+    std::fill_n(flags, n, 0u);
+    return Lease(this, flags, order);
   }
 
  private:
-  void Return(uint32_t* flag) {
+  void Return(uint32_t* flags, size_t order) {
     MutexLock lock(&mu_);
-    free_.push_back(flag);
+    free_[order].push_back(flags);
   }
   Mutex mu_;
-  std::vector<uint32_t*> pages_ KVTIER_GUARDED_BY(mu_);
-  std::vector<uint32_t*> free_ KVTIER_GUARDED_BY(mu_);
+  std::vector<void*> pages_ KVTIER_GUARDED_BY(mu_);
+  std::vector<std::vector<uint32_t*>> free_ KVTIER_GUARDED_BY(mu_);  // by order: runs of 2^order
 };
 
 // A batch on its way through a lane.
@@ -124,8 +135,8 @@ struct Pending {
   CopyDone done;
   // With checksum_destination: each destination, or null where it is device memory.
   std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
-  // A load with fp8-coded blocks decoded on the GPU: set when one was corrupt.
-  DecodeFlags::Lease decode_flag;
+  // Coded blocks on the GPU: a store's per coded block, a load's one.
+  CodecFlags::Lease codec_flags;
 };
 
 // One stream and the thread that completes its batches, in stream order.
@@ -137,7 +148,7 @@ struct Lane {
   std::deque<Pending> queue KVTIER_GUARDED_BY(mu);
   bool stopping KVTIER_GUARDED_BY(mu) = false;
   std::thread thread;
-  // The completion thread's own, for coded blocks of loads between host
+  // The completion thread's own, for coded blocks of copies between host
   // memories (copied by the CPU).
   std::unique_ptr<BlockCodec> coder;
   std::vector<uint8_t> scratch;
@@ -208,7 +219,7 @@ struct CudaBackend::State {
   std::vector<std::vector<bool>> peer;          // [i][j]: device i's kernels reach device j's memory
   std::vector<cudaStream_t> setup_streams;      // per device: plan uploads and frees
   std::string description;
-  cuda_internal::DecodeFlags decode_flags;  // before lanes: their batches return flags
+  cuda_internal::CodecFlags codec_flags;  // before lanes: their batches return flags
   std::vector<std::unique_ptr<cuda_internal::Lane>> lanes;  // devices.size() x kNumCopyPriorities
   std::atomic<uint64_t> live_mappings{0};
 

@@ -147,6 +147,9 @@ uint64_t HostBackend::live_mappings() const { return live_mappings_->load(std::m
 
 bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   KVTIER_CHECK_MSG(batch.wait_event < 0 && batch.signal_event < 0, "the host backend has no events");
+  KVTIER_CHECK_MSG(batch.direction != CopyDirection::kEngineToSlot ||
+                       std::ranges::none_of(batch.blocks, [](const BlockCopy& b) { return b.coded_bytes != 0; }),
+                   "a coded store on the host backend, which codes none on the way (EncodesOnStore)");
   auto b = std::make_shared<Batch>();
   const bool engine = batch.direction != CopyDirection::kSlotToSlot;
   const size_t n = engine ? batch.blocks.size() : batch.slot_copies.size();

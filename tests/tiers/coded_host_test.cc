@@ -44,18 +44,21 @@ struct Config {
   uint64_t hbm_slots = 0;
   CodecPool::Options pool = {.threads = 2, .max_queued = 64};
   bool hold_loads = false;  // a HoldingBackend in between
+  bool encodes_on_store = false;  // one that codes fp8 stores on their way, as the cuda backend does
 };
 
 class CodedHostTest : public ::testing::Test {
  protected:
   void Open(const Config& config) {
     backend_ = HostBackend::Create({.copy_threads = 2}).value();
-    holding_ = std::make_unique<HoldingBackend>(backend_.get());
+    holding_ = std::make_unique<HoldingBackend>(
+        backend_.get(), HoldingBackend::Options{.encodes_on_store = config.encodes_on_store});
     engine_ = EngineMemory::Create(*backend_, Spec(), 64).value();
     pool_ = CodecPool::Create(config.pool).value();
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
     BlockCache::Options o;
-    o.backend = config.hold_loads ? static_cast<DeviceBackend*>(holding_.get()) : backend_.get();
+    const bool wrapped = config.hold_loads || config.encodes_on_store;
+    o.backend = wrapped ? static_cast<DeviceBackend*>(holding_.get()) : backend_.get();
     o.post = loop_.post();
     o.host_bytes = config.host_slots * stride;
     o.hbm_bytes = config.hbm_slots * stride;
@@ -316,6 +319,73 @@ TEST_F(CodedHostTest, BatchedStoresIntoASmallFullHostTierAllSucceed) {
   for (const StoredKey& k : keys) {
     ASSERT_TRUE(Load(k, CodecKind::kFp8));
     EXPECT_TRUE(LoadedRight(k, CodecKind::kFp8));
+  }
+}
+
+// A backend that codes fp8 stores on their way (the cuda backend's kernels;
+// here the fake at the seam): blocks go straight into slots of their coded
+// size, with no raw copy in host and no work for the codec pool, and load
+// as the codec decodes them.
+TEST_F(CodedHostTest, StoresCodedOnTheirWayGoStraightIntoCodedSlots) {
+  Open({.encodes_on_store = true});
+  std::vector<StoredKey> keys;
+  for (int i = 0; i < 100; ++i) keys.push_back(Store(CodecKind::kFp8));
+  const CacheCounters c = cache_->counters();
+  EXPECT_EQ(c.codec_host_coded, 100u);
+  EXPECT_EQ(c.codec_encoded, 100u);
+  EXPECT_EQ(holding_->coded_stores(), 100u);
+  EXPECT_EQ(pool_->counters().jobs, 0u) << "the pool encoded what the copy had coded";
+  EXPECT_GT(cache_->Usage(Tier::kHost).blocks, 55u) << "of 32 raw slots";
+  std::unique_ptr<BlockCodec> coder = BlockCodec::Create().value();
+  const CodecParams fp8 = Codec(CodecKind::kFp8);
+  std::vector<uint8_t> coded(BlockCodec::MaxEncodedBytes(fp8, engine_->block_bytes()));
+  std::vector<uint8_t> want(engine_->block_bytes());
+  for (auto it = keys.end() - 10; it != keys.end(); ++it) {
+    ASSERT_TRUE(Load(*it, CodecKind::kFp8));
+    const std::optional<size_t> n = coder->Encode(fp8, stored_.at(*it), coded);
+    ASSERT_TRUE(n.has_value());
+    ASSERT_TRUE(coder->Decode(fp8, std::span(coded.data(), *n), want).ok());
+    EXPECT_EQ(Loaded(), want);
+  }
+}
+
+// A block the copy does not code (a NaN) is gathered again as it is before
+// the store is answered, into a raw slot; the others of its store stay coded.
+TEST_F(CodedHostTest, ABlockTheCopyDoesNotCodeIsGatheredAgainAsItIs) {
+  Open({.encodes_on_store = true});
+  std::vector<StoredKey> keys;
+  std::vector<uint32_t> blocks;
+  for (uint32_t i = 0; i < 4; ++i) {
+    keys.push_back(NewKey());
+    blocks.push_back(i);
+    FillKv(i, keys.back());
+  }
+  const uint16_t nan = 0x7fc0;
+  std::memcpy(engine_->block(2).data() + 4000, &nan, 2);
+  std::memcpy(stored_[keys[2]].data() + 4000, &nan, 2);
+  bool done = false;
+  OpOutcome out;
+  cache_->Store(kTenant, keys, blocks, std::nullopt, Target(CodecKind::kFp8), owner_, [&](OpOutcome o) {
+    out = o;
+    done = true;
+  });
+  ASSERT_TRUE(Drain([&] { return done && cache_->inflight_copies() == 0; }));
+  ASSERT_TRUE(out.status.ok()) << out.status;
+  EXPECT_EQ(out.blocks, 4u);
+  const CacheCounters c = cache_->counters();
+  EXPECT_EQ(c.codec_host_coded, 3u);
+  EXPECT_EQ(c.stores, 4u);
+  EXPECT_EQ(pool_->counters().jobs, 0u) << "a block with a NaN is not tried again";
+  EXPECT_EQ(cache_->Usage(Tier::kHost).used_bytes,
+            3 * BlockCodec::MaxEncodedBytes(Codec(CodecKind::kFp8), engine_->block_bytes()) +
+                engine_->block_bytes());
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(Load(keys[i], CodecKind::kFp8)) << i;
+    if (i == 2) {
+      EXPECT_EQ(Loaded(), stored_.at(keys[i])) << "the block itself";
+    } else {
+      EXPECT_TRUE(LoadedRight(keys[i], CodecKind::kFp8)) << i;
+    }
   }
 }
 

@@ -37,6 +37,8 @@
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "kernels/codec.h"
+#include "kernels/copy_reference.h"
 
 namespace kvtier::tiers_test {
 
@@ -74,16 +76,25 @@ class WorkerGate {
   bool released_ = false;
 };
 
+// What a HoldingBackend says it does besides its inner backend's copies.
+struct HoldingBackendOptions {
+  bool decodes_on_load = true;  // as the inner backend does; else only kNone
+  // Codes fp8 stores on their way, as the cuda backend's kernels do: on the
+  // CPU (GatherAndEncode), inline, into slots of the coded size; a block
+  // with a NaN or an Inf is reported not coded.
+  bool encodes_on_store = false;
+};
+
 // Wraps a real backend (the host one) and, while told to, keeps back the
 // completions of loads (slot -> engine copies) until the test passes them on.
 // Lets a test decide that a load finishes after some background move, which
-// worker timing alone does not. With `decodes_on_load` false it says it
-// decodes no codec on load, as a backend without a decode kernel would.
-// Thread-safe.
+// worker timing alone does not. It may also say it decodes no codec on
+// load, as a backend without a decode kernel would, or code fp8 stores on
+// their way, as the cuda backend's kernels do (Options). Thread-safe.
 class HoldingBackend final : public DeviceBackend {
  public:
-  explicit HoldingBackend(DeviceBackend* inner, bool decodes_on_load = true)
-      : inner_(inner), decodes_on_load_(decodes_on_load) {}
+  using Options = HoldingBackendOptions;
+  explicit HoldingBackend(DeviceBackend* inner, Options options = {}) : inner_(inner), options_(options) {}
 
   std::string_view name() const override { return inner_->name(); }
   std::string Describe() const override { return inner_->Describe(); }
@@ -99,10 +110,18 @@ class HoldingBackend final : public DeviceBackend {
   }
   uint64_t live_mappings() const override { return inner_->live_mappings(); }
   bool DecodesOnLoad(CodecKind kind) const override {
-    return decodes_on_load_ ? inner_->DecodesOnLoad(kind) : kind == CodecKind::kNone;
+    return options_.decodes_on_load ? inner_->DecodesOnLoad(kind) : kind == CodecKind::kNone;
+  }
+  bool EncodesOnStore(CodecKind kind) const override {
+    return options_.encodes_on_store && kind == CodecKind::kFp8;
   }
 
   bool Submit(CopyBatch batch, CopyDone done) override {
+    if (batch.direction == CopyDirection::kEngineToSlot &&
+        std::ranges::any_of(batch.blocks, [](const BlockCopy& b) { return b.coded_bytes != 0; })) {
+      done(StoreCoded(batch));
+      return true;
+    }
     const bool hold = batch.direction == CopyDirection::kSlotToEngine && hold_loads_.load();
     return inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
       if (!hold) {
@@ -115,6 +134,11 @@ class HoldingBackend final : public DeviceBackend {
     });
   }
 
+  // Store batches coded on their way so far.
+  uint64_t coded_stores() {
+    MutexLock lock(&mu_);
+    return coded_stores_;
+  }
   // Loads submitted from now on are held (seq_cst; only the test thread sets it).
   void HoldLoads(bool hold) { hold_loads_.store(hold); }
   // Waits until `n` completions are held; false after 30 s.
@@ -150,12 +174,40 @@ class HoldingBackend final : public DeviceBackend {
   }
 
  private:
+  CopyResult StoreCoded(const CopyBatch& batch) {
+    EXPECT_TRUE(EncodesOnStore(batch.codec.kind)) << "a coded store the backend did not offer";
+    MutexLock lock(&mu_);
+    if (coder_ == nullptr) coder_ = BlockCodec::Create().value();
+    const CopyPlan plan = CopyPlan::Build(*batch.layout, MappedRegions{batch.mapping->region_bases()});
+    CopyResult r;
+    for (uint32_t i = 0; i < batch.blocks.size(); ++i) {
+      const BlockCopy& b = batch.blocks[i];
+      uint64_t& checksum = r.checksums.emplace_back();
+      if (b.coded_bytes == 0) {
+        GatherBlock(plan, b.engine_block, b.slot, &checksum);
+        continue;
+      }
+      const std::optional<size_t> n =
+          GatherAndEncode(*coder_, batch.codec, plan, b.engine_block, std::span(b.slot, b.coded_bytes), scratch_);
+      if (n != b.coded_bytes) {
+        r.not_coded.push_back(i);
+      } else {
+        checksum = ChecksumOf(b.slot, *n);
+      }
+    }
+    ++coded_stores_;
+    return r;
+  }
+
   DeviceBackend* const inner_;
-  const bool decodes_on_load_;
+  const Options options_;
+  std::unique_ptr<BlockCodec> coder_ KVTIER_GUARDED_BY(mu_);
+  std::vector<uint8_t> scratch_ KVTIER_GUARDED_BY(mu_);
   std::atomic<bool> hold_loads_{false};
   Mutex mu_;
   CondVar cv_;
   std::deque<std::function<void()>> held_ KVTIER_GUARDED_BY(mu_);
+  uint64_t coded_stores_ KVTIER_GUARDED_BY(mu_) = 0;
 };
 
 // A small separate-K/V fp16 layout: num_layers * 2048 bytes per block (4

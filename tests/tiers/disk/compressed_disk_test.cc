@@ -65,7 +65,8 @@ class CompressedDiskTest : public ::testing::Test {
     BlockCache::Options o;
     // A backend that decodes no codec on load (as one without a kernel for
     // it): blocks stay raw in host, and packed records are decoded on the pool.
-    no_decode_ = std::make_unique<tiers_test::HoldingBackend>(backend_.get(), /*decodes_on_load=*/false);
+    no_decode_ = std::make_unique<tiers_test::HoldingBackend>(
+        backend_.get(), tiers_test::HoldingBackend::Options{.decodes_on_load = false});
     o.backend = decodes_on_load_ ? static_cast<DeviceBackend*>(backend_.get()) : no_decode_.get();
     o.post = loop_.post();
     o.host_bytes = 16 * stride;
