@@ -738,6 +738,7 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
   for (uint32_t i : result.not_coded) {
     BlockEntry* e = job->filling.at(i);
     KVTIER_CHECK(e->tier == Tier::kHost && e->coded_bytes != 0);
+    ++counters_.codec_not_worth_it;
     uint8_t* raw = AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true);
     if (raw == nullptr) {
       ++Counted(job->tenant).store_rejected;

@@ -8,11 +8,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <future>
+#include <random>
 #include <vector>
 
+#include "kernels/codec.h"
 #include "kernels/copy_reference.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/tiers/coded_blocks.h"
 #include "tests/tiers/tiers_test_util.h"
 
 namespace kvtier {
@@ -130,6 +135,60 @@ TEST_F(CudaBackendGpuTest, CpuEngineCacheCopiesThroughHbmAndHost) {
 
   e.DropMapping();
   EXPECT_EQ(backend_->live_mappings(), 0u);
+}
+
+// fp8 blocks of a CPU engine's cache (both sides in host memory: the lane's
+// CPU codec) coded on a store's way into slots of their coded size and back
+// on a load's; a block with a NaN is reported, a corrupt one fails its load.
+TEST_F(CudaBackendGpuTest, CpuEngineFp8BlocksAreCodedOnTheWayAndBack) {
+  Result<std::unique_ptr<EngineMemory>> engine =
+      EngineMemory::Create(*backend_, tiers_test::Bf16KvSpec("test/gpu-fp8", 2), 8, {});
+  ASSERT_TRUE(engine.has_value()) << engine.error();
+  EngineMemory& e = **engine;
+  std::mt19937_64 rng(9);
+  for (uint32_t b = 0; b < 2; ++b) tiers_test::FillKvLike(rng, e.block(b));
+  const uint16_t nan = 0x7fc0;
+  std::memcpy(e.block(1).data() + 100, &nan, 2);
+  const CodecParams fp8 = tiers_test::Bf16Codec(CodecKind::kFp8);
+  const auto coded = static_cast<uint32_t>(BlockCodec::MaxEncodedBytes(fp8, e.block_bytes()));
+  uint8_t* a = host_->data();
+  uint8_t* b = host_->data() + (1 << 20);
+
+  CopyResult store = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kEngineToSlot,
+                                                  .priority = CopyPriority::kStore,
+                                                  .layout = e.layout(),
+                                                  .mapping = e.mapping(),
+                                                  .blocks = {BlockCopy{0, a, coded}, BlockCopy{1, b, coded}},
+                                                  .checksum_destination = true,
+                                                  .codec = fp8});
+  ASSERT_TRUE(store.status.ok()) << store.status;
+  EXPECT_EQ(store.not_coded, std::vector<uint32_t>{1});
+  std::unique_ptr<BlockCodec> coder = BlockCodec::Create().value();
+  std::vector<uint8_t> want(coded);
+  ASSERT_EQ(coder->Encode(fp8, e.block(0), want), coded);
+  EXPECT_EQ(std::memcmp(a, want.data(), coded), 0);
+  ASSERT_EQ(store.checksums.size(), 2u);
+  EXPECT_EQ(store.checksums[0], ChecksumOf(a, coded));
+
+  CopyResult load = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToEngine,
+                                                 .priority = CopyPriority::kLoad,
+                                                 .layout = e.layout(),
+                                                 .mapping = e.mapping(),
+                                                 .blocks = {BlockCopy{5, a, coded}},
+                                                 .codec = fp8});
+  ASSERT_TRUE(load.status.ok()) << load.status;
+  std::vector<uint8_t> decoded(e.block_bytes());
+  ASSERT_TRUE(coder->Decode(fp8, std::span(a, coded), decoded).ok());
+  EXPECT_TRUE(std::ranges::equal(e.block(5), decoded));
+
+  a[coded - 1] = 0x7f;  // a NaN code
+  load = RunBatch(*backend_, CopyBatch{.direction = CopyDirection::kSlotToEngine,
+                                      .priority = CopyPriority::kLoad,
+                                      .layout = e.layout(),
+                                      .mapping = e.mapping(),
+                                      .blocks = {BlockCopy{6, a, coded}},
+                                      .codec = fp8});
+  EXPECT_EQ(load.status.code(), StatusCode::kCorruption) << load.status;
 }
 
 TEST_F(CudaBackendGpuTest, RefusesEventsForHostMemoryAndUnknownDevices) {

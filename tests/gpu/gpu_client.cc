@@ -15,9 +15,10 @@
 //                                         events, recorded by both sides) until killed
 //   gpu_client store-fp8 / load-fp8 ...   the same with a cache registered with the
 //                                         fp8 codec and blocks of bf16 N(0,1) values
-//                                         (random bytes would hold NaNs, stored raw);
-//                                         a load must give exactly what the CPU codec
-//                                         decodes of what it encodes
+//                                         (random bytes would hold NaNs, stored raw),
+//                                         one with a NaN; a load must give exactly
+//                                         what the CPU codec decodes of what it
+//                                         encodes (that one: itself)
 //
 // Exit codes: 0 ok, 2 usage, 3 no GPU, 10+ a failed step (printed).
 #include <cuda_runtime_api.h>
@@ -68,13 +69,20 @@ struct Engine {
   std::vector<uint8_t*> host_bases;
 };
 
-// Block `i` of an fp8 run: bf16 N(0,1) values from (seed, i).
+// Block `i` of an fp8 run: bf16 N(0,1) values from (seed, i); block
+// kNanBlock holds a NaN too (the store's kernel does not code it: the block
+// is stored as it is).
+constexpr uint32_t kNanBlock = 5;
 void FillNormal(uint64_t seed, uint32_t i, std::span<uint8_t> slot) {
   std::mt19937_64 rng(seed * 1'000'003 + i);
   std::normal_distribution<float> normal;
   for (size_t k = 0; k + 1 < slot.size(); k += 2) {
     const uint16_t v = fp8::FloatToBf16(normal(rng));
     std::memcpy(&slot[k], &v, 2);
+  }
+  if (i == kNanBlock) {
+    const uint16_t nan = 0x7fc0;
+    std::memcpy(&slot[1000], &nan, 2);
   }
 }
 
@@ -184,8 +192,9 @@ int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blo
       }
       FillNormal(seed, i, want);
       const std::optional<size_t> n = (*coder)->Encode(fp8_params, want, coded);
-      if (!n || !(*coder)->Decode(fp8_params, std::span(coded.data(), *n), want).ok()) {
-        return Fail(23, "the CPU codec did not encode and decode block " + std::to_string(i));
+      if (n.has_value() == (i == kNanBlock)) return Fail(23, "the CPU codec coded block " + std::to_string(i) + " wrong");
+      if (n && !(*coder)->Decode(fp8_params, std::span(coded.data(), *n), want).ok()) {
+        return Fail(23, "the CPU codec did not decode block " + std::to_string(i));
       }
       if (slot != want) return Fail(21, "loaded fp8 block " + std::to_string(i) + " differs from the CPU codec's");
     }

@@ -374,6 +374,7 @@ TEST_F(CodedHostTest, ABlockTheCopyDoesNotCodeIsGatheredAgainAsItIs) {
   EXPECT_EQ(out.blocks, 4u);
   const CacheCounters c = cache_->counters();
   EXPECT_EQ(c.codec_host_coded, 3u);
+  EXPECT_EQ(c.codec_not_worth_it, 1u);
   EXPECT_EQ(c.stores, 4u);
   EXPECT_EQ(pool_->counters().jobs, 0u) << "a block with a NaN is not tried again";
   EXPECT_EQ(cache_->Usage(Tier::kHost).used_bytes,
