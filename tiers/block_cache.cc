@@ -688,6 +688,7 @@ uint64_t BlockCache::CodedOnStore(uint32_t ns, uint64_t bytes) const {
 void BlockCache::FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult result) {
   const bool commit = result.status.ok() && !job->owner.expired();
   if (commit && !result.not_coded.empty() && RegatherRaw(job, std::move(result))) return;
+  job->target = EngineTarget{};  // the client's memory is let go of before it is answered
   for (size_t i = 0; i < job->filling.size(); ++i) {
     BlockEntry* e = job->filling[i];
     Unlease(e, job->tenant);
