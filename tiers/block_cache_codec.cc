@@ -59,6 +59,13 @@ void BlockCache::MaybeCompact(BlockEntry* e) {
     }
     return;
   }
+  // With a tier below to write back to, the pool's encodes for those writes
+  // come first: a compaction takes only the first half of its queue.
+  if ((options_.disk != nullptr || RemoteWriteBack()) &&
+      options_.codecs->counters().queued * 2 >= options_.codecs->max_queued()) {
+    ++counters_.codec_pool_busy;
+    return;
+  }
   std::shared_ptr<uint8_t> staging = TakeStaging(capacity);
   if (staging == nullptr) {
     ++counters_.codec_pool_busy;

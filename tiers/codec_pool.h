@@ -55,6 +55,7 @@ class CodecPool {
   void Run(Job job);
 
   uint32_t threads() const { return static_cast<uint32_t>(threads_.size()); }
+  uint32_t max_queued() const { return options_.max_queued; }
   CodecPoolCounters counters() const;
 
  private:

@@ -305,6 +305,50 @@ TEST_F(CompressedDiskTest, ABusyPoolWritesBlocksRawAndCountsItAStoreNeverWaits) 
   }
 }
 
+// With a disk tier, the encodes of its writes come first: a host block's
+// compaction takes only the first half of the pool's queue, so a pool that
+// falls behind keeps the rest for write-back.
+TEST_F(CompressedDiskTest, CompactionsLeaveTheSecondHalfOfThePoolsQueueToDiskWrites) {
+  Open(true, {.threads = 1, .max_queued = 4});
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  ASSERT_TRUE(pool_->TryRun([gate](BlockCodec&) { gate.wait(); }));
+  while (pool_->counters().queued != 0) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(pool_->TryRun([](BlockCodec&) {}));
+  // Stored, not waiting for the compaction that waits for the pool.
+  auto store = [&]() {
+    const StoredKey key = NewKey();
+    const uint32_t block = next_block_++;
+    FillKv(block, &stored_[key]);
+    bool done = false;
+    cache_->Store(kTenant, std::span(&key, 1), std::span(&block, 1), std::nullopt, Target(CodecKind::kLossless),
+                  owner_, [&](OpOutcome o) {
+                    EXPECT_TRUE(o.status.ok()) << o.status;
+                    done = true;
+                  });
+    EXPECT_TRUE(Drain([&] { return done; }));
+    return key;
+  };
+  const StoredKey first = store();  // queued: 1 of 4 before it
+  EXPECT_EQ(pool_->counters().queued, 2u);
+  EXPECT_EQ(cache_->counters().codec_pool_busy, 0u);
+  const StoredKey second = store();  // half the queue is taken
+  EXPECT_EQ(pool_->counters().queued, 2u);
+  EXPECT_EQ(cache_->counters().codec_pool_busy, 1u);
+  // The disk write of the block kept raw still gets a place to be encoded.
+  cache_->FlushToDisk();
+  EXPECT_EQ(pool_->counters().queued, 3u);
+  release.set_value();
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  const CacheCounters c = cache_->counters();
+  EXPECT_EQ(c.codec_host_coded, 1u);
+  EXPECT_EQ(c.codec_encoded, 2u) << "one compaction, one disk write";
+  for (const StoredKey& k : {first, second}) {
+    ASSERT_TRUE(Load(k, CodecKind::kLossless));
+    EXPECT_EQ(Loaded(), stored_.at(k));
+  }
+}
+
 TEST_F(CompressedDiskTest, ADamagedPackedRecordIsAMissNeverData) {
   Open();
   std::vector<StoredKey> keys;
