@@ -41,6 +41,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
 
 BlockCache::BlockCache(Options options)
     : options_(std::move(options)),
+      index_(options_.policy),
       namespaces_(std::max(1u, options_.max_namespaces), std::max(1u, options_.max_namespaces_per_tenant)),
       self_(std::make_shared<BlockCache*>(this)) {}
 
@@ -313,21 +314,22 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
 }
 
 BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {
-  BlockEntry* fallback = nullptr;
-  uint32_t scanned = 0;
-  for (BlockEntry* e = index_.Coldest(t); e != nullptr && scanned < options_.eviction_scan_limit;
-       e = BlockIndex::Hotter(e), ++scanned) {
-    if (e->leases != 0 || e->state != EntryState::kReady || e->moving) continue;
-    if (block_bytes != 0 && SlotPool::StrideFor(SlotBytes(e)) != SlotPool::StrideFor(block_bytes)) {
-      continue;
-    }
-    if (owner && e->owner != *owner) continue;
-    if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) continue;
-    if (!options_.prefix_aware || !BlockIndex::HasChildrenAtOrAbove(e, t)) return e;
-    if (fallback == nullptr) fallback = e;
-  }
-  if (fallback != nullptr) ++counters_.prefix_fallbacks;
-  return fallback;
+  bool last_resort = false;
+  BlockEntry* victim = index_.order(t).PickVictim(
+      options_.eviction_scan_limit,
+      [&](const BlockEntry* e) {
+        if (e->leases != 0 || e->state != EntryState::kReady || e->moving) return Candidate::kSkip;
+        if (block_bytes != 0 && SlotPool::StrideFor(SlotBytes(e)) != SlotPool::StrideFor(block_bytes)) {
+          return Candidate::kSkip;
+        }
+        if (owner && e->owner != *owner) return Candidate::kSkip;
+        if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
+        if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t)) return Candidate::kLastResort;
+        return Candidate::kEvict;
+      },
+      &last_resort);
+  if (last_resort) ++counters_.prefix_fallbacks;
+  return victim;
 }
 
 uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {

@@ -247,8 +247,10 @@ class BlockCache {
     TierWatermarks hbm_watermarks;
     TierWatermarks host_watermarks;
     bool prefix_aware = true;
-    // Most LRU entries one eviction looks at for a block without cached
-    // children before taking the coldest unleased one.
+    // Each tier's eviction order (tiers/eviction_order.h).
+    PolicyKind policy = PolicyKind::kLru;
+    // Most blocks one eviction looks at, in its tier's order, for a block
+    // without cached children before taking the first unleased one.
     uint32_t eviction_scan_limit = 1024;
     // The disk tier (borrowed; must outlive the cache), or null. With it,
     // blocks leaving the host tier are written there instead of dropped.

@@ -1,5 +1,7 @@
 #include "tiers/block_index.h"
 
+#include <utility>
+
 #include "common/check.h"
 
 namespace kvtier {
@@ -39,7 +41,7 @@ void BlockIndex::DeleteEntry(BlockEntry* e) {
 BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey* parent) {
   BlockEntry* e = NewEntry(key);
   e->tier = tier;
-  Link(e, /*hot=*/true);
+  order(tier).Insert(e);
   if (parent != nullptr) {
     if (BlockEntry* p = Find(*parent); p != nullptr && p != e) {
       e->parent = p;
@@ -54,7 +56,7 @@ BlockEntry* BlockIndex::Insert(const StoredKey& key, Tier tier, const StoredKey*
 
 void BlockIndex::Erase(BlockEntry* e) {
   KVTIER_CHECK(e->leases == 0);
-  if (!e->parked) Unlink(e);
+  if (!e->parked) order(e->tier).Remove(e, /*gone=*/true);
   // Detach from the parent.
   if (BlockEntry* p = e->parent; p != nullptr) {
     --p->children_in_tier[static_cast<size_t>(e->tier)];
@@ -72,31 +74,37 @@ void BlockIndex::Erase(BlockEntry* e) {
 }
 
 void BlockIndex::Touch(BlockEntry* e) {
-  if (e->parked) return;
-  Unlink(e);
-  Link(e, /*hot=*/true);
+  if (!e->parked) order(e->tier).Touch(e);
 }
 
 void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
-  if (!e->parked) Unlink(e);
+  if (!e->parked) order(e->tier).Remove(e, /*gone=*/true);
   if (e->parent != nullptr) {
     --e->parent->children_in_tier[static_cast<size_t>(e->tier)];
     ++e->parent->children_in_tier[static_cast<size_t>(to)];
   }
   e->tier = to;
-  if (!e->parked) Link(e, /*hot=*/true);
+  if (e->parked) {
+    e->arrives = true;  // into the new tier's order when unparked
+  } else {
+    order(to).Insert(e);
+  }
 }
 
 void BlockIndex::Park(BlockEntry* e) {
   if (e->parked) return;
-  Unlink(e);
+  order(e->tier).Remove(e, /*gone=*/false);
   e->parked = true;
 }
 
 void BlockIndex::Unpark(BlockEntry* e, bool hot) {
   if (!e->parked) return;
   e->parked = false;
-  Link(e, hot);
+  if (std::exchange(e->arrives, false)) {
+    order(e->tier).Insert(e);
+  } else {
+    order(e->tier).Return(e, hot);
+  }
 }
 
 void BlockIndex::ReleaseLease(BlockEntry* e) {
@@ -110,26 +118,6 @@ bool BlockIndex::HasChildrenAtOrAbove(const BlockEntry* e, Tier t) {
     if (e->children_in_tier[i] != 0) return true;
   }
   return false;
-}
-
-void BlockIndex::Link(BlockEntry* e, bool hot) {
-  List& l = lru_[static_cast<size_t>(e->tier)];
-  BlockEntry*& end = hot ? l.hottest : l.coldest;  // where e goes
-  BlockEntry*& other = hot ? l.coldest : l.hottest;
-  (hot ? e->lru_prev : e->lru_next) = end;
-  (hot ? e->lru_next : e->lru_prev) = nullptr;
-  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = e;
-  end = e;
-  if (other == nullptr) other = e;
-}
-
-void BlockIndex::Unlink(BlockEntry* e) {
-  List& l = lru_[static_cast<size_t>(e->tier)];
-  if (e->lru_prev != nullptr) e->lru_prev->lru_next = e->lru_next;
-  else l.coldest = e->lru_next;
-  if (e->lru_next != nullptr) e->lru_next->lru_prev = e->lru_prev;
-  else l.hottest = e->lru_prev;
-  e->lru_prev = e->lru_next = nullptr;
 }
 
 }  // namespace kvtier

@@ -297,7 +297,7 @@ SimResult SimulateLru(std::span<const TraceRequest> trace, uint64_t capacity_blo
   return r;
 }
 
-SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_blocks) {
+SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_blocks, uint64_t count_from_request) {
   const DenseTrace d = Densify(trace);
   SimResult r{.capacity_blocks = capacity_blocks};
   constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
@@ -330,8 +330,10 @@ SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_
     while (cached_next[farthest.top().second] != farthest.top().first) farthest.pop();
   };
   uint64_t i = 0;
-  for (const std::vector<uint32_t>& req : d.requests) {
-    CountHits(req, is_cached, r);
+  SimResult warming;  // the hits of the requests before count_from_request
+  for (uint64_t n = 0; n < d.requests.size(); ++n) {
+    const std::vector<uint32_t>& req = d.requests[n];
+    CountHits(req, is_cached, n < count_from_request ? warming : r);
     for (uint32_t b : req) {
       const uint64_t nr = next_ref[i++];
       if (capacity_blocks == 0) continue;

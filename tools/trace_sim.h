@@ -107,6 +107,10 @@ SimResult SimulateLru(std::span<const TraceRequest> trace, uint64_t capacity_blo
 // its prefix. (Counting a request's hits before its insertions, rather than
 // reference by reference, changes nothing when a request is shorter than the
 // capacity: MIN never evicts a block referenced within the same request then.)
-SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_blocks);
+//
+// With `count_from_request`, hits are counted only from that request on
+// (the ones before warm the cache).
+SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_blocks,
+                         uint64_t count_from_request = 0);
 
 }  // namespace kvtier::trace

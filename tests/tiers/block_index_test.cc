@@ -31,7 +31,7 @@ StoredKey K(uint32_t n) {
 std::vector<StoredKey> Order(const BlockIndex& index, Tier t) {
   std::vector<StoredKey> keys;
   const BlockEntry* prev = nullptr;
-  for (const BlockEntry* e = index.Coldest(t); e != nullptr; e = BlockIndex::Hotter(e)) {
+  for (const BlockEntry* e = index.order(t).Coldest(); e != nullptr; e = EvictionOrder::Hotter(e)) {
     EXPECT_EQ(e->lru_prev, prev) << "broken back link at " << e->key.ToHex();
     EXPECT_EQ(e->tier, t);
     keys.push_back(e->key);
@@ -81,7 +81,7 @@ TEST(BlockIndexTest, InsertFindErase) {
   index.Erase(e);
   EXPECT_EQ(index.Find(K(1)), nullptr);
   EXPECT_EQ(index.size(), 0u);
-  EXPECT_EQ(index.Coldest(Tier::kHost), nullptr);
+  EXPECT_EQ(index.order(Tier::kHost).Coldest(), nullptr);
   // The key can come back.
   EXPECT_NE(index.Insert(K(1), Tier::kHbm, nullptr), nullptr);
   EXPECT_EQ(Order(index, Tier::kHbm), Keys({1}));

@@ -1,0 +1,163 @@
+// The eviction orders (tiers/eviction_order.h) through BlockIndex: where
+// arrivals, hits and returns go, which candidate a scan takes, what s3fifo
+// keeps and remembers, what classes learns; and the ghost filter.
+#include "tiers/eviction_order.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tiers/block_index.h"
+#include "tiers/ghost_filter.h"
+
+namespace kvtier {
+namespace {
+
+StoredKey K(uint32_t n) {
+  StoredKey key;
+  for (size_t i = 0; i < 4; ++i) key.bytes[i] = static_cast<uint8_t>(n >> (8 * i));
+  key.bytes[15] = 0xe0;
+  return key;
+}
+
+auto Anything() {
+  return [](const BlockEntry*) { return Candidate::kEvict; };
+}
+
+// The first candidate a scan takes, as a key number (or -1).
+int64_t Victim(EvictionOrder& order, uint32_t limit = 1024) {
+  const BlockEntry* v = order.PickVictim(limit, Anything(), nullptr);
+  if (v == nullptr) return -1;
+  uint32_t n = 0;
+  for (size_t i = 0; i < 4; ++i) n |= uint32_t{v->key.bytes[i]} << (8 * i);
+  return n;
+}
+
+TEST(EvictionOrderTest, LruTakesTheLeastRecentlyUsedAndHitsMoveBlocksHot) {
+  BlockIndex index(PolicyKind::kLru);
+  for (uint32_t i = 0; i < 4; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  EXPECT_EQ(order.size(), 4u);
+  EXPECT_EQ(Victim(order), 0);
+  index.Touch(index.Find(K(0)));
+  EXPECT_EQ(Victim(order), 1);
+  // A parked block is out of the scan; back at the cold end it is first.
+  index.Park(index.Find(K(1)));
+  EXPECT_EQ(Victim(order), 2);
+  index.Unpark(index.Find(K(1)), /*hot=*/false);
+  EXPECT_EQ(Victim(order), 1);
+}
+
+TEST(EvictionOrderTest, AScanSkipsWhatCannotGoFallsBackToALastResortAndStopsAtItsLimit) {
+  BlockIndex index(PolicyKind::kLru);
+  for (uint32_t i = 0; i < 6; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  const BlockEntry* want = index.Find(K(4));
+  const BlockEntry* parent = index.Find(K(1));
+  bool last_resort = true;
+  EXPECT_EQ(order.PickVictim(
+                100,
+                [&](const BlockEntry* e) {
+                  return e == want ? Candidate::kEvict : e == parent ? Candidate::kLastResort : Candidate::kSkip;
+                },
+                &last_resort),
+            want);
+  EXPECT_FALSE(last_resort);
+  EXPECT_EQ(order.PickVictim(
+                100, [&](const BlockEntry* e) { return e == parent ? Candidate::kLastResort : Candidate::kSkip; },
+                &last_resort),
+            parent);
+  EXPECT_TRUE(last_resort);
+  // Four looked at: the one past them is never reached.
+  int looked = 0;
+  EXPECT_EQ(order.PickVictim(
+                4,
+                [&](const BlockEntry* e) {
+                  ++looked;
+                  return e == want ? Candidate::kEvict : Candidate::kSkip;
+                },
+                &last_resort),
+            nullptr);
+  EXPECT_EQ(looked, 4);
+}
+
+TEST(EvictionOrderTest, S3FifoKeepsWhatWasHitAndLetsOneHitWondersGo) {
+  BlockIndex index(PolicyKind::kS3Fifo);
+  EvictionOrder& order = index.order(Tier::kHost);
+  for (uint32_t i = 0; i < 10; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EXPECT_EQ(order.small_size(), 10u) << "arrivals enter the small queue";
+  // A hit moves nothing; the scan keeps block 0 (into the main queue) and
+  // takes the next oldest.
+  index.Touch(index.Find(K(0)));
+  EXPECT_EQ(Victim(order), 1);
+  EXPECT_EQ(order.small_size(), 9u);
+  EXPECT_EQ(order.Coldest(/*main_queue=*/true), index.Find(K(0)));
+  // Block 1 let go of from the small queue comes back into the main one,
+  // and the small queue's share grows.
+  const double share = order.small_share();
+  index.Erase(index.Find(K(1)));
+  EXPECT_TRUE(order.Remembers(K(1)));
+  index.Insert(K(1), Tier::kHost, nullptr);
+  EXPECT_GT(order.small_share(), share);
+  EXPECT_EQ(order.small_size(), 8u);
+}
+
+TEST(EvictionOrderTest, S3FifoQueuesAStoresChainDeepestFirst) {
+  BlockIndex index(PolicyKind::kS3Fifo);
+  std::vector<BlockEntry*> chain;
+  for (uint32_t i = 0; i < 4; ++i) {
+    const StoredKey parent = K(i - 1);
+    chain.push_back(index.Insert(K(i), Tier::kHost, i == 0 ? nullptr : &parent));
+  }
+  EvictionOrder& order = index.order(Tier::kHost);
+  order.ArrivedTogether(chain, {.prefix_hits = 0, .request_blocks = 4, .partial_tail = false});
+  EXPECT_EQ(Victim(order), 3) << "the leaf is the oldest";
+}
+
+TEST(EvictionOrderTest, ClassesPutsBlocksOfARarelyReusedClassAtTheColdEnd) {
+  BlockIndex index(PolicyKind::kClasses);
+  EvictionOrder& order = index.order(Tier::kHost);
+  // Two classes: one-block requests never hit again, and 40-block ones
+  // whose blocks all are; every block leaves the tier after.
+  uint32_t next = 0;
+  auto store = [&](uint32_t blocks) {
+    std::vector<BlockEntry*> chain;
+    for (uint32_t i = 0; i < blocks; ++i) chain.push_back(index.Insert(K(next++), Tier::kHost, nullptr));
+    order.ArrivedTogether(chain, {.prefix_hits = 0, .request_blocks = blocks, .partial_tail = false});
+    return chain;
+  };
+  for (int round = 0; round < 100; ++round) {
+    for (BlockEntry* e : store(1)) index.Erase(e);
+    for (BlockEntry* e : store(40)) {
+      index.Touch(e);
+      index.Erase(e);
+    }
+  }
+  // A new one-block store goes to the cold end (unless it is a sample); a
+  // 40-block one to the hot end.
+  const std::vector<BlockEntry*> hot = store(40);
+  int cold = 0;
+  for (int i = 0; i < 7; ++i) {
+    std::vector<BlockEntry*> one = store(1);
+    cold += Victim(order) == static_cast<int64_t>(next - 1) ? 1 : 0;
+    index.Erase(one[0]);
+  }
+  EXPECT_GE(cold, 6) << "one sample in 8 goes hot";
+}
+
+TEST(GhostFilterTest, RemembersWhatWasAddedLatelyAndForgetsAfterTwoTurns) {
+  GhostFilter ghost(4096);
+  for (uint64_t i = 0; i < 4096; ++i) ghost.Add(i * 0x9e3779b97f4a7c15ull);
+  for (uint64_t i = 0; i < 4096; ++i) ASSERT_TRUE(ghost.Contains(i * 0x9e3779b97f4a7c15ull)) << i;
+  // Two more turns of other keys: the first ones are forgotten, but for
+  // false positives.
+  for (uint64_t i = 0; i < 2 * 4096; ++i) ghost.Add((i + 1'000'000) * 0xc2b2ae3d27d4eb4full);
+  int still = 0;
+  for (uint64_t i = 0; i < 4096; ++i) still += ghost.Contains(i * 0x9e3779b97f4a7c15ull) ? 1 : 0;
+  EXPECT_LT(still, 4096 / 10) << "false positives above 10%";
+  EXPECT_LE(ghost.memory_bytes(), 2 * 4096 + 64u) << "about a byte per key per filter";
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,169 @@
+#include "tiers/eviction_order.h"
+
+#include <algorithm>
+#include <string>
+
+namespace kvtier {
+
+std::string_view PolicyName(PolicyKind kind) {
+  switch (kind) {
+    case PolicyKind::kLru: return "lru";
+    case PolicyKind::kS3Fifo: return "s3fifo";
+    case PolicyKind::kClasses: return "classes";
+  }
+  return "?";
+}
+
+Result<PolicyKind> ParsePolicy(std::string_view name) {
+  if (name == "lru") return PolicyKind::kLru;
+  if (name == "s3fifo") return PolicyKind::kS3Fifo;
+  if (name == "classes") return PolicyKind::kClasses;
+  return Err(InvalidArgument("unknown policy '" + std::string(name) + "' (lru, s3fifo or classes)"));
+}
+
+void EvictionOrder::Insert(BlockEntry* e) {
+  int queue = kSmall;
+  if (kind_ == PolicyKind::kS3Fifo) {
+    const uint64_t fingerprint = e->key.Low64();
+    if (ghost_small_.Contains(fingerprint)) {
+      Adapt(/*grow_small=*/true);  // S let it go too soon
+      queue = kMain;
+    } else if (ghost_main_.Contains(fingerprint)) {
+      Adapt(/*grow_small=*/false);  // M let it go: M is short of room
+      queue = kMain;
+    }
+  }
+  // classes: a block moving between tiers keeps its class (a new one has 0).
+  if (kind_ != PolicyKind::kClasses) Set(e, queue, 0);
+  Link(e, /*hot=*/true);
+}
+
+void EvictionOrder::ArrivedTogether(std::span<BlockEntry* const> chain, const Arrival& arrival) {
+  if (kind_ == PolicyKind::kS3Fifo) {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      Unlink(*it);
+      Link(*it, /*hot=*/true);
+    }
+    return;
+  }
+  if (kind_ != PolicyKind::kClasses) return;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    BlockEntry* e = chain[i];
+    const uint8_t c = ClassOf(arrival, i + 1 == chain.size());
+    const bool sample = ++arrivals_[c] % kSampleEvery == 0;
+    e->policy_bits = static_cast<uint8_t>(c | (sample ? kSampleBit : 0));
+    if (!sample && Demoted(c)) {
+      // Root first to the cold end: the leaf ends up coldest.
+      Unlink(e);
+      Link(e, /*hot=*/false);
+    }
+  }
+}
+
+uint8_t EvictionOrder::ClassOf(const Arrival& a, bool tail) {
+  auto bucket = [](uint32_t n, uint32_t b1, uint32_t b2, uint32_t b3) -> uint8_t {
+    return n < b1 ? 0 : n < b2 ? 1 : n < b3 ? 2 : 3;
+  };
+  const uint8_t hits = bucket(a.prefix_hits, 1, 4, 16);
+  const uint8_t length = bucket(a.request_blocks, 2, 8, 32);
+  return static_cast<uint8_t>((hits << 3) | (length << 1) | (tail && a.partial_tail ? 1 : 0));
+}
+
+bool EvictionOrder::Demoted(uint8_t c) const {
+  constexpr double kMinSamples = 8;
+  return samples_[c] >= kMinSamples && all_samples_ > 0 &&
+         reused_[c] / samples_[c] < 0.5 * (all_reused_ / all_samples_);
+}
+
+void EvictionOrder::Learn(const BlockEntry* e) {
+  if ((e->policy_bits & kSampleBit) == 0) return;
+  const uint8_t c = e->policy_bits & kClassMask;
+  const double reused = (e->policy_bits & kReusedBit) != 0 ? 1 : 0;
+  samples_[c] += 1;
+  reused_[c] += reused;
+  all_samples_ += 1;
+  all_reused_ += reused;
+  // Recent samples count most: halved once as many ended as the tier holds
+  // blocks (twice over), at least 1024.
+  if (all_samples_ > std::max<double>(1024, 2.0 * static_cast<double>(size()) / kSampleEvery)) {
+    for (size_t i = 0; i < kClasses; ++i) {
+      samples_[i] /= 2;
+      reused_[i] /= 2;
+    }
+    all_samples_ /= 2;
+    all_reused_ /= 2;
+  }
+}
+
+void EvictionOrder::Touch(BlockEntry* e) {
+  if (kind_ == PolicyKind::kClasses && (e->policy_bits & kSampleBit) != 0) e->policy_bits |= kReusedBit;
+  if (kind_ != PolicyKind::kS3Fifo) {
+    Unlink(e);
+    Link(e, /*hot=*/true);
+    return;
+  }
+  const uint8_t hits = HitsOf(e);
+  if (hits < kMaxHits) Set(e, QueueOf(e), static_cast<uint8_t>(hits + 1));
+}
+
+void EvictionOrder::Remove(BlockEntry* e, bool gone) {
+  Unlink(e);
+  if (gone && kind_ == PolicyKind::kClasses) {
+    Learn(e);
+    ghost_small_.SetRemember(size() + 1);
+    ghost_small_.Add(e->key.Low64());
+  }
+  if (!gone || kind_ != PolicyKind::kS3Fifo) return;
+  GhostFilter& ghost = QueueOf(e) == kSmall ? ghost_small_ : ghost_main_;
+  ghost.SetRemember(size() + 1);
+  ghost.Add(e->key.Low64());
+}
+
+void EvictionOrder::Return(BlockEntry* e, bool hot) { Link(e, hot); }
+
+bool EvictionOrder::Keep(BlockEntry* e) {
+  if (kind_ != PolicyKind::kS3Fifo || HitsOf(e) == 0) return false;
+  const bool from_small = QueueOf(e) == kSmall;
+  Unlink(e);
+  Set(e, kMain, from_small ? 0 : static_cast<uint8_t>(HitsOf(e) - 1));
+  Link(e, /*hot=*/true);
+  return true;
+}
+
+void EvictionOrder::Adapt(bool grow_small) {
+  // One block's worth of the tier per ghost hit.
+  const double step = 1.0 / static_cast<double>(std::max<uint64_t>(size(), 64));
+  small_share_ = std::clamp(small_share_ + (grow_small ? step : -step), 0.01, 0.9);
+}
+
+void EvictionOrder::Link(BlockEntry* e, bool hot) {
+  const int q = QueueOf(e);
+  Queue& l = queues_[q];
+  BlockEntry*& end = hot ? l.hottest : l.coldest;  // where e goes
+  BlockEntry*& other = hot ? l.coldest : l.hottest;
+  (hot ? e->lru_prev : e->lru_next) = end;
+  (hot ? e->lru_next : e->lru_prev) = nullptr;
+  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = e;
+  end = e;
+  if (other == nullptr) other = e;
+  ++count_[q];
+}
+
+void EvictionOrder::Unlink(BlockEntry* e) {
+  const int q = QueueOf(e);
+  Queue& l = queues_[q];
+  if (e->lru_prev != nullptr) {
+    e->lru_prev->lru_next = e->lru_next;
+  } else {
+    l.coldest = e->lru_next;
+  }
+  if (e->lru_next != nullptr) {
+    e->lru_next->lru_prev = e->lru_prev;
+  } else {
+    l.hottest = e->lru_prev;
+  }
+  e->lru_prev = e->lru_next = nullptr;
+  --count_[q];
+}
+
+}  // namespace kvtier

@@ -1,0 +1,180 @@
+// EvictionOrder: the order in which one tier offers its blocks for eviction,
+// and where blocks go in it when they arrive, are hit or come back from a
+// move (issue 19, docs/policy.md). BlockIndex keeps one per tier; blocks
+// link through BlockEntry::lru_prev/lru_next and keep the policy's bits in
+// BlockEntry::policy_bits. Every call is O(1); a victim scan looks at no
+// more than its limit of blocks.
+//
+//   lru     One queue: arrivals and hits go to the hot end, the scan starts
+//           at the cold end.
+//   s3fifo  Two FIFO queues, small (S) and main (M), after S3-FIFO (Yang et
+//           al., SOSP'23). An arrival enters S, or M when its key is a ghost
+//           (let go of recently). A hit only counts (2 bits; nothing
+//           moves). The scan takes S's oldest while S holds more than its
+//           share, else M's; a block hit since it entered is kept instead of
+//           evicted: out of S into M, or back to M's head with one hit less.
+//           S's share adapts on ghosts (ARC's rule): a block S let go that
+//           comes back grows it, one M let go shrinks it; it starts at 10%
+//           and stays within 1% to 90%.
+//
+// Which blocks may go is the caller's (leases, moves, children: the
+// `judge` of PickVictim); the order only says in which order to ask and
+// which of the willing to keep.
+//
+// Thread-compatible: owned by BlockIndex's thread.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "common/status.h"
+#include "tiers/block_entry.h"
+#include "tiers/ghost_filter.h"
+
+namespace kvtier {
+
+enum class PolicyKind : uint8_t { kLru = 0, kS3Fifo = 1, kClasses = 2 };
+std::string_view PolicyName(PolicyKind kind);  // "lru", "s3fifo", "classes"
+// Errors: kInvalidArgument naming the text and the policies.
+Result<PolicyKind> ParsePolicy(std::string_view name);
+
+// What a victim scan's caller says of a candidate.
+enum class Candidate : uint8_t {
+  kSkip,        // cannot go now
+  kEvict,       // may go
+  kLastResort,  // may go, but only when no kEvict one is found (a parent of cached blocks)
+};
+
+class EvictionOrder {
+ public:
+  explicit EvictionOrder(PolicyKind kind = PolicyKind::kLru) : kind_(kind) {}
+  EvictionOrder(const EvictionOrder&) = delete;
+  EvictionOrder& operator=(const EvictionOrder&) = delete;
+
+  PolicyKind kind() const { return kind_; }
+
+  // `e` arrives in the tier: a store, or a move from another tier.
+  void Insert(BlockEntry* e);
+  // What the store of a chain of blocks knew of its request.
+  struct Arrival {
+    uint32_t prefix_hits = 0;    // leading blocks of the request held, or let go of lately (Remembers)
+    uint32_t request_blocks = 0;  // blocks of the request (hits and new)
+    bool partial_tail = false;   // the chain's last block covers part of a block's tokens
+  };
+  // The blocks of one store arrived, root first (each the parent of the
+  // next), after their Inserts: s3fifo queues them deepest first, so that
+  // its FIFO order is leaf first too; classes takes their class and may
+  // move them to the cold end; lru leaves them in arrival order.
+  void ArrivedTogether(std::span<BlockEntry* const> chain, const Arrival& arrival);
+  // `e` was hit.
+  void Touch(BlockEntry* e);
+  // `e` leaves the order: for a while (a move in flight, Return brings it
+  // back) or, `gone`, for good (the tier let go of it: remembered as a
+  // ghost).
+  void Remove(BlockEntry* e, bool gone);
+  // `e` comes back after Remove(e, false): its queue and hits as they were,
+  // at its queue's hot or cold end.
+  void Return(BlockEntry* e, bool hot);
+
+  // The first candidate, in the policy's order, that `judge` (Candidate
+  // (const BlockEntry*)) says may go, or else the first it says may go as a
+  // last resort (*last_resort set), or null; at most `limit` candidates are
+  // looked at. s3fifo keeps (moves) the willing that were hit meanwhile.
+  // `judge` must not change the order.
+  template <typename F>
+  BlockEntry* PickVictim(uint32_t limit, F&& judge, bool* last_resort);
+
+  uint64_t size() const { return count_[0] + count_[1]; }
+  // Whether the tier let go of a block of this key lately (s3fifo and
+  // classes keep ghosts; lru none).
+  bool Remembers(const StoredKey& key) const {
+    const uint64_t f = key.Low64();
+    return ghost_small_.Contains(f) || ghost_main_.Contains(f);
+  }
+  // s3fifo: blocks in S, and S's target share of the tier (0 for lru).
+  uint64_t small_size() const { return kind_ == PolicyKind::kS3Fifo ? count_[kSmall] : 0; }
+  double small_share() const { return kind_ == PolicyKind::kS3Fifo ? small_share_ : 0.0; }
+  // The first block of a queue from its cold end, and the next hotter one
+  // (tests, and the order's own scan).
+  BlockEntry* Coldest(bool main_queue = false) const { return queues_[main_queue ? kMain : kSmall].coldest; }
+  static BlockEntry* Hotter(const BlockEntry* e) { return e->lru_next; }
+
+ private:
+  // lru keeps everything in queue 0; s3fifo: S is 0, M is 1.
+  static constexpr int kSmall = 0;
+  static constexpr int kMain = 1;
+  static constexpr uint8_t kQueueBit = 0x1;
+  static constexpr uint8_t kHitsShift = 1;
+  static constexpr uint8_t kMaxHits = 3;
+
+  struct Queue {
+    BlockEntry* coldest = nullptr;
+    BlockEntry* hottest = nullptr;
+  };
+  int QueueOf(const BlockEntry* e) const { return kind_ == PolicyKind::kS3Fifo ? e->policy_bits & kQueueBit : 0; }
+  // classes: policy_bits holds the class (5 bits), whether the block is a
+  // sample (inserted hot whatever its class: what the class's reuse is
+  // learned from) and whether a sample was hit.
+  static constexpr uint8_t kClassMask = 0x1f;
+  static constexpr uint8_t kSampleBit = 0x20;
+  static constexpr uint8_t kReusedBit = 0x40;
+  static constexpr size_t kClasses = 32;
+  static constexpr uint32_t kSampleEvery = 8;
+  static uint8_t ClassOf(const Arrival& a, bool tail);
+  // Whether class `c` goes to the cold end: its samples were reused less
+  // than half as often as all samples were.
+  bool Demoted(uint8_t c) const;
+  void Learn(const BlockEntry* e);
+  static uint8_t HitsOf(const BlockEntry* e) { return static_cast<uint8_t>(e->policy_bits >> kHitsShift); }
+  static void Set(BlockEntry* e, int queue, uint8_t hits) {
+    e->policy_bits = static_cast<uint8_t>(queue | (hits << kHitsShift));
+  }
+  void Link(BlockEntry* e, bool hot);
+  void Unlink(BlockEntry* e);
+  // s3fifo: whether the scan keeps willing block `e` (hit since it entered
+  // its queue), and moves it.
+  bool Keep(BlockEntry* e);
+  void Adapt(bool grow_small);
+
+  const PolicyKind kind_;
+  Queue queues_[2];
+  uint64_t count_[2] = {};
+  double small_share_ = 0.1;
+  GhostFilter ghost_small_;  // let go of from S
+  GhostFilter ghost_main_;   // let go of from M
+  // classes: per class, arrivals, and the samples that ended (left the
+  // tier) and were reused; halved as they grow, so recent blocks count most.
+  uint32_t arrivals_[kClasses] = {};
+  double samples_[kClasses] = {};
+  double reused_[kClasses] = {};
+  double all_samples_ = 0;
+  double all_reused_ = 0;
+};
+
+template <typename F>
+BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_resort) {
+  BlockEntry* fallback = nullptr;
+  uint32_t scanned = 0;
+  int first = kSmall;
+  if (kind_ == PolicyKind::kS3Fifo &&
+      (static_cast<double>(count_[kSmall]) <= small_share_ * static_cast<double>(size()) || count_[kSmall] == 0)) {
+    first = kMain;
+  }
+  for (int q : {first, 1 - first}) {
+    for (BlockEntry* e = queues_[q].coldest; e != nullptr && scanned < limit; ++scanned) {
+      BlockEntry* next = e->lru_next;  // before Keep moves it
+      const Candidate c = judge(static_cast<const BlockEntry*>(e));
+      if (c == Candidate::kEvict && !Keep(e)) {
+        if (last_resort != nullptr) *last_resort = false;
+        return e;
+      }
+      if (c == Candidate::kLastResort && fallback == nullptr) fallback = e;
+      e = next;
+    }
+  }
+  if (last_resort != nullptr) *last_resort = fallback != nullptr;
+  return fallback;
+}
+
+}  // namespace kvtier
