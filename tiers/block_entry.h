@@ -34,7 +34,7 @@ struct BlockEntry {
   Tier tier = Tier::kHost;
   EntryState state = EntryState::kFilling;
   bool moving = false;       // a copy to another tier is in flight
-  // Out of its tier's LRU list (BlockIndex::Park), while it moves: eviction
+  // Out of its tier's eviction order (BlockIndex::Park), while it moves: eviction
   // never looks at a block that cannot go anyway.
   bool parked = false;
   // Parked while it changed tier: Unpark puts it into the new tier's order
