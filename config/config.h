@@ -151,6 +151,10 @@ struct Config {
     uint32_t disk_promotion_min_hits = 4;
     struct DiskAdmission {
       uint32_t min_hits = 0;
+      // A block leaving host is written to disk only once it has shown
+      // reuse: a hit since its store, or a store again after host let it go
+      // unwritten (tiers/block_cache.h, Options::disk_admit_on_reuse).
+      bool reuse = false;
       std::optional<uint64_t> write_budget_bytes_per_day;  // unset: unlimited
     } disk_admission;
   } policy;

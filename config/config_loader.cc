@@ -664,6 +664,7 @@ void ReadPolicy(Context* ctx, const YAML::Node& node, Config::Policy* p) {
     MapReader a(ctx, r.Take("disk_admission"), "policy.disk_admission");
     a.Read("min_hits", &p->disk_admission.min_hits,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 1000000, v); });
+    a.Read("reuse", &p->disk_admission.reuse, ParseBoolNode);
     a.Read("write_budget_per_day", &p->disk_admission.write_budget_bytes_per_day,
            [](const YAML::Node& n, std::optional<uint64_t>* v) -> ParseResult {
              if (n.IsScalar() && n.Scalar() == "unlimited") {

@@ -55,7 +55,8 @@ std::string ConfigSummary(const Config& c) {
     << Marks(c.policy.watermarks.host) << "), disk (" << Marks(c.policy.watermarks.disk) << ")\n";
   o << "          " << (c.policy.prefix_aware ? "prefix-aware " : "") << "lru, "
     << (c.policy.write_policy == WritePolicy::kWriteBack ? "write-back" : "write-through")
-    << ", disk admission after " << c.policy.disk_admission.min_hits << " hits, budget "
+    << ", disk admission after " << c.policy.disk_admission.min_hits << " hits"
+    << (c.policy.disk_admission.reuse ? " and reuse" : "") << ", budget "
     << (c.policy.disk_admission.write_budget_bytes_per_day
             ? FormatSize(*c.policy.disk_admission.write_budget_bytes_per_day) + "/day"
             : std::string("unlimited"))

@@ -638,6 +638,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_read_failures", c.disk_read_failures},
                         {"disk_write_failures", c.disk_write_failures},
                         {"disk_not_admitted", c.disk_not_admitted},
+                        {"disk_admitted_on_return", c.disk_admitted_on_return},
                         {"disk_over_budget", c.disk_over_budget},
                         {"disk_reinsertions", c.disk_reinsertions},
                         {"disk_reinsertions_dropped", c.disk_reinsertions_dropped},

@@ -57,6 +57,7 @@
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
+#include "tiers/ghost_filter.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk_only_index.h"
 #include "tiers/disk_write_log.h"
@@ -159,6 +160,7 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_read_failures = 0;   // records that failed their checks or I/O: dropped, never served
   uint64_t disk_write_failures = 0;
   uint64_t disk_not_admitted = 0;    // demotions dropped by the admission policy
+  uint64_t disk_admitted_on_return = 0;  // reuse gate: written as stored again after they were let go
   uint64_t disk_returns = 0;         // host blocks still on disk sent back without a write
   uint64_t disk_hits_not_promoted =
       0;  // blocks read from disk for a load, not hot enough to stay in host
@@ -260,6 +262,12 @@ class BlockCache {
     // room: a token bucket that holds a day's budget and refills evenly, so
     // KV offload cannot wear the flash out faster than the operator allows.
     uint32_t disk_min_hits = 0;
+    // The NVMe gate (issue 19): a block is written only once it has shown
+    // reuse, as well: a hit since its store, or a store again after host let
+    // it go unwritten. What host let go of unwritten is remembered in a ghost
+    // filter of about a byte per key, for the last 4x host's blocks of them
+    // (tiers/ghost_filter.h; a few % of false positives are admitted).
+    bool disk_admit_on_reuse = false;
     // A block a load read from disk stays in host only with this many hits
     // since it was written (0: always); else it goes back to the disk tier
     // once loaded, no write needed (its record serves the next hit), since
@@ -739,6 +747,7 @@ class BlockCache {
 
   Options options_;
   BlockIndex index_;
+  GhostFilter let_go_unwritten_;  // disk_admit_on_reuse
   DiskOnlyIndex disk_only_;
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];

@@ -617,13 +617,21 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
   const std::optional<uint64_t>& disk_quota =
       v->owner < quotas_.size() ? quotas_[v->owner].bytes[static_cast<size_t>(Tier::kDisk)]
                                 : std::nullopt;
-  const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits &&
+  bool returned = false;  // stored again after host let it go unwritten
+  if (options_.disk_admit_on_reuse && v->hits == 0) returned = let_go_unwritten_.Contains(v->key.Low64());
+  const bool reused = !options_.disk_admit_on_reuse || v->hits > 0 || returned;
+  const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits && reused &&
                         (!disk_quota || *disk_quota >= SlotBytes(v));
   const uint64_t record = RecordBytes(SlotBytes(v), v->coded_bytes != 0);
   if (admitted && TakeWriteBudget(record)) {
+    counters_.disk_admitted_on_return += returned ? 1 : 0;
     StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
   } else {
     ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
+    if (options_.disk_admit_on_reuse && !reused) {
+      let_go_unwritten_.SetRemember(4 * index_.order(Tier::kHost).size());
+      let_go_unwritten_.Add(v->key.Low64());
+    }
     Drop(v);
   }
 }

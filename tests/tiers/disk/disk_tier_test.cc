@@ -122,6 +122,7 @@ class DiskTierTest : public ::testing::Test {
                           .eviction_scan_limit = 1024,
                           .disk = disk_.get(),
                           .disk_min_hits = 0,
+                          .disk_admit_on_reuse = admit_on_reuse_,
                           .disk_promotion_min_hits = promotion_min_hits_,
                           .disk_write_budget_bytes_per_day = budget_per_day,
                           .disk_write_through = write_through,
@@ -235,6 +236,7 @@ class DiskTierTest : public ::testing::Test {
   std::string dir_;
   std::string index_path_;
   uint32_t promotion_min_hits_ = 0;
+  bool admit_on_reuse_ = false;
   std::mt19937_64 rng_{42};
   std::unique_ptr<HostBackend> backend_;
   std::unique_ptr<EngineMemory> engine_;
@@ -323,6 +325,36 @@ TEST_F(DiskTierTest, WriteBudgetLimitsDemotionsPerDay) {
   now_ += std::chrono::hours(48);                    // the bucket holds one day at most
   StoreAll(NewKeys(20));
   EXPECT_EQ(cache_->counters().disk_demotions, 4u + 3u);
+}
+
+// The NVMe gate: a block leaving host is written only once it has shown
+// reuse. One-offs are dropped; a block hit in host, or stored again after
+// host let it go unwritten, is written.
+TEST_F(DiskTierTest, TheReuseGateWritesOnlyBlocksThatShowedReuse) {
+  admit_on_reuse_ = true;
+  Open();
+  const std::vector<StoredKey> once = NewKeys(12);
+  StoreAll(once);
+  EXPECT_EQ(cache_->counters().disk_demotions, 0u);
+  EXPECT_GT(cache_->counters().disk_not_admitted, 0u);
+  const uint64_t dropped = cache_->counters().disk_not_admitted;
+  // A block hit while in host is written when it leaves.
+  const std::vector<StoredKey> hot = NewKeys(1);
+  StoreAll(hot);
+  ASSERT_TRUE(LoadExact(hot[0]));
+  StoreAll(NewKeys(12));
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(cache_->counters().disk_demotions, 1u);
+  EXPECT_TRUE(LoadExact(hot[0])) << "from disk";
+  // The first blocks, stored again after they were dropped, are written
+  // when they leave this time.
+  StoreAll({once.begin(), once.begin() + 4});
+  StoreAll(NewKeys(12));
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(cache_->counters().disk_admitted_on_return, 4u);
+  EXPECT_EQ(cache_->counters().disk_demotions, 5u);
+  EXPECT_GE(cache_->counters().disk_not_admitted, dropped + 12u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(LoadExact(once[i])) << i;
 }
 
 TEST_F(DiskTierTest, HotBlocksSurviveTheReclaimOfTheirRegion) {
