@@ -101,7 +101,7 @@ void BlockIndex::Unpark(BlockEntry* e, bool hot) {
   if (!e->parked) return;
   e->parked = false;
   if (std::exchange(e->arrives, false)) {
-    order(e->tier).Insert(e);
+    order(e->tier).Insert(e, hot);
   } else {
     order(e->tier).Return(e, hot);
   }

@@ -21,7 +21,7 @@ Result<PolicyKind> ParsePolicy(std::string_view name) {
   return Err(InvalidArgument("unknown policy '" + std::string(name) + "' (lru, s3fifo or classes)"));
 }
 
-void EvictionOrder::Insert(BlockEntry* e) {
+void EvictionOrder::Insert(BlockEntry* e, bool hot) {
   int queue = kSmall;
   if (kind_ == PolicyKind::kS3Fifo) {
     const uint64_t fingerprint = e->key.Low64();
@@ -35,7 +35,7 @@ void EvictionOrder::Insert(BlockEntry* e) {
   }
   // classes: a block moving between tiers keeps its class (a new one has 0).
   if (kind_ != PolicyKind::kClasses) Set(e, queue, 0);
-  Link(e, /*hot=*/true);
+  Link(e, hot);
 }
 
 void EvictionOrder::ArrivedTogether(std::span<BlockEntry* const> chain, const Arrival& arrival) {

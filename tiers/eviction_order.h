@@ -54,8 +54,10 @@ class EvictionOrder {
 
   PolicyKind kind() const { return kind_; }
 
-  // `e` arrives in the tier: a store, or a move from another tier.
-  void Insert(BlockEntry* e);
+  // `e` arrives in the tier: a store, or a move from another tier; at the
+  // hot end of its queue, or the cold end (a move that ended with the block
+  // parked, BlockIndex::Unpark).
+  void Insert(BlockEntry* e, bool hot = true);
   // What the store of a chain of blocks knew of its request.
   struct Arrival {
     uint32_t prefix_hits = 0;    // leading blocks of the request held, or let go of lately (Remembers)
