@@ -533,6 +533,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   trace->add_option("--dir", trace_options.dir, "directory for the disk tier's segments (started daemon only)");
   trace->add_option("--set", trace_options.sets, "extra kvtierd --set key=value (started daemon only)");
+  trace->add_flag("--partial-tail", trace_options.partial_tail,
+                  "also look up and store each request's partial last block (engines store full blocks only)");
   trace
       ->add_option_function<std::string>(
           "--codec",

@@ -142,6 +142,7 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " block accesses: hbm %.2f%%, host %.2f%%, disk %.2f%%\n",
               Pct(sum.hits, sum.accesses), sum.accesses, Pct(sum.tier_hits[0], sum.accesses),
               Pct(sum.tier_hits[1], sum.accesses), Pct(sum.tier_hits[2], sum.accesses));
+  std::printf("          prefill tokens saved: %.2f%% of %" PRIu64 "\n", Pct(sum.hit_tokens, sum.tokens), sum.tokens);
   std::printf("blocks:   %" PRIu64 " loaded (%" PRIu64 " byte-exact, %" PRIu64
               " loads short of their lookup), %" PRIu64 " stored, %" PRIu64
               " already stored, %" PRIu64 " refused\n",
@@ -250,12 +251,14 @@ struct Simulated {
 void PrintSimulations(const Simulated& sim, const Capacity& cap,
                       std::span<const TraceRequest> requests) {
   std::printf("\nsimulated, prefix hits, one request at a time:\n");
-  std::printf("  %-34s %7.2f%%\n", "unbounded (the reuse ceiling)", 100 * sim.ceiling.hit_rate());
-  std::printf("  %-34s %7.2f%%\n", ("LRU, " + std::to_string(cap.total()) + " blocks").c_str(),
-              100 * sim.lru.hit_rate());
-  std::printf("  %-34s %7.2f%%   (any-position hits %.2f%%: the bound for every policy)\n",
-              ("Belady, " + std::to_string(cap.total()) + " blocks").c_str(),
-              100 * sim.belady.hit_rate(), 100 * sim.belady.any_hit_rate());
+  std::printf("  %-34s %7s   %s\n", "", "blocks", "prefill tokens saved");
+  std::printf("  %-34s %7.2f%%   %.2f%%\n", "unbounded (the reuse ceiling)", 100 * sim.ceiling.hit_rate(),
+              100 * sim.ceiling.token_hit_rate());
+  std::printf("  %-34s %7.2f%%   %.2f%%\n", ("LRU, " + std::to_string(cap.total()) + " blocks").c_str(),
+              100 * sim.lru.hit_rate(), 100 * sim.lru.token_hit_rate());
+  std::printf("  %-34s %7.2f%%   %.2f%%   (any-position hits %.2f%%: the bound for every policy)\n",
+              ("Belady, " + std::to_string(cap.total()) + " blocks").c_str(), 100 * sim.belady.hit_rate(),
+              100 * sim.belady.token_hit_rate(), 100 * sim.belady.any_hit_rate());
   if (cap.tiers() < 2) return;
   for (auto [name, c] :
        {std::pair<const char*, uint64_t>{"hbm", cap.hbm}, {"host", cap.host}, {"disk", cap.disk}}) {
@@ -316,8 +319,12 @@ JsonFields JsonConfig(const TraceOptions& o, const ReplayCounts& sum, const Capa
       {"host_quota_bytes", std::to_string(o.host_quota_bytes)},
       {"disk_quota_bytes", std::to_string(o.disk_quota_bytes)},
       {"capacity_blocks", std::to_string(cap.total())},
+      {"partial_tail", o.partial_tail ? "kept" : "dropped"},
       {"wall_s", std::to_string(wall_s)},
   };
+  char saved[32];
+  std::snprintf(saved, sizeof(saved), "%.3f", Pct(sum.hit_tokens, sum.tokens));
+  config.emplace_back("prefill_tokens_saved_pct", saved);
   const char* tiers[] = {"hbm", "host", "disk"};
   for (int t = 0; t < 3; ++t) {
     char pct[32];
@@ -434,6 +441,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
                   .salt = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) ^
                           (static_cast<uint64_t>(::getpid()) << 32)};
   if (o.requests > 0 && o.requests < plan.requests.size()) plan.requests.resize(o.requests);
+  const uint64_t tails = o.partial_tail ? 0 : trace::DropPartialTails(&plan.requests);
   std::printf("config:   %s: %zu requests, %" PRIu64 " block accesses, %" PRIu64
               " distinct blocks\n",
               o.trace_path.c_str(), plan.requests.size(), trace::CountAccesses(plan.requests),
@@ -443,6 +451,13 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
               o.block_bytes >> 10, o.clients,
               o.speed > 0 ? ("at " + std::to_string(o.speed) + "x the trace's pace").c_str()
                           : "as fast as possible");
+  if (o.partial_tail) {
+    std::printf("          partial tail blocks looked up and stored too (--partial-tail)\n");
+  } else {
+    std::printf("          full blocks only, as vLLM and SGLang: %" PRIu64
+                " partial tail blocks neither looked up nor stored (--partial-tail keeps them)\n",
+                tails);
+  }
 
   // The daemon: started with these tiers, or a running one.
   const uint64_t stride = (o.block_bytes + kSlotAlignBytes - 1) / kSlotAlignBytes * kSlotAlignBytes;

@@ -44,6 +44,9 @@ struct TraceOptions {
   // with the codec and without (none), the same tier bytes and KV-like block
   // contents, and reports the hit rates side by side.
   CodecKind codec = CodecKind::kNone;
+  // Keep each request's partial last block (looked up and stored, as
+  // before issue 19); by default only full blocks are, as engines do.
+  bool partial_tail = false;
 };
 
 // Runs the replay and the simulations and prints (and writes) the report.

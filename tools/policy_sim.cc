@@ -63,6 +63,8 @@ PolicySimResult SimulatePolicy(std::span<const TraceRequest> trace, const Policy
       r.hits += hits;
       r.any_hits += any;
       r.accesses += keys.size();
+      r.tokens += req.Tokens();
+      r.hit_tokens += req.TokensOf(hits);
       ++r.requests;
     }
     for (auto it = hit.rbegin(); it != hit.rend(); ++it) index.Touch(*it);

@@ -122,6 +122,8 @@ void RunClient(uint32_t index, const Prepared& p, Shared* shared, int ready_fd, 
     rep.requests += 1;
     rep.accesses += n;
     rep.hits += found->hits;
+    rep.tokens += requests[i].Tokens();
+    rep.hit_tokens += requests[i].TokensOf(found->hits);
     for (BlockTier t : found->tiers) rep.tier_hits[static_cast<int>(t) - 1] += 1;
     // The hit prefix into engine blocks 0..hits-1; the engine computes the
     // rest and stores it.
@@ -160,6 +162,8 @@ void ReplayCounts::Add(const ReplayCounts& r) {
   requests += r.requests;
   accesses += r.accesses;
   hits += r.hits;
+  tokens += r.tokens;
+  hit_tokens += r.hit_tokens;
   for (int t = 0; t < 3; ++t) tier_hits[t] += r.tier_hits[t];
   loaded += r.loaded;
   short_loads += r.short_loads;

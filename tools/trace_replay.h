@@ -53,6 +53,8 @@ struct ReplayCounts {
   uint64_t requests = 0;
   uint64_t accesses = 0;       // block accesses (keys looked up)
   uint64_t hits = 0;           // the lookups' hit prefixes
+  uint64_t tokens = 0;         // the requests' input tokens
+  uint64_t hit_tokens = 0;     // of which the hit prefixes cover (TraceRequest::TokensOf)
   uint64_t tier_hits[3] = {};  // of which in hbm, host, disk
   uint64_t loaded = 0;         // blocks loaded into the engine
   uint64_t short_loads = 0;    // loads that returned fewer blocks than their lookup's hits

@@ -159,6 +159,7 @@ class LineParser {
 // simulations index vectors instead of hash maps.
 struct DenseTrace {
   std::vector<std::vector<uint32_t>> requests;
+  std::vector<const TraceRequest*> source;  // per request
   uint32_t unique = 0;
 };
 
@@ -167,6 +168,7 @@ DenseTrace Densify(std::span<const TraceRequest> trace) {
   std::unordered_map<uint64_t, uint32_t> ids;
   d.requests.reserve(trace.size());
   for (const TraceRequest& r : trace) {
+    d.source.push_back(&r);
     std::vector<uint32_t>& out = d.requests.emplace_back();
     out.reserve(r.hash_ids.size());
     for (uint64_t h : r.hash_ids)
@@ -178,15 +180,19 @@ DenseTrace Densify(std::span<const TraceRequest> trace) {
 
 // Counts a request's prefix and any hits against `cached`.
 template <typename IsCached>
-void CountHits(const std::vector<uint32_t>& request, IsCached cached, SimResult& r) {
+void CountHits(const std::vector<uint32_t>& request, const TraceRequest& source, IsCached cached, SimResult& r) {
   bool prefix = true;
+  uint64_t hits = 0;
   for (uint32_t b : request) {
     const bool hit = cached(b);
     prefix = prefix && hit;
-    r.hits += prefix ? 1 : 0;
+    hits += prefix ? 1 : 0;
     r.any_hits += hit ? 1 : 0;
   }
+  r.hits += hits;
   r.accesses += request.size();
+  r.tokens += source.Tokens();
+  r.hit_tokens += source.TokensOf(hits);
   ++r.requests;
 }
 
@@ -228,6 +234,17 @@ Result<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
   return r;
 }
 
+uint64_t DropPartialTails(std::vector<TraceRequest>* trace) {
+  uint64_t dropped = 0;
+  for (TraceRequest& r : *trace) {
+    const uint64_t started = (r.input_tokens + kTraceBlockTokens - 1) / kTraceBlockTokens;
+    if (r.input_tokens % kTraceBlockTokens == 0 || r.hash_ids.size() != started) continue;
+    r.hash_ids.pop_back();
+    ++dropped;
+  }
+  return dropped;
+}
+
 uint64_t CountAccesses(std::span<const TraceRequest> trace) {
   uint64_t n = 0;
   for (const TraceRequest& r : trace) n += r.hash_ids.size();
@@ -240,9 +257,10 @@ SimResult SimulateUnbounded(std::span<const TraceRequest> trace) {
   const DenseTrace d = Densify(trace);
   SimResult r{.capacity_blocks = std::numeric_limits<uint64_t>::max()};
   std::vector<bool> cached(d.unique, false);
-  for (const std::vector<uint32_t>& req : d.requests) {
+  for (size_t n = 0; n < d.requests.size(); ++n) {
+    const std::vector<uint32_t>& req = d.requests[n];
     CountHits(
-        req, [&](uint32_t b) { return static_cast<bool>(cached[b]); }, r);
+        req, *d.source[n], [&](uint32_t b) { return static_cast<bool>(cached[b]); }, r);
     for (uint32_t b : req) {
       if (!cached[b]) ++r.insertions;
       cached[b] = true;
@@ -271,9 +289,10 @@ SimResult SimulateLru(std::span<const TraceRequest> trace, uint64_t capacity_blo
     (tail == kNone ? head : next[tail]) = b;
     tail = b;
   };
-  for (const std::vector<uint32_t>& req : d.requests) {
+  for (size_t n = 0; n < d.requests.size(); ++n) {
+    const std::vector<uint32_t>& req = d.requests[n];
     CountHits(
-        req, [&](uint32_t b) { return static_cast<bool>(cached[b]); }, r);
+        req, *d.source[n], [&](uint32_t b) { return static_cast<bool>(cached[b]); }, r);
     if (capacity_blocks == 0) continue;
     for (uint32_t b : req) {
       if (cached[b]) {
@@ -333,7 +352,7 @@ SimResult SimulateBelady(std::span<const TraceRequest> trace, uint64_t capacity_
   SimResult warming;  // the hits of the requests before count_from_request
   for (uint64_t n = 0; n < d.requests.size(); ++n) {
     const std::vector<uint32_t>& req = d.requests[n];
-    CountHits(req, is_cached, n < count_from_request ? warming : r);
+    CountHits(req, *d.source[n], is_cached, n < count_from_request ? warming : r);
     for (uint32_t b : req) {
       const uint64_t nr = next_ref[i++];
       if (capacity_blocks == 0) continue;

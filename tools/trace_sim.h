@@ -23,6 +23,7 @@
 // Pure functions over values: thread-safe. No kvtier daemon involved.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -41,6 +42,14 @@ struct TraceRequest {
   uint64_t input_tokens = 0;
   uint64_t output_tokens = 0;
   std::vector<uint64_t> hash_ids;  // one per 512-token block of the input
+
+  // The prefill tokens that `hits` leading blocks cover; with no
+  // input_length, 512 a block.
+  uint64_t TokensOf(uint64_t hits) const {
+    const uint64_t t = hits * kTraceBlockTokens;
+    return input_tokens == 0 ? t : std::min(t, input_tokens);
+  }
+  uint64_t Tokens() const { return input_tokens == 0 ? hash_ids.size() * kTraceBlockTokens : input_tokens; }
 };
 
 // Parses one line of the trace: a flat JSON object whose values are numbers,
@@ -69,15 +78,30 @@ struct SimResult {
   uint64_t any_hits = 0;
   uint64_t insertions = 0;  // blocks stored (misses that were inserted)
   uint64_t evictions = 0;
+  // Prefill tokens: the requests' input tokens, and those their prefix hits
+  // cover (a hit block covers 512, the input's last block what is left of
+  // it). The same with partial tail blocks dropped or kept.
+  uint64_t tokens = 0;
+  uint64_t hit_tokens = 0;
 
   // hits / accesses, in [0, 1]; 0 for an empty trace.
   double hit_rate() const {
     return accesses == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(accesses);
   }
+  double token_hit_rate() const {
+    return tokens == 0 ? 0.0 : static_cast<double>(hit_tokens) / static_cast<double>(tokens);
+  }
   double any_hit_rate() const {
     return accesses == 0 ? 0.0 : static_cast<double>(any_hits) / static_cast<double>(accesses);
   }
 };
+
+// What an engine that stores only full blocks (vLLM, SGLang) looks up and
+// stores of each request: drops the last hash id of every request whose
+// input ends in a partial block (input_length not a multiple of 512, and one
+// id per started block). Requests without input_length are left alone.
+// Returns the number of ids dropped.
+uint64_t DropPartialTails(std::vector<TraceRequest>* trace);
 
 // Block accesses of the trace and its distinct blocks (the capacity at which
 // every simulation reaches the ceiling).

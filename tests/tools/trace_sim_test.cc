@@ -111,6 +111,41 @@ TEST(TraceSimTest, LruAndBeladyByHand) {
   EXPECT_EQ(SimulateBelady(cyc, 2).hits, 4u);
 }
 
+TEST(TraceSimTest, FullBlocksOnlyDropsPartialTails) {
+  // 1,300 tokens: two full blocks and a partial one. 1,024: two full. No
+  // input_length: left alone. An id list that does not cover the input (a
+  // trace of other semantics) is left alone too.
+  std::vector<TraceRequest> t = {
+      {.input_tokens = 1300, .hash_ids = {1, 2, 3}},
+      {.input_tokens = 1024, .hash_ids = {1, 2}},
+      {.input_tokens = 0, .hash_ids = {1, 2, 4}},
+      {.input_tokens = 1300, .hash_ids = {1, 2}},
+      {.input_tokens = 1300, .hash_ids = {1, 2, 5}},
+  };
+  EXPECT_EQ(DropPartialTails(&t), 2u);
+  EXPECT_EQ(t[0].hash_ids, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(t[1].hash_ids, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(t[2].hash_ids, (std::vector<uint64_t>{1, 2, 4}));
+  EXPECT_EQ(t[3].hash_ids, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(t[4].hash_ids, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(DropPartialTails(&t), 0u) << "a second pass finds none";
+
+  // Prefill tokens saved: a hit block covers 512 tokens, the last one what
+  // is left of the input. Requests 2 to 5 hit {1, 2}: 1,024 tokens each
+  // (request 3, with no input_length, counts 3 blocks of 512).
+  const SimResult u = SimulateUnbounded(t);
+  EXPECT_EQ(u.tokens, 1300u + 1024u + 1536u + 1300u + 1300u);
+  EXPECT_EQ(u.hit_tokens, 4u * 1024u);
+  EXPECT_EQ(SimulateLru(t, 10).hit_tokens, u.hit_tokens);
+  EXPECT_EQ(SimulateBelady(t, 10).hit_tokens, u.hit_tokens);
+
+  // Kept, a hit on a partial tail covers only its tokens.
+  const std::vector<TraceRequest> kept = {{.input_tokens = 1300, .hash_ids = {1, 2, 3}},
+                                          {.input_tokens = 1300, .hash_ids = {1, 2, 3}}};
+  EXPECT_EQ(SimulateUnbounded(kept).hit_tokens, 1300u);
+  EXPECT_DOUBLE_EQ(SimulateUnbounded(kept).token_hit_rate(), 0.5);
+}
+
 TEST(TraceSimTest, ZeroCapacityNeverHits) {
   const auto t = Trace({{1, 2}, {1, 2}});
   EXPECT_EQ(SimulateLru(t, 0).hits, 0u);
@@ -276,6 +311,15 @@ TEST(MooncakeTraceTest, ReproducesThePublishedHitRates) {
   EXPECT_GT(ceiling.hit_rate(), opt.hit_rate());
   EXPECT_EQ(lru.accesses, 121877u);
   EXPECT_EQ(CountUniqueBlocks(*t), 43924u);
+
+  // Full blocks only, as vLLM and SGLang store them: every request but 4
+  // ends in a partial block, and no partial block is reused as a prefix
+  // hit unless the same prompt comes again.
+  std::vector<TraceRequest> full = *t;
+  EXPECT_EQ(DropPartialTails(&full), 3989u);
+  EXPECT_EQ(CountAccesses(full), 121877u - 3989u);
+  const SimResult lru_full = SimulateLru(full, 5000);
+  EXPECT_GE(lru_full.hit_tokens, lru.hit_tokens) << "partial tails only took room";
 }
 
 }  // namespace
