@@ -165,6 +165,23 @@ class Client::Impl {
     return out;
   }
 
+  Result<HintResult> Hint(CacheId id, std::span<const BlockKey> keys, const BlockHint& hint) {
+    if (hint.last_partial) return Err(InvalidArgument("last_partial is a store's hint, not one for cached blocks"));
+    KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(hint.priority, hint.next_use_ms));
+    MutexLock lock(&mu_);
+    KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+    FlatBufferBuilder b(64 + keys.size() * 16);
+    const std::vector<w::Key> wk = KeysToWire(keys);
+    const uint64_t rid = next_id_++;
+    KVTIER_ASSIGN_OR_RETURN(
+        Reply r, Call(ipc::FinishMessage(b, rid,
+                                         w::CreateHintDirect(b, c->namespace_id, &wk, hint.priority, hint.next_use_ms,
+                                                             hint.session_over)),
+                      {}, rid, w::Body::HintReply));
+    const w::HintReply* hr = r.msg->body_as_HintReply();
+    return HintResult{.hinted = hr->hinted(), .refused = hr->refused()};
+  }
+
   Result<uint32_t> Prefetch(CacheId id, std::span<const BlockKey> keys) {
     MutexLock lock(&mu_);
     KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
@@ -184,8 +201,12 @@ class Client::Impl {
                                                    std::span<const uint32_t> block_ids,
                                                    const std::optional<BlockKey>& parent, bool ordered = false,
                                                    CudaStream stream = nullptr,
-                                                   const BlockEventInfo* events = nullptr) {
+                                                   const BlockEventInfo* events = nullptr,
+                                                   const BlockHint* hint = nullptr) {
     MutexLock lock(&mu_);
+    const BlockHint h = hint != nullptr ? *hint : BlockHint{};
+    if (h.session_over) return Err(InvalidArgument("session_over is a hint for cached blocks (Hint), not a store's"));
+    KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(h.priority, h.next_use_ms));
     if (keys.size() != block_ids.size()) {
       return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
                                  " block ids"));
@@ -248,7 +269,8 @@ class Client::Impl {
           w::CreateStoreDirect(b, c->namespace_id, &wk, &ids, parent ? &p : nullptr, wait, event, event, completion,
                                events != nullptr ? &hashes : nullptr, events != nullptr ? events->hash_bytes : 0,
                                parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
-                               events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str()));
+                               events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str(),
+                               h.priority, h.next_use_ms, h.last_partial));
     }
     if (wait) {
       Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
@@ -657,8 +679,10 @@ Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys
 }
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                                    const std::optional<BlockKey>& parent, const BlockEventInfo* events) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, false, nullptr, events));
+                                    const std::optional<BlockKey>& parent, const BlockEventInfo* events,
+                                    const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v,
+                          impl_->StartOp(false, false, cache, keys, block_ids, parent, false, nullptr, events, hint));
   return std::get<OpHandle>(v);
 }
 
@@ -670,8 +694,9 @@ Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                     const std::optional<BlockKey>& parent, CudaStream stream,
-                                    const BlockEventInfo* events) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream, events));
+                                    const BlockEventInfo* events, const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v,
+                          impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream, events, hint));
   return std::get<OpHandle>(v);
 }
 
@@ -683,9 +708,15 @@ Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std
 }
 
 Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                               const std::optional<BlockKey>& parent, const BlockEventInfo* events) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(false, true, cache, keys, block_ids, parent, false, nullptr, events));
+                               const std::optional<BlockKey>& parent, const BlockEventInfo* events,
+                               const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v,
+                          impl_->StartOp(false, true, cache, keys, block_ids, parent, false, nullptr, events, hint));
   return std::get<OpResult>(v);
+}
+
+Result<HintResult> Client::Hint(CacheId cache, std::span<const BlockKey> keys, const BlockHint& hint) {
+  return impl_->Hint(cache, keys, hint);
 }
 
 Result<DaemonStats> Client::Stats() { return impl_->Stats(); }

@@ -16,7 +16,7 @@
 namespace kvtier {
 
 enum class DeviceBackendKind { kAuto, kHost, kCuda };
-enum class EvictionKind { kLru };
+enum class EvictionKind { kLru, kS3Fifo, kClasses };
 enum class WritePolicy { kWriteBack, kWriteThrough };
 enum class RemoteWritePolicy { kOnStore, kOnDemote };
 enum class EventEncoding { kMap, kPositional };
@@ -141,8 +141,15 @@ struct Config {
       // region is always kept free).
       Watermarks disk{.high = 0.98, .low = 0.96};
     } watermarks;
+    // Each tier's eviction order (docs/policy.md): lru, s3fifo or classes.
     EvictionKind eviction = EvictionKind::kLru;
     bool prefix_aware = true;
+    // The engine's retention hints (docs/policy.md): blocks hinted to be
+    // kept (priority 1, next_use_ms) hold at most this share of a tier;
+    // past it a hint to keep is taken as none. 0: such hints are ignored.
+    struct Hints {
+      double max_share = 0.5;
+    } hints;
     WritePolicy write_policy = WritePolicy::kWriteBack;
     // A block read from disk for a load stays in host only once it was hit
     // this many times since it was written (lookups and loads both count);

@@ -651,8 +651,14 @@ void ReadPolicy(Context* ctx, const YAML::Node& node, Config::Policy* p) {
     w.Finish();
   }
   r.Read("eviction", &p->eviction, [](const YAML::Node& n, EvictionKind* v) {
-    return ParseEnum<EvictionKind>(n, {{"lru", EvictionKind::kLru}}, v);
+    return ParseEnum<EvictionKind>(
+        n, {{"lru", EvictionKind::kLru}, {"s3fifo", EvictionKind::kS3Fifo}, {"classes", EvictionKind::kClasses}}, v);
   });
+  {
+    MapReader h(ctx, r.Take("hints"), "policy.hints");
+    h.Read("max_share", &p->hints.max_share, ParseRatio);
+    h.Finish();
+  }
   r.Read("prefix_aware", &p->prefix_aware, ParseBoolNode);
   r.Read("write_policy", &p->write_policy, [](const YAML::Node& n, WritePolicy* v) {
     return ParseEnum<WritePolicy>(

@@ -53,7 +53,11 @@ std::string ConfigSummary(const Config& c) {
   }
   o << "policy:   watermarks hbm (" << Marks(c.policy.watermarks.hbm) << "), host ("
     << Marks(c.policy.watermarks.host) << "), disk (" << Marks(c.policy.watermarks.disk) << ")\n";
-  o << "          " << (c.policy.prefix_aware ? "prefix-aware " : "") << "lru, "
+  o << "          " << (c.policy.prefix_aware ? "prefix-aware " : "")
+    << (c.policy.eviction == EvictionKind::kS3Fifo   ? "s3fifo"
+        : c.policy.eviction == EvictionKind::kClasses ? "classes"
+                                                      : "lru")
+    << " (hints keep at most " << c.policy.hints.max_share << " of a tier), "
     << (c.policy.write_policy == WritePolicy::kWriteBack ? "write-back" : "write-through")
     << ", disk admission after " << c.policy.disk_admission.min_hits << " hits"
     << (c.policy.disk_admission.reuse ? " and reuse" : "") << ", budget "

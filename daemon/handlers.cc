@@ -67,6 +67,9 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
     case w::Body::Prefetch:
       reply = HandlePrefetch(s, id, *msg.body_as_Prefetch());
       break;
+    case w::Body::Hint:
+      reply = HandleHint(s, id, *msg.body_as_Hint());
+      break;
     case w::Body::Load:
       reply = HandleLoadOrStore(s, id, true, msg.body_as_Load(), nullptr);
       break;
@@ -322,6 +325,21 @@ Result<const SessionNamespace*> FindNamespace(const Session& s, uint32_t ns_id) 
 }
 }  // namespace
 
+std::vector<uint8_t> Server::HandleHint(Session& s, uint64_t id, const w::Hint& m) {
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  if (Status bad = ipc::CheckRetentionHint(m.priority(), m.next_use_ms()); !bad.ok()) {
+    return ipc::ErrorMessage(id, bad);
+  }
+  const RetentionHint hint{.priority = m.priority(), .next_use_ms = m.next_use_ms(), .session_over = m.session_over()};
+  uint32_t refused = 0;
+  const uint32_t hinted = cache_->Hint(*keys, hint, &refused);
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreateHintReply(b, hinted, refused));
+}
+
 std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Lookup& m) {
   const auto start = std::chrono::steady_clock::now();
   Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
@@ -428,6 +446,14 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  " needs a completion page and a slot below " +
                                                  std::to_string(CompletionPage::kSlots)));
   }
+  StoreHint hint;
+  if (!load) {
+    hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
+                     .last_partial = st->last_partial()};
+    if (Status bad = ipc::CheckRetentionHint(st->priority(), st->next_use_ms()); !bad.ok()) {
+      return ipc::ErrorMessage(id, bad);
+    }
+  }
   // A store's KV-event metadata: checked whatever is done with it, kept
   // when this tenant's blocks are published.
   std::optional<StoreEventFields> event_fields;
@@ -499,7 +525,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
         done(std::move(outcome));
       };
     }
-    queued = cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done));
+    queued = cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done), hint);
   }
   if (wait) return {};
   FlatBufferBuilder b(64);
@@ -658,6 +684,9 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_index_errors", disk_ ? disk_->counters().index_errors : 0},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
                         {"disk_writes_pending", cache_->pending_disk_writes()},
+                        {"hinted", c.hinted},
+                        {"hints_refused", c.hints_refused},
+                        {"partial_not_admitted", c.partial_not_admitted},
                         {"codec_encoded", c.codec_encoded},
                         {"codec_not_worth_it", c.codec_not_worth_it},
                         {"codec_pool_busy", c.codec_pool_busy},

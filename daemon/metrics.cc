@@ -163,6 +163,13 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   for (const auto& [outcome, value] : coded) {
     f.Counter("kvtier_codec_writes_total", help_codec, static_cast<double>(value), L({{"outcome", outcome}}));
   }
+  f.Counter("kvtier_hinted_blocks_total", "Blocks given an engine's retention hint (by a store or a hint request).",
+            static_cast<double>(c.hinted));
+  f.Counter("kvtier_hints_refused_total",
+            "Blocks hinted to be kept past the tier's policy.hints.max_share: kept as unhinted.",
+            static_cast<double>(c.hints_refused));
+  f.Counter("kvtier_partial_blocks_not_admitted_total", "Partial tail blocks a store marked: never admitted.",
+            static_cast<double>(c.partial_not_admitted));
   f.Counter("kvtier_codec_host_coded_total", "Host blocks moved into a host slot of their coded size.",
             static_cast<double>(c.codec_host_coded));
   f.Counter("kvtier_codec_decoded_total", "Packed disk records decoded on their way back to host.",

@@ -254,6 +254,10 @@ Status Server::Setup() {
       .hbm_watermarks = {c.policy.watermarks.hbm.high, c.policy.watermarks.hbm.low},
       .host_watermarks = {c.policy.watermarks.host.high, c.policy.watermarks.host.low},
       .prefix_aware = c.policy.prefix_aware,
+      .policy = c.policy.eviction == EvictionKind::kS3Fifo   ? PolicyKind::kS3Fifo
+                : c.policy.eviction == EvictionKind::kClasses ? PolicyKind::kClasses
+                                                              : PolicyKind::kLru,
+      .hint_share = c.policy.hints.max_share,
       .eviction_scan_limit = 1024,
       .disk = disk_.get(),
       .disk_min_hits = c.policy.disk_admission.min_hits,

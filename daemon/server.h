@@ -94,6 +94,7 @@ class Server {
   std::vector<uint8_t> HandleRegister(Session& s, uint64_t id, const wire::RegisterKvCache& m,
                                       std::vector<UniqueFd> fds);
   std::vector<uint8_t> HandleLookup(Session& s, uint64_t id, const wire::Lookup& m);
+  std::vector<uint8_t> HandleHint(Session& s, uint64_t id, const wire::Hint& m);
   std::vector<uint8_t> HandlePrefetch(Session& s, uint64_t id, const wire::Prefetch& m);
   std::vector<uint8_t> HandleLoadOrStore(Session& s, uint64_t id, bool load,
                                          const wire::Load* l, const wire::Store* st);

@@ -82,6 +82,18 @@ Status StatusFromWire(wire::Code code, const flatbuffers::String* message) {
   return Status(c, message != nullptr ? message->str() : std::string());
 }
 
+Status CheckRetentionHint(int priority, uint32_t next_use_ms) {
+  if (priority < -1 || priority > 1) {
+    return InvalidArgument("retention priority " + std::to_string(priority) +
+                           ": -1 (evict first), 0 (no hint) or 1 (keep)");
+  }
+  if (next_use_ms > kMaxNextUseMs) {
+    return InvalidArgument("next_use_ms " + std::to_string(next_use_ms) + " is past the most, " +
+                           std::to_string(kMaxNextUseMs) + " (an hour)");
+  }
+  return Status::Ok();
+}
+
 Status CheckBlockEventSizes(const BlockEventSizes& s) {
   auto bad = [](const std::string& what) { return InvalidArgument("store events: " + what); };
   if (s.hash_bytes == 0 || s.hash_bytes > BlockEventSizes::kMaxHashBytes) {

@@ -79,6 +79,12 @@ struct BlockEventSizes {
 };
 Status CheckBlockEventSizes(const BlockEventSizes& s);
 
+// An engine's retention hint (Store, Hint; docs/policy.md). Errors:
+// kInvalidArgument for a priority other than -1, 0, 1, or a next_use_ms
+// past kMaxNextUseMs.
+inline constexpr uint32_t kMaxNextUseMs = 3'600'000;  // an hour
+Status CheckRetentionHint(int priority, uint32_t next_use_ms);
+
 wire::Code CodeToWire(StatusCode code);
 // Unknown codes from a newer peer become kInternal.
 StatusCode CodeFromWire(wire::Code code);

@@ -34,6 +34,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
   if (!o.clock) cache->options_.clock = [] { return std::chrono::steady_clock::now(); };
   cache->budget_tokens_ = static_cast<double>(o.disk_write_budget_bytes_per_day);
   cache->budget_refilled_ = cache->options_.clock();
+  cache->created_ = cache->budget_refilled_;
   cache->tier(Tier::kHbm)->marks = o.hbm_watermarks;
   cache->tier(Tier::kHost)->marks = o.host_watermarks;
   return cache;
@@ -313,8 +314,61 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   disk_only_.Erase(b);
 }
 
+void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, const std::optional<StoredKey>& parent,
+                                 size_t keys) {
+  // The request's blocks before this store: its parent's depth, counted up
+  // to the policy's largest class bound (bounded work).
+  constexpr uint32_t kMaxDepth = 32;
+  uint32_t depth = 0;
+  for (const BlockEntry* p = parent ? index_.Find(*parent) : nullptr; p != nullptr && depth < kMaxDepth;
+       p = p->parent) {
+    ++depth;
+  }
+  const EvictionOrder::Arrival arrival{.prefix_hits = depth,
+                                       .request_blocks = depth + static_cast<uint32_t>(keys),
+                                       .partial_tail = false};
+  std::vector<BlockEntry*> in_tier;
+  for (Tier t : {Tier::kHbm, Tier::kHost}) {
+    in_tier.clear();
+    for (BlockEntry* e : filling) {
+      if (e->tier == t) in_tier.push_back(e);
+    }
+    if (!in_tier.empty()) index_.order(t).ArrivedTogether(in_tier, arrival);
+  }
+}
+
+bool BlockCache::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms) {
+  // The tier's share for blocks hinted to be kept, in blocks of e's size.
+  const uint64_t capacity = Usage(e->tier).capacity_bytes;
+  const double share = std::clamp(options_.hint_share, 0.0, 1.0);
+  index_.order(e->tier).set_hint_limit(
+      static_cast<uint64_t>(share * static_cast<double>(capacity) / static_cast<double>(std::max<uint64_t>(SlotBytes(e), 1))));
+  return index_.Hint(e, hint, now_ms);
+}
+
+uint32_t BlockCache::NowMs() const {
+  return static_cast<uint32_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(options_.clock() - created_).count());
+}
+
+uint32_t BlockCache::Hint(std::span<const StoredKey> keys, const RetentionHint& hint, uint32_t* refused) {
+  const uint32_t now = NowMs();
+  uint32_t took = 0, kept_none = 0;
+  for (const StoredKey& k : keys) {
+    BlockEntry* e = index_.Find(k);
+    if (e == nullptr) continue;
+    ++took;
+    kept_none += HintBlock(e, hint, now) ? 0 : 1;
+  }
+  counters_.hinted += took;
+  counters_.hints_refused += kept_none;
+  if (refused != nullptr) *refused = kept_none;
+  return took;
+}
+
 BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {
   bool last_resort = false;
+  index_.order(t).Expire(NowMs());
   BlockEntry* victim = index_.order(t).PickVictim(
       options_.eviction_scan_limit,
       [&](const BlockEntry* e) {
@@ -604,8 +658,18 @@ bool BlockCache::MaybePromote(BlockEntry* e) {
 
 uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                        std::span<const uint32_t> block_ids, std::optional<StoredKey> parent,
-                       EngineTarget target, std::weak_ptr<void> owner, OpDone done) {
+                       EngineTarget target, std::weak_ptr<void> owner, OpDone done, const StoreHint& store_hint) {
   KVTIER_CHECK(keys.size() == block_ids.size());
+  if (store_hint.last_partial && !keys.empty()) {
+    // Engines that store only full blocks never send one; one that marks
+    // it gets it refused here, as it is almost never reused.
+    keys = keys.first(keys.size() - 1);
+    block_ids = block_ids.first(block_ids.size() - 1);
+    ++counters_.partial_not_admitted;
+  }
+  const RetentionHint& hint = store_hint.retention;
+  const bool hinted = hint.priority != 0 || hint.next_use_ms != 0 || hint.session_over;
+  const uint32_t now = hinted ? NowMs() : 0;
   const Layout& layout = target.layout->layout();
   // A new layout takes a namespace id while ids and the tenant's bound last.
   Result<uint32_t> ns = namespaces_.IdFor(NamespaceOf(layout, target.codec), [&] { return layout.ToString(); });
@@ -664,10 +728,15 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     const uint64_t slot_coded = t == Tier::kHost ? coded : 0;
     job->filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant, slot_coded));
     job->filling.back()->compress = target.codec.kind != CodecKind::kNone;
+    if (hinted) {
+      ++counters_.hinted;
+      if (!HintBlock(job->filling.back(), hint, now)) ++counters_.hints_refused;
+    }
     job->block_ids.push_back(block_ids[i]);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
   Counted(tenant).already_stored += job->already;
+  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent, keys.size());
   if (job->filling.empty()) {
     options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;

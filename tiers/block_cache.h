@@ -120,6 +120,12 @@ struct EngineTarget {
   CodecParams codec = {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0};
 };
 
+// What a store's engine said of its blocks (issue 19, docs/policy.md).
+struct StoreHint {
+  RetentionHint retention;
+  bool last_partial = false;  // the last key's block covers part of a block's tokens
+};
+
 struct OpOutcome {
   Status status = Status::Ok();
   uint32_t blocks = 0;   // blocks loaded or newly stored
@@ -172,6 +178,12 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_writes_given_up = 0;  // blocks whose disk writes kept failing: no more tries
   uint64_t disk_write_backoffs = 0;   // pauses of write-back after a failed write
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
+  // The engine's retention hints (issue 19): blocks hinted (by a store or
+  // Hint), those of them hinted to be kept past the tier's hint_share (kept
+  // as unhinted), and partial tail blocks stores marked (never admitted).
+  uint64_t hinted = 0;
+  uint64_t hints_refused = 0;
+  uint64_t partial_not_admitted = 0;
   uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
   // Slots (blocks) looked at to empty extents for another block size: a few
   // extents' worth per try, however many blocks the tier holds.
@@ -251,6 +263,9 @@ class BlockCache {
     bool prefix_aware = true;
     // Each tier's eviction order (tiers/eviction_order.h).
     PolicyKind policy = PolicyKind::kLru;
+    // The most of a tier the engine's hints may keep (priority +1 and
+    // next_use: EvictionOrder::hint_share).
+    double hint_share = 0.5;
     // Most blocks one eviction looks at, in its tier's order, for a block
     // without cached children before taking the first unleased one.
     uint32_t eviction_scan_limit = 1024;
@@ -360,9 +375,21 @@ class BlockCache {
   // on the owner thread; if `owner` has expired by then, the copies are
   // discarded instead of committed. The copies wait for the engine's record
   // of target.event. Returns how many blocks' copies were started.
+  // `hint`: the engine's retention hint for the new blocks (the ones
+  // already present keep theirs), and whether the last key's block is a
+  // partial one (never admitted: neither stored nor counted as already).
   uint32_t Store(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
              std::optional<StoredKey> parent, EngineTarget target, std::weak_ptr<void> owner,
-             OpDone done);
+             OpDone done, const StoreHint& hint = {});
+
+  // The engine's retention hint (EvictionOrder::Hint) for the blocks of
+  // `keys` that are cached in a local tier, replacing theirs. Returns how
+  // many took it; *refused (may be null): how many were hinted to be kept
+  // but the tier's hint_share was spent. O(keys).
+  uint32_t Hint(std::span<const StoredKey> keys, const RetentionHint& hint, uint32_t* refused = nullptr);
+  // The orders' clock: milliseconds of options.clock since the cache was
+  // created (wraps after 49 days; the orders compare with wrap).
+  uint32_t NowMs() const;
 
   // Starts promoting the leading host-resident blocks of `keys` to hbm.
   // Returns how many of the leading keys are present, and how many moves
@@ -448,6 +475,11 @@ class BlockCache {
   CacheCounters counters() const;
 
  private:
+  // The policy learns what it can of a store's request (s3fifo, classes:
+  // EvictionOrder::ArrivedTogether). O(blocks stored).
+  void ArrivedTogether(std::span<BlockEntry* const> filling, const std::optional<StoredKey>& parent, size_t keys);
+  // index_.Hint, within the tier's hint_share (in blocks of e's size).
+  bool HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms);
   struct TierState {
     std::unique_ptr<SlotPool> pool;  // null: tier disabled (and always for disk)
     TierWatermarks marks;
@@ -784,6 +816,7 @@ class BlockCache {
   uint32_t disk_failures_in_a_row_ = 0;
   double budget_tokens_ = 0;  // bytes that may be written now
   std::chrono::steady_clock::time_point budget_refilled_{};
+  std::chrono::steady_clock::time_point created_{};  // NowMs's origin
   CacheCounters counters_;  // its RequestCounters stay 0: they are kept per tenant
   uint64_t present_[4] = {};  // blocks present per Presence (present_blocks)
   uint64_t codec_staging_bytes_ = 0;  // encoded blocks' staging buffers held now

@@ -79,10 +79,14 @@ struct BlockEntry {
   uint32_t retired_bytes = 0;  // what the retired slot was allocated for
 
   // Its place in its tier's eviction order (owned by EvictionOrder): the
-  // links of its queue, and the policy's few bits (s3fifo: queue, hits).
+  // links of its queue, the policy's few bits (s3fifo: queue, hits), and
+  // the engine's retention hint (EvictionOrder::Hint: level, kept and its
+  // class) with the time it is kept until (the order's milliseconds).
   BlockEntry* lru_prev = nullptr;  // towards colder
   BlockEntry* lru_next = nullptr;  // towards hotter
   uint8_t policy_bits = 0;
+  uint8_t hint_bits = 0;
+  uint32_t keep_until_ms = 0;
   // Tree links (owned by BlockIndex).
   BlockEntry* parent = nullptr;
   BlockEntry* first_child = nullptr;

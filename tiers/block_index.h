@@ -47,6 +47,11 @@ class BlockIndex {
 
   // A hit on `e`, for its tier's order (a parked entry stays out).
   void Touch(BlockEntry* e);
+  // The engine's retention hint for `e`, in its tier's order
+  // (EvictionOrder::Hint; a parked entry takes it when it comes back).
+  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms) {
+    return order(e->tier).Hint(e, hint, now_ms, !e->parked);
+  }
   // Moves `e` into another tier's order (an arrival there), keeping parent
   // counts right. A parked entry changes tier and stays out of the orders
   // (Unpark puts it into the new tier's, as an arrival).

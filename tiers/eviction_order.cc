@@ -1,6 +1,7 @@
 #include "tiers/eviction_order.h"
 
 #include <algorithm>
+#include <bit>
 #include <string>
 
 namespace kvtier {
@@ -19,6 +20,55 @@ Result<PolicyKind> ParsePolicy(std::string_view name) {
   if (name == "s3fifo") return PolicyKind::kS3Fifo;
   if (name == "classes") return PolicyKind::kClasses;
   return Err(InvalidArgument("unknown policy '" + std::string(name) + "' (lru, s3fifo or classes)"));
+}
+
+int EvictionOrder::KeptClass(uint32_t next_use_ms) {
+  // 0: under 256 ms; then a power of two each, up to 17 minutes and more.
+  return std::min(kKeptClasses - 1, static_cast<int>(std::bit_width(next_use_ms >> 8)));
+}
+
+uint64_t EvictionOrder::protected_size() const {
+  uint64_t n = count_[kHigh];
+  for (int c = 0; c < kKeptClasses; ++c) n += count_[kKept + c];
+  return n;
+}
+
+bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked) {
+  uint8_t level = hint.session_over  ? kLevelOver
+                  : hint.priority < 0 ? kLevelLow
+                  : hint.priority > 0 ? kLevelHigh
+                                      : kLevelNone;
+  bool kept = !hint.session_over && hint.next_use_ms > 0;
+  bool refused = false;
+  const bool was_protected = (e->hint_bits & kKeptBit) != 0 || LevelOf(e) == kLevelHigh;
+  if ((kept || level == kLevelHigh) && !was_protected && protected_size() >= hint_limit_) {
+    kept = false;
+    if (level == kLevelHigh) level = kLevelNone;
+    refused = true;
+    ++hints_refused_;
+  }
+  if (linked) Unlink(e);
+  e->hint_bits = level;
+  if (kept) {
+    e->hint_bits |= static_cast<uint8_t>(kKeptBit | (KeptClass(hint.next_use_ms) << kKeptClassShift));
+    e->keep_until_ms = now_ms + 2 * hint.next_use_ms;
+  }
+  if (linked) Link(e, /*hot=*/level != kLevelOver);
+  return !refused;
+}
+
+void EvictionOrder::Expire(uint32_t now_ms) {
+  uint32_t budget = kExpirePerCall;
+  for (int c = 0; c < kKeptClasses && budget > 0; ++c) {
+    Queue& q = queues_[kKept + c];
+    while (q.coldest != nullptr && budget > 0 && static_cast<int32_t>(now_ms - q.coldest->keep_until_ms) >= 0) {
+      BlockEntry* e = q.coldest;
+      Unlink(e);
+      e->hint_bits &= kLevelMask;
+      Link(e, /*hot=*/false);
+      --budget;
+    }
+  }
 }
 
 void EvictionOrder::Insert(BlockEntry* e, bool hot) {
@@ -52,7 +102,7 @@ void EvictionOrder::ArrivedTogether(std::span<BlockEntry* const> chain, const Ar
     const uint8_t c = ClassOf(arrival, i + 1 == chain.size());
     const bool sample = ++arrivals_[c] % kSampleEvery == 0;
     e->policy_bits = static_cast<uint8_t>(c | (sample ? kSampleBit : 0));
-    if (!sample && Demoted(c)) {
+    if (!sample && !Hinted(e) && Demoted(c)) {
       // Root first to the cold end: the leaf ends up coldest.
       Unlink(e);
       Link(e, /*hot=*/false);
@@ -97,6 +147,14 @@ void EvictionOrder::Learn(const BlockEntry* e) {
 
 void EvictionOrder::Touch(BlockEntry* e) {
   if (kind_ == PolicyKind::kClasses && (e->policy_bits & kSampleBit) != 0) e->policy_bits |= kReusedBit;
+  if (Hinted(e)) {
+    // The expected use came (kept ends), and a session is not over after all.
+    Unlink(e);
+    e->hint_bits &= kLevelMask;
+    if (LevelOf(e) == kLevelOver) e->hint_bits = kLevelNone;
+    Link(e, /*hot=*/true);
+    return;
+  }
   if (kind_ != PolicyKind::kS3Fifo) {
     Unlink(e);
     Link(e, /*hot=*/true);
@@ -122,7 +180,7 @@ void EvictionOrder::Remove(BlockEntry* e, bool gone) {
 void EvictionOrder::Return(BlockEntry* e, bool hot) { Link(e, hot); }
 
 bool EvictionOrder::Keep(BlockEntry* e) {
-  if (kind_ != PolicyKind::kS3Fifo || HitsOf(e) == 0) return false;
+  if (kind_ != PolicyKind::kS3Fifo || Hinted(e) || HitsOf(e) == 0) return false;
   const bool from_small = QueueOf(e) == kSmall;
   Unlink(e);
   Set(e, kMain, from_small ? 0 : static_cast<uint8_t>(HitsOf(e) - 1));
@@ -132,7 +190,7 @@ bool EvictionOrder::Keep(BlockEntry* e) {
 
 void EvictionOrder::Adapt(bool grow_small) {
   // One block's worth of the tier per ghost hit.
-  const double step = 1.0 / static_cast<double>(std::max<uint64_t>(size(), 64));
+  const double step = 1.0 / static_cast<double>(std::max<uint64_t>(policy_size(), 64));
   small_share_ = std::clamp(small_share_ + (grow_small ? step : -step), 0.01, 0.9);
 }
 
@@ -147,6 +205,7 @@ void EvictionOrder::Link(BlockEntry* e, bool hot) {
   end = e;
   if (other == nullptr) other = e;
   ++count_[q];
+  ++total_;
 }
 
 void EvictionOrder::Unlink(BlockEntry* e) {
@@ -164,6 +223,7 @@ void EvictionOrder::Unlink(BlockEntry* e) {
   }
   e->lru_prev = e->lru_next = nullptr;
   --count_[q];
+  --total_;
 }
 
 }  // namespace kvtier

@@ -21,6 +21,22 @@
 // `judge` of PickVictim); the order only says in which order to ask and
 // which of the willing to keep.
 //
+// The engine's hints (RetentionHint, Hint) take blocks out of the policy's
+// queues into queues of their own, LRU each, which the scan asks in this
+// order:
+//   low     priority -1, and blocks whose session is over (at its cold end;
+//           a hit undoes "over");
+//   the policy's queues (blocks without a hint);
+//   high    priority +1;
+//   kept    a next use expected within next_use_ms: kept until that use (a
+//           hit) or until twice next_use_ms has passed (Expire), then back
+//           at the cold end of their level. In 13 classes by the power of
+//           two of next_use_ms, the longest asked first (a block needed
+//           later goes first, as Belady's would).
+// High and kept blocks number at most hint_limit() (the owner sets it from
+// the tier's capacity); past it a block's hint to keep it is taken as none
+// (hints_refused()).
+//
 // Thread-compatible: owned by BlockIndex's thread.
 #pragma once
 
@@ -38,6 +54,15 @@ enum class PolicyKind : uint8_t { kLru = 0, kS3Fifo = 1, kClasses = 2 };
 std::string_view PolicyName(PolicyKind kind);  // "lru", "s3fifo", "classes"
 // Errors: kInvalidArgument naming the text and the policies.
 Result<PolicyKind> ParsePolicy(std::string_view name);
+
+// The engine's retention hint for blocks (Client::Store, Client::Hint).
+// The daemon checks hints (ipc::CheckRetentionHint); the order takes any
+// priority by its sign.
+struct RetentionHint {
+  int8_t priority = 0;       // -1: evict before unhinted blocks; 0: no hint; +1: keep over them
+  uint32_t next_use_ms = 0;  // expected next use within this many ms; 0: none
+  bool session_over = false;  // no use expected: evict first (priority and next_use ignored)
+};
 
 // What a victim scan's caller says of a candidate.
 enum class Candidate : uint8_t {
@@ -87,7 +112,25 @@ class EvictionOrder {
   template <typename F>
   BlockEntry* PickVictim(uint32_t limit, F&& judge, bool* last_resort);
 
-  uint64_t size() const { return count_[0] + count_[1]; }
+  // The engine's hint for `e`, replacing any it had (a hint of none clears
+  // it); `linked`: e is in this order (not parked), else only its bits
+  // change and Return or Insert places it. `now_ms`: the order's clock
+  // (any origin; wraps). Returns false when a hint to keep it was refused
+  // (hint_limit) and it is kept as unhinted.
+  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked);
+  // Kept blocks whose time has passed go back to their level, at most
+  // kExpirePerCall a call (the rest at the next).
+  static constexpr uint32_t kExpirePerCall = 256;
+  void Expire(uint32_t now_ms);
+  void set_hint_limit(uint64_t blocks) { hint_limit_ = blocks; }
+  uint64_t hint_limit() const { return hint_limit_; }
+  uint64_t hints_refused() const { return hints_refused_; }
+  // Blocks in the high and kept queues.
+  uint64_t protected_size() const;
+  // Blocks in the low queue.
+  uint64_t low_size() const { return count_[kLow]; }
+
+  uint64_t size() const { return total_; }
   // Whether the tier let go of a block of this key lately (s3fifo and
   // classes keep ghosts; lru none).
   bool Remembers(const StoredKey& key) const {
@@ -103,9 +146,25 @@ class EvictionOrder {
   static BlockEntry* Hotter(const BlockEntry* e) { return e->lru_next; }
 
  private:
-  // lru keeps everything in queue 0; s3fifo: S is 0, M is 1.
+  // lru keeps everything in queue 0; s3fifo: S is 0, M is 1. Then the
+  // hints' queues.
   static constexpr int kSmall = 0;
   static constexpr int kMain = 1;
+  static constexpr int kLow = 2;
+  static constexpr int kHigh = 3;
+  static constexpr int kKept = 4;  // kKept + class, class < kKeptClasses
+  static constexpr int kKeptClasses = 13;
+  static constexpr int kQueues = kKept + kKeptClasses;
+  // hint_bits: the level (2 bits), whether it is kept, and the kept class.
+  static constexpr uint8_t kLevelMask = 0x3;
+  static constexpr uint8_t kLevelNone = 0, kLevelLow = 1, kLevelHigh = 2, kLevelOver = 3;
+  static constexpr uint8_t kKeptBit = 0x4;
+  static constexpr uint8_t kKeptClassShift = 3;
+  static uint8_t LevelOf(const BlockEntry* e) { return e->hint_bits & kLevelMask; }
+  static bool Hinted(const BlockEntry* e) { return e->hint_bits != 0; }
+  static int KeptClass(uint32_t next_use_ms);
+  // The policy's own blocks (s3fifo's share is of these).
+  uint64_t policy_size() const { return count_[kSmall] + count_[kMain]; }
   static constexpr uint8_t kQueueBit = 0x1;
   static constexpr uint8_t kHitsShift = 1;
   static constexpr uint8_t kMaxHits = 3;
@@ -114,7 +173,15 @@ class EvictionOrder {
     BlockEntry* coldest = nullptr;
     BlockEntry* hottest = nullptr;
   };
-  int QueueOf(const BlockEntry* e) const { return kind_ == PolicyKind::kS3Fifo ? e->policy_bits & kQueueBit : 0; }
+  int QueueOf(const BlockEntry* e) const {
+    if ((e->hint_bits & kKeptBit) != 0) return kKept + (e->hint_bits >> kKeptClassShift);
+    switch (LevelOf(e)) {
+      case kLevelLow:
+      case kLevelOver: return kLow;
+      case kLevelHigh: return kHigh;
+      default: return kind_ == PolicyKind::kS3Fifo ? e->policy_bits & kQueueBit : 0;
+    }
+  }
   // classes: policy_bits holds the class (5 bits), whether the block is a
   // sample (inserted hot whatever its class: what the class's reuse is
   // learned from) and whether a sample was hit.
@@ -140,8 +207,11 @@ class EvictionOrder {
   void Adapt(bool grow_small);
 
   const PolicyKind kind_;
-  Queue queues_[2];
-  uint64_t count_[2] = {};
+  Queue queues_[kQueues];
+  uint64_t count_[kQueues] = {};
+  uint64_t total_ = 0;
+  uint64_t hint_limit_ = UINT64_MAX;
+  uint64_t hints_refused_ = 0;
   double small_share_ = 0.1;
   GhostFilter ghost_small_;  // let go of from S
   GhostFilter ghost_main_;   // let go of from M
@@ -160,10 +230,14 @@ BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_reso
   uint32_t scanned = 0;
   int first = kSmall;
   if (kind_ == PolicyKind::kS3Fifo &&
-      (static_cast<double>(count_[kSmall]) <= small_share_ * static_cast<double>(size()) || count_[kSmall] == 0)) {
+      (static_cast<double>(count_[kSmall]) <= small_share_ * static_cast<double>(policy_size()) ||
+       count_[kSmall] == 0)) {
     first = kMain;
   }
-  for (int q : {first, 1 - first}) {
+  int order[kQueues] = {kLow, first, 1 - first, kHigh};
+  for (int c = 0; c < kKeptClasses; ++c) order[4 + c] = kKept + kKeptClasses - 1 - c;
+  for (int q : order) {
+    if (queues_[q].coldest == nullptr) continue;
     for (BlockEntry* e = queues_[q].coldest; e != nullptr && scanned < limit; ++scanned) {
       BlockEntry* next = e->lru_next;  // before Keep moves it
       const Candidate c = judge(static_cast<const BlockEntry*>(e));

@@ -146,6 +146,122 @@ TEST(EvictionOrderTest, ClassesPutsBlocksOfARarelyReusedClassAtTheColdEnd) {
   EXPECT_GE(cold, 6) << "one sample in 8 goes hot";
 }
 
+// Every victim in turn, taking each out (as an eviction does).
+std::vector<int64_t> Drain(BlockIndex& index, Tier t = Tier::kHost) {
+  std::vector<int64_t> out;
+  EvictionOrder& order = index.order(t);
+  for (int64_t v; (v = Victim(order)) >= 0;) {
+    out.push_back(v);
+    index.Erase(index.Find(K(static_cast<uint32_t>(v))));
+  }
+  return out;
+}
+
+class HintTest : public ::testing::TestWithParam<PolicyKind> {};
+
+TEST_P(HintTest, LowGoesFirstHighAndKeptLastLongestNextUseFirstOfThem) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 8; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  const uint32_t now = 1000;
+  // 0: kept for its next use in 10 s; 1: in 100 ms; 2: high priority;
+  // 3: low; 4: its session is over; 5-7 unhinted.
+  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 10'000}, now));
+  EXPECT_TRUE(index.Hint(index.Find(K(1)), {.next_use_ms = 100}, now));
+  EXPECT_TRUE(index.Hint(index.Find(K(2)), {.priority = 1}, now));
+  EXPECT_TRUE(index.Hint(index.Find(K(3)), {.priority = -1}, now));
+  EXPECT_TRUE(index.Hint(index.Find(K(4)), {.session_over = true}, now));
+  EvictionOrder& order = index.order(Tier::kHost);
+  EXPECT_EQ(order.protected_size(), 3u);
+  EXPECT_EQ(order.low_size(), 2u);
+  EXPECT_EQ(order.size(), 8u);
+  // The session's block at the low queue's cold end, before the low one.
+  const std::vector<int64_t> lru = {4, 3, 5, 6, 7, 2, 0, 1};
+  if (GetParam() == PolicyKind::kLru) {
+    EXPECT_EQ(Drain(index), lru);
+  } else {
+    const std::vector<int64_t> got = Drain(index);
+    ASSERT_EQ(got.size(), 8u);
+    EXPECT_EQ(std::vector<int64_t>(got.begin(), got.begin() + 2), (std::vector<int64_t>{4, 3}));
+    EXPECT_EQ(std::vector<int64_t>(got.end() - 3, got.end()), (std::vector<int64_t>{2, 0, 1}));
+  }
+}
+
+TEST_P(HintTest, KeptEndsAtItsUseOrTwiceItsTimeAndAHitUndoesSessionOver) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 4; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  uint32_t now = 0xffff'f000u;  // the clock wraps while they are kept
+  index.Hint(index.Find(K(0)), {.next_use_ms = 2'000}, now);
+  index.Hint(index.Find(K(1)), {.next_use_ms = 2'000}, now);
+  index.Hint(index.Find(K(2)), {.session_over = true}, now);
+  EXPECT_EQ(order.protected_size(), 2u);
+  order.Expire(now + 3'999);
+  EXPECT_EQ(order.protected_size(), 2u) << "kept for twice next_use_ms";
+  // Its use came: kept no more, hot in the policy's queue.
+  index.Touch(index.Find(K(1)));
+  EXPECT_EQ(order.protected_size(), 1u);
+  order.Expire(now + 4'000);
+  EXPECT_EQ(order.protected_size(), 0u);
+  // 2's session is over: first; a hit brings it back among the unhinted.
+  EXPECT_EQ(Victim(order), 2);
+  index.Touch(index.Find(K(2)));
+  EXPECT_EQ(order.low_size(), 0u);
+  EXPECT_NE(Victim(order), 2);
+  // 0 expired unused: at the cold end, before the unhinted 3.
+  if (GetParam() == PolicyKind::kLru) {
+    EXPECT_EQ(Victim(order), 0);
+  }
+  // A hint of none clears one.
+  index.Hint(index.Find(K(3)), {.priority = 1}, now);
+  EXPECT_EQ(order.protected_size(), 1u);
+  index.Hint(index.Find(K(3)), {}, now);
+  EXPECT_EQ(order.protected_size(), 0u);
+}
+
+TEST_P(HintTest, HintsToKeepHoldAtMostTheirShareAndTravelWithABlockAcrossTiers) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 10; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  order.set_hint_limit(3);
+  uint32_t took = 0;
+  for (uint32_t i = 0; i < 10; ++i) took += index.Hint(index.Find(K(i)), {.priority = 1}, 0) ? 1 : 0;
+  EXPECT_EQ(took, 3u);
+  EXPECT_EQ(order.protected_size(), 3u);
+  EXPECT_EQ(order.hints_refused(), 7u);
+  // Re-hinting a protected block is no new share; low is never refused.
+  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 500}, 0));
+  EXPECT_TRUE(index.Hint(index.Find(K(9)), {.priority = -1}, 0));
+  // A parked block takes its hint when it comes back, in its new tier.
+  BlockEntry* e = index.Find(K(1));
+  index.Park(e);
+  index.ChangeTier(e, Tier::kDisk);
+  index.Unpark(e, /*hot=*/true);
+  EXPECT_EQ(index.order(Tier::kDisk).protected_size(), 1u);
+  EXPECT_EQ(order.protected_size(), 2u);
+  index.Park(e);
+  index.Hint(e, {.session_over = true}, 0);
+  index.Unpark(e, /*hot=*/true);
+  EXPECT_EQ(index.order(Tier::kDisk).low_size(), 1u);
+  EXPECT_EQ(index.order(Tier::kDisk).protected_size(), 0u);
+}
+
+TEST_P(HintTest, ExpiryIsBoundedPerCall) {
+  BlockIndex index(GetParam());
+  const uint32_t n = 3 * EvictionOrder::kExpirePerCall;
+  for (uint32_t i = 0; i < n; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  for (uint32_t i = 0; i < n; ++i) index.Hint(index.Find(K(i)), {.next_use_ms = 1}, 0);
+  order.Expire(10);
+  EXPECT_EQ(order.protected_size(), n - EvictionOrder::kExpirePerCall);
+  order.Expire(10);
+  order.Expire(10);
+  EXPECT_EQ(order.protected_size(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, HintTest,
+                         ::testing::Values(PolicyKind::kLru, PolicyKind::kS3Fifo, PolicyKind::kClasses),
+                         [](const auto& p) { return std::string(PolicyName(p.param)); });
+
 TEST(GhostFilterTest, RemembersWhatWasAddedLatelyAndForgetsAfterTwoTurns) {
   GhostFilter ghost(4096);
   for (uint64_t i = 0; i < 4096; ++i) ghost.Add(i * 0x9e3779b97f4a7c15ull);

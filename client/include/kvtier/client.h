@@ -114,6 +114,29 @@ struct BlockEventInfo {
   std::string_view lora_name;              // empty: none
 };
 
+// The engine's retention hint (docs/policy.md): for the new blocks of a
+// Store, or for a request's cached blocks (Client::Hint). Optional; the
+// eviction policy decides for blocks without one.
+struct BlockHint {
+  // -1: evict these before unhinted blocks; 0: no hint; 1: keep them over
+  // unhinted blocks (at most policy.hints.max_share of a tier).
+  int8_t priority = 0;
+  // Their next use is expected within this many ms (a conversation's next
+  // turn, a tool call's return): kept over unhinted blocks until a hit, or
+  // until twice this long has passed. 0: none; at most 3,600,000 (an hour).
+  uint32_t next_use_ms = 0;
+  // Hint only: the session is over; its blocks go first (a hit undoes it).
+  bool session_over = false;
+  // Store only: the last key's block covers part of a block's tokens. It is
+  // not stored (partial blocks are almost never reused).
+  bool last_partial = false;
+};
+
+struct HintResult {
+  uint32_t hinted = 0;   // cached blocks that took the hint
+  uint32_t refused = 0;  // of which hinted to be kept past the tier's share: kept as unhinted
+};
+
 struct OpResult {
   uint32_t blocks = 0;   // loaded, or newly stored
   uint32_t already = 0;  // Store: keys already present or in flight
@@ -220,10 +243,12 @@ class Client {
                              std::span<const uint32_t> block_ids);
   // `events`: what KV events publish of these blocks (BlockEventInfo), or
   // null. Errors: kInvalidArgument when its sizes do not match the keys.
+  // `hint`: the engine's retention hint for the new blocks (BlockHint), or
+  // null. Errors: kInvalidArgument for a bad hint (session_over on a store).
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys,
                               std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent = std::nullopt,
-                              const BlockEventInfo* events = nullptr);
+                              const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
   // GPU caches: as LoadAsync, and when the daemon could queue the copies at
   // once (OpHandle::event set), `stream` is made to wait for them on the GPU
   // before this returns, so the engine's next kernels on it read the loaded
@@ -240,7 +265,7 @@ class Client {
   // on it may overwrite the blocks. When it is null, Wait instead.
   Result<OpHandle> StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent, CudaStream stream,
-                              const BlockEventInfo* events = nullptr);
+                              const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
   // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
   // op keeps running; wait again), kUnavailable if the daemon restarted,
@@ -252,7 +277,12 @@ class Client {
   Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
   Result<OpResult> Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                          const std::optional<BlockKey>& parent = std::nullopt,
-                         const BlockEventInfo* events = nullptr);
+                         const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
+  // The engine's retention hint for the cached blocks of `keys` (a
+  // request's, or a session's when it is over), replacing theirs; keys not
+  // cached are skipped. Errors: kInvalidArgument for a bad hint
+  // (last_partial, a priority other than -1/0/1, next_use_ms past an hour).
+  Result<HintResult> Hint(CacheId cache, std::span<const BlockKey> keys, const BlockHint& hint);
 
   Result<DaemonStats> Stats();
   // Drops unleased blocks: the caller's own, or (admin) another tenant's or

@@ -144,6 +144,34 @@ kvtier_status kvtier_store_events_async(kvtier_client* client, uint32_t cache_id
                                         const uint32_t* block_ids, size_t n, const uint8_t* parent,
                                         const kvtier_block_events* events, kvtier_op* op);
 
+/* The engine's retention hint (docs/policy.md); all zero: none.
+ * priority: -1 evict these before unhinted blocks, 0 none, 1 keep them
+ * over unhinted blocks. next_use_ms: their next use is expected within this
+ * many ms (0: none; at most 3,600,000): kept until a hit or twice this long.
+ * session_over (kvtier_hint_blocks only): no use expected, evict first (a
+ * hit undoes it). last_partial (stores only): the last key's block covers
+ * part of a block's tokens and is not stored. */
+typedef struct kvtier_hint {
+  int32_t priority;
+  uint32_t next_use_ms;
+  int32_t session_over;
+  int32_t last_partial;
+} kvtier_hint;
+
+/* kvtier_store_events_async with a retention hint for the new blocks
+ * (events and hint may be NULL). */
+kvtier_status kvtier_store_hinted_async(kvtier_client* client, uint32_t cache_id, const uint8_t* keys,
+                                        const uint32_t* block_ids, size_t n, const uint8_t* parent,
+                                        const kvtier_block_events* events, const kvtier_hint* hint,
+                                        kvtier_op* op);
+
+/* A retention hint for the cached blocks of keys (a request's, or a
+ * finished session's), replacing theirs; keys not cached are skipped.
+ * *hinted: blocks that took it; *refused: of which hinted to be kept past
+ * the tier's share (either may be NULL). */
+kvtier_status kvtier_hint_blocks(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t n,
+                                 const kvtier_hint* hint, uint32_t* hinted, uint32_t* refused);
+
 /* Waits for an op, at most timeout_ms (0: no limit). KVTIER_DEADLINE_EXCEEDED:
  * still running, wait again; KVTIER_UNAVAILABLE: the daemon restarted, the op
  * is lost (a load loaded nothing usable, a store stored nothing). *blocks and

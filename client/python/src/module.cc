@@ -352,6 +352,18 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
   return {std::move(k), std::move(ids)};
 }
 
+// A retention hint from Python's ints, refusing a priority int8 would wrap
+// (the client checks the rest).
+BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial) {
+  if (priority < -1 || priority > 1) {
+    RaiseInvalid("retention priority " + std::to_string(priority) + ": -1 (evict first), 0 (no hint) or 1 (keep)");
+  }
+  return BlockHint{.priority = static_cast<int8_t>(priority),
+                   .next_use_ms = next_use_ms,
+                   .session_over = session_over,
+                   .last_partial = last_partial};
+}
+
 // A store's KV-event arguments (BlockEventInfo), owned. engine_hashes: one
 // per key, each bytes (all of one length, 1-32) or an int (its low 64 bits,
 // sent as 8 big-endian bytes, as vLLM's events carry them).
@@ -701,22 +713,46 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
              const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
              const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
-             const py::object& lora_name) {
+             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial) {
             self.Check(cache);
+            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
             const std::optional<BlockEventInfo> info = ev ? std::optional(ev->info()) : std::nullopt;
-            return WithoutGil([&] { return c->Store(cache.id, k, ids, p, info ? &*info : nullptr); });
+            return WithoutGil([&] { return c->Store(cache.id, k, ids, p, info ? &*info : nullptr, &hint); });
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
           py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
+          py::arg("priority") = 0, py::arg("next_use_ms") = 0, py::arg("last_partial") = false,
           "Copies engine blocks block_ids out under keys (parent: the key of the block before the "
           "first). For KV events (docs/kv-events.md), optionally: the engine's hash of each block "
           "(bytes, or an int sent as its low 64 bits), of the block before the first, the blocks' "
-          "token ids (block_size per key, flat) and the LoRA adapter's name.")
+          "token ids (block_size per key, flat) and the LoRA adapter's name. A retention hint "
+          "(docs/policy.md), optionally: priority -1 (evict first), 0 or 1 (keep over unhinted "
+          "blocks); next_use_ms, when the engine expects to use them again (kept until then, at "
+          "most twice as long); last_partial, the last key's block is partial (not stored).")
+      .def(
+          "hint",
+          [](const PyClient& self, const KvCache& cache, const py::object& keys, int priority,
+             uint32_t next_use_ms, bool session_over) {
+            self.Check(cache);
+            const BlockHint hint = MakeHint(priority, next_use_ms, session_over, false);
+            std::vector<BlockKey> k = Keys(keys);
+            std::shared_ptr<Client> c = self.Get();
+            HintResult r = WithoutGil([&] { return c->Hint(cache.id, k, hint); });
+            py::dict d;
+            d["hinted"] = r.hinted;
+            d["refused"] = r.refused;
+            return d;
+          },
+          py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
+          py::arg("session_over") = false,
+          "A retention hint for the cached blocks of keys (a request's, or a finished session's: "
+          "session_over=True), replacing theirs. Returns {'hinted': blocks that took it, "
+          "'refused': of which hinted to be kept past the tier's share}.")
       .def(
           "load_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
@@ -734,19 +770,22 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
              const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
              const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
-             const py::object& lora_name) {
+             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial) {
             self.Check(cache);
+            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
             const std::optional<BlockEventInfo> info = ev ? std::optional(ev->info()) : std::nullopt;
-            OpHandle h = WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, info ? &*info : nullptr); });
+            OpHandle h =
+                WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, info ? &*info : nullptr, &hint); });
             return PyOp(c, h, "store");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
           py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
+          py::arg("priority") = 0, py::arg("next_use_ms") = 0, py::arg("last_partial") = false,
           "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
           "then.")
       .def(
