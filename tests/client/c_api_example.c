@@ -110,6 +110,34 @@ int main(int argc, char** argv) {
       KVTIER_INVALID_ARGUMENT) {
     return 16;
   }
+  /* A store with a retention hint (kept until its next use, a partial last
+   * block not stored), a hint for cached blocks, and hints refused. */
+  uint32_t hint_tokens[16 * 3];
+  for (size_t i = 0; i < 48; ++i) hint_tokens[i] = (uint32_t)(i * 7919u % 40000u + 3u);
+  uint8_t hint_keys[3 * 16];
+  CHECK(kvtier_compute_keys(client, cache_id, hint_tokens, 48, hint_keys, 3, &num_keys));
+  uint32_t hint_ids[3] = {12, 13, 14};
+  kvtier_hint hint = {.priority = 1, .next_use_ms = 60000, .session_over = 0, .last_partial = 1};
+  CHECK(kvtier_store_hinted_async(client, cache_id, hint_keys, hint_ids, 3, NULL, NULL, &hint, &op));
+  CHECK(kvtier_wait(client, &op, 0, &stored, &already));
+  if (stored != 2) {
+    fprintf(stderr, "hinted store: %u stored (the partial last block is not)\n", stored);
+    return 30;
+  }
+  kvtier_hint over = {.priority = 0, .next_use_ms = 0, .session_over = 1, .last_partial = 0};
+  uint32_t hinted = 0, refused = 0;
+  CHECK(kvtier_hint_blocks(client, cache_id, hint_keys, 3, &over, &hinted, &refused));
+  if (hinted != 2 || refused != 0) return 31;
+  kvtier_hint bad_hint = {.priority = 300, .next_use_ms = 0, .session_over = 0, .last_partial = 0};
+  if (kvtier_hint_blocks(client, cache_id, hint_keys, 3, &bad_hint, NULL, NULL) != KVTIER_INVALID_ARGUMENT) return 32;
+  if (strstr(kvtier_last_error(), "priority 300") == NULL) return 33;
+  bad_hint.priority = 0;
+  bad_hint.next_use_ms = 3600001u;
+  if (kvtier_store_hinted_async(client, cache_id, hint_keys, hint_ids, 3, NULL, NULL, &bad_hint, &op) !=
+      KVTIER_INVALID_ARGUMENT) {
+    return 34;
+  }
+
   /* An op that is not this client's is an error, not a hang. */
   kvtier_op bogus = op;
   bogus.op += 1000;
