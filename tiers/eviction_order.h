@@ -131,6 +131,9 @@ class EvictionOrder {
   uint64_t low_size() const { return count_[kLow]; }
 
   uint64_t size() const { return total_; }
+  // What a block carries for its place in an order: its two links, the
+  // policy's bits, the hint's bits and the time it is kept until.
+  static constexpr size_t kMetadataBytesPerBlock = 2 * sizeof(BlockEntry*) + 2 * sizeof(uint8_t) + sizeof(uint32_t);
   // Whether the tier let go of a block of this key lately (s3fifo and
   // classes keep ghosts; lru none).
   bool Remembers(const StoredKey& key) const {

@@ -533,6 +533,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   trace->add_option("--dir", trace_options.dir, "directory for the disk tier's segments (started daemon only)");
   trace->add_option("--set", trace_options.sets, "extra kvtierd --set key=value (started daemon only)");
+  trace->add_option("--policy", trace_options.policy,
+                    "eviction policy of the started daemon, and a simulated sweep of it next to LRU and Belady")
+      ->check(CLI::IsMember({"lru", "s3fifo", "classes"}));
   trace->add_flag("--partial-tail", trace_options.partial_tail,
                   "also look up and store each request's partial last block (engines store full blocks only)");
   trace

@@ -12,6 +12,7 @@
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
 #include "tools/bench_report.h"
+#include "tools/policy_sim.h"
 #include "tools/trace_replay.h"
 #include "tools/trace_sim.h"
 
@@ -270,6 +271,38 @@ void PrintSimulations(const Simulated& sim, const Capacity& cap,
   }
 }
 
+// The policy next to LRU and Belady, one tier of each capacity, hits counted
+// after the tuning split (nothing is tuned here; the split keeps the
+// figures comparable with a policy tuned on the first part).
+void PrintPolicySweep(std::span<const TraceRequest> requests, PolicyKind policy, uint64_t daemon_capacity) {
+  const uint64_t from = trace::TuningSplit(requests);
+  std::printf("\npolicy sweep: %s through kvtier's index (one tier; hits of requests %" PRIu64 "-%zu, after the tuning split)\n",
+              std::string(PolicyName(policy)).c_str(), from, requests.size());
+  std::printf("  %8s %9s %9s %9s %10s  %-22s %s\n", "blocks", "lru", std::string(PolicyName(policy)).c_str(),
+              "belady", "gap closed", "tokens saved (l/p/b)", "ns/access (lru, policy)");
+  std::vector<uint64_t> capacities = {1000, 2000, 5000, 10000, 20000};
+  if (daemon_capacity > 0 && std::find(capacities.begin(), capacities.end(), daemon_capacity) == capacities.end()) {
+    capacities.push_back(daemon_capacity);
+  }
+  for (uint64_t c : capacities) {
+    const trace::PolicySimResult lru =
+        trace::SimulatePolicy(requests, {.capacity_blocks = c, .policy = PolicyKind::kLru, .count_from_request = from});
+    const trace::PolicySimResult p =
+        trace::SimulatePolicy(requests, {.capacity_blocks = c, .policy = policy, .count_from_request = from});
+    const SimResult opt = trace::SimulateBelady(requests, c, from);
+    const double gap = opt.hit_rate() - lru.sim.hit_rate();
+    char closed[32] = "-";
+    if (gap > 1e-9) std::snprintf(closed, sizeof(closed), "%+.1f%%", 100 * (p.sim.hit_rate() - lru.sim.hit_rate()) / gap);
+    char tokens[64];
+    std::snprintf(tokens, sizeof(tokens), "%.2f/%.2f/%.2f%%", 100 * lru.sim.token_hit_rate(),
+                  100 * p.sim.token_hit_rate(), 100 * opt.token_hit_rate());
+    std::printf("  %8" PRIu64 " %8.2f%% %8.2f%% %8.2f%% %10s  %-22s %.0f, %.0f\n", c, 100 * lru.sim.hit_rate(),
+                100 * p.sim.hit_rate(), 100 * opt.hit_rate(), closed, tokens, lru.ns_per_access, p.ns_per_access);
+  }
+  std::printf("  metadata per block: %zu bytes (eviction-order links, policy bits, hint bits and time)\n",
+              EvictionOrder::kMetadataBytesPerBlock);
+}
+
 // The comparisons, with the targets (informational): all three
 // tiers within 1 point of the ceiling; one tier at least LRU's hit rate.
 std::vector<Comparison> Compare(double hit, const Simulated& sim, const Capacity& cap,
@@ -461,6 +494,13 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
 
   // The daemon: started with these tiers, or a running one.
   const uint64_t stride = (o.block_bytes + kSlotAlignBytes - 1) / kSlotAlignBytes * kSlotAlignBytes;
+  if (!o.policy.empty()) {
+    if (Result<PolicyKind> k = ParsePolicy(o.policy); !k) {
+      std::fprintf(stderr, "kvtier-bench trace: --policy: %s\n", k.error().message().c_str());
+      return 1;
+    }
+    o.sets.push_back("policy.eviction=" + o.policy);
+  }
   if (o.codec != CodecKind::kNone) return CompareCodecs(o, plan, start_daemon, stride);
   Cleanup cleanup;
   const bool started = o.socket.empty();
@@ -546,6 +586,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
   bool lag_met = true;
   PrintWatch(watch, idle_ms, sum, replay->wall_s, cap.disk > 0, lag_met);
   PrintSimulations(sim, cap, plan.requests);
+  if (!o.policy.empty()) PrintPolicySweep(plan.requests, *ParsePolicy(o.policy), cap.total());
   std::string target_line;
   const double hit = Pct(sum.hits, sum.accesses);
   const std::vector<Comparison> cs = Compare(hit, sim, cap,

@@ -47,6 +47,11 @@ struct TraceOptions {
   // Keep each request's partial last block (looked up and stored, as
   // before issue 19); by default only full blocks are, as engines do.
   bool partial_tail = false;
+  // An eviction policy (lru, s3fifo, classes): the started daemon runs it
+  // (policy.eviction), and a sweep of 1k-20k blocks and the daemon's
+  // capacity simulates it through kvtier's own index next to LRU and
+  // Belady, on the requests after the tuning split (tools/policy_sim.h).
+  std::string policy;
 };
 
 // Runs the replay and the simulations and prints (and writes) the report.
