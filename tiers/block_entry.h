@@ -72,21 +72,21 @@ struct BlockEntry {
   // they live in. A block with children in its own tier or above is evicted
   // after them.
   uint32_t children_in_tier[kNumTiers] = {};
-  // The slot this block lived in before its last move, freed when the last
-  // lease taken before the move is released (loads read the old slot).
-  uint8_t* retired_slot = nullptr;
-  Tier retired_tier = Tier::kHost;
-  uint32_t retired_bytes = 0;  // what the retired slot was allocated for
-
   // Its place in its tier's eviction order (owned by EvictionOrder): the
-  // links of its queue, the policy's few bits (s3fifo: queue, hits), and
-  // the engine's retention hint (EvictionOrder::Hint: level, kept and its
-  // class) with the time it is kept until (the order's milliseconds).
-  BlockEntry* lru_prev = nullptr;  // towards colder
-  BlockEntry* lru_next = nullptr;  // towards hotter
+  // links of its queue (pool ids, ChunkedPool::IdOf; 0: none), the time an
+  // engine's hint keeps it until (the order's milliseconds), the policy's
+  // few bits (s3fifo: queue, hits) and the hint's (EvictionOrder::Hint:
+  // level, kept and its class). Placed where the fields around leave room.
+  uint32_t lru_prev = 0;  // towards colder
+  uint32_t lru_next = 0;  // towards hotter
+  uint32_t keep_until_ms = 0;
   uint8_t policy_bits = 0;
   uint8_t hint_bits = 0;
-  uint32_t keep_until_ms = 0;
+  // The slot this block lived in before its last move, freed when the last
+  // lease taken before the move is released (loads read the old slot).
+  Tier retired_tier = Tier::kHost;
+  uint32_t retired_bytes = 0;  // what the retired slot was allocated for
+  uint8_t* retired_slot = nullptr;
   // Tree links (owned by BlockIndex).
   BlockEntry* parent = nullptr;
   BlockEntry* first_child = nullptr;

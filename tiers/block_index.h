@@ -1,7 +1,7 @@
 // BlockIndex: stored key -> BlockEntry, with per-tier eviction orders
-// (tiers/eviction_order.h: lru or s3fifo) and parent/child links for
-// prefix-aware eviction. About 200 to 230 bytes per
-// block, fixed: the entry (168 bytes today) in a chunked pool and a 24-byte
+// (tiers/eviction_order.h: lru, s3fifo or classes) and parent/child links for
+// prefix-aware eviction. About 215 to 250 bytes per
+// block, fixed: the entry (184 bytes today) in a chunked pool and a 24-byte
 // slot in the lookup table (at 3/8 to 3/4 load); no allocation per entry.
 //
 // Entries live in a ChunkedPool (tiers/chunked_pool.h) and never move, so the
@@ -30,7 +30,7 @@ class BlockIndex {
  public:
   // Each tier's blocks in an eviction order of policy `policy`.
   explicit BlockIndex(PolicyKind policy = PolicyKind::kLru)
-      : orders_{EvictionOrder(policy), EvictionOrder(policy), EvictionOrder(policy)} {}
+      : orders_{EvictionOrder(policy, &entries_), EvictionOrder(policy, &entries_), EvictionOrder(policy, &entries_)} {}
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
 

@@ -199,9 +199,10 @@ void EvictionOrder::Link(BlockEntry* e, bool hot) {
   Queue& l = queues_[q];
   BlockEntry*& end = hot ? l.hottest : l.coldest;  // where e goes
   BlockEntry*& other = hot ? l.coldest : l.hottest;
-  (hot ? e->lru_prev : e->lru_next) = end;
-  (hot ? e->lru_next : e->lru_prev) = nullptr;
-  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = e;
+  const uint32_t id = pool_->IdOf(e);
+  (hot ? e->lru_prev : e->lru_next) = end != nullptr ? pool_->IdOf(end) : 0;
+  (hot ? e->lru_next : e->lru_prev) = 0;
+  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = id;
   end = e;
   if (other == nullptr) other = e;
   ++count_[q];
@@ -211,17 +212,19 @@ void EvictionOrder::Link(BlockEntry* e, bool hot) {
 void EvictionOrder::Unlink(BlockEntry* e) {
   const int q = QueueOf(e);
   Queue& l = queues_[q];
-  if (e->lru_prev != nullptr) {
-    e->lru_prev->lru_next = e->lru_next;
+  BlockEntry* prev = pool_->At(e->lru_prev);
+  BlockEntry* next = pool_->At(e->lru_next);
+  if (prev != nullptr) {
+    prev->lru_next = e->lru_next;
   } else {
-    l.coldest = e->lru_next;
+    l.coldest = next;
   }
-  if (e->lru_next != nullptr) {
-    e->lru_next->lru_prev = e->lru_prev;
+  if (next != nullptr) {
+    next->lru_prev = e->lru_prev;
   } else {
-    l.hottest = e->lru_prev;
+    l.hottest = prev;
   }
-  e->lru_prev = e->lru_next = nullptr;
+  e->lru_prev = e->lru_next = 0;
   --count_[q];
   --total_;
 }

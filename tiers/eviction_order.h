@@ -1,7 +1,8 @@
 // EvictionOrder: the order in which one tier offers its blocks for eviction,
 // and where blocks go in it when they arrive, are hit or come back from a
 // move (issue 19, docs/policy.md). BlockIndex keeps one per tier; blocks
-// link through BlockEntry::lru_prev/lru_next and keep the policy's bits in
+// link through BlockEntry::lru_prev/lru_next (32-bit ids in BlockIndex's
+// pool) and keep the policy's bits in
 // BlockEntry::policy_bits. Every call is O(1); a victim scan looks at no
 // more than its limit of blocks.
 //
@@ -46,6 +47,7 @@
 
 #include "common/status.h"
 #include "tiers/block_entry.h"
+#include "tiers/chunked_pool.h"
 #include "tiers/ghost_filter.h"
 
 namespace kvtier {
@@ -73,7 +75,8 @@ enum class Candidate : uint8_t {
 
 class EvictionOrder {
  public:
-  explicit EvictionOrder(PolicyKind kind = PolicyKind::kLru) : kind_(kind) {}
+  // `pool` holds the entries (borrowed; must outlive the order).
+  EvictionOrder(PolicyKind kind, const ChunkedPool<BlockEntry>* pool) : kind_(kind), pool_(pool) {}
   EvictionOrder(const EvictionOrder&) = delete;
   EvictionOrder& operator=(const EvictionOrder&) = delete;
 
@@ -133,7 +136,9 @@ class EvictionOrder {
   uint64_t size() const { return total_; }
   // What a block carries for its place in an order: its two links, the
   // policy's bits, the hint's bits and the time it is kept until.
-  static constexpr size_t kMetadataBytesPerBlock = 2 * sizeof(BlockEntry*) + 2 * sizeof(uint8_t) + sizeof(uint32_t);
+  static constexpr size_t kMetadataBytesPerBlock =
+      sizeof(BlockEntry::lru_prev) + sizeof(BlockEntry::lru_next) + sizeof(BlockEntry::policy_bits) +
+      sizeof(BlockEntry::hint_bits) + sizeof(BlockEntry::keep_until_ms);
   // Whether the tier let go of a block of this key lately (s3fifo and
   // classes keep ghosts; lru none).
   bool Remembers(const StoredKey& key) const {
@@ -146,7 +151,8 @@ class EvictionOrder {
   // The first block of a queue from its cold end, and the next hotter one
   // (tests, and the order's own scan).
   BlockEntry* Coldest(bool main_queue = false) const { return queues_[main_queue ? kMain : kSmall].coldest; }
-  static BlockEntry* Hotter(const BlockEntry* e) { return e->lru_next; }
+  BlockEntry* Hotter(const BlockEntry* e) const { return pool_->At(e->lru_next); }
+  BlockEntry* Colder(const BlockEntry* e) const { return pool_->At(e->lru_prev); }
 
  private:
   // lru keeps everything in queue 0; s3fifo: S is 0, M is 1. Then the
@@ -210,6 +216,7 @@ class EvictionOrder {
   void Adapt(bool grow_small);
 
   const PolicyKind kind_;
+  const ChunkedPool<BlockEntry>* pool_;
   Queue queues_[kQueues];
   uint64_t count_[kQueues] = {};
   uint64_t total_ = 0;
@@ -242,7 +249,7 @@ BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_reso
   for (int q : order) {
     if (queues_[q].coldest == nullptr) continue;
     for (BlockEntry* e = queues_[q].coldest; e != nullptr && scanned < limit; ++scanned) {
-      BlockEntry* next = e->lru_next;  // before Keep moves it
+      BlockEntry* next = Hotter(e);  // before Keep moves it
       const Candidate c = judge(static_cast<const BlockEntry*>(e));
       if (c == Candidate::kEvict && !Keep(e)) {
         if (last_resort != nullptr) *last_resort = false;

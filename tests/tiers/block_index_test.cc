@@ -31,8 +31,8 @@ StoredKey K(uint32_t n) {
 std::vector<StoredKey> Order(const BlockIndex& index, Tier t) {
   std::vector<StoredKey> keys;
   const BlockEntry* prev = nullptr;
-  for (const BlockEntry* e = index.order(t).Coldest(); e != nullptr; e = EvictionOrder::Hotter(e)) {
-    EXPECT_EQ(e->lru_prev, prev) << "broken back link at " << e->key.ToHex();
+  for (const BlockEntry* e = index.order(t).Coldest(); e != nullptr; e = index.order(t).Hotter(e)) {
+    EXPECT_EQ(index.order(t).Colder(e), prev) << "broken back link at " << e->key.ToHex();
     EXPECT_EQ(e->tier, t);
     keys.push_back(e->key);
     prev = e;
