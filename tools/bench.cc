@@ -536,6 +536,8 @@ int main(int argc, char** argv) {
   trace->add_option("--policy", trace_options.policy,
                     "eviction policy of the started daemon, and a simulated sweep of it next to LRU and Belady")
       ->check(CLI::IsMember({"lru", "s3fifo", "classes"}));
+  trace->add_flag("--sweep", trace_options.sweep,
+                  "replay --policy and lru through daemons of 1k-20k blocks, one tier and all three");
   trace->add_flag("--partial-tail", trace_options.partial_tail,
                   "also look up and store each request's partial last block (engines store full blocks only)");
   trace

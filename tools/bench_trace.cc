@@ -371,38 +371,96 @@ JsonFields JsonConfig(const TraceOptions& o, const ReplayCounts& sum, const Capa
   return config;
 }
 
-// One replay of `plan` on a daemon of its own with codec `codec` (and
-// KV-like block contents): what it did and what the daemon counted.
-struct CodecRun {
-  CodecKind codec = CodecKind::kNone;
+// One replay of `plan` on a daemon of its own with o's tiers and sets:
+// what it did and what the daemon counted.
+struct OwnRun {
   ReplayCounts counts;
   double wall_s = 0;
   DaemonStats before, after;
   uint64_t disk_blocks = 0;  // held on disk at the end
 };
 
-std::optional<CodecRun> RunWithCodec(TraceOptions o, ReplayPlan plan, CodecKind codec,
-                                     const StartDaemonFn& start_daemon, uint64_t stride) {
+std::optional<OwnRun> RunOnOwnDaemon(TraceOptions o, ReplayPlan plan, const StartDaemonFn& start_daemon,
+                                     uint64_t stride, const std::string& what) {
   Cleanup cleanup;
   o.socket.clear();
   if (!StartDaemon(o, stride, start_daemon, cleanup)) return std::nullopt;
   plan.socket = o.socket;
-  plan.codec = codec;
-  plan.kv_data = true;
   auto admin = Client::Connect({.socket_path = o.socket, .client_name = "kvtier-bench-trace"});
   Result<DaemonStats> before = admin ? (*admin)->Stats() : Result<DaemonStats>(Err(admin.error()));
   Result<ReplayResult> replay = before ? Replay(plan, o.clients) : Result<ReplayResult>(Err(before.error()));
   Result<DaemonStats> after = replay ? (*admin)->Stats() : Result<DaemonStats>(Err(replay.error()));
   if (!after) {
-    std::fprintf(stderr, "kvtier-bench trace: codec %s: %s\n", std::string(CodecName(codec)).c_str(),
-                 after.error().ToString().c_str());
+    std::fprintf(stderr, "kvtier-bench trace: %s: %s\n", what.c_str(), after.error().ToString().c_str());
     return std::nullopt;
   }
-  CodecRun run{codec, replay->counts, replay->wall_s, std::move(*before), std::move(*after), 0};
+  OwnRun run{replay->counts, replay->wall_s, std::move(*before), std::move(*after), 0};
   for (const TierStats& t : run.after.tiers) {
     if (t.tier == BlockTier::kDisk) run.disk_blocks = t.blocks;
   }
   return run;
+}
+
+// --sweep: the policy and LRU replayed through daemons of 1k-20k blocks,
+// one tier (host, filled to the brim) and all three (hbm 1/8, host 3/8,
+// disk 1/2 of the blocks, default watermarks), next to LRU and Belady
+// simulated at the same total, all counted after the tuning split.
+int SweepPolicy(const TraceOptions& o, ReplayPlan plan, const StartDaemonFn& start_daemon, uint64_t stride) {
+  if (!o.socket.empty()) {
+    std::fprintf(stderr, "kvtier-bench trace: --sweep starts daemons of its own (no --socket)\n");
+    return 1;
+  }
+  const PolicyKind policy = *ParsePolicy(o.policy.empty() ? "lru" : o.policy);
+  plan.count_from_request = trace::TuningSplit(plan.requests);
+  std::printf("\nsweep: replays through kvtierd, hits of requests %" PRIu64 "-%zu (after the tuning split)\n",
+              plan.count_from_request, plan.requests.size());
+  std::printf("  %8s %5s %9s %9s %9s %9s %10s  %-15s %s\n", "blocks", "tiers", "lru", std::string(PolicyName(policy)).c_str(),
+              "sim lru", "belady", "gap closed", "tokens saved", "disk MiB written (lru, policy)");
+  uint64_t wrong = 0;
+  for (uint64_t c : {1000u, 2000u, 5000u, 10000u, 20000u}) {
+    const SimResult lru_sim = trace::SimulatePolicy(plan.requests, {.capacity_blocks = c,
+                                                                    .policy = PolicyKind::kLru,
+                                                                    .count_from_request = plan.count_from_request})
+                                  .sim;
+    const SimResult opt = trace::SimulateBelady(plan.requests, c, plan.count_from_request);
+    for (const bool all : {false, true}) {
+      TraceOptions r = o;
+      if (all) {
+        r.hbm_bytes = c / 8 * stride;
+        r.host_bytes = 3 * c / 8 * stride;
+        r.disk_bytes = (c / 2 * RecordBytes(o.block_bytes) + (1 << 20) - 1) >> 20 << 20;
+      } else {
+        r.hbm_bytes = r.disk_bytes = 0;
+        r.host_bytes = c * stride;
+        r.sets.push_back("policy.watermarks.host={high: 1.0, low: 0.99}");
+      }
+      std::optional<OwnRun> runs[2];
+      for (int i = 0; i < 2; ++i) {
+        TraceOptions ri = r;
+        ri.sets.push_back(std::string("policy.eviction=") + (i == 0 ? "lru" : std::string(PolicyName(policy))));
+        runs[i] = RunOnOwnDaemon(ri, plan, start_daemon, stride, std::to_string(c) + " blocks");
+        if (!runs[i]) return 1;
+        wrong += runs[i]->counts.mismatches;
+      }
+      const double lru = Pct(runs[0]->counts.hits, runs[0]->counts.accesses);
+      const double p = Pct(runs[1]->counts.hits, runs[1]->counts.accesses);
+      const double gap = 100 * opt.hit_rate() - lru;
+      char closed[32] = "-";
+      if (gap > 1e-9) std::snprintf(closed, sizeof(closed), "%+.1f%%", 100 * (p - lru) / gap);
+      char tokens[48];
+      std::snprintf(tokens, sizeof(tokens), "%.2f/%.2f%%", Pct(runs[0]->counts.hit_tokens, runs[0]->counts.tokens),
+                    Pct(runs[1]->counts.hit_tokens, runs[1]->counts.tokens));
+      auto written = [](const OwnRun& run) {
+        return static_cast<double>(Delta(run.before, run.after, "bytes_host_to_disk")) / (1 << 20);
+      };
+      std::printf("  %8" PRIu64 " %5s %8.2f%% %8.2f%% %8.2f%% %8.2f%% %10s  %-15s %.1f, %.1f\n", c, all ? "all" : "host",
+                  lru, p, 100 * lru_sim.hit_rate(), 100 * opt.hit_rate(), closed, tokens, written(*runs[0]),
+                  written(*runs[1]));
+      std::fflush(stdout);
+    }
+  }
+  if (wrong > 0) std::printf("WRONG BYTES: %" PRIu64 " loaded blocks\n", wrong);
+  return wrong == 0 ? 0 : 1;
 }
 
 // --codec: the replay with the codec and without, at equal tier bytes.
@@ -412,12 +470,16 @@ int CompareCodecs(const TraceOptions& o, const ReplayPlan& plan, const StartDaem
     std::fprintf(stderr, "kvtier-bench trace: --codec needs a started daemon (no --socket) with a disk tier\n");
     return 1;
   }
-  std::vector<CodecRun> runs;
+  std::vector<OwnRun> runs;
   for (CodecKind codec : {CodecKind::kNone, o.codec}) {
     std::printf("\nreplay with codec %s:\n", std::string(CodecName(codec)).c_str());
-    std::optional<CodecRun> run = RunWithCodec(o, plan, codec, start_daemon, stride);
+    ReplayPlan coded = plan;
+    coded.codec = codec;
+    coded.kv_data = true;
+    std::optional<OwnRun> run =
+        RunOnOwnDaemon(o, coded, start_daemon, stride, "codec " + std::string(CodecName(codec)));
     if (!run) return 1;
-    const CodecRun& r = *run;
+    const OwnRun& r = *run;
     const uint64_t raw = r.after.Counter("codec_raw_bytes"), stored = r.after.Counter("codec_stored_bytes");
     std::printf("  hits %.2f%% of %" PRIu64 " block accesses (hbm %.2f%%, host %.2f%%, disk %.2f%%); %" PRIu64
                 " blocks held on disk at the end; %.1f s\n",
@@ -434,8 +496,8 @@ int CompareCodecs(const TraceOptions& o, const ReplayPlan& plan, const StartDaem
                 codec == CodecKind::kFp8 ? "within fp8's bound" : "byte-exact");
     runs.push_back(std::move(*run));
   }
-  const CodecRun& base = runs[0];
-  const CodecRun& coded = runs[1];
+  const OwnRun& base = runs[0];
+  const OwnRun& coded = runs[1];
   const std::string name(CodecName(o.codec));
   const std::vector<Comparison> cs = {
       {"hit rate, " + name, Pct(coded.counts.hits, coded.counts.accesses), Pct(base.counts.hits, base.counts.accesses),
@@ -499,8 +561,9 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
       std::fprintf(stderr, "kvtier-bench trace: --policy: %s\n", k.error().message().c_str());
       return 1;
     }
-    o.sets.push_back("policy.eviction=" + o.policy);
   }
+  if (o.sweep) return SweepPolicy(o, plan, start_daemon, stride);
+  if (!o.policy.empty()) o.sets.push_back("policy.eviction=" + o.policy);
   if (o.codec != CodecKind::kNone) return CompareCodecs(o, plan, start_daemon, stride);
   Cleanup cleanup;
   const bool started = o.socket.empty();

@@ -52,6 +52,9 @@ struct TraceOptions {
   // capacity simulates it through kvtier's own index next to LRU and
   // Belady, on the requests after the tuning split (tools/policy_sim.h).
   std::string policy;
+  // With `policy`: replays it and LRU through daemons of their own at
+  // 1k-20k blocks, one tier and all three, instead of the one replay.
+  bool sweep = false;
 };
 
 // Runs the replay and the simulations and prints (and writes) the report.

@@ -119,12 +119,14 @@ void RunClient(uint32_t index, const Prepared& p, Shared* shared, int ready_fd, 
     const auto n = static_cast<uint32_t>(keys.size());
     auto found = (*client)->Lookup(*id, keys);
     if (!found) return Fail(slot, "lookup", found.error());
-    rep.requests += 1;
-    rep.accesses += n;
-    rep.hits += found->hits;
-    rep.tokens += requests[i].Tokens();
-    rep.hit_tokens += requests[i].TokensOf(found->hits);
-    for (BlockTier t : found->tiers) rep.tier_hits[static_cast<int>(t) - 1] += 1;
+    if (i >= p.plan.count_from_request) {
+      rep.requests += 1;
+      rep.accesses += n;
+      rep.hits += found->hits;
+      rep.tokens += requests[i].Tokens();
+      rep.hit_tokens += requests[i].TokensOf(found->hits);
+      for (BlockTier t : found->tiers) rep.tier_hits[static_cast<int>(t) - 1] += 1;
+    }
     // The hit prefix into engine blocks 0..hits-1; the engine computes the
     // rest and stores it.
     uint32_t loaded = 0;

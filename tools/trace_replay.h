@@ -46,6 +46,9 @@ struct ReplayPlan {
   // within fp8's bound.
   CodecKind codec = CodecKind::kNone;
   bool kv_data = false;  // KV-like block contents also without a codec
+  // Lookups are counted (requests, accesses, hits) only from this request
+  // on; the ones before warm the cache.
+  uint64_t count_from_request = 0;
 };
 
 // What the clients did, summed.
