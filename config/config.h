@@ -162,6 +162,10 @@ struct Config {
       // reuse: a hit since its store, or a store again after host let it go
       // unwritten (tiers/block_cache.h, Options::disk_admit_on_reuse).
       bool reuse = false;
+      // The learned gate: blocks that showed no reuse are written too when
+      // their request's class (its length) is hit on disk at least as often
+      // as all are, learned online from samples (tiers/disk_gate.h).
+      bool learned = false;
       std::optional<uint64_t> write_budget_bytes_per_day;  // unset: unlimited
     } disk_admission;
   } policy;

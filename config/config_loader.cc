@@ -664,13 +664,15 @@ void ReadPolicy(Context* ctx, const YAML::Node& node, Config::Policy* p) {
     return ParseEnum<WritePolicy>(
         n, {{"write_back", WritePolicy::kWriteBack}, {"write_through", WritePolicy::kWriteThrough}}, v);
   });
+  // Hit counts saturate at 511 (DiskOnlyBlock::kMaxHits): more could never be met.
   r.Read("disk_promotion_min_hits", &p->disk_promotion_min_hits,
-         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 1000000, v); });
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 511, v); });
   {
     MapReader a(ctx, r.Take("disk_admission"), "policy.disk_admission");
     a.Read("min_hits", &p->disk_admission.min_hits,
-           [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 1000000, v); });
+           [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 511, v); });
     a.Read("reuse", &p->disk_admission.reuse, ParseBoolNode);
+    a.Read("learned", &p->disk_admission.learned, ParseBoolNode);
     a.Read("write_budget_per_day", &p->disk_admission.write_budget_bytes_per_day,
            [](const YAML::Node& n, std::optional<uint64_t>* v) -> ParseResult {
              if (n.IsScalar() && n.Scalar() == "unlimited") {

@@ -60,7 +60,8 @@ std::string ConfigSummary(const Config& c) {
     << " (hints keep at most " << c.policy.hints.max_share << " of a tier), "
     << (c.policy.write_policy == WritePolicy::kWriteBack ? "write-back" : "write-through")
     << ", disk admission after " << c.policy.disk_admission.min_hits << " hits"
-    << (c.policy.disk_admission.reuse ? " and reuse" : "") << ", budget "
+    << (c.policy.disk_admission.reuse ? " and reuse" : "")
+    << (c.policy.disk_admission.learned ? " and the learned gate" : "") << ", budget "
     << (c.policy.disk_admission.write_budget_bytes_per_day
             ? FormatSize(*c.policy.disk_admission.write_budget_bytes_per_day) + "/day"
             : std::string("unlimited"))

@@ -262,6 +262,7 @@ Status Server::Setup() {
       .disk = disk_.get(),
       .disk_min_hits = c.policy.disk_admission.min_hits,
       .disk_admit_on_reuse = c.policy.disk_admission.reuse,
+      .disk_admit_learned = c.policy.disk_admission.learned,
       .disk_promotion_min_hits = c.policy.disk_promotion_min_hits,
       .disk_write_budget_bytes_per_day =
           c.policy.disk_admission.write_budget_bytes_per_day.value_or(0),

@@ -43,6 +43,7 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
 BlockCache::BlockCache(Options options)
     : options_(std::move(options)),
       index_(options_.policy),
+      gate_(options_.disk_gate_sample_every),
       namespaces_(std::max(1u, options_.max_namespaces), std::max(1u, options_.max_namespaces_per_tenant)),
       self_(std::make_shared<BlockCache*>(this)) {}
 
@@ -314,18 +315,9 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   disk_only_.Erase(b);
 }
 
-void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, const std::optional<StoredKey>& parent,
-                                 size_t keys) {
-  // The request's blocks before this store: its parent's depth, counted up
-  // to the policy's largest class bound (bounded work).
-  constexpr uint32_t kMaxDepth = 32;
-  uint32_t depth = 0;
-  for (const BlockEntry* p = parent ? index_.Find(*parent) : nullptr; p != nullptr && depth < kMaxDepth;
-       p = p->parent) {
-    ++depth;
-  }
-  const EvictionOrder::Arrival arrival{.prefix_hits = depth,
-                                       .request_blocks = depth + static_cast<uint32_t>(keys),
+void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, size_t keys) {
+  const EvictionOrder::Arrival arrival{.prefix_hits = parent_depth,
+                                       .request_blocks = parent_depth + static_cast<uint32_t>(keys),
                                        .partial_tail = false};
   std::vector<BlockEntry*> in_tier;
   for (Tier t : {Tier::kHbm, Tier::kHost}) {
@@ -697,6 +689,10 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .wait_event = target.event,
                   .codec = target.codec};
   const StoredKey* prev = parent ? &*parent : nullptr;
+  // Where the chain stands: the parent's depth when the index has it.
+  const BlockEntry* parent_entry = parent ? index_.Find(*parent) : nullptr;
+  const uint32_t parent_depth = parent_entry != nullptr ? parent_entry->depth : 0;
+  const auto request_blocks = static_cast<uint32_t>(std::min<uint64_t>(parent_depth + keys.size(), UINT32_MAX));
   for (size_t i = 0; i < keys.size(); prev = &keys[i], ++i) {
     if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) {
       ++job->already;  // present (in memory or only on disk), or its copy is in flight
@@ -727,16 +723,19 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     }
     const uint64_t slot_coded = t == Tier::kHost ? coded : 0;
     job->filling.push_back(InsertFilling(keys[i], prev, t, slot, bytes, *ns, tenant, slot_coded));
-    job->filling.back()->compress = target.codec.kind != CodecKind::kNone;
+    BlockEntry* filled = job->filling.back();
+    filled->compress = target.codec.kind != CodecKind::kNone;
+    filled->depth = static_cast<uint16_t>(std::min<uint64_t>(parent_depth + i + 1, UINT16_MAX));
+    if (options_.disk_admit_learned) filled->disk_gate = gate_.TagFor(request_blocks);
     if (hinted) {
       ++counters_.hinted;
-      if (!HintBlock(job->filling.back(), hint, now)) ++counters_.hints_refused;
+      if (!HintBlock(filled, hint, now)) ++counters_.hints_refused;
     }
     job->block_ids.push_back(block_ids[i]);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
   Counted(tenant).already_stored += job->already;
-  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent, keys.size());
+  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent_depth, keys.size());
   if (job->filling.empty()) {
     options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;

@@ -57,6 +57,7 @@
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
+#include "tiers/disk_gate.h"
 #include "tiers/ghost_filter.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk_only_index.h"
@@ -283,6 +284,12 @@ class BlockCache {
     // filter of about a byte per key, for the last 4x host's blocks of them
     // (tiers/ghost_filter.h; a few % of false positives are admitted).
     bool disk_admit_on_reuse = false;
+    // The learned NVMe gate (tiers/disk_gate.h): a block that showed no
+    // reuse is also written when its request's class is hit on disk at
+    // least as often as all are, as learned from samples (one block in
+    // disk_gate_sample_every of each class, always written).
+    bool disk_admit_learned = false;
+    uint32_t disk_gate_sample_every = 32;
     // A block a load read from disk stays in host only with this many hits
     // since it was written (0: always); else it goes back to the disk tier
     // once loaded, no write needed (its record serves the next hit), since
@@ -476,8 +483,9 @@ class BlockCache {
 
  private:
   // The policy learns what it can of a store's request (s3fifo, classes:
-  // EvictionOrder::ArrivedTogether). O(blocks stored).
-  void ArrivedTogether(std::span<BlockEntry* const> filling, const std::optional<StoredKey>& parent, size_t keys);
+  // EvictionOrder::ArrivedTogether): the blocks before it (its parent's
+  // depth) and how many it stores. O(blocks stored).
+  void ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, size_t keys);
   // index_.Hint, within the tier's hint_share (in blocks of e's size).
   bool HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms);
   struct TierState {
@@ -779,7 +787,8 @@ class BlockCache {
 
   Options options_;
   BlockIndex index_;
-  GhostFilter let_go_unwritten_;  // disk_admit_on_reuse
+  GhostFilter let_go_unwritten_;  // disk_admit_on_reuse and disk_admit_learned
+  DiskGate gate_;                 // disk_admit_learned
   DiskOnlyIndex disk_only_;
   std::unique_ptr<Arena> arenas_[kNumTiers];
   std::unique_ptr<TierState> tiers_[kNumTiers];

@@ -54,6 +54,7 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   e->ns = copy.ns;
   e->owner = copy.owner;
   e->hits = copy.hits;
+  e->disk_gate = copy.disk_gate;
   e->state = EntryState::kReady;
   e->on_disk = true;
   e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes, copy.packed);
@@ -88,6 +89,7 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   b.ns = static_cast<uint16_t>(e->ns);
   b.hits = std::min(e->hits, DiskOnlyBlock::kMaxHits);
   b.device = static_cast<uint8_t>(e->disk.device);
+  b.disk_gate = e->disk_gate & 0x3f;
   Erase(e);
   disk_only_.Insert(b);
 }
@@ -385,6 +387,15 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
                    : (e == nullptr || !e->on_disk || !is_here(e->disk.device, e->disk.offset))) {
     return {ReclaimAction::kStale};
   }
+  // The learned gate learns from its samples as they leave the disk.
+  if (options_.disk_admit_learned) {
+    const uint64_t disk_blocks = tier(Tier::kDisk)->blocks;
+    if (b != nullptr) {
+      gate_.Learn(b->disk_gate, b->hits > 0, disk_blocks);
+    } else {
+      gate_.Learn(e->disk_gate, e->hits > 0, disk_blocks);
+    }
+  }
   if (e != nullptr && e->tier != Tier::kDisk) {
     // Also in memory: only the disk copy goes (the block is dirty again).
     // Where every host block was promised to disk (write-through, or a
@@ -617,9 +628,13 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
   const std::optional<uint64_t>& disk_quota =
       v->owner < quotas_.size() ? quotas_[v->owner].bytes[static_cast<size_t>(Tier::kDisk)]
                                 : std::nullopt;
+  // The gates: reuse (a hit, or a store again after host let it go
+  // unwritten) is always written; the learned gate also writes what its
+  // class's samples say is hit on disk often enough.
+  const bool gated = options_.disk_admit_on_reuse || options_.disk_admit_learned;
   bool returned = false;  // stored again after host let it go unwritten
-  if (options_.disk_admit_on_reuse && v->hits == 0) returned = let_go_unwritten_.Contains(v->key.Low64());
-  const bool reused = !options_.disk_admit_on_reuse || v->hits > 0 || returned;
+  if (gated && v->hits == 0) returned = let_go_unwritten_.Contains(v->key.Low64());
+  const bool reused = !gated || v->hits > 0 || returned || (options_.disk_admit_learned && gate_.Admits(v->disk_gate));
   const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits && reused &&
                         (!disk_quota || *disk_quota >= SlotBytes(v));
   const uint64_t record = RecordBytes(SlotBytes(v), v->coded_bytes != 0);
@@ -628,7 +643,7 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
     StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
   } else {
     ++(admitted ? counters_.disk_over_budget : counters_.disk_not_admitted);
-    if (options_.disk_admit_on_reuse && !reused) {
+    if (gated && !reused) {
       let_go_unwritten_.SetRemember(4 * index_.order(Tier::kHost).size());
       let_go_unwritten_.Add(v->key.Low64());
     }

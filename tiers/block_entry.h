@@ -42,6 +42,9 @@ struct BlockEntry {
   bool arrives = false;
   uint8_t disk_write_failures = 0;  // failed writes to disk in a row
   bool has_checksum = false;
+  // The learned NVMe gate's tag (tiers/disk_gate.h: its request's class,
+  // and whether it is a sample), set at its store when the gate is on.
+  uint8_t disk_gate = 0;
   // Lookups and loads that found it (saturating) since it was last written
   // to disk: disk admission asks for some, and a reclaim carries forward a
   // block that has any.
@@ -53,6 +56,9 @@ struct BlockEntry {
   // Its disk writes store it coded (issue 18) by its namespace's codec
   // (NamespaceFormat): its store asked for lossless or fp8.
   bool compress = false;
+  // Its place in its chain as its store knew it: 1 for a root, its parent's
+  // plus one when the parent was in the index (saturating); 0 unknown.
+  uint16_t depth = 0;
   // The payload bytes of its record (disk.packed: what the codec wrote;
   // else block_bytes), while on_disk. What the disk tier is charged.
   uint32_t disk_payload_bytes = 0;

@@ -27,7 +27,7 @@ struct DiskOnlyBlock {
   // as a disk path may have.
   static constexpr uint64_t kOffsetLimitBytes = (uint64_t{1} << 39) * kRecordAlignBytes;
 
-  static constexpr uint16_t kMaxHits = (1u << 15) - 1;
+  static constexpr uint16_t kMaxHits = (1u << 9) - 1;
 
   StoredKey key;
   // Its record's payload: the block's bytes, or what a codec wrote when
@@ -35,8 +35,9 @@ struct DiskOnlyBlock {
   uint32_t block_bytes = 0;
   uint16_t owner = 0;
   uint16_t ns = 0;
-  uint16_t hits : 15 = 0;  // saturating at kMaxHits
+  uint16_t hits : 9 = 0;  // saturating at kMaxHits
   uint16_t packed : 1 = 0;
+  uint16_t disk_gate : 6 = 0;  // BlockEntry::disk_gate
   uint8_t device = 0;
   uint8_t used : 1 = 0;  // set by the index: 0 marks an empty slot
 

@@ -123,6 +123,8 @@ class DiskTierTest : public ::testing::Test {
                           .disk = disk_.get(),
                           .disk_min_hits = 0,
                           .disk_admit_on_reuse = admit_on_reuse_,
+                          .disk_admit_learned = admit_learned_,
+                          .disk_gate_sample_every = gate_sample_every_,
                           .disk_promotion_min_hits = promotion_min_hits_,
                           .disk_write_budget_bytes_per_day = budget_per_day,
                           .disk_write_through = write_through,
@@ -177,6 +179,21 @@ class DiskTierTest : public ::testing::Test {
                   });
     EXPECT_TRUE(Drain([&] { return done; }));
     return out;
+  }
+  // Stores `keys` as one request (a chain, each from engine block i),
+  // letting demotions settle after it.
+  void StoreRequest(const std::vector<StoredKey>& keys) {
+    std::vector<uint32_t> blocks(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      blocks[i] = static_cast<uint32_t>(i);
+      engine_->Fill(blocks[i], keys[i]);
+    }
+    bool done = false;
+    cache_->Store(kTenant, keys, blocks, std::nullopt, Target(), owner_, [&](OpOutcome o) {
+      EXPECT_TRUE(o.status.ok()) << o.status;
+      done = true;
+    });
+    ASSERT_TRUE(Drain([&] { return done && cache_->inflight_copies() == 0; }));
   }
   // Stores each key from its own engine block, letting demotions settle
   // after each (at the pace of a disk that keeps up).
@@ -237,6 +254,8 @@ class DiskTierTest : public ::testing::Test {
   std::string index_path_;
   uint32_t promotion_min_hits_ = 0;
   bool admit_on_reuse_ = false;
+  bool admit_learned_ = false;
+  uint32_t gate_sample_every_ = 32;
   std::mt19937_64 rng_{42};
   std::unique_ptr<HostBackend> backend_;
   std::unique_ptr<EngineMemory> engine_;
@@ -355,6 +374,47 @@ TEST_F(DiskTierTest, TheReuseGateWritesOnlyBlocksThatShowedReuse) {
   EXPECT_EQ(cache_->counters().disk_demotions, 5u);
   EXPECT_GE(cache_->counters().disk_not_admitted, dropped + 12u);
   for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(LoadExact(once[i])) << i;
+}
+
+// The learned NVMe gate: a class of request whose blocks are never hit on
+// disk stops being written (but for its samples), while blocks of a class
+// that is hit keep being written before they showed any reuse themselves.
+TEST_F(DiskTierTest, TheLearnedGateStopsWritingAClassThatIsNeverHit) {
+  admit_learned_ = true;
+  gate_sample_every_ = 2;
+  Open();
+  // Rounds of one request of 4 blocks (class 3), read back two rounds
+  // later, and four of 1 block (class 1) that nobody reads: 320 blocks
+  // through a disk of 80 records, reclaimed region by region.
+  std::vector<std::vector<StoredKey>> longs;
+  for (int round = 0; round < 40; ++round) {
+    longs.push_back(NewKeys(4));
+    StoreRequest(longs.back());
+    for (int i = 0; i < 4; ++i) StoreRequest(NewKeys(1));
+    if (round >= 2) {
+      for (const StoredKey& k : longs[static_cast<size_t>(round) - 2]) EXPECT_TRUE(LoadExact(k)) << round;
+    }
+    if (round == 3) {
+      EXPECT_EQ(cache_->counters().disk_not_admitted, 0u) << "nothing refused before it learned";
+    }
+  }
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_GT(disk_->counters().regions_reclaimed, 16u);
+  EXPECT_GT(cache_->counters().disk_not_admitted, 0u);
+  // Now: a fresh request of the hit class, then 24 one-block requests.
+  const uint64_t refused = cache_->counters().disk_not_admitted;
+  const uint64_t written = cache_->counters().disk_demotions;
+  const std::vector<StoredKey> fresh = NewKeys(4);
+  StoreRequest(fresh);
+  for (int i = 0; i < 24; ++i) StoreRequest(NewKeys(1));
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  for (const StoredKey& k : fresh) EXPECT_TRUE(LoadExact(k)) << "written though never hit: its class is";
+  // Of the one-block requests that left host (at least 16), only the
+  // samples (every second) were written.
+  const uint64_t more_refused = cache_->counters().disk_not_admitted - refused;
+  const uint64_t more_written = cache_->counters().disk_demotions - written;
+  EXPECT_GE(more_refused, 8u);
+  EXPECT_LE(more_written, 4u + 12u + 1u);
 }
 
 TEST_F(DiskTierTest, HotBlocksSurviveTheReclaimOfTheirRegion) {
