@@ -89,11 +89,11 @@ PolicySimResult SimulatePolicy(std::span<const TraceRequest> trace, const Policy
       ++r.insertions;
     }
     for (BlockEntry* e : stored) e->state = EntryState::kReady;
-    uint32_t seen = static_cast<uint32_t>(hit.size());
-    while (seen < keys.size() && order.Remembers(keys[seen])) ++seen;
-    order.ArrivedTogether(stored, {.prefix_hits = seen,
+    // As kvtierd tells the order (BlockCache::ArrivedTogether): the blocks
+    // before the store (its parent's depth) and the request's length.
+    order.ArrivedTogether(stored, {.prefix_hits = static_cast<uint32_t>(hit.size()),
                                    .request_blocks = static_cast<uint32_t>(keys.size()),
-                                   .partial_tail = req.input_tokens % kTraceBlockTokens != 0});
+                                   .partial_tail = req.Tokens() < keys.size() * kTraceBlockTokens});
   }
   const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
   out.ns_per_access = accesses == 0 ? 0.0 : ns / static_cast<double>(accesses);
