@@ -34,6 +34,17 @@ std::vector<kvtier::BlockKey> Keys(const uint8_t* keys, size_t n) {
   return out;
 }
 
+// A C hint as the client's, refusing what int8 would wrap.
+kvtier::Result<kvtier::BlockHint> HintFromC(const kvtier_hint& h) {
+  if (h.priority < -1 || h.priority > 1) {
+    return kvtier::Err(kvtier::InvalidArgument("retention priority " + std::to_string(h.priority) +
+                                               ": -1 (evict first), 0 (no hint) or 1 (keep)"));
+  }
+  return kvtier::BlockHint{.priority = static_cast<int8_t>(h.priority),
+                           .next_use_ms = h.next_use_ms,
+                           .session_over = h.session_over != 0,
+                           .last_partial = h.last_partial != 0};
+}
 }  // namespace
 
 extern "C" {
@@ -197,19 +208,6 @@ kvtier_status kvtier_store_events_async(kvtier_client* client, uint32_t cache_id
   return kvtier_store_hinted_async(client, cache_id, keys, block_ids, n, parent, events, nullptr, op);
 }
 
-namespace {
-// A C hint as the client's, refusing what int8 would wrap.
-kvtier::Result<kvtier::BlockHint> HintFromC(const kvtier_hint& h) {
-  if (h.priority < -1 || h.priority > 1) {
-    return kvtier::Err(kvtier::InvalidArgument("retention priority " + std::to_string(h.priority) +
-                                               ": -1 (evict first), 0 (no hint) or 1 (keep)"));
-  }
-  return kvtier::BlockHint{.priority = static_cast<int8_t>(h.priority),
-                           .next_use_ms = h.next_use_ms,
-                           .session_over = h.session_over != 0,
-                           .last_partial = h.last_partial != 0};
-}
-}  // namespace
 
 kvtier_status kvtier_hint_blocks(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t n,
                                  const kvtier_hint* hint, uint32_t* hinted, uint32_t* refused) {

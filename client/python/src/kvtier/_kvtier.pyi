@@ -158,7 +158,19 @@ class Client:
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
         lora_name: str | None = None,
+        priority: int = 0,
+        next_use_ms: int = 0,
+        last_partial: bool = False,
     ) -> OpResult: ...
+    def hint(
+        self,
+        cache: KvCache,
+        keys: Sequence[bytes],
+        *,
+        priority: int = 0,
+        next_use_ms: int = 0,
+        session_over: bool = False,
+    ) -> dict[str, int]: ...
     def load_async(self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds) -> Op: ...
     def store_async(
         self,
@@ -172,6 +184,9 @@ class Client:
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
         lora_name: str | None = None,
+        priority: int = 0,
+        next_use_ms: int = 0,
+        last_partial: bool = False,
     ) -> Op: ...
     def stats(self) -> dict[str, Any]: ...
     def evict(self, tenant: str = "", tier: str | None = None) -> int: ...
