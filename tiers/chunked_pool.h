@@ -86,15 +86,17 @@ class ChunkedPool {
   // A 32-bit name of a live object (never 0), and the object it names: for
   // links between objects at half a pointer's size. O(1). REQUIRES: the
   // pool has fewer than 2^32 cells (checked as chunks are added).
+  // An id is the chunk's number and the cell's index + 1 in bit fields, so
+  // At is a shift and a mask.
   uint32_t IdOf(const T* p) const {
     std::byte* cell = static_cast<std::byte*>(static_cast<void*>(const_cast<T*>(p)));
     Chunk* c = ChunkOf(cell);
-    return static_cast<uint32_t>(c->number * kCellsPerChunk + CellIndex(c, cell) + 1);
+    return static_cast<uint32_t>((c->number << kIdCellBits) | (CellIndex(c, cell) + 1));
   }
   T* At(uint32_t id) const {
     if (id == 0) return nullptr;
-    const size_t i = id - 1;
-    return std::launder(static_cast<T*>(static_cast<void*>(chunks_[i / kCellsPerChunk]->cells[i % kCellsPerChunk])));
+    return std::launder(static_cast<T*>(
+        static_cast<void*>(chunks_[id >> kIdCellBits]->cells[(id & ((uint32_t{1} << kIdCellBits) - 1)) - 1])));
   }
 
   // f(T*) once for every live object, in address order within each chunk.
@@ -129,6 +131,7 @@ class ChunkedPool {
   static constexpr size_t kCellsPerChunk =
       (kChunkBytes - (kChunkBytes / sizeof(T) / 64 + 2) * 8 - alignof(T)) / sizeof(T);
   static constexpr size_t kWords = (kCellsPerChunk + 63) / 64;
+  static constexpr int kIdCellBits = std::bit_width(kCellsPerChunk);  // holds index + 1
   struct Chunk {
     uint64_t number;        // its index in chunks_
     uint64_t live[kWords];  // bit i: cell i holds an object
@@ -148,7 +151,7 @@ class ChunkedPool {
     KVTIER_CHECK_MSG(memory != nullptr, "out of memory for a block index chunk");
     // Default-initialized: the cells stay untouched until used.
     Chunk* c = new (memory) Chunk;
-    KVTIER_CHECK_MSG((chunks_.size() + 1) * kCellsPerChunk < (uint64_t{1} << 32), "block index past 2^32 entries");
+    KVTIER_CHECK_MSG((chunks_.size() + 1) << kIdCellBits <= (uint64_t{1} << 32), "pool past its 32-bit ids");
     c->number = chunks_.size();
     for (uint64_t& w : c->live) w = 0;
     chunks_.push_back(c);
