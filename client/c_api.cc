@@ -34,13 +34,9 @@ std::vector<kvtier::BlockKey> Keys(const uint8_t* keys, size_t n) {
   return out;
 }
 
-// A C hint as the client's, refusing what int8 would wrap.
-kvtier::Result<kvtier::BlockHint> HintFromC(const kvtier_hint& h) {
-  if (h.priority < -1 || h.priority > 1) {
-    return kvtier::Err(kvtier::InvalidArgument("retention priority " + std::to_string(h.priority) +
-                                               ": -1 (evict first), 0 (no hint) or 1 (keep)"));
-  }
-  return kvtier::BlockHint{.priority = static_cast<int8_t>(h.priority),
+// A C hint as the client's (which checks it).
+kvtier::BlockHint HintFromC(const kvtier_hint& h) {
+  return kvtier::BlockHint{.priority = h.priority,
                            .next_use_ms = h.next_use_ms,
                            .session_over = h.session_over != 0,
                            .last_partial = h.last_partial != 0};
@@ -208,15 +204,12 @@ kvtier_status kvtier_store_events_async(kvtier_client* client, uint32_t cache_id
   return kvtier_store_hinted_async(client, cache_id, keys, block_ids, n, parent, events, nullptr, op);
 }
 
-
 kvtier_status kvtier_hint_blocks(kvtier_client* client, uint32_t cache_id, const uint8_t* keys, size_t n,
                                  const kvtier_hint* hint, uint32_t* hinted, uint32_t* refused) {
   if (client == nullptr || (keys == nullptr && n > 0) || hint == nullptr) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
   }
-  kvtier::Result<kvtier::BlockHint> h = HintFromC(*hint);
-  if (!h) return Fail(h.error());
-  kvtier::Result<kvtier::HintResult> r = client->client->Hint(cache_id, Keys(keys, n), *h);
+  kvtier::Result<kvtier::HintResult> r = client->client->Hint(cache_id, Keys(keys, n), HintFromC(*hint));
   if (!r) return Fail(r.error());
   if (hinted != nullptr) *hinted = r->hinted;
   if (refused != nullptr) *refused = r->refused;
@@ -228,11 +221,7 @@ kvtier_status kvtier_store_hinted_async(kvtier_client* client, uint32_t cache_id
                                         const kvtier_block_events* events, const kvtier_hint* hint,
                                         kvtier_op* op) {
   std::optional<kvtier::BlockHint> block_hint;
-  if (hint != nullptr) {
-    kvtier::Result<kvtier::BlockHint> h = HintFromC(*hint);
-    if (!h) return Fail(h.error());
-    block_hint = *h;
-  }
+  if (hint != nullptr) block_hint = HintFromC(*hint);
   if (client == nullptr || (n > 0 && (keys == nullptr || block_ids == nullptr)) || op == nullptr ||
       (events != nullptr && n > 0 && events->engine_hashes == nullptr)) {
     return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");

@@ -175,8 +175,8 @@ class Client::Impl {
     const uint64_t rid = next_id_++;
     KVTIER_ASSIGN_OR_RETURN(
         Reply r, Call(ipc::FinishMessage(b, rid,
-                                         w::CreateHintDirect(b, c->namespace_id, &wk, hint.priority, hint.next_use_ms,
-                                                             hint.session_over)),
+                                         w::CreateHintDirect(b, c->namespace_id, &wk, static_cast<int8_t>(hint.priority),
+                                                             hint.next_use_ms, hint.session_over)),
                       {}, rid, w::Body::HintReply));
     const w::HintReply* hr = r.msg->body_as_HintReply();
     return HintResult{.hinted = hr->hinted(), .refused = hr->refused()};
@@ -270,7 +270,7 @@ class Client::Impl {
                                events != nullptr ? &hashes : nullptr, events != nullptr ? events->hash_bytes : 0,
                                parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
                                events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str(),
-                               h.priority, h.next_use_ms, h.last_partial));
+                               static_cast<int8_t>(h.priority), h.next_use_ms, h.last_partial));
     }
     if (wait) {
       Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);

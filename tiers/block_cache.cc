@@ -315,10 +315,10 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   disk_only_.Erase(b);
 }
 
-void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, size_t keys) {
-  const EvictionOrder::Arrival arrival{.prefix_hits = parent_depth,
-                                       .request_blocks = parent_depth + static_cast<uint32_t>(keys),
-                                       .partial_tail = false};
+void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth,
+                                 uint32_t request_blocks) {
+  const EvictionOrder::Arrival arrival{
+      .prefix_hits = parent_depth, .request_blocks = request_blocks, .partial_tail = false};
   std::vector<BlockEntry*> in_tier;
   for (Tier t : {Tier::kHbm, Tier::kHost}) {
     in_tier.clear();
@@ -333,9 +333,9 @@ bool BlockCache::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t no
   // The tier's share for blocks hinted to be kept, in blocks of e's size.
   const uint64_t capacity = Usage(e->tier).capacity_bytes;
   const double share = std::clamp(options_.hint_share, 0.0, 1.0);
-  index_.order(e->tier).set_hint_limit(
-      static_cast<uint64_t>(share * static_cast<double>(capacity) / static_cast<double>(std::max<uint64_t>(SlotBytes(e), 1))));
-  return index_.Hint(e, hint, now_ms);
+  const auto keep_limit = static_cast<uint64_t>(share * static_cast<double>(capacity) /
+                                                static_cast<double>(std::max<uint64_t>(SlotBytes(e), 1)));
+  return index_.Hint(e, hint, now_ms, keep_limit);
 }
 
 uint32_t BlockCache::NowMs() const {
@@ -735,7 +735,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
   Counted(tenant).already_stored += job->already;
-  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent_depth, keys.size());
+  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent_depth, request_blocks);
   if (job->filling.empty()) {
     options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;

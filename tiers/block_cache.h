@@ -265,7 +265,7 @@ class BlockCache {
     // Each tier's eviction order (tiers/eviction_order.h).
     PolicyKind policy = PolicyKind::kLru;
     // The most of a tier the engine's hints may keep (priority +1 and
-    // next_use: EvictionOrder::hint_share).
+    // next_use: EvictionOrder::Hint's keep_limit).
     double hint_share = 0.5;
     // Most blocks one eviction looks at, in its tier's order, for a block
     // without cached children before taking the first unleased one.
@@ -484,8 +484,8 @@ class BlockCache {
  private:
   // The policy learns what it can of a store's request (s3fifo, classes:
   // EvictionOrder::ArrivedTogether): the blocks before it (its parent's
-  // depth) and how many it stores. O(blocks stored).
-  void ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, size_t keys);
+  // depth) and the request's length with them. O(blocks stored).
+  void ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, uint32_t request_blocks);
   // index_.Hint, within the tier's hint_share (in blocks of e's size).
   bool HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms);
   struct TierState {

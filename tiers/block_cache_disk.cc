@@ -89,7 +89,7 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   b.ns = static_cast<uint16_t>(e->ns);
   b.hits = std::min(e->hits, DiskOnlyBlock::kMaxHits);
   b.device = static_cast<uint8_t>(e->disk.device);
-  b.disk_gate = e->disk_gate & 0x3f;
+  b.disk_gate = e->disk_gate & DiskGate::kTagMask;
   Erase(e);
   disk_only_.Insert(b);
 }
@@ -389,12 +389,8 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   }
   // The learned gate learns from its samples as they leave the disk.
   if (options_.disk_admit_learned) {
-    const uint64_t disk_blocks = tier(Tier::kDisk)->blocks;
-    if (b != nullptr) {
-      gate_.Learn(b->disk_gate, b->hits > 0, disk_blocks);
-    } else {
-      gate_.Learn(e->disk_gate, e->hits > 0, disk_blocks);
-    }
+    gate_.Learn(b != nullptr ? b->disk_gate : e->disk_gate, (b != nullptr ? b->hits : e->hits) > 0,
+                tier(Tier::kDisk)->blocks);
   }
   if (e != nullptr && e->tier != Tier::kDisk) {
     // Also in memory: only the disk copy goes (the block is dirty again).

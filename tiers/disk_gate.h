@@ -26,7 +26,8 @@ namespace kvtier {
 class DiskGate {
  public:
   static constexpr uint8_t kClassMask = 0x1f;  // 0: no class known
-  static constexpr uint8_t kSampleBit = 0x20;  // the tag fits in 6 bits
+  static constexpr uint8_t kSampleBit = 0x20;
+  static constexpr uint8_t kTagMask = kClassMask | kSampleBit;  // a tag fits in 6 bits
   static constexpr int kClasses = 32;
 
   explicit DiskGate(uint32_t sample_every = 32, uint32_t min_samples = 8)

@@ -33,7 +33,8 @@ uint64_t EvictionOrder::protected_size() const {
   return n;
 }
 
-bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked) {
+bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked,
+                         uint64_t keep_limit) {
   uint8_t level = hint.session_over  ? kLevelOver
                   : hint.priority < 0 ? kLevelLow
                   : hint.priority > 0 ? kLevelHigh
@@ -41,11 +42,10 @@ bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_
   bool kept = !hint.session_over && hint.next_use_ms > 0;
   bool refused = false;
   const bool was_protected = (e->hint_bits & kKeptBit) != 0 || LevelOf(e) == kLevelHigh;
-  if ((kept || level == kLevelHigh) && !was_protected && protected_size() >= hint_limit_) {
+  if ((kept || level == kLevelHigh) && !was_protected && protected_size() >= keep_limit) {
     kept = false;
     if (level == kLevelHigh) level = kLevelNone;
     refused = true;
-    ++hints_refused_;
   }
   if (linked) Unlink(e);
   e->hint_bits = level;

@@ -34,9 +34,9 @@
 //           at the cold end of their level. In 13 classes by the power of
 //           two of next_use_ms, the longest asked first (a block needed
 //           later goes first, as Belady's would).
-// High and kept blocks number at most hint_limit() (the owner sets it from
-// the tier's capacity); past it a block's hint to keep it is taken as none
-// (hints_refused()).
+// High and kept blocks number at most the `keep_limit` a Hint is given (the
+// owner's share of the tier); past it a block's hint to keep it is taken as
+// none.
 //
 // Thread-compatible: owned by BlockIndex's thread.
 #pragma once
@@ -119,15 +119,13 @@ class EvictionOrder {
   // it); `linked`: e is in this order (not parked), else only its bits
   // change and Return or Insert places it. `now_ms`: the order's clock
   // (any origin; wraps). Returns false when a hint to keep it was refused
-  // (hint_limit) and it is kept as unhinted.
-  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked);
+  // (high and kept blocks number keep_limit already) and it is kept as
+  // unhinted.
+  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked, uint64_t keep_limit);
   // Kept blocks whose time has passed go back to their level, at most
   // kExpirePerCall a call (the rest at the next).
   static constexpr uint32_t kExpirePerCall = 256;
   void Expire(uint32_t now_ms);
-  void set_hint_limit(uint64_t blocks) { hint_limit_ = blocks; }
-  uint64_t hint_limit() const { return hint_limit_; }
-  uint64_t hints_refused() const { return hints_refused_; }
   // Blocks in the high and kept queues.
   uint64_t protected_size() const;
   // Blocks in the low queue.
@@ -220,8 +218,6 @@ class EvictionOrder {
   Queue queues_[kQueues];
   uint64_t count_[kQueues] = {};
   uint64_t total_ = 0;
-  uint64_t hint_limit_ = UINT64_MAX;
-  uint64_t hints_refused_ = 0;
   double small_share_ = 0.1;
   GhostFilter ghost_small_;  // let go of from S
   GhostFilter ghost_main_;   // let go of from M

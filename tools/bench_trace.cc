@@ -271,6 +271,16 @@ void PrintSimulations(const Simulated& sim, const Capacity& cap,
   }
 }
 
+// The share of the LRU-to-Belady gap a policy closed, as "+1.2%" ("-"
+// when there is no gap). Hit rates in any one unit.
+std::string GapClosed(double policy, double lru, double belady) {
+  const double gap = belady - lru;
+  if (gap <= 1e-9) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%+.1f%%", 100 * (policy - lru) / gap);
+  return buf;
+}
+
 // The policy next to LRU and Belady, one tier of each capacity, hits counted
 // after the tuning split (nothing is tuned here; the split keeps the
 // figures comparable with a policy tuned on the first part).
@@ -290,14 +300,13 @@ void PrintPolicySweep(std::span<const TraceRequest> requests, PolicyKind policy,
     const trace::PolicySimResult p =
         trace::SimulatePolicy(requests, {.capacity_blocks = c, .policy = policy, .count_from_request = from});
     const SimResult opt = trace::SimulateBelady(requests, c, from);
-    const double gap = opt.hit_rate() - lru.sim.hit_rate();
-    char closed[32] = "-";
-    if (gap > 1e-9) std::snprintf(closed, sizeof(closed), "%+.1f%%", 100 * (p.sim.hit_rate() - lru.sim.hit_rate()) / gap);
+    const std::string closed = GapClosed(p.sim.hit_rate(), lru.sim.hit_rate(), opt.hit_rate());
     char tokens[64];
     std::snprintf(tokens, sizeof(tokens), "%.2f/%.2f/%.2f%%", 100 * lru.sim.token_hit_rate(),
                   100 * p.sim.token_hit_rate(), 100 * opt.token_hit_rate());
     std::printf("  %8" PRIu64 " %8.2f%% %8.2f%% %8.2f%% %10s  %-22s %.0f, %.0f\n", c, 100 * lru.sim.hit_rate(),
-                100 * p.sim.hit_rate(), 100 * opt.hit_rate(), closed, tokens, lru.ns_per_access, p.ns_per_access);
+                100 * p.sim.hit_rate(), 100 * opt.hit_rate(), closed.c_str(), tokens, lru.ns_per_access,
+                p.ns_per_access);
   }
   std::printf("  metadata per block: %zu bytes (eviction-order links, policy bits, hint bits and time)\n",
               EvictionOrder::kMetadataBytesPerBlock);
@@ -444,9 +453,7 @@ int SweepPolicy(const TraceOptions& o, ReplayPlan plan, const StartDaemonFn& sta
       }
       const double lru = Pct(runs[0]->counts.hits, runs[0]->counts.accesses);
       const double p = Pct(runs[1]->counts.hits, runs[1]->counts.accesses);
-      const double gap = 100 * opt.hit_rate() - lru;
-      char closed[32] = "-";
-      if (gap > 1e-9) std::snprintf(closed, sizeof(closed), "%+.1f%%", 100 * (p - lru) / gap);
+      const std::string closed = GapClosed(p, lru, 100 * opt.hit_rate());
       char tokens[48];
       std::snprintf(tokens, sizeof(tokens), "%.2f/%.2f%%", Pct(runs[0]->counts.hit_tokens, runs[0]->counts.tokens),
                     Pct(runs[1]->counts.hit_tokens, runs[1]->counts.tokens));
@@ -454,7 +461,7 @@ int SweepPolicy(const TraceOptions& o, ReplayPlan plan, const StartDaemonFn& sta
         return static_cast<double>(Delta(run.before, run.after, "bytes_host_to_disk")) / (1 << 20);
       };
       std::printf("  %8" PRIu64 " %5s %8.2f%% %8.2f%% %8.2f%% %8.2f%% %10s  %-15s %.1f, %.1f\n", c, all ? "all" : "host",
-                  lru, p, 100 * lru_sim.hit_rate(), 100 * opt.hit_rate(), closed, tokens, written(*runs[0]),
+                  lru, p, 100 * lru_sim.hit_rate(), 100 * opt.hit_rate(), closed.c_str(), tokens, written(*runs[0]),
                   written(*runs[1]));
       std::fflush(stdout);
     }

@@ -222,15 +222,19 @@ TEST_P(HintTest, HintsToKeepHoldAtMostTheirShareAndTravelWithABlockAcrossTiers) 
   BlockIndex index(GetParam());
   for (uint32_t i = 0; i < 10; ++i) index.Insert(K(i), Tier::kHost, nullptr);
   EvictionOrder& order = index.order(Tier::kHost);
-  order.set_hint_limit(3);
-  uint32_t took = 0;
-  for (uint32_t i = 0; i < 10; ++i) took += index.Hint(index.Find(K(i)), {.priority = 1}, 0) ? 1 : 0;
+  constexpr uint64_t kKeepLimit = 3;
+  uint32_t took = 0, refused = 0;
+  for (uint32_t i = 0; i < 10; ++i) {
+    const bool ok = index.Hint(index.Find(K(i)), {.priority = 1}, 0, kKeepLimit);
+    took += ok ? 1 : 0;
+    refused += ok ? 0 : 1;
+  }
   EXPECT_EQ(took, 3u);
   EXPECT_EQ(order.protected_size(), 3u);
-  EXPECT_EQ(order.hints_refused(), 7u);
+  EXPECT_EQ(refused, 7u);
   // Re-hinting a protected block is no new share; low is never refused.
-  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 500}, 0));
-  EXPECT_TRUE(index.Hint(index.Find(K(9)), {.priority = -1}, 0));
+  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 500}, 0, kKeepLimit));
+  EXPECT_TRUE(index.Hint(index.Find(K(9)), {.priority = -1}, 0, kKeepLimit));
   // A parked block takes its hint when it comes back, in its new tier.
   BlockEntry* e = index.Find(K(1));
   index.Park(e);

@@ -119,8 +119,9 @@ struct BlockEventInfo {
 // eviction policy decides for blocks without one.
 struct BlockHint {
   // -1: evict these before unhinted blocks; 0: no hint; 1: keep them over
-  // unhinted blocks (at most policy.hints.max_share of a tier).
-  int8_t priority = 0;
+  // unhinted blocks (at most policy.hints.max_share of a tier). Any other
+  // value is refused.
+  int priority = 0;
   // Their next use is expected within this many ms (a conversation's next
   // turn, a tool call's return): kept over unhinted blocks until a hit, or
   // until twice this long has passed. 0: none; at most 3,600,000 (an hour).

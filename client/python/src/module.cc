@@ -352,13 +352,9 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
   return {std::move(k), std::move(ids)};
 }
 
-// A retention hint from Python's ints, refusing a priority int8 would wrap
-// (the client checks the rest).
+// A retention hint from Python's arguments (the client checks it).
 BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial) {
-  if (priority < -1 || priority > 1) {
-    RaiseInvalid("retention priority " + std::to_string(priority) + ": -1 (evict first), 0 (no hint) or 1 (keep)");
-  }
-  return BlockHint{.priority = static_cast<int8_t>(priority),
+  return BlockHint{.priority = priority,
                    .next_use_ms = next_use_ms,
                    .session_over = session_over,
                    .last_partial = last_partial};
