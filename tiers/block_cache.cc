@@ -1,3 +1,8 @@
+// BlockCache's memory tiers and data path: stores, loads, lookups,
+// promotion and demotion between hbm and host, eviction, quotas (its disk,
+// codec, remote, verify and policy sides live in block_cache_*.cc). Past 800
+// lines on purpose: a store's and a load's steps, and the leases and slots
+// they share, read best side by side.
 #include "tiers/block_cache.h"
 
 #include <algorithm>
@@ -313,49 +318,6 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   CountPresent(Presence::kDisk, false);
   if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Presence::kDisk);
   disk_only_.Erase(b);
-}
-
-void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth,
-                                 uint32_t request_blocks) {
-  const EvictionOrder::Arrival arrival{
-      .prefix_hits = parent_depth, .request_blocks = request_blocks, .partial_tail = false};
-  std::vector<BlockEntry*> in_tier;
-  for (Tier t : {Tier::kHbm, Tier::kHost}) {
-    in_tier.clear();
-    for (BlockEntry* e : filling) {
-      if (e->tier == t) in_tier.push_back(e);
-    }
-    if (!in_tier.empty()) index_.order(t).ArrivedTogether(in_tier, arrival);
-  }
-}
-
-bool BlockCache::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms) {
-  // The tier's share for blocks hinted to be kept, in blocks of e's size.
-  const uint64_t capacity = Usage(e->tier).capacity_bytes;
-  const double share = std::clamp(options_.hint_share, 0.0, 1.0);
-  const auto keep_limit = static_cast<uint64_t>(share * static_cast<double>(capacity) /
-                                                static_cast<double>(std::max<uint64_t>(SlotBytes(e), 1)));
-  return index_.Hint(e, hint, now_ms, keep_limit);
-}
-
-uint32_t BlockCache::NowMs() const {
-  return static_cast<uint32_t>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(options_.clock() - created_).count());
-}
-
-uint32_t BlockCache::Hint(std::span<const StoredKey> keys, const RetentionHint& hint, uint32_t* refused) {
-  const uint32_t now = NowMs();
-  uint32_t took = 0, kept_none = 0;
-  for (const StoredKey& k : keys) {
-    BlockEntry* e = index_.Find(k);
-    if (e == nullptr) continue;
-    ++took;
-    kept_none += HintBlock(e, hint, now) ? 0 : 1;
-  }
-  counters_.hinted += took;
-  counters_.hints_refused += kept_none;
-  if (refused != nullptr) *refused = kept_none;
-  return took;
 }
 
 BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {

@@ -38,6 +38,10 @@
 // must be called there. Copies run on the backend's threads; their
 // completions come back through Options::post, which must run the closure on
 // the owner thread. Thread-compatible.
+//
+// Past 800 lines on purpose: this header is the contract of every caller
+// (handlers, tests, the benches), and its options and counters document
+// each knob and figure where they are declared.
 #pragma once
 
 #include <array>
