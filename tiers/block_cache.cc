@@ -340,17 +340,21 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
   return victim;
 }
 
-uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
+uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
   TierState* s = tier(t);
   if (!s->pool) return nullptr;
+  // Blocks the tier below holds can go for nothing; an extent of another
+  // size is emptied without loss only where host writes back to disk.
+  const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || RemoteWriteBack());
+  const bool may_empty_extents = room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr);
   while (true) {
     if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
-    if (!may_drop) return nullptr;
+    if (room == Room::kNothing) return nullptr;
     // Sizes share a tier by recency, not by who came first: when the
     // coldest block is of another size, the extent it lives in is emptied
     // for this size (without this, a second model's blocks would find
     // every extent taken by the first's).
-    if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
+    if (may_empty_extents && s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
       const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
       if (coldest != nullptr &&
           SlotPool::StrideFor(SlotBytes(coldest)) != SlotPool::StrideFor(bytes)) {
@@ -365,16 +369,13 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, bool may_drop) {
     // A block the tier below holds (disk, or else remote write-back's
     // cluster) costs nothing to let go; a dirty one would be lost, so it
     // goes only when no clean one can.
-    BlockEntry* victim = nullptr;
-    if (t == Tier::kHost && (options_.disk != nullptr || RemoteWriteBack())) {
-      victim = PickVictim(t, bytes, std::nullopt, /*clean_only=*/true);
-    }
-    if (victim == nullptr) victim = PickVictim(t, bytes, std::nullopt);
+    BlockEntry* victim = has_clean ? PickVictim(t, bytes, std::nullopt, /*clean_only=*/true) : nullptr;
+    if (victim == nullptr && room == Room::kAny) victim = PickVictim(t, bytes, std::nullopt);
     if (victim == nullptr) {
       // No block of this size can go now (all leased or moving: a store's
-      // own, blocks being coded): an extent of another size, whatever the
-      // coldest is, before giving up.
-      if (s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u) &&
+      // own, blocks being coded; or all dirty): an extent of another size,
+      // whatever the coldest is, before giving up.
+      if (may_empty_extents && s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u) &&
           EmptyExtent(t, bytes, nullptr) == ExtentReclaim::kRoom) {
         continue;
       }
@@ -604,7 +605,7 @@ bool BlockCache::MaybePromote(BlockEntry* e) {
     return false;
   }
   if (!QuotaAllows(e->owner, Tier::kHbm, e->block_bytes)) return false;
-  uint8_t* dst = AllocateSlot(Tier::kHbm, e->block_bytes, /*may_drop=*/false);
+  uint8_t* dst = AllocateSlot(Tier::kHbm, e->block_bytes, Room::kNothing);
   if (dst == nullptr) return false;
   StartMove(e, Tier::kHbm, dst);
   return true;
@@ -665,11 +666,11 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     // demoted to disk when there is one, see "Quotas" in block_cache.h).
     uint8_t* slot = nullptr;
     Tier t = Tier::kHbm;
-    if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, false);
+    if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, Room::kNothing);
     const uint64_t host_bytes = coded != 0 ? coded : bytes;
     if (slot == nullptr) {
       t = Tier::kHost;
-      if (MakeHostQuotaRoom(tenant, host_bytes)) slot = AllocateSlot(Tier::kHost, host_bytes, true);
+      if (MakeHostQuotaRoom(tenant, host_bytes)) slot = AllocateSlot(Tier::kHost, host_bytes, Room::kAny);
     }
     if (slot == nullptr) {
       const bool quota = !QuotaAllows(tenant, Tier::kHost, host_bytes);
@@ -772,7 +773,7 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
     BlockEntry* e = job->filling.at(i);
     KVTIER_CHECK(e->tier == Tier::kHost && e->coded_bytes != 0);
     ++counters_.codec_not_worth_it;
-    uint8_t* raw = AllocateSlot(Tier::kHost, e->block_bytes, /*may_drop=*/true);
+    uint8_t* raw = AllocateSlot(Tier::kHost, e->block_bytes, Room::kAny);
     if (raw == nullptr) {
       ++Counted(job->tenant).store_rejected;
       job->status = Status(StatusCode::kResourceExhausted, "no room for a block the codec did not code");
@@ -873,6 +874,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   if (!result.status.ok()) {
     index_.Unpark(e, /*hot=*/true);
     tier(to)->pool->Free(dst, e->block_bytes);
+    RetryReadsWaitingForRoom();  // no room came of it
     return;
   }
   const Tier from = e->tier;
@@ -914,13 +916,14 @@ void BlockCache::MaybeDemote() {
       }
       // With a disk tier, host blocks are on their way there: wait for room
       // rather than drop them.
-      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, /*may_drop=*/options_.disk == nullptr);
+      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, options_.disk == nullptr ? Room::kAny : Room::kNothing);
       if (dst == nullptr) break;  // host is full or leased; try again after the next op
       StartMove(v, Tier::kHost, dst);
     }
   }
   PumpDiskWrites();
   FlushRemotePuts();
+  RetryReadsWaitingForRoom();
 }
 
 }  // namespace kvtier

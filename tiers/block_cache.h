@@ -505,11 +505,18 @@ class BlockCache {
   TierState* tier(Tier t) { return tiers_[static_cast<size_t>(t)].get(); }
   const TierState* tier(Tier t) const { return tiers_[static_cast<size_t>(t)].get(); }
   bool QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const;
-  // A slot in tier `t` for a block of `bytes`, dropping unleased blocks of
-  // that tier (prefix-aware LRU) when `may_drop`; nullptr when impossible.
-  // When the coldest block is of another size, an extent of that size is
-  // emptied instead (EmptyExtent); nullptr while one drains to disk.
-  uint8_t* AllocateSlot(Tier t, uint64_t bytes, bool may_drop);
+  // What AllocateSlot may let go of to make room.
+  enum class Room : uint8_t {
+    kNothing,    // free room only
+    kCleanOnly,  // also host blocks the tier below holds (a disk record or remote copy)
+    kAny,        // also, when no clean one can go, the coldest block: lost
+  };
+  // A slot in tier `t` for a block of `bytes`, letting unleased blocks of
+  // that tier go (prefix-aware LRU) as `room` allows; nullptr when
+  // impossible. When the coldest block is of another size, an extent of that
+  // size is emptied instead (EmptyExtent: dirty host blocks are written, not
+  // dropped, where a disk tier is); nullptr while one drains to disk.
+  uint8_t* AllocateSlot(Tier t, uint64_t bytes, Room room);
   // The eviction victim in tier `t` with the given block size (0 = any).
   // With clean_only, only blocks the tier below host holds: their disk
   // record, or without a disk tier, their remote copy.
@@ -713,6 +720,22 @@ class BlockCache {
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
   // (or failed and was dropped). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
+  // The read of `e` for its disk_waiters_: it starts now, waits in
+  // reads_waiting_for_room_ while host room is coming, or fails (its
+  // waiters miss it).
+  void ReadIntoHost(BlockEntry* e);
+  // A host slot for `e`'s read: free room or a clean block's, never a dirty
+  // block's (AllocateSlot, Room::kCleanOnly); nullptr without its record.
+  uint8_t* SlotForDiskRead(const BlockEntry* e);
+  // Whether a read of `e` that found no slot should wait: it has its record
+  // and host blocks are leaving (MaybeDemote runs as each has left).
+  bool HostRoomIsComing(const BlockEntry* e) const;
+  // Starts the reads waiting for room that now find it, in order; those that
+  // cannot wait any longer fail. Called by MaybeDemote.
+  void RetryReadsWaitingForRoom();
+  // Ends a read that cannot start: its waiters miss the block (posted), and
+  // an entry nobody holds goes back to the disk-only table.
+  void FailDiskRead(BlockEntry* e);
   // Reads `e` (on disk, not moving) into host slot `dst`.
   void StartDiskRead(BlockEntry* e, uint8_t* dst);
   // `coded_bytes`: the slot holds the record's payload as it was coded.
@@ -809,6 +832,10 @@ class BlockCache {
   std::vector<std::string> tenant_names_;
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
+  // Disk reads waiting for a host slot while host's blocks leave, in order:
+  // a read never drops a block that is not on disk yet (ReadIntoHost). Their
+  // entries are moving (parked) until they start.
+  std::deque<StoredKey> reads_waiting_for_room_;
   uint64_t inflight_copies_ = 0;
   // QueueRemotePut's blocks (leased), and whether each is leaving host.
   std::vector<std::pair<BlockEntry*, bool>> remote_puts_;

@@ -105,8 +105,8 @@ void BlockCache::FinishHostEncode(const StoredKey& key, std::shared_ptr<uint8_t>
   // A coded block that takes a slot of the raw one's size (slots are 4 KiB
   // steps) gains nothing in host: it stays raw (its disk record still packs).
   const bool smaller = n && SlotPool::StrideFor(*n) < SlotPool::StrideFor(e->block_bytes);
-  const bool may_drop = options_.disk == nullptr && !RemoteWriteBack();
-  uint8_t* dst = smaller ? AllocateSlot(Tier::kHost, *n, may_drop) : nullptr;
+  const Room room = options_.disk == nullptr && !RemoteWriteBack() ? Room::kAny : Room::kNothing;
+  uint8_t* dst = smaller ? AllocateSlot(Tier::kHost, *n, room) : nullptr;
   if (!n) e->compress = false;  // deterministic: its disk and remote writes need not try again
   if (dst == nullptr) {
     ++(smaller ? counters_.codec_host_no_room : counters_.codec_not_worth_it);

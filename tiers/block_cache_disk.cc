@@ -97,20 +97,67 @@ void BlockCache::Dematerialize(BlockEntry* e) {
 void BlockCache::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) {
   auto [it, first] = disk_waiters_.try_emplace(e->key);
   if (then) it->second.push_back(std::move(then));
-  if (!first) return;  // a read of this block is already in flight: share it
-  // No record left (a reclaim took it while a load held the block): nothing
-  // to read. Otherwise a slot, unless host is all leased: then the block
-  // stays on disk and this load misses it.
-  uint8_t* dst = e->on_disk ? AllocateSlot(Tier::kHost, ReadSlotBytes(e), /*may_drop=*/true) : nullptr;
-  if (dst == nullptr) {
-    auto waiters = std::move(it->second);
-    disk_waiters_.erase(it);
-    options_.post([waiters = std::move(waiters)] {
-      for (const auto& w : waiters) w(false);
-    });
-    return;
+  if (first) ReadIntoHost(e);  // else a read of this block is under way: shared
+}
+
+void BlockCache::ReadIntoHost(BlockEntry* e) {
+  if (uint8_t* dst = SlotForDiskRead(e); dst != nullptr) {
+    StartDiskRead(e, dst);
+  } else if (HostRoomIsComing(e)) {
+    // Parked until then (never dropped), and counted as a copy in flight.
+    e->moving = true;
+    index_.Park(e);
+    ++inflight_copies_;
+    reads_waiting_for_room_.push_back(e->key);
+  } else {
+    FailDiskRead(e);
   }
-  StartDiskRead(e, dst);
+}
+
+uint8_t* BlockCache::SlotForDiskRead(const BlockEntry* e) {
+  // No record left (a reclaim took it while a load held the block): nothing
+  // to read. A read takes free room or a clean block's slot, never one of a
+  // block not on disk yet: the block read is safe there already.
+  return e->on_disk ? AllocateSlot(Tier::kHost, ReadSlotBytes(e), Room::kCleanOnly) : nullptr;
+}
+
+bool BlockCache::HostRoomIsComing(const BlockEntry* e) const {
+  // Host blocks leaving (written to disk, put to the remote tier, promoted
+  // to hbm) free their slots, and MaybeDemote runs when each has left.
+  return e->on_disk && tier(Tier::kHost)->moving_out_bytes > 0;
+}
+
+void BlockCache::RetryReadsWaitingForRoom() {
+  while (!reads_waiting_for_room_.empty()) {
+    BlockEntry* e = index_.Find(reads_waiting_for_room_.front());  // moving: never dropped
+    KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
+    uint8_t* dst = SlotForDiskRead(e);
+    if (dst == nullptr && HostRoomIsComing(e)) return;  // in line still, and the rest behind it
+    reads_waiting_for_room_.pop_front();
+    --inflight_copies_;
+    if (dst != nullptr) {
+      StartDiskRead(e, dst);
+      continue;
+    }
+    e->moving = false;
+    index_.Unpark(e, /*hot=*/false);
+    FailDiskRead(e);
+  }
+}
+
+void BlockCache::FailDiskRead(BlockEntry* e) {
+  // The block stays on disk, or is gone with its record; its loads miss it
+  // (their Unlease lets go of the entry) and a prefetch's goes now.
+  auto it = disk_waiters_.find(e->key);
+  std::vector<std::function<void(bool)>> waiters;
+  if (it != disk_waiters_.end()) {
+    waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+  }
+  options_.post([waiters = std::move(waiters)] {
+    for (const auto& w : waiters) w(false);
+  });
+  Dematerialize(e);
 }
 
 void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
@@ -470,8 +517,8 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
       Drop(e);
     }
   } else if (e->on_disk) {
-    for (auto& w : waiters)
-      PromoteFromDisk(e, std::move(w));  // the first starts the read; the rest share it
+    disk_waiters_.emplace(key, std::move(waiters));
+    ReadIntoHost(e);
   } else {
     for (const auto& w : waiters) w(false);  // their Unlease erases it
   }

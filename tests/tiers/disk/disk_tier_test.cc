@@ -393,6 +393,9 @@ TEST_F(DiskTierTest, TheLearnedGateStopsWritingAClassThatIsNeverHit) {
     for (int i = 0; i < 4; ++i) StoreRequest(NewKeys(1));
     if (round >= 2) {
       for (const StoredKey& k : longs[static_cast<size_t>(round) - 2]) EXPECT_TRUE(LoadExact(k)) << round;
+      // The write-back the reads started ends before the next store, which
+      // would otherwise drop an unwritten block to make room.
+      ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
     }
     if (round == 3) {
       EXPECT_EQ(cache_->counters().disk_not_admitted, 0u) << "nothing refused before it learned";
@@ -415,6 +418,52 @@ TEST_F(DiskTierTest, TheLearnedGateStopsWritingAClassThatIsNeverHit) {
   const uint64_t more_written = cache_->counters().disk_demotions - written;
   EXPECT_GE(more_refused, 8u);
   EXPECT_LE(more_written, 4u + 12u + 1u);
+}
+
+// A read from disk takes free room or a clean block's slot, never the slot
+// of a block that is not on disk yet (that block would be lost to save one
+// that is safe): with host full of unwritten blocks it waits while host's
+// writes are under way, and misses when none is (write-back paused by a
+// failing disk). Nothing is dropped either way.
+TEST_F(DiskTierTest, AReadFromDiskNeverDropsABlockThatIsNotOnDiskYet) {
+  Open();  // a host of 8 blocks, written back from above 7.2 down to 4
+  const std::vector<StoredKey> old = NewKeys(12);
+  StoreAll(old);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  const std::vector<StoredKey> on_disk = OnDisk(old);
+  ASSERT_GE(on_disk.size(), 2u);
+  // Four more onto a disk that stalls: host is full, its four coldest
+  // blocks are being written and the other four are not on disk.
+  faulty_->HoldWrites();
+  for (const StoredKey& k : NewKeys(4)) ASSERT_TRUE(Store(k, 0).status.ok());
+  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 4 && faulty_->held_writes() > 0; }));
+  ASSERT_EQ(cache_->Usage(Tier::kHost).blocks, 8u);
+  const uint64_t dropped = cache_->counters().evictions[static_cast<size_t>(Tier::kHost)];
+  auto load = LoadAsync(on_disk[0], 40);
+  EXPECT_FALSE(Drain([&] { return load->first; }, 1s)) << "the read waits for the writes";
+  faulty_->ReleaseWrites();
+  ASSERT_TRUE(Drain([&] { return load->first; }));
+  EXPECT_EQ(load->second.blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(40, on_disk[0]));
+  EXPECT_EQ(cache_->counters().evictions[static_cast<size_t>(Tier::kHost)], dropped);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  // Now every write fails and write-back pauses (the test's clock stands
+  // still): eight stores fill host with unwritten blocks, nothing leaves.
+  faulty_->FailAll(FaultOp::kWrite, EIO);
+  const std::vector<StoredKey> unwritten = NewKeys(8);
+  StoreAll(unwritten);  // each write tried (and failed) before the next store
+  ASSERT_EQ(cache_->Usage(Tier::kHost).blocks, 8u);
+  ASSERT_GT(cache_->counters().disk_write_failures, 0u);
+  const uint64_t before = cache_->counters().evictions[static_cast<size_t>(Tier::kHost)];
+  EXPECT_FALSE(LoadExact(on_disk[1])) << "a miss: no room, and none coming";
+  EXPECT_EQ(cache_->counters().evictions[static_cast<size_t>(Tier::kHost)], before);
+  for (const StoredKey& k : unwritten) EXPECT_TRUE(LoadExact(k));
+  // Once the disk works again, the block is read.
+  faulty_->ClearFaults();
+  now_ += 1s;
+  StoreAll(NewKeys(1));
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_TRUE(LoadExact(on_disk[1]));
 }
 
 TEST_F(DiskTierTest, HotBlocksSurviveTheReclaimOfTheirRegion) {
