@@ -346,7 +346,8 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
   // Blocks the tier below holds can go for nothing; an extent of another
   // size is emptied without loss only where host writes back to disk.
   const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || RemoteWriteBack());
-  const bool may_empty_extents = room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr);
+  const bool may_empty_extents =
+      room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr);
   while (true) {
     if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
     if (room == Room::kNothing) return nullptr;
@@ -369,7 +370,8 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
     // A block the tier below holds (disk, or else remote write-back's
     // cluster) costs nothing to let go; a dirty one would be lost, so it
     // goes only when no clean one can.
-    BlockEntry* victim = has_clean ? PickVictim(t, bytes, std::nullopt, /*clean_only=*/true) : nullptr;
+    BlockEntry* victim =
+        has_clean ? PickVictim(t, bytes, std::nullopt, /*clean_only=*/true) : nullptr;
     if (victim == nullptr && room == Room::kAny) victim = PickVictim(t, bytes, std::nullopt);
     if (victim == nullptr) {
       // No block of this size can go now (all leased or moving: a store's
@@ -666,11 +668,15 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     // demoted to disk when there is one, see "Quotas" in block_cache.h).
     uint8_t* slot = nullptr;
     Tier t = Tier::kHbm;
-    if (QuotaAllows(tenant, Tier::kHbm, bytes)) slot = AllocateSlot(Tier::kHbm, bytes, Room::kNothing);
+    if (QuotaAllows(tenant, Tier::kHbm, bytes)) {
+      slot = AllocateSlot(Tier::kHbm, bytes, Room::kNothing);
+    }
     const uint64_t host_bytes = coded != 0 ? coded : bytes;
     if (slot == nullptr) {
       t = Tier::kHost;
-      if (MakeHostQuotaRoom(tenant, host_bytes)) slot = AllocateSlot(Tier::kHost, host_bytes, Room::kAny);
+      if (MakeHostQuotaRoom(tenant, host_bytes)) {
+        slot = AllocateSlot(Tier::kHost, host_bytes, Room::kAny);
+      }
     }
     if (slot == nullptr) {
       const bool quota = !QuotaAllows(tenant, Tier::kHost, host_bytes);
@@ -916,7 +922,8 @@ void BlockCache::MaybeDemote() {
       }
       // With a disk tier, host blocks are on their way there: wait for room
       // rather than drop them.
-      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, options_.disk == nullptr ? Room::kAny : Room::kNothing);
+      const Room room = options_.disk == nullptr ? Room::kAny : Room::kNothing;
+      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, room);
       if (dst == nullptr) break;  // host is full or leased; try again after the next op
       StartMove(v, Tier::kHost, dst);
     }

@@ -436,7 +436,8 @@ TEST_F(DiskTierTest, AReadFromDiskNeverDropsABlockThatIsNotOnDiskYet) {
   // blocks are being written and the other four are not on disk.
   faulty_->HoldWrites();
   for (const StoredKey& k : NewKeys(4)) ASSERT_TRUE(Store(k, 0).status.ok());
-  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 4 && faulty_->held_writes() > 0; }));
+  ASSERT_TRUE(
+      Drain([&] { return cache_->pending_disk_writes() == 4 && faulty_->held_writes() > 0; }));
   ASSERT_EQ(cache_->Usage(Tier::kHost).blocks, 8u);
   const uint64_t dropped = cache_->counters().evictions[static_cast<size_t>(Tier::kHost)];
   auto load = LoadAsync(on_disk[0], 40);
