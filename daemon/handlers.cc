@@ -670,6 +670,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_reinsertions_dropped", c.disk_reinsertions_dropped},
                         {"disk_writes_given_up", c.disk_writes_given_up},
                         {"disk_write_backoffs", c.disk_write_backoffs},
+                        {"disk_reads_waited_for_room", c.disk_reads_waited_for_room},
+                        {"disk_reads_without_room", c.disk_reads_without_room},
                         {"bytes_host_to_disk", c.bytes_host_to_disk},
                         {"bytes_disk_to_host", c.bytes_disk_to_host},
                         {"disk_io_errors", disk_ ? disk_->counters().io_errors : 0},

@@ -182,6 +182,10 @@ struct CacheCounters : RequestCounters {
       0;  // hot blocks a reclaim dropped: carry budget spent, or no host room
   uint64_t disk_writes_given_up = 0;  // blocks whose disk writes kept failing: no more tries
   uint64_t disk_write_backoffs = 0;   // pauses of write-back after a failed write
+  // Reads from disk that found host without free room or a clean block:
+  // they waited for host's blocks leaving, or (none leaving) missed.
+  uint64_t disk_reads_waited_for_room = 0;
+  uint64_t disk_reads_without_room = 0;
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   // The engine's retention hints (issue 19): blocks hinted (by a store or
   // Hint), those of them hinted to be kept past the tier's hint_share (kept

@@ -109,7 +109,9 @@ void BlockCache::ReadIntoHost(BlockEntry* e) {
     index_.Park(e);
     ++inflight_copies_;
     reads_waiting_for_room_.push_back(e->key);
+    ++counters_.disk_reads_waited_for_room;
   } else {
+    counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
     FailDiskRead(e);
   }
 }
@@ -141,6 +143,7 @@ void BlockCache::RetryReadsWaitingForRoom() {
     }
     e->moving = false;
     index_.Unpark(e, /*hot=*/false);
+    counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
     FailDiskRead(e);
   }
 }

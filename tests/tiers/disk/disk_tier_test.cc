@@ -447,6 +447,7 @@ TEST_F(DiskTierTest, AReadFromDiskNeverDropsABlockThatIsNotOnDiskYet) {
   EXPECT_EQ(load->second.blocks, 1u);
   EXPECT_TRUE(engine_->Holds(40, on_disk[0]));
   EXPECT_EQ(cache_->counters().evictions[static_cast<size_t>(Tier::kHost)], dropped);
+  EXPECT_EQ(cache_->counters().disk_reads_waited_for_room, 1u);
   ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
   // Now every write fails and write-back pauses (the test's clock stands
   // still): eight stores fill host with unwritten blocks, nothing leaves.
@@ -458,6 +459,7 @@ TEST_F(DiskTierTest, AReadFromDiskNeverDropsABlockThatIsNotOnDiskYet) {
   const uint64_t before = cache_->counters().evictions[static_cast<size_t>(Tier::kHost)];
   EXPECT_FALSE(LoadExact(on_disk[1])) << "a miss: no room, and none coming";
   EXPECT_EQ(cache_->counters().evictions[static_cast<size_t>(Tier::kHost)], before);
+  EXPECT_EQ(cache_->counters().disk_reads_without_room, 1u);
   for (const StoredKey& k : unwritten) EXPECT_TRUE(LoadExact(k));
   // Once the disk works again, the block is read.
   faulty_->ClearFaults();
