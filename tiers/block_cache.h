@@ -722,7 +722,8 @@ class BlockCache {
   // (KeepsCoded), or the block.
   uint64_t ReadSlotBytes(const BlockEntry* e) const;
   // Starts reading `e` into a host slot; `then(ok)` runs when it is in host
-  // (or failed and was dropped). Reads of one block are shared.
+  // (false: the read failed and the block was dropped, or host had no room
+  // for it). Reads of one block are shared.
   void PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then);
   // The read of `e` for its disk_waiters_: it starts now, waits in
   // reads_waiting_for_room_ while host room is coming, or fails (its
@@ -737,8 +738,9 @@ class BlockCache {
   // Starts the reads waiting for room that now find it, in order; those that
   // cannot wait any longer fail. Called by MaybeDemote.
   void RetryReadsWaitingForRoom();
-  // Ends a read that cannot start: its waiters miss the block (posted), and
-  // an entry nobody holds goes back to the disk-only table.
+  // Ends a read that cannot start (counted in disk_reads_without_room when
+  // the record is there): its waiters miss the block (posted), and an entry
+  // nobody holds goes back to the disk-only table.
   void FailDiskRead(BlockEntry* e);
   // Reads `e` (on disk, not moving) into host slot `dst`.
   void StartDiskRead(BlockEntry* e, uint8_t* dst);

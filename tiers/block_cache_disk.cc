@@ -111,7 +111,6 @@ void BlockCache::ReadIntoHost(BlockEntry* e) {
     reads_waiting_for_room_.push_back(e->key);
     ++counters_.disk_reads_waited_for_room;
   } else {
-    counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
     FailDiskRead(e);
   }
 }
@@ -143,7 +142,6 @@ void BlockCache::RetryReadsWaitingForRoom() {
     }
     e->moving = false;
     index_.Unpark(e, /*hot=*/false);
-    counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
     FailDiskRead(e);
   }
 }
@@ -151,6 +149,7 @@ void BlockCache::RetryReadsWaitingForRoom() {
 void BlockCache::FailDiskRead(BlockEntry* e) {
   // The block stays on disk, or is gone with its record; its loads miss it
   // (their Unlease lets go of the entry) and a prefetch's goes now.
+  counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
   auto it = disk_waiters_.find(e->key);
   std::vector<std::function<void(bool)>> waiters;
   if (it != disk_waiters_.end()) {
