@@ -112,27 +112,83 @@ __attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_
 #endif
 }
 
-// Moves the pages [start, start + length) into a new sealed memfd at the same
-// address; returns the memfd.
-Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uintptr_t page) {
-  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd(kMemfdName, length));
-  void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (staging == MAP_FAILED)
-    return Err(Status::FromErrno(errno, "mmap of the adopted KV cache memfd"));
-  auto* to = static_cast<uint8_t*>(staging);
-  const auto* from = reinterpret_cast<const uint8_t*>(start);
-  // The interior first, then the two edge pages, which may hold other data
-  // of the process: their copy is the last thing before the move.
-  if (length > 2 * page) CopyPages(to + page, from + page, length - 2 * page);
-  CopyPages(to, from, page);
-  if (length > page) CopyPages(to + length - page, from + length - page, page);
-  void* moved = ::mremap(staging, length, length, MREMAP_MAYMOVE | MREMAP_FIXED,
-                         reinterpret_cast<void*>(start));
-  if (moved == MAP_FAILED) {
-    const int error = errno;
-    ::munmap(staging, length);
-    return Err(Status::FromErrno(error, "mremap of the KV cache memfd over the engine's pages"));
+// Whether the page at `p` holds only zero bytes. Not sanitized, as CopyPages.
+__attribute__((no_sanitize("address"))) bool IsZeroPage(const uint8_t* p, uint64_t page) {
+#ifdef KVTIER_UNDER_ASAN
+  const auto* s = reinterpret_cast<const volatile uint64_t*>(p);
+  for (uint64_t i = 0; i < page / sizeof(uint64_t); ++i) {
+    if (s[i] != 0) return false;
   }
+  return true;
+#else
+  // All bytes equal to the first word's, which is zero: one stream, read by
+  // glibc's vectorized memcmp.
+  uint64_t first = 0;
+  std::memcpy(&first, p, sizeof(first));
+  return first == 0 && std::memcmp(p, p + sizeof(first), page - sizeof(first)) == 0;
+#endif
+}
+
+// A part of a span to adopt: [offset, offset + length) from its start.
+struct Piece {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// Copies the pieces of [start, ...) into the memfd at the same offsets, then
+// maps the memfd over them (which frees the engine's private pages). Pages
+// that hold only zeros are not copied: the memfd's holes read as zeros and
+// take memory only once written, so an engine's fresh cache costs one read.
+Status CopyAndMap(int fd, uintptr_t start, std::span<const Piece> pieces, uint64_t page) {
+  for (const Piece& piece : pieces) {
+    void* staging = ::mmap(nullptr, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                           static_cast<off_t>(piece.offset));
+    if (staging == MAP_FAILED) return Status::FromErrno(errno, "mmap of the adopted KV cache memfd");
+    auto* to = static_cast<uint8_t*>(staging);
+    const auto* from = reinterpret_cast<const uint8_t*>(start + piece.offset);
+    for (uint64_t at = 0; at < piece.length;) {
+      if (IsZeroPage(from + at, page)) {
+        at += page;
+        continue;
+      }
+      uint64_t run = page;
+      while (at + run < piece.length && !IsZeroPage(from + at + run, page)) run += page;
+#ifdef MADV_POPULATE_WRITE
+      // The run's pages in one call rather than a fault per page (a hint:
+      // older kernels refuse it, and then the copy faults them in).
+      (void)::madvise(to + at, run, MADV_POPULATE_WRITE);
+#endif
+      CopyPages(to + at, from + at, run);
+      at += run;
+    }
+    ::munmap(staging, piece.length);
+  }
+  for (const Piece& piece : pieces) {
+    void* where = reinterpret_cast<void*>(start + piece.offset);
+    void* mapped = ::mmap(where, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                          static_cast<off_t>(piece.offset));
+    if (mapped == MAP_FAILED) return Status::FromErrno(errno, "mmap of the KV cache memfd over the engine's pages");
+  }
+  return Status::Ok();
+}
+
+// Moves the pages [start, start + length) into a new sealed memfd at the same
+// address, a window at a time, so that memory use grows by one window, not by
+// the whole cache; returns the memfd.
+Result<UniqueFd> AdoptPages(uintptr_t start, uint64_t length, uint64_t page) {
+  constexpr uint64_t kWindowBytes = 64ULL << 20;
+  KVTIER_ASSIGN_OR_RETURN(UniqueFd fd, NewSealedMemfd(kMemfdName, length));
+  // The interior first, then the two edge pages, which may hold other data
+  // of the process: their copy is the last thing before their move.
+  if (length > 2 * page) {
+    for (uint64_t at = page; at < length - page; at += kWindowBytes) {
+      const Piece window{at, std::min(kWindowBytes, length - page - at)};
+      KVTIER_RETURN_IF_ERROR(CopyAndMap(fd.get(), start, std::span(&window, 1), page));
+    }
+  }
+  std::vector<Piece> edges{{0, page}};
+  if (length > page) edges.push_back({length - page, page});
+  KVTIER_RETURN_IF_ERROR(CopyAndMap(fd.get(), start, edges, page));
   return fd;
 }
 

@@ -472,11 +472,7 @@ CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys)
     }
   }
   r.hits = static_cast<uint32_t>(r.tiers.size());
-  TenantShare& mine = Counted(tenant);
-  for (Tier t : r.tiers) ++mine.hits[static_cast<size_t>(t)];
-  ++mine.lookups;
-  mine.lookup_keys += keys.size();
-  mine.misses += keys.size() - r.hits;
+  CountLookup(tenant, r.tiers, keys.size());
   // Deepest first, so a chain's head ends up hottest and its tail is evicted first.
   for (auto it = hit.rbegin(); it != hit.rend(); ++it) Touch(*it);
   return r;
@@ -824,15 +820,27 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
   return true;
 }
 
-std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId /*tenant*/, std::span<const StoredKey> keys) {
-  // The leading present keys, touched deepest first (as Lookup does) before
-  // anything moves.
-  size_t present = 0;
-  while (present < keys.size()) {
-    const BlockEntry* e = index_.Find(keys[present]);
-    if (e == nullptr ? disk_only_.Find(keys[present]) == nullptr : !Servable(e)) break;
-    ++present;
+void BlockCache::CountLookup(TenantId tenant, std::span<const Tier> hit_tiers, size_t num_keys) {
+  TenantShare& mine = Counted(tenant);
+  for (Tier t : hit_tiers) ++mine.hits[static_cast<size_t>(t)];
+  ++mine.lookups;
+  mine.lookup_keys += num_keys;
+  mine.misses += num_keys - hit_tiers.size();
+}
+
+std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant, std::span<const StoredKey> keys) {
+  // The leading present keys, counted as a lookup (engines such as vLLM's
+  // connector ask only through prefetches) and touched deepest first (as
+  // Lookup does) before anything moves.
+  std::vector<Tier> tiers;
+  while (tiers.size() < keys.size()) {
+    const StoredKey& key = keys[tiers.size()];
+    const BlockEntry* e = index_.Find(key);
+    if (e == nullptr ? disk_only_.Find(key) == nullptr : !Servable(e)) break;
+    tiers.push_back(e == nullptr ? Tier::kDisk : e->tier);
   }
+  const size_t present = tiers.size();
+  CountLookup(tenant, tiers, keys.size());
   for (size_t i = present; i-- > 0;) {
     if (BlockEntry* e = index_.Find(keys[i]); e != nullptr) Touch(e);
   }

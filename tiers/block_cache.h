@@ -408,7 +408,7 @@ class BlockCache {
 
   // Starts promoting the leading host-resident blocks of `keys` to hbm.
   // Returns how many of the leading keys are present, and how many moves
-  // were queued.
+  // were queued. Counted as a lookup (lookups, hits per tier, misses).
   std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
 
   // Leading keys some local tier holds (servable now), without counting a
@@ -578,6 +578,8 @@ class BlockCache {
   void Charge(Tier t, TenantId owner, uint32_t ns, uint64_t bytes, int sign);
   // `tenant`'s share, created on first use.
   TenantShare& Counted(TenantId tenant);
+  // One lookup of `num_keys` keys whose leading hits were in `hit_tiers`.
+  void CountLookup(TenantId tenant, std::span<const Tier> hit_tiers, size_t num_keys);
   void CountEviction(Tier t, TenantId owner);
   // A new entry for `key` (child of `parent`) whose bytes are on their way
   // into `slot` of tier `t`: filling, leased for `tenant`, charged.

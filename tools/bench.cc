@@ -5,6 +5,8 @@
 //   kvtier-bench host   [--blocks 64] [--reps 7] [--socket PATH]
 //   kvtier-bench compress [--block-kib 2048] [--blocks 32] [--reps 5]
 //       the block codecs on one core (tools/bench_compress.h)
+//   kvtier-bench register [--gib 1,4,16] [--reps 3]
+//       registering a CPU engine's KV cache, next to memcpy (tools/bench_register.h)
 //   kvtier-bench host --events [--blocks 64] [--block-tokens 16] [--reps 7]
 //       the same, events off vs on (tools/bench_events.h)
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
@@ -56,6 +58,7 @@
 #include "tools/bench_index.h"
 #include "tools/bench_redis.h"
 #include "tools/bench_compress.h"
+#include "tools/bench_register.h"
 #include "tools/bench_events.h"
 #include "tools/bench_remote.h"
 #include "tools/bench_report.h"
@@ -512,6 +515,10 @@ int main(int argc, char** argv) {
   compress->add_option("--block-kib", compress_options.block_kib, "block size in KiB")->check(CLI::Range(4, 65536));
   compress->add_option("--blocks", compress_options.blocks, "blocks per rep")->check(CLI::Range(1, 4096));
   compress->add_option("--reps", compress_options.reps, "repetitions (median)")->check(CLI::Range(1, 1000));
+  CLI::App* reg = app.add_subcommand("register", "registering a CPU engine's KV cache, next to memcpy");
+  kvtier::bench::RegisterOptions register_options;
+  reg->add_option("--gib", register_options.gib, "cache sizes in GiB")->delimiter(',')->check(CLI::Range(1, 4096));
+  reg->add_option("--reps", register_options.reps, "repetitions (median)")->check(CLI::Range(1, 100));
   CLI::App* trace = app.add_subcommand("trace", "replay a Mooncake trace: hit rates vs LRU, Belady and the ceiling");
   kvtier::bench::TraceOptions trace_options;
   trace->add_option("--trace", trace_options.trace_path, "JSONL request trace (../shared/traces/)")->required();
@@ -566,6 +573,10 @@ int main(int argc, char** argv) {
   if (compress->parsed()) {
     compress_options.json = json;
     return kvtier::bench::Compress(compress_options);
+  }
+  if (reg->parsed()) {
+    register_options.json = json;
+    return kvtier::bench::RegisterCost(register_options);
   }
   if (trace->parsed()) {
     trace_options.socket = socket;

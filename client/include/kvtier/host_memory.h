@@ -2,9 +2,13 @@
 // allocated itself (torch.zeros, malloc, a NumPy array) without moving it.
 // The daemon only maps memfds (docs/protocol.md), so the pages spanning
 // [data, data + size) are copied into a new memfd, sealed against shrinking,
-// and that memfd is moved over them at the same address (mremap). The engine
-// keeps its pointer and its bytes; from then on its pages and the daemon's
-// mapping are the same memory, and no copy goes through the client again.
+// and that memfd is mapped over them at the same address, 64 MiB at a time
+// (so memory use grows by 64 MiB, not by the cache's size). Pages that hold
+// only zeros are not copied but left as holes of the memfd, which take memory
+// once written: an engine's fresh cache costs a read of its bytes, less than
+// a memcpy. The engine keeps its pointer and its bytes; from then on its
+// pages and the daemon's mapping are the same memory, and no copy goes
+// through the client again.
 //
 // Checked: the range lies in this process's anonymous private read-write
 // memory (/proc/self/maps), so file mappings and shared memory are refused,
@@ -48,12 +52,12 @@ class AdoptedHostMemory {
   // one at a time, the second would find its first page adopted already.
   // Errors: kInvalidArgument for no range, a null or empty one, or one that
   // is not anonymous private read-write memory of this process (the message
-  // names the mapping found); the errno of memfd_create, ftruncate, mmap or
-  // mremap otherwise. Nothing moves before every range is checked; a system
-  // call that fails after that leaves the groups adopted before it adopted
-  // (the same bytes at the same addresses, only shared), and a failed final
-  // mremap, which Linux does only for lack of memory, may leave its pages
-  // unmapped.
+  // names the mapping found); the errno of memfd_create, ftruncate or mmap
+  // otherwise. Nothing moves before every range is checked; a system call
+  // that fails after that leaves the windows adopted before it adopted (the
+  // same bytes at the same addresses, only shared), and a failed mmap over
+  // the engine's pages, which Linux does only for lack of memory, may leave
+  // them unmapped.
   static Result<AdoptedHostMemory> Adopt(std::span<const HostRange> ranges);
 
   AdoptedHostMemory(AdoptedHostMemory&&) noexcept = default;

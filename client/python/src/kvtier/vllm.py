@@ -30,6 +30,15 @@ Two instances run, with no state in common:
 A daemon that is down or restarting is a miss, never an exception in vLLM:
 lookups answer 0 blocks, loads fail into recomputation, stores are skipped.
 
+Engine hints, per request: an application passes them in vLLM's
+``kv_transfer_params`` (``SamplingParams.extra_args["kv_transfer_params"]``,
+or the OpenAI server's ``"kv_transfer_params"`` field) as
+``{"kvtier": {"priority": 1, "next_use_ms": 30000, "session_over": false}}``
+(docs/policy.md says what each does). Stores of the request carry
+``priority`` and ``next_use_ms``; once the request is over and its stores
+have landed, one hint covers all its blocks (those loaded and those stored).
+A hint that is not valid is logged and ignored: the request runs unhinted.
+
 Settings (``kv_connector_extra_config``): ``socket`` (default
 ``$KVTIER_SOCKET``, else ``/run/kvtier/kvtierd.sock``), ``token`` (when the
 tenant is identified by a token), ``model_id`` (default: the served model's
@@ -39,7 +48,6 @@ name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import threading
@@ -53,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 import kvtier
 
@@ -66,9 +75,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvtierConnector", "KvtierMetadata", "TransferSpec"]
+__all__ = ["KvtierConnector", "KvtierMetadata", "RequestHint", "TransferSpec"]
 
-logger = logging.getLogger("kvtier.vllm")
+# A child of vLLM's "vllm" logger, so that vLLM's logging settings (its handler and
+# format, VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING, VLLM_LOGGING_CONFIG_PATH)
+# apply to the connector's lines as to its own: a logger of another name has
+# no handler inside vLLM, and its INFO lines were lost.
+logger = init_logger("vllm.kvtier")
 
 _DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 # How long a process waits between attempts to reach a daemon that was down.
@@ -173,24 +186,65 @@ class _Connection:
 # --------------------------------------------------------------------------
 # The step plan, scheduler to workers.
 
+# The most next_use_ms the daemon takes (an hour; ipc::kMaxNextUseMs).
+_MAX_NEXT_USE_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class RequestHint:
+    """A request's retention hint (docs/policy.md), from its kv_transfer_params."""
+
+    priority: int = 0
+    next_use_ms: int = 0
+    session_over: bool = False
+
+    @staticmethod
+    def of(request: Request) -> RequestHint | None:
+        """The hint in ``request.kv_transfer_params["kvtier"]``; None when it has
+        none, or one that is not valid (logged: the request runs unhinted)."""
+        raw = (getattr(request, "kv_transfer_params", None) or {}).get("kvtier")
+        if raw is None:
+            return None
+        try:
+            if not isinstance(raw, dict) or set(raw) - {"priority", "next_use_ms", "session_over"}:
+                raise ValueError("an object with priority, next_use_ms and session_over is wanted")
+            priority, next_use_ms = raw.get("priority", 0), raw.get("next_use_ms", 0)
+            session_over = raw.get("session_over", False)
+            if type(priority) is not int or priority not in (-1, 0, 1):
+                raise ValueError(f"priority {priority!r}: -1 (evict first), 0 (no hint) or 1 (keep)")
+            if type(next_use_ms) is not int or not 0 <= next_use_ms <= _MAX_NEXT_USE_MS:
+                raise ValueError(f"next_use_ms {next_use_ms!r}: an integer from 0 to {_MAX_NEXT_USE_MS}")
+            if not isinstance(session_over, bool):
+                raise ValueError(f"session_over {session_over!r}: true or false")
+        except ValueError as error:
+            logger.warning("kvtier: request %s: kv_transfer_params.kvtier ignored (%s)", request.request_id, error)
+            return None
+        hint = RequestHint(priority, next_use_ms, session_over)
+        return hint if hint != RequestHint() else None
+
 
 @dataclass
 class TransferSpec:
-    """Blocks of one request to move: vLLM block hashes and block ids, alike in length."""
+    """Blocks of one request to move: vLLM block hashes and block ids, alike
+    in length, and the request's hint (stores carry it)."""
 
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
+    hint: RequestHint | None = None
 
 
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
-    """One step's plan: loads before the forward pass, stores after it, and
-    the requests preempted (their blocks may be reused once this step ends)."""
+    """One step's plan: loads before the forward pass, stores after it, the
+    requests preempted (their blocks may be reused once this step ends), and
+    the hints of hinted requests that are over (block_ids empty: every block
+    of the request, sent once its stores have landed)."""
 
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    hints: list[TransferSpec] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------
@@ -271,6 +325,7 @@ class _Request:
     """What the scheduler side keeps of a running request."""
 
     request: Request
+    hint: RequestHint | None
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # leading blocks known cached or already sent to be stored
     has_stores: bool = False
@@ -284,6 +339,7 @@ class _SchedulerSide:
         self._local_tokens: dict[str, int] = {}  # vLLM's own hit, at the last ask
         self._hits: dict[str, int] = {}
         self._loads: list[TransferSpec] = []
+        self._hints: list[TransferSpec] = []  # of requests over, for the next step
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -308,7 +364,9 @@ class _SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
-        state = self._requests.setdefault(req_id, _Request(request))
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _Request(request, RequestHint.of(request))
         state.stored = max(state.stored, self._hits.get(req_id, 0))
         if num_external_tokens <= 0:
             return
@@ -319,8 +377,10 @@ class _SchedulerSide:
         self._loads.append(TransferSpec(req_id, hashes, block_ids[first : first + count]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._loads = []
+        meta = KvtierMetadata(
+            loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ()), hints=self._hints
+        )
+        self._loads, self._hints = [], []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -351,7 +411,7 @@ class _SchedulerSide:
         if blocks <= state.stored:
             return
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]
-        meta.stores.append(TransferSpec(request.request_id, hashes, state.block_ids[state.stored : blocks]))
+        meta.stores.append(TransferSpec(request.request_id, hashes, state.block_ids[state.stored : blocks], state.hint))
         state.stored = blocks
         state.has_stores = True
 
@@ -361,6 +421,9 @@ class _SchedulerSide:
         self._local_tokens.pop(req_id, None)
         self._hits.pop(req_id, None)
         state = self._requests.pop(req_id, None)
+        if state is not None and state.hint is not None and state.stored > 0:
+            hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[: state.stored]]
+            self._hints.append(TransferSpec(req_id, hashes, [], state.hint))
         # Blocks sent to be stored stay held until the workers report the
         # request in finished_sending.
         return (state is not None and state.has_stores), None
@@ -422,6 +485,7 @@ class _WorkerSide:
         self._invalid: set[int] = set()
         self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
         self._finishing: set[str] = set()  # finished requests with stores
+        self._hints: dict[str, TransferSpec] = {}  # to send once their request's stores landed
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -438,10 +502,18 @@ class _WorkerSide:
         tensors = [self._kv_caches[name] for name in names]
         regions, placements = _placements(tensors, self._layout.head_dim)
         num_blocks = tensors[0].shape[0]
+        started = time.monotonic()
         if tensors[0].is_cuda:
             self._cache = client.register_cuda_memory(self._layout, num_blocks, regions, placements)
         else:
             self._cache = client.register_host_memory(self._layout, num_blocks, regions, placements)
+        logger.info(
+            "kvtier: registered vLLM's KV cache (%d blocks, %.2f GiB, %s) in %.2f s",
+            num_blocks,
+            sum(size for _, size in regions) / (1 << 30),
+            "cuda" if tensors[0].is_cuda else "cpu",
+            time.monotonic() - started,
+        )
         return self._cache
 
     def _ready(self) -> tuple[kvtier.Client, kvtier.KvCache] | None:
@@ -456,6 +528,12 @@ class _WorkerSide:
         return None if cache is None or client is None else (client, cache)
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
+        # vLLM calls this every step, with or without a forward pass.
+        for spec in meta.hints:
+            if self._stores.get(spec.req_id):
+                self._hints[spec.req_id] = spec  # get_finished sends it
+            else:
+                self._send_hint(spec)
         if not meta.loads:
             return
         ready = self._ready()
@@ -492,8 +570,17 @@ class _WorkerSide:
             if ready is None:
                 continue
             client, cache = ready
+            hint = spec.hint or RequestHint()
             try:
-                ops.append(client.store_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids))
+                ops.append(
+                    client.store_async(
+                        cache,
+                        _keys(client, cache, spec.block_hashes),
+                        spec.block_ids,
+                        priority=hint.priority,
+                        next_use_ms=hint.next_use_ms,
+                    )
+                )
             except kvtier.Error as error:
                 logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)
 
@@ -530,7 +617,27 @@ class _WorkerSide:
         for req_id in done:
             self._finishing.discard(req_id)
             del self._stores[req_id]
+            if (spec := self._hints.pop(req_id, None)) is not None:
+                self._send_hint(spec)
         return (done or None), None
+
+    def _send_hint(self, spec: TransferSpec) -> None:
+        """The hint of a request that is over, for all its blocks (one round trip)."""
+        ready = self._ready()
+        if ready is None or spec.hint is None:
+            return
+        client, cache = ready
+        hint = spec.hint
+        try:
+            client.hint(
+                cache,
+                _keys(client, cache, spec.block_hashes),
+                priority=hint.priority,
+                next_use_ms=hint.next_use_ms,
+                session_over=hint.session_over,
+            )
+        except kvtier.Error as error:
+            logger.info("kvtier: a hint for %d blocks failed (%s)", len(spec.block_hashes), error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

