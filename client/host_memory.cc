@@ -97,22 +97,20 @@ Status CheckAdoptable(uintptr_t start, uintptr_t end) {
 #endif
 #endif
 
+#ifdef KVTIER_UNDER_ASAN
 // Copies whole pages of this process's memory. Besides the ranges they hold
 // other bytes: an allocator's headers and, under AddressSanitizer, its red
-// zones, which are read here on purpose; so under ASan the copy is a loop the
-// sanitizer does not check (memcpy would go through its checked interceptor).
-__attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_t* from,
-                                                       uint64_t bytes) {
-#ifdef KVTIER_UNDER_ASAN
+// zones, which are read here on purpose; so the copy is a loop the sanitizer
+// does not check (memcpy would go through its checked interceptor).
+__attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_t* from, uint64_t bytes) {
   auto* d = reinterpret_cast<volatile uint64_t*>(to);
   const auto* s = reinterpret_cast<const volatile uint64_t*>(from);
   for (uint64_t i = 0; i < bytes / sizeof(uint64_t); ++i) d[i] = s[i];
-#else
-  std::memcpy(to, from, bytes);
-#endif
 }
+#endif
 
-// Whether the page at `p` holds only zero bytes. Not sanitized, as CopyPages.
+// Whether the page at `p` holds only zero bytes. Not sanitized, for the
+// same reason as CopyPages: the pages may hold red zones.
 __attribute__((no_sanitize("address"))) bool IsZeroPage(const uint8_t* p, uint64_t page) {
 #ifdef KVTIER_UNDER_ASAN
   const auto* s = reinterpret_cast<const volatile uint64_t*>(p);
@@ -135,16 +133,38 @@ struct Piece {
   uint64_t length = 0;
 };
 
+// Writes the bytes [from, from + length) into the memfd at `offset`.
+Status WriteRun(int fd, const uint8_t* from, uint64_t offset, uint64_t length) {
+#ifdef KVTIER_UNDER_ASAN
+  // Through a mapping and CopyPages: pwrite's interceptor would check the
+  // bytes, and they may hold the allocator's red zones.
+  void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  if (staging == MAP_FAILED) return Status::FromErrno(errno, "mmap of the adopted KV cache memfd");
+  CopyPages(static_cast<uint8_t*>(staging), from, length);
+  ::munmap(staging, length);
+#else
+  // pwrite fills whole shmem pages without zeroing them first, which a
+  // store through a mapping pays for: faster than a memcpy into fresh memory.
+  while (length > 0) {
+    const ssize_t n = ::pwrite(fd, from, length, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, "writing the KV cache into its memfd");
+    }
+    from += n;
+    offset += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+#endif
+  return Status::Ok();
+}
+
 // Copies the pieces of [start, ...) into the memfd at the same offsets, then
 // maps the memfd over them (which frees the engine's private pages). Pages
 // that hold only zeros are not copied: the memfd's holes read as zeros and
 // take memory only once written, so an engine's fresh cache costs one read.
 Status CopyAndMap(int fd, uintptr_t start, std::span<const Piece> pieces, uint64_t page) {
   for (const Piece& piece : pieces) {
-    void* staging = ::mmap(nullptr, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
-                           static_cast<off_t>(piece.offset));
-    if (staging == MAP_FAILED) return Status::FromErrno(errno, "mmap of the adopted KV cache memfd");
-    auto* to = static_cast<uint8_t*>(staging);
     const auto* from = reinterpret_cast<const uint8_t*>(start + piece.offset);
     for (uint64_t at = 0; at < piece.length;) {
       if (IsZeroPage(from + at, page)) {
@@ -153,15 +173,9 @@ Status CopyAndMap(int fd, uintptr_t start, std::span<const Piece> pieces, uint64
       }
       uint64_t run = page;
       while (at + run < piece.length && !IsZeroPage(from + at + run, page)) run += page;
-#ifdef MADV_POPULATE_WRITE
-      // The run's pages in one call rather than a fault per page (a hint:
-      // older kernels refuse it, and then the copy faults them in).
-      (void)::madvise(to + at, run, MADV_POPULATE_WRITE);
-#endif
-      CopyPages(to + at, from + at, run);
+      KVTIER_RETURN_IF_ERROR(WriteRun(fd, from + at, piece.offset + at, run));
       at += run;
     }
-    ::munmap(staging, piece.length);
   }
   for (const Piece& piece : pieces) {
     void* where = reinterpret_cast<void*>(start + piece.offset);

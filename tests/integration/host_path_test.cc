@@ -765,6 +765,53 @@ TEST(HostPathTest, AnEngineAllocatedCacheIsAdoptedInPlaceAndServed) {
   std::free(raw);
 }
 
+TEST(HostPathTest, AdoptionCopiesOnlyPagesWithDataAndSharesEveryWindow) {
+  // A cache of 130 MiB (three of Adopt's 64 MiB windows) that is mostly
+  // zeros with a page of data every MiB, as a fresh engine cache a few
+  // blocks into use, and data in its first and last bytes too.
+  constexpr uint64_t kBytes = 130ULL << 20;
+  constexpr uint64_t kPage = 4096;
+  void* mapped = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* data = static_cast<uint8_t*>(mapped);
+  std::memset(data, 0, kBytes);  // touched, as torch.zeros leaves it
+  uint64_t data_pages = 0;
+  for (uint64_t at = 3 * kPage; at < kBytes; at += (1ULL << 20) + kPage, ++data_pages) {
+    for (uint64_t i = 0; i < kPage; ++i) data[at + i] = static_cast<uint8_t>((at / kPage + i) % 251 + 1);
+  }
+  data[0] = 7;
+  data[kBytes - 1] = 9;
+  const std::vector<uint8_t> before(data, data + kBytes);
+
+  const HostRange range{data + 100, kBytes - 200};
+  Result<AdoptedHostMemory> adopted = AdoptedHostMemory::Adopt(std::span(&range, 1));
+  ASSERT_TRUE(adopted.has_value()) << adopted.error();
+  ASSERT_EQ(adopted->regions().size(), 1u);
+  const KvRegion region = adopted->regions()[0];
+  EXPECT_EQ(region.size_bytes, kBytes);
+  // Zero pages were left as holes: the memfd holds the data pages (and the
+  // two edge pages), not 130 MiB. (Checked before anything reads a hole: a
+  // read through a shared mapping gives it a page.)
+  struct stat st {};
+  ASSERT_EQ(::fstat(region.memfd, &st), 0);
+  EXPECT_LE(static_cast<uint64_t>(st.st_blocks) * 512, (data_pages + 2) * kPage);
+  EXPECT_EQ(std::memcmp(data, before.data(), kBytes), 0) << "adopting changed the engine's bytes";
+  // The engine's pages are the memfd's, in every window: what one side
+  // writes, the other reads, holes included.
+  void* view = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, region.memfd, 0);
+  ASSERT_NE(view, MAP_FAILED);
+  auto* daemon_side = static_cast<uint8_t*>(view);
+  EXPECT_EQ(std::memcmp(daemon_side, before.data(), kBytes), 0);
+  for (const uint64_t at : std::array<uint64_t, 4>{1, (64ULL << 20) + 5, (128ULL << 20) + 7, kBytes - 2}) {
+    daemon_side[at] = 0x5a;
+    EXPECT_EQ(data[at], 0x5a) << "at " << at;
+    data[at] = 0xa5;
+    EXPECT_EQ(daemon_side[at], 0xa5) << "at " << at;
+  }
+  ::munmap(view, kBytes);
+  ::munmap(mapped, kBytes);
+}
+
 TEST(HostPathTest, MemoryThatIsNotTheEnginesOwnIsNotAdopted) {
   EXPECT_EQ(AdoptedHostMemory::Adopt({}).error().code(), StatusCode::kInvalidArgument);
   const HostRange null{nullptr, 4096};

@@ -5,8 +5,9 @@
 // and that memfd is mapped over them at the same address, 64 MiB at a time
 // (so memory use grows by 64 MiB, not by the cache's size). Pages that hold
 // only zeros are not copied but left as holes of the memfd, which take memory
-// once written: an engine's fresh cache costs a read of its bytes, less than
-// a memcpy. The engine keeps its pointer and its bytes; from then on its
+// once touched: an engine's fresh cache costs a read of its bytes, less than
+// a memcpy. Pages with data are written with pwrite, which fills shmem pages
+// without zeroing them first (kvtier-bench register measures both). The engine keeps its pointer and its bytes; from then on its
 // pages and the daemon's mapping are the same memory, and no copy goes
 // through the client again.
 //

