@@ -13,11 +13,15 @@ Workload (the same, request for request, for every configuration):
   requests at a time, so a chat comes back after all the others' traffic.
   vLLM's own cache (--engine-blocks blocks) holds a few chats, not all.
   At the end a probe: a fresh 2k-token prompt is served cold (prefill from
-  scratch), pushed out of vLLM's cache by other prompts, and served again:
+  scratch), pushed out of vLLM's cache by other prompts (--flush-tokens, one
+  prompt at a time), and served again:
   with kvtier its prefix comes back from kvtierd; alone, vLLM recomputes it.
 
 Configurations:
   alone       vLLM with its prefix caching only;
+  alone-same-memory
+              the same, with vLLM's own cache larger by --offload-bytes: the
+              memory the offloading configurations add, kept in the engine;
   native-*    vLLM's own CPU offloading connectors (OffloadingConnector,
               SimpleCPUOffloadConnector) with --offload-bytes of CPU memory;
               tried, and reported as not run, with vLLM's reason, where
@@ -152,8 +156,12 @@ def _engine_main(spec_path: str) -> None:
 
     probe = _tokens(3000, PROBE_TOKENS, vocab) + _tokens(3001, 16, vocab)
     cold = run([probe], 1)[0]
-    for k in range(spec["flush_prompts"]):  # push the probe out of vLLM's cache
-        run([_tokens(4000 + k, w["max_model_len"] // 2, vocab)], 1)
+    # Push the probe out of vLLM's own cache: other prompts, one at a time,
+    # as many tokens as it holds and a little more (not many more: they pass
+    # through the offload tiers too, where the probe should stay).
+    flush_prompt = w["max_model_len"] // 2
+    for k in range(-(-spec["flush_tokens"] // flush_prompt)):
+        run([_tokens(4000 + k, flush_prompt, vocab)], 1)
     again = run([probe], 1)[0]
     gc.collect()
     result = {
@@ -175,6 +183,7 @@ class Config:
     name: str
     transfer: dict[str, Any] | None
     kvtierd_sets: list[str] | None = None  # None: no kvtierd
+    engine_blocks: int | None = None  # vLLM's own cache, when not the workload's
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -224,7 +233,9 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         transfer = config.transfer
         if daemon is not None:
             transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket})
-        spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_prompts": args.flush_prompts}
+        if config.engine_blocks is not None:
+            workload = dict(workload, engine_blocks=config.engine_blocks)
+        spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_tokens": args.flush_tokens}
         spec_path = pathlib.Path(directory) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
@@ -305,8 +316,12 @@ def configs(args: argparse.Namespace) -> list[Config]:
     disk = [f"tiers.host.bytes={offload}", "tiers.disk.enabled=true", f"tiers.disk.bytes={args.disk_bytes}", "tiers.disk.region_bytes=16MiB"]
     kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute"}
+    kv_bytes_per_block = BLOCK * args.layers * 2 * args.kv_heads * 64 * 4
     return [
         Config("alone", None),
+        # vLLM given the offload memory as KV cache of its own: the memory
+        # every offload configuration uses, kept where attention reads it.
+        Config("alone-same-memory", None, engine_blocks=args.engine_blocks + offload // kv_bytes_per_block),
         Config("native-offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                      "kv_connector_extra_config": {"cpu_bytes_to_use": offload}}),
         Config("native-simple-cpu", {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -360,11 +375,12 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--user-tokens", type=int, default=96)
     parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--engine-blocks", type=int, default=256, help="vLLM's own KV cache, in blocks of 32 tokens")
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--engine-blocks", type=int, default=96, help="vLLM's own KV cache, in blocks of 32 tokens")
     parser.add_argument("--offload-bytes", type=int, default=96 * MiB, help="CPU memory for offloading (kvtier's host tier)")
     parser.add_argument("--disk-bytes", type=int, default=1024 * MiB, help="kvtier's disk tier in kvtier-disk")
-    parser.add_argument("--flush-prompts", type=int, default=6)
+    parser.add_argument("--flush-tokens", type=int, default=0,
+                        help="tokens of other prompts that push the probe out of vLLM's cache (default: its size + 1k)")
     parser.add_argument("--threads", type=int, default=2, help="cores vLLM binds")
     parser.add_argument("--only", default="", help="comma-separated configurations to run (default: all)")
     parser.add_argument("--dir", default=None, help="directory for kvtierd's state and disk tier")
@@ -378,7 +394,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.layers, args.hidden, args.kv_heads, args.conversations, args.turns = 4, 256, 2, 8, 2
-        args.system_tokens, args.engine_blocks, args.flush_prompts, args.repeats = 512, 96, 3, 1
+        args.system_tokens, args.engine_blocks, args.repeats = 512, 80, 1
     if args.kvtierd is None:
         candidates = [os.environ.get("KVTIER_PROGRAMS_DIR", ""), str(ROOT / "build/release/bin"), str(ROOT / "build/debug/bin")]
         args.kvtierd = next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
@@ -387,6 +403,7 @@ def main() -> int:
     import tiny_model
 
     heads = args.hidden // 64
+    args.flush_tokens = args.flush_tokens or args.engine_blocks * BLOCK + 1024
     workload = {
         "systems": args.systems,
         "system_tokens": args.system_tokens,
