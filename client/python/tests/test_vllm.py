@@ -411,6 +411,17 @@ def test_the_worker_moves_bytes_exactly_for_every_vllm_layout(
         assert not target.kv[name][0].any()  # nothing else written
 
 
+def test_a_lookup_answered_in_time_is_used_in_the_step_it_was_asked(model_dir: pathlib.Path, daemon: Daemon) -> None:
+    # The first ask waits for the answer (lookup_wait_ms; generous here, so a
+    # busy machine cannot make the round trip late): no step goes by.
+    engine = Engine(model_dir, daemon.socket, lookup_wait_ms=5000)
+    try:
+        request = engine.add("a", PREFIX + [1])
+        assert engine.scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    finally:
+        engine.close()
+
+
 def test_the_scheduler_never_waits_on_a_hung_daemon(model_dir: pathlib.Path, daemon: Daemon) -> None:
     engine = Engine(model_dir, daemon.socket, lookup_timeout_s=0.5)
     request = engine.add("a", PREFIX + [1])

@@ -13,9 +13,10 @@ across processes, restarts and nodes.
 
 Two instances run, with no state in common:
 
-- ``role=SCHEDULER`` in the engine-core process. It never waits on the
-  daemon: ``get_num_new_matched_tokens`` hands the lookup to a thread of its own
-  and answers ``None`` ("ask again") until the answer is there. The lookup is a
+- ``role=SCHEDULER`` in the engine-core process. It waits on the daemon at
+  most ``lookup_wait_ms`` per request: ``get_num_new_matched_tokens`` hands
+  the lookup to a thread of its own, waits that long for the answer, and
+  answers ``None`` ("ask again") while it is not there. The lookup is a
   prefetch: it counts the leading full blocks cached now and starts moving
   them to the host tier. The step plan (``KvtierMetadata``) says which blocks
   each worker loads and stores.
@@ -43,7 +44,9 @@ Settings (``kv_connector_extra_config``): ``socket`` (default
 ``$KVTIER_SOCKET``, else ``/run/kvtier/kvtierd.sock``), ``token`` (when the
 tenant is identified by a token), ``model_id`` (default: the served model's
 name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
-2: a lookup unanswered for that long is a miss).
+2: a lookup unanswered for that long is a miss), ``lookup_wait_ms`` (default
+2: how long the scheduler's first ask about a request waits for the answer
+before vLLM goes on without it; 0 never waits).
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class _Settings:
     token: str | None
     model_id: str
     lookup_timeout_s: float
+    lookup_wait_s: float
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -107,6 +111,7 @@ class _Settings:
             token=extra.get("token"),
             model_id=str(extra.get("model_id") or vllm_config.model_config.model),
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+            lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
         )
 
 
@@ -259,13 +264,15 @@ class _Lookup:
 
 
 class _Lookups:
-    """Prefetches on a thread of their own, so the scheduler never waits on
-    the daemon. Called by the scheduler thread (submit, result, forget)."""
+    """Prefetches on a thread of their own, so the scheduler waits on the
+    daemon at most lookup_wait_s per request. Called by the scheduler thread
+    (result, forget)."""
 
     def __init__(self, settings: _Settings, layout: kvtier.Layout) -> None:
         self._settings = settings
         self._layout = layout
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)
         self._entries: dict[str, _Lookup] = {}
         self._queue: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
@@ -273,15 +280,20 @@ class _Lookups:
 
     def result(self, req_id: str, hashes: list[bytes]) -> int | None:
         """Leading blocks of `hashes` cached, or None while the answer is not
-        there (the first call starts the lookup). A lookup unanswered after
+        there. The first call starts the lookup and waits for its answer for
+        at most lookup_wait_s (a round trip takes a fraction of that), so
+        that a request is scheduled in the step it arrives in, not a step
+        later, behind whatever that step computes. A lookup unanswered after
         lookup_timeout_s is a miss."""
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(req_id)
             if entry is None or entry.num_blocks != len(hashes):
-                self._entries[req_id] = _Lookup(len(hashes), now)
+                entry = self._entries[req_id] = _Lookup(len(hashes), now)
                 self._queue.put((req_id, hashes))
-                return None
+                if self._settings.lookup_wait_s > 0:
+                    self._answered.wait_for(lambda: entry.hits is not None, self._settings.lookup_wait_s)
+                return entry.hits
             if entry.hits is None and now - entry.started > self._settings.lookup_timeout_s:
                 entry.hits = 0
                 logger.warning("kvtier: a lookup took over %.1f s; a miss", self._settings.lookup_timeout_s)
@@ -317,6 +329,7 @@ class _Lookups:
                 entry = self._entries.get(req_id)
                 if entry is not None and entry.num_blocks == len(hashes) and entry.hits is None:
                     entry.hits = hits
+                    self._answered.notify_all()
         connection.close()
 
 
