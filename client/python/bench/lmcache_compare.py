@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -111,27 +111,16 @@ def lmcache_cpu(args: argparse.Namespace, buffer: torch.Tensor, token_sets: list
     )
     engine = LMCacheEngineBuilder.get_or_create("kvtier-bench", config, metadata, CpuConnector(buffer), None, None)
     engine.post_init()
-    stores, loads = [], []
+
+    def retrieve(tokens: list[int]) -> None:
+        mask = engine.retrieve(torch.tensor(tokens, dtype=torch.long))
+        if int(mask.sum()) != len(tokens):
+            raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
+
     try:
-        for rep, tokens in enumerate(token_sets):
-            t = torch.tensor(tokens, dtype=torch.long)
-            started = time.perf_counter()
-            engine.store(t)
-            stored = time.perf_counter()
-            buffer.zero_()
-            zeroed = time.perf_counter()
-            mask = engine.retrieve(t)
-            done = time.perf_counter()
-            if int(mask.sum()) != len(tokens):
-                raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
-            check(buffer, rep)
-            if rep >= warmups(args):
-                stores.append(stored - started)
-                loads.append(done - zeroed)
-            fill(buffer, rep + 1)
+        return timed_reps(args, buffer, token_sets, lambda tokens: engine.store(torch.tensor(tokens, dtype=torch.long)), retrieve)
     finally:
         LMCacheEngineBuilder.destroy("kvtier-bench")
-    return stores, loads
 
 
 # --------------------------------------------------------------------------
@@ -173,32 +162,52 @@ def kvtier_host(args: argparse.Namespace, buffer: torch.Tensor, token_sets: list
                     for kv in (0, 1)
                 ]
                 cache = client.register_host_memory(layout, chunks, [(buffer.data_ptr(), buffer.nbytes)], placements)
-                stores, loads = [], []
                 ids = list(range(chunks))
-                for rep, tokens in enumerate(token_sets):
-                    keys = client.compute_keys(cache, tokens)
-                    started = time.perf_counter()
-                    stored = client.store(cache, keys, ids)
-                    done_store = time.perf_counter()
-                    buffer.zero_()
-                    zeroed = time.perf_counter()
-                    loaded = client.load(cache, keys, ids)
-                    done = time.perf_counter()
-                    if stored.blocks != chunks or loaded.blocks != chunks:
-                        raise RuntimeError(f"kvtier stored {stored.blocks} and loaded {loaded.blocks} of {chunks}")
-                    check(buffer, rep)
-                    if rep >= warmups(args):
-                        stores.append(done_store - started)
-                        loads.append(done - zeroed)
-                    fill(buffer, rep + 1)
+
+                def store(tokens: list[int]) -> None:
+                    if (n := client.store(cache, client.compute_keys(cache, tokens), ids).blocks) != chunks:
+                        raise RuntimeError(f"kvtier stored {n} of {chunks} chunks")
+
+                def load(tokens: list[int]) -> None:
+                    if (n := client.load(cache, client.compute_keys(cache, tokens), ids).blocks) != chunks:
+                        raise RuntimeError(f"kvtier loaded {n} of {chunks} chunks")
+
+                result = timed_reps(args, buffer, token_sets, store, load)
                 del cache
+                return result
         finally:
             daemon.terminate()
             daemon.wait(timeout=30)
-    return stores, loads
 
 
 # --------------------------------------------------------------------------
+
+
+def timed_reps(
+    args: argparse.Namespace,
+    buffer: torch.Tensor,
+    token_sets: list[list[int]],
+    store: Callable[[list[int]], None],
+    retrieve: Callable[[list[int]], None],
+) -> tuple[list[float], list[float]]:
+    """Seconds of each timed repetition's store, and of its retrieve: the
+    buffer holds the repetition's data, is stored, zeroed, retrieved into
+    and checked."""
+    stores, loads = [], []
+    for rep, tokens in enumerate(token_sets):
+        started = time.perf_counter()
+        store(tokens)
+        stored = time.perf_counter()
+        buffer.zero_()
+        zeroed = time.perf_counter()
+        retrieve(tokens)
+        done = time.perf_counter()
+        check(buffer, rep)
+        if rep >= warmups(args):
+            stores.append(stored - started)
+            loads.append(done - zeroed)
+        fill(buffer, rep + 1)
+    return stores, loads
 
 
 def tier_bytes(args: argparse.Namespace) -> int:
@@ -265,7 +274,7 @@ def main() -> int:
     size = chunk_bytes(args.chunk_tokens) * args.chunks
     print(f"machine:  {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Linux {platform.release()}")
     print(f"config:   {args.chunks} chunks of {args.chunk_tokens} tokens ({chunk_bytes(args.chunk_tokens) >> 20} MiB, "
-          f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB ({"full, evicting" if args.tier_reps else "room for all"}); torch threads {args.threads}; "
+          f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB ({'full, evicting' if args.tier_reps else 'room for all'}); torch threads {args.threads}; "
           f"LMCache {lmcache.__version__ if hasattr(lmcache, '__version__') else '0.5.6'}; kvtierd {args.kvtierd}")
     results = {}
     # kvtier first, then LMCache (whose engine stays in this process).

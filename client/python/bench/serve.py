@@ -69,7 +69,9 @@ from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))  # tiny_model
+sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))  # tiny_model, harness
+
+from harness import engine_env  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 32  # vLLM's block size on the CPU (a multiple of 32)
@@ -238,16 +240,7 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_tokens": args.flush_tokens}
         spec_path = pathlib.Path(directory) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        cpus = os.cpu_count() or 1
-        env.update(
-            PYTHONHASHSEED="0",
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{min(cpus, args.threads) - 1}",
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_LOGGING_LEVEL="WARNING",
-        )
+        env = engine_env(threads=args.threads, VLLM_LOGGING_LEVEL="WARNING")
         try:
             out = subprocess.run(
                 [sys.executable, __file__, "--engine", str(spec_path)],

@@ -34,13 +34,14 @@ ENGINE_TIMEOUT_S = 600
 LOGPROB_TOLERANCE = 1e-3
 
 
-def engine_env(**extra: str) -> dict[str, str]:
+def engine_env(threads: int = 2, **extra: str) -> dict[str, str]:
+    """This process's environment for a vLLM engine on `threads` cores, with `extra` on top."""
     env = dict(os.environ)
     cpus = os.cpu_count() or 1
     env.update(
         PYTHONHASHSEED="0",
         VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND=f"0-{min(cpus, 2) - 1}",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{min(cpus, threads) - 1}",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_NO_USAGE_STATS="1",
         VLLM_LOGGING_LEVEL="INFO",
