@@ -207,7 +207,8 @@ class RequestHint:
     def of(request: Request) -> RequestHint | None:
         """The hint in ``request.kv_transfer_params["kvtier"]``; None when it has
         none, or one that is not valid (logged: the request runs unhinted)."""
-        raw = (getattr(request, "kv_transfer_params", None) or {}).get("kvtier")
+        params = getattr(request, "kv_transfer_params", None)
+        raw = params.get("kvtier") if isinstance(params, dict) else None
         if raw is None:
             return None
         try:
