@@ -507,3 +507,31 @@ def test_a_preempted_requests_stores_end_before_its_blocks_are_reused(
     # The preempted request still ends through get_finished once it finishes.
     sending, _ = source.worker.get_finished({"p"})
     assert sending == {"p"}
+
+
+def test_request_hints_are_read_from_kv_transfer_params_and_bad_ones_ignored() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.vllm import RequestHint
+
+    def of(params: object) -> RequestHint | None:
+        return RequestHint.of(SimpleNamespace(request_id="r", kv_transfer_params=params))  # type: ignore[arg-type]
+
+    assert of(None) is None
+    assert of(["not", "a", "dict"]) is None
+    assert of({"other_connector": 1}) is None
+    assert of({"kvtier": {"priority": 1, "next_use_ms": 30000}}) == RequestHint(1, 30000, False)
+    assert of({"kvtier": {"session_over": True}}) == RequestHint(0, 0, True)
+    assert of({"kvtier": {"priority": 0}}) is None  # no hint at all
+    for bad in (
+        {"priority": 7},
+        {"priority": True},
+        {"priority": "1"},
+        {"next_use_ms": -1},
+        {"next_use_ms": 3_600_001},
+        {"next_use_ms": 1.5},
+        {"session_over": "yes"},
+        {"keep": True},
+        "keep",
+    ):
+        assert of({"kvtier": bad}) is None, bad
