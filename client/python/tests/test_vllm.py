@@ -299,7 +299,9 @@ def test_a_second_request_with_the_same_prefix_is_loaded_from_kvtier(
     assert "a" not in first.scheduler.requests
 
     # Another engine (another process, or node): only kvtier has the prefix.
-    second = Engine(model_dir, daemon.socket)
+    # Its scheduler never waits for an answer (lookup_wait_ms 0), so the
+    # first step always finds the lookup in flight.
+    second = Engine(model_dir, daemon.socket, lookup_wait_ms=0)
     engines.append(second)
     prompt_b = PREFIX + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]
     second.add("b", prompt_b)
