@@ -102,7 +102,8 @@ Status CheckAdoptable(uintptr_t start, uintptr_t end) {
 // other bytes: an allocator's headers and, under AddressSanitizer, its red
 // zones, which are read here on purpose; so the copy is a loop the sanitizer
 // does not check (memcpy would go through its checked interceptor).
-__attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_t* from, uint64_t bytes) {
+__attribute__((no_sanitize("address"))) void CopyPages(uint8_t* to, const uint8_t* from,
+                                                       uint64_t bytes) {
   auto* d = reinterpret_cast<volatile uint64_t*>(to);
   const auto* s = reinterpret_cast<const volatile uint64_t*>(from);
   for (uint64_t i = 0; i < bytes / sizeof(uint64_t); ++i) d[i] = s[i];
@@ -138,7 +139,8 @@ Status WriteRun(int fd, const uint8_t* from, uint64_t offset, uint64_t length) {
 #ifdef KVTIER_UNDER_ASAN
   // Through a mapping and CopyPages: pwrite's interceptor would check the
   // bytes, and they may hold the allocator's red zones.
-  void* staging = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
+  void* staging =
+      ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(offset));
   if (staging == MAP_FAILED) return Status::FromErrno(errno, "mmap of the adopted KV cache memfd");
   CopyPages(static_cast<uint8_t*>(staging), from, length);
   ::munmap(staging, length);
@@ -181,7 +183,8 @@ Status CopyAndMap(int fd, uintptr_t start, std::span<const Piece> pieces, uint64
     void* where = reinterpret_cast<void*>(start + piece.offset);
     void* mapped = ::mmap(where, piece.length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
                           static_cast<off_t>(piece.offset));
-    if (mapped == MAP_FAILED) return Status::FromErrno(errno, "mmap of the KV cache memfd over the engine's pages");
+    if (mapped == MAP_FAILED)
+      return Status::FromErrno(errno, "mmap of the KV cache memfd over the engine's pages");
   }
   return Status::Ok();
 }

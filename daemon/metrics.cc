@@ -78,15 +78,18 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             L({{"tier", t.tier}}));
     f.Gauge("kvtier_tier_blocks", "Blocks in a tier.", static_cast<double>(t.usage.blocks), L({{"tier", t.tier}}));
   }
-  f.Counter("kvtier_lookups_total", "Lookup and prefetch requests.", static_cast<double>(c.lookups));
+  f.Counter("kvtier_lookups_total", "Lookup and prefetch requests.",
+            static_cast<double>(c.lookups));
   f.Counter("kvtier_lookup_keys_total", "Keys asked about by lookups and prefetches.",
             static_cast<double>(c.lookup_keys));
   const char* tiers[] = {"hbm", "host", "disk"};
   for (size_t t = 0; t < 3; ++t) {
-    f.Counter("kvtier_hits_total", "Keys found by lookups and prefetches, by the tier that held them.",
+    f.Counter("kvtier_hits_total",
+              "Keys found by lookups and prefetches, by the tier that held them.",
               static_cast<double>(c.hits[t]), L({{"tier", tiers[t]}}));
   }
-  f.Counter("kvtier_misses_total", "Keys of lookups and prefetches not found (after the first miss of a prompt).",
+  f.Counter("kvtier_misses_total",
+            "Keys of lookups and prefetches not found (after the first miss of a prompt).",
             static_cast<double>(c.misses));
   f.Counter("kvtier_stores_total", "Blocks newly stored.", static_cast<double>(c.stores));
   f.Counter("kvtier_stores_already_total", "Blocks a store found present or in flight.",

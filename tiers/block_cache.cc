@@ -828,7 +828,8 @@ void BlockCache::CountLookup(TenantId tenant, std::span<const Tier> hit_tiers, s
   mine.misses += num_keys - hit_tiers.size();
 }
 
-std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant, std::span<const StoredKey> keys) {
+std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
+                                                   std::span<const StoredKey> keys) {
   // The leading present keys, counted as a lookup (engines such as vLLM's
   // connector ask only through prefetches) and touched deepest first (as
   // Lookup does) before anything moves.

@@ -52,14 +52,14 @@
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
 #include "tools/bench_abuse.h"
+#include "tools/bench_compress.h"
 #include "tools/bench_disk.h"
 #include "tools/bench_engine.h"
+#include "tools/bench_events.h"
 #include "tools/bench_gpu.h"
 #include "tools/bench_index.h"
 #include "tools/bench_redis.h"
-#include "tools/bench_compress.h"
 #include "tools/bench_register.h"
-#include "tools/bench_events.h"
 #include "tools/bench_remote.h"
 #include "tools/bench_report.h"
 #include "tools/bench_trace.h"
@@ -515,10 +515,14 @@ int main(int argc, char** argv) {
   compress->add_option("--block-kib", compress_options.block_kib, "block size in KiB")->check(CLI::Range(4, 65536));
   compress->add_option("--blocks", compress_options.blocks, "blocks per rep")->check(CLI::Range(1, 4096));
   compress->add_option("--reps", compress_options.reps, "repetitions (median)")->check(CLI::Range(1, 1000));
-  CLI::App* reg = app.add_subcommand("register", "registering a CPU engine's KV cache, next to memcpy");
+  CLI::App* reg =
+      app.add_subcommand("register", "registering a CPU engine's KV cache, next to memcpy");
   kvtier::bench::RegisterOptions register_options;
-  reg->add_option("--gib", register_options.gib, "cache sizes in GiB")->delimiter(',')->check(CLI::Range(1, 4096));
-  reg->add_option("--reps", register_options.reps, "repetitions (median)")->check(CLI::Range(1, 100));
+  reg->add_option("--gib", register_options.gib, "cache sizes in GiB")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096));
+  reg->add_option("--reps", register_options.reps, "repetitions (median)")
+      ->check(CLI::Range(1, 100));
   CLI::App* trace = app.add_subcommand("trace", "replay a Mooncake trace: hit rates vs LRU, Belady and the ceiling");
   kvtier::bench::TraceOptions trace_options;
   trace->add_option("--trace", trace_options.trace_path, "JSONL request trace (../shared/traces/)")->required();

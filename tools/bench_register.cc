@@ -107,14 +107,16 @@ int RegisterCost(const RegisterOptions& o) {
           rc = 1;
         }
       }
-      const std::string name =
-          std::to_string(gib) + " GiB cache, " + (with_data ? "full of data" : "fresh (zeros)") + ": register";
-      cs.push_back({name, Median(adopt_s), Median(copy_s), "memcpy, same bytes", "s", /*lower_is_better=*/true,
+      const std::string name = std::to_string(gib) + " GiB cache, " +
+                               (with_data ? "full of data" : "fresh (zeros)") + ": register";
+      cs.push_back({name, Median(adopt_s), Median(copy_s), "memcpy, same bytes", "s",
+                    /*lower_is_better=*/true,
                     /*target=*/1.0});
     }
   }
   PrintComparisons(cs);
-  if (!o.json.empty() && !WriteJson(o.json, {{"workload", "register"}, {"reps", std::to_string(o.reps)}}, cs)) {
+  if (!o.json.empty() &&
+      !WriteJson(o.json, {{"workload", "register"}, {"reps", std::to_string(o.reps)}}, cs)) {
     std::fprintf(stderr, "kvtier-bench: cannot write %s\n", o.json.c_str());
     return 1;
   }

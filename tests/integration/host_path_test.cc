@@ -771,13 +771,15 @@ TEST(HostPathTest, AdoptionCopiesOnlyPagesWithDataAndSharesEveryWindow) {
   // blocks into use, and data in its first and last bytes too.
   constexpr uint64_t kBytes = 130ULL << 20;
   constexpr uint64_t kPage = 4096;
-  void* mapped = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* mapped =
+      ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(mapped, MAP_FAILED);
   auto* data = static_cast<uint8_t*>(mapped);
   std::memset(data, 0, kBytes);  // touched, as torch.zeros leaves it
   uint64_t data_pages = 0;
   for (uint64_t at = 3 * kPage; at < kBytes; at += (1ULL << 20) + kPage, ++data_pages) {
-    for (uint64_t i = 0; i < kPage; ++i) data[at + i] = static_cast<uint8_t>((at / kPage + i) % 251 + 1);
+    for (uint64_t i = 0; i < kPage; ++i)
+      data[at + i] = static_cast<uint8_t>((at / kPage + i) % 251 + 1);
   }
   data[0] = 7;
   data[kBytes - 1] = 9;
@@ -802,7 +804,8 @@ TEST(HostPathTest, AdoptionCopiesOnlyPagesWithDataAndSharesEveryWindow) {
   ASSERT_NE(view, MAP_FAILED);
   auto* daemon_side = static_cast<uint8_t*>(view);
   EXPECT_EQ(std::memcmp(daemon_side, before.data(), kBytes), 0);
-  for (const uint64_t at : std::array<uint64_t, 4>{1, (64ULL << 20) + 5, (128ULL << 20) + 7, kBytes - 2}) {
+  for (const uint64_t at :
+       std::array<uint64_t, 4>{1, (64ULL << 20) + 5, (128ULL << 20) + 7, kBytes - 2}) {
     daemon_side[at] = 0x5a;
     EXPECT_EQ(data[at], 0x5a) << "at " << at;
     data[at] = 0xa5;

@@ -513,7 +513,8 @@ TEST_F(BlockCacheTest, LoadFromHostPromotesAndConcurrentLoadsShareOnePromotion) 
   const CacheCounters after = cache_->counters();
   EXPECT_EQ(after.lookups, before.lookups + 2);
   EXPECT_EQ(after.lookup_keys, before.lookup_keys + 3);
-  EXPECT_EQ(after.hits[static_cast<size_t>(Tier::kHost)], before.hits[static_cast<size_t>(Tier::kHost)] + 1);
+  EXPECT_EQ(after.hits[static_cast<size_t>(Tier::kHost)],
+            before.hits[static_cast<size_t>(Tier::kHost)] + 1);
   EXPECT_EQ(after.misses, before.misses + 2);
   ASSERT_TRUE(Settle());
   EXPECT_EQ(cache_->counters().promotions, 3u);

@@ -7,20 +7,19 @@
 // only zeros are not copied but left as holes of the memfd, which take memory
 // once touched: an engine's fresh cache costs a read of its bytes, less than
 // a memcpy. Pages with data are written with pwrite, which fills shmem pages
-// without zeroing them first (kvtier-bench register measures both). The engine keeps its pointer and its bytes; from then on its
-// pages and the daemon's mapping are the same memory, and no copy goes
-// through the client again.
+// without zeroing them first (kvtier-bench register measures both). The engine keeps its pointer
+// and its bytes; from then on its pages and the daemon's mapping are the same memory, and no copy
+// goes through the client again.
 //
 // Checked: the range lies in this process's anonymous private read-write
 // memory (/proc/self/maps), so file mappings and shared memory are refused,
 // and so is memory a live AdoptedHostMemory holds. Memory adopted by one
 // since destroyed stays a shared mapping of its memfd; once the engine has
-// freed it, its allocator hands it out again, and it may be adopted again. The caller's to ensure: no thread writes the
-// range while Adopt runs (register at start-up, before the cache is used),
-// and nothing else in its first and last pages (an allocator's header, or a
-// neighbouring small allocation) is written meanwhile either: those two pages
-// are copied last, just before the move. Afterwards the pages are shared
-// memory: a child forked later shares them instead of copying them.
+// freed it, its allocator hands it out again, and it may be adopted again. The caller's to ensure:
+// no thread writes the range while Adopt runs (register at start-up, before the cache is used), and
+// nothing else in its first and last pages (an allocator's header, or a neighbouring small
+// allocation) is written meanwhile either: those two pages are copied last, just before the move.
+// Afterwards the pages are shared memory: a child forked later shares them instead of copying them.
 //
 // Move-only. Destroying it closes the memfds; the mappings stay, since the
 // pages belong to the engine's allocations, which free them as they would
