@@ -29,6 +29,18 @@ void MemoryMapping::Discard(size_t offset, size_t size_bytes) {
   KVTIER_CHECK(::madvise(data() + offset, size_bytes, MADV_DONTNEED) == 0);
 }
 
+Status MemoryMapping::Populate(size_t offset, size_t size_bytes) {
+  KVTIER_CHECK(offset <= size_bytes_ && size_bytes <= size_bytes_ - offset);
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
+#endif
+  if (::madvise(data() + offset, size_bytes, MADV_POPULATE_WRITE) == 0) return Status::Ok();
+  if (errno == EINVAL) {
+    return Status(StatusCode::kUnimplemented, "MADV_POPULATE_WRITE: this kernel lacks it (Linux 5.14 added it)");
+  }
+  return Status::FromErrno(errno, "madvise(MADV_POPULATE_WRITE)");
+}
+
 void MemoryMapping::Reset() {
   if (data_ != nullptr) {
     ::munmap(data_, size_bytes_);  // Fails only for invalid arguments, which we never pass.

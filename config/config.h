@@ -90,6 +90,9 @@ struct Config {
     } hbm;
     struct Host {
       uint64_t bytes = 2ull << 30;
+      // Host backend: fault the tier's memory in at start, in the
+      // background (the cuda backend pins it at start regardless).
+      bool prefault = true;
     } host;
     struct Disk {
       bool enabled = true;

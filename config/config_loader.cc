@@ -580,6 +580,7 @@ void ReadTiers(Context* ctx, const YAML::Node& node, Config::Tiers* tiers) {
   {
     MapReader h(ctx, r.Take("host"), "tiers.host");
     h.Read("bytes", &tiers->host.bytes, ParseSizeNode);
+    h.Read("prefault", &tiers->host.prefault, ParseBoolNode);
     h.Finish();
   }
   {

@@ -35,7 +35,8 @@ std::string ConfigSummary(const Config& c) {
   } else {
     o << "  hbm:    disabled\n";
   }
-  o << "  host:   " << FormatSize(c.tiers.host.bytes) << "\n";
+  o << "  host:   " << FormatSize(c.tiers.host.bytes)
+    << (c.tiers.host.prefault ? ", prefaulted" : ", faulted on first use") << "\n";
   if (c.tiers.disk.enabled) {
     o << "  disk:   " << FormatSize(c.tiers.disk.bytes) << " per path, regions of "
       << FormatSize(c.tiers.disk.region_bytes) << ", queue depth " << c.tiers.disk.queue_depth

@@ -214,7 +214,8 @@ Status Server::SetupBackend() {
 #endif
   }
   const uint32_t threads = std::max(2u, std::thread::hardware_concurrency() / 2);
-  KVTIER_ASSIGN_OR_RETURN(backend_, HostBackend::Create({.copy_threads = threads}));
+  KVTIER_ASSIGN_OR_RETURN(backend_, HostBackend::Create({.copy_threads = threads,
+                                                         .populate_host = c.tiers.host.prefault}));
   return Status::Ok();
 }
 

@@ -1,10 +1,14 @@
 #include "tiers/host_backend.h"
 
 #include <fcntl.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <stop_token>
+#include <thread>
 
 #include "common/check.h"
 #include "common/memory_mapping.h"
@@ -19,8 +23,34 @@ class HostArena final : public Arena {
   uint8_t* data() const override { return mapping_.data(); }
   uint64_t size_bytes() const override { return mapping_.size_bytes(); }
 
+  // Faults the whole arena in on a thread of its own, a window at a time,
+  // while copies may already use it (population never changes a byte). The
+  // destructor stops it between windows.
+  void PopulateInBackground(std::string what) {
+    populate_ = std::jthread([this, what = std::move(what)](std::stop_token stop) {
+      constexpr uint64_t kWindowBytes = 64ull << 20;
+      const auto started = std::chrono::steady_clock::now();
+      for (uint64_t offset = 0; offset < mapping_.size_bytes(); offset += kWindowBytes) {
+        if (stop.stop_requested()) return;
+        const Status s =
+            mapping_.Populate(offset, std::min(kWindowBytes, mapping_.size_bytes() - offset));
+        if (!s.ok()) {
+          spdlog::warn(
+              "{}: faulting its memory in stopped after {} of {} bytes ({}); the rest is faulted "
+              "on first use",
+              what, offset, mapping_.size_bytes(), s.ToString());
+          return;
+        }
+      }
+      spdlog::info(
+          "{}: {} bytes faulted in ({:.2f} s)", what, mapping_.size_bytes(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    });
+  }
+
  private:
   MemoryMapping mapping_;
+  std::jthread populate_;  // after mapping_: joined before the unmap
 };
 
 class HostClientMapping final : public ClientMapping {
@@ -40,10 +70,10 @@ class HostClientMapping final : public ClientMapping {
   std::shared_ptr<std::atomic<uint64_t>> live_;
 };
 
-Result<std::unique_ptr<Arena>> AnonymousArena(uint64_t size_bytes, const char* what) {
+Result<std::unique_ptr<HostArena>> AnonymousArena(uint64_t size_bytes, const char* what) {
   Result<MemoryMapping> m = MemoryMapping::Anonymous(size_bytes);
   if (!m) return Err(m.error().WithContext(std::string("allocating the ") + what + " arena"));
-  return std::unique_ptr<Arena>(new HostArena(std::move(*m)));
+  return std::make_unique<HostArena>(std::move(*m));
 }
 
 }  // namespace
@@ -71,11 +101,12 @@ Result<std::unique_ptr<HostBackend>> HostBackend::Create(const Options& options)
     if (!codec) return Err(codec.error().WithContext("host backend: a copy thread's codec"));
     workers.push_back(std::make_unique<Worker>(Worker{.codec = std::move(*codec), .scratch = {}}));
   }
-  return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers)));
+  return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers), options.populate_host));
 }
 
-HostBackend::HostBackend(std::vector<std::unique_ptr<Worker>> workers)
+HostBackend::HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host)
     : num_threads_(static_cast<uint32_t>(workers.size())),
+      populate_host_(populate_host),
       workers_(std::move(workers)),
       live_mappings_(std::make_shared<std::atomic<uint64_t>>(0)) {
   threads_.reserve(num_threads_);
@@ -92,11 +123,15 @@ HostBackend::~HostBackend() {
 }
 
 Result<std::unique_ptr<Arena>> HostBackend::AllocateDeviceArena(int /*device*/, uint64_t size_bytes) {
-  return AnonymousArena(size_bytes, "hbm (host stand-in)");
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena,
+                          AnonymousArena(size_bytes, "hbm (host stand-in)"));
+  return std::unique_ptr<Arena>(std::move(arena));
 }
 
 Result<std::unique_ptr<Arena>> HostBackend::AllocateHostArena(uint64_t size_bytes) {
-  return AnonymousArena(size_bytes, "host");
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena, AnonymousArena(size_bytes, "host"));
+  if (populate_host_) arena->PopulateInBackground("host tier");
+  return std::unique_ptr<Arena>(std::move(arena));
 }
 
 Result<MemoryMapping> HostBackend::MapSealedMemfd(const ClientRegionHandle& r, const std::string& what) {

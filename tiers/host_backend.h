@@ -38,6 +38,11 @@ class HostBackend final : public DeviceBackend {
  public:
   struct Options {
     uint32_t copy_threads = 2;  // >= 1
+    // Fault the host arena in at allocation, on a thread of its own
+    // (config tiers.host.prefault): the memory is the daemon's from the
+    // start, as pinned memory is on the cuda backend, and the first stores
+    // into it run at memory speed rather than at page-fault speed.
+    bool populate_host = false;
   };
 
   static Result<std::unique_ptr<HostBackend>> Create(const Options& options);
@@ -69,7 +74,7 @@ class HostBackend final : public DeviceBackend {
   // A worker's own: its codec (zstd contexts) and a block of scratch.
   struct Worker;
 
-  explicit HostBackend(std::vector<std::unique_ptr<Worker>> workers);
+  HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host);
   void WorkerLoop(Worker& worker);
   static void RunTask(const Task& task, Worker& worker);
 
@@ -86,6 +91,7 @@ class HostBackend final : public DeviceBackend {
   FlowQueues queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   const uint32_t num_threads_;
+  const bool populate_host_;
   std::vector<std::unique_ptr<Worker>> workers_;  // one per thread
   std::vector<std::thread> threads_;
   // Shared with mappings so they can count down after the backend is gone.

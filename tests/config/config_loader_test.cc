@@ -62,6 +62,7 @@ TEST_F(ConfigLoaderTest, BuiltInDefaults) {
   EXPECT_TRUE(c->tenants[0].admin);  // a single-tenant node
   EXPECT_FALSE(c->tiers.hbm.enabled);
   EXPECT_EQ(c->tiers.host.bytes, 2ull << 30);
+  EXPECT_TRUE(c->tiers.host.prefault);
   EXPECT_TRUE(c->tiers.disk.enabled);
   EXPECT_EQ(c->tiers.disk.paths, std::vector<std::string>{"./var/kvtier/disk"});
   EXPECT_EQ(c->tiers.disk.region_bytes, 64ull << 20);
@@ -232,11 +233,13 @@ TEST_F(ConfigLoaderTest, TokenAndSaltFiles) {
 }
 
 TEST_F(ConfigLoaderTest, SetOverridesFileAndLaterSetWins) {
-  Result<Config> c = LoadYaml("tiers:\n  host:\n    bytes: 1GiB\n",
-                              {"tiers.host.bytes=3GiB", "tiers.disk.paths=[/a, /b]",
-                               "tiers.host.bytes=5GiB", "log.level=debug", "tiers.hbm.enabled=true"});
+  Result<Config> c =
+      LoadYaml("tiers:\n  host:\n    bytes: 1GiB\n",
+               {"tiers.host.bytes=3GiB", "tiers.disk.paths=[/a, /b]", "tiers.host.bytes=5GiB",
+                "log.level=debug", "tiers.hbm.enabled=true", "tiers.host.prefault=false"});
   ASSERT_TRUE(c.has_value()) << c.error();
   EXPECT_EQ(c->tiers.host.bytes, 5ull << 30);
+  EXPECT_FALSE(c->tiers.host.prefault);
   EXPECT_EQ(c->tiers.disk.paths, (std::vector<std::string>{"/a", "/b"}));
   EXPECT_EQ(c->log.level, LogLevel::kDebug);
   EXPECT_TRUE(c->tiers.hbm.enabled);
@@ -249,7 +252,8 @@ TEST_F(ConfigLoaderTest, SetOverridesFileAndLaterSetWins) {
 
 TEST_F(ConfigLoaderTest, UnknownKeysNameTheKeyAndLine) {
   const std::string e = ErrorOf("socket:\n  path: /tmp/k.sock\ntiers:\n  host:\n    byts: 1GiB\n");
-  EXPECT_THAT(e, HasSubstr(File() + ":5: tiers.host.byts: unknown key (known here: bytes)"));
+  EXPECT_THAT(e,
+              HasSubstr(File() + ":5: tiers.host.byts: unknown key (known here: bytes, prefault)"));
   EXPECT_THAT(ErrorOf("colour: blue\n"), HasSubstr(File() + ":1: colour: unknown key"));
   EXPECT_THAT(ErrorOf("", {"tiers.host.byts=1"}),
               HasSubstr("--set tiers.host.byts=1: tiers.host.byts: unknown key"));

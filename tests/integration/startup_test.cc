@@ -4,6 +4,8 @@
 // fills it (on a loop-mounted ext4, as root).
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,13 +13,13 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "tests/integration/disk_helpers.h"
 #include "tests/integration/loop_fs.h"
@@ -27,6 +29,7 @@ namespace kvtier::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 namespace fs = std::filesystem;
 
 constexpr uint64_t kMiB = 1ull << 20;
@@ -288,6 +291,44 @@ TEST(StartupTest, ADiskTierLargerThanItsFileSystemIsRefusedWithoutFillingIt) {
   for (const BlockKey& k : keys) EXPECT_EQ(LoadOne(s, k), 1) << daemon->Log();
   s = {};
   daemon->Stop();
+}
+
+// Anonymous memory of kvtierd's resident set, from /proc/PID/status; 0 if
+// it cannot be read.
+uint64_t RssAnonBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("RssAnon:"))
+      return std::stoull(line.substr(8)) * 1024;  // "RssAnon:  123 kB"
+  }
+  return 0;
+}
+
+// tiers.host.prefault (the default): the host tier's memory is kvtierd's
+// within seconds of the start, before any store, and the log says so; with
+// prefault off it is faulted only as stores use it.
+TEST(StartupTest, TheHostTierIsFaultedInAtStartUnlessPrefaultIsOff) {
+  constexpr uint64_t kTier = 512 * kMiB;
+  Result<DaemonProcess> eager = DaemonProcess::Start({"tiers.host.bytes=512MiB"});
+  ASSERT_TRUE(eager.has_value()) << eager.error();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (RssAnonBytes(eager->pid()) < kTier && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_GE(RssAnonBytes(eager->pid()), kTier) << eager->Log();
+  while (eager->Log().find("host tier: 536870912 bytes faulted in") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_THAT(eager->Log(), HasSubstr("host tier: 536870912 bytes faulted in"));
+  EXPECT_EQ(eager->Stop(), 0) << eager->Log();
+
+  Result<DaemonProcess> lazy =
+      DaemonProcess::Start({"tiers.host.bytes=512MiB", "tiers.host.prefault=false"});
+  ASSERT_TRUE(lazy.has_value()) << lazy.error();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_LT(RssAnonBytes(lazy->pid()), kTier / 2) << lazy->Log();
+  EXPECT_THAT(lazy->Log(), Not(HasSubstr("faulted in")));
 }
 
 }  // namespace
