@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -39,16 +40,45 @@ bool PortFree(const std::string& host, uint16_t port) {
   return ok;
 }
 
-// Ports p with p and p + 10000 (the cluster bus) free, below the ephemeral range.
-std::vector<uint16_t> FreePorts(const std::string& host, size_t n) {
-  std::mt19937 random(static_cast<uint32_t>(::getpid()) * 7919u + static_cast<uint32_t>(std::time(nullptr)));
+// The first port of the kernel's ephemeral range (outgoing connections take
+// ports from there at any time); 32768 if it cannot be read.
+uint16_t EphemeralLow() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  unsigned low = 0;
+  return in >> low && low > 0 && low <= 65535 ? static_cast<uint16_t>(low) : 32768;
+}
+
+}  // namespace
+
+std::vector<uint16_t> PickClusterPorts(size_t n, std::mt19937& random, uint16_t lo, uint16_t hi,
+                                       const std::function<bool(uint16_t)>& is_free,
+                                       const std::vector<uint16_t>& avoid) {
+  constexpr int kBus = RedisClusterProcess::kBusOffset;
+  // Every port in use: the picked ones and `avoid`, each with its bus port.
+  std::set<int> used;
+  for (const uint16_t q : avoid) used.insert({q, q + kBus});
   std::vector<uint16_t> out;
   while (out.size() < n) {
-    const auto port = static_cast<uint16_t>(12000 + random() % 18000);
-    if (std::find(out.begin(), out.end(), port) != out.end()) continue;
-    if (PortFree(host, port) && PortFree(host, static_cast<uint16_t>(port + 10000))) out.push_back(port);
+    const auto port = static_cast<uint16_t>(lo + random() % (hi - lo));
+    if (used.contains(port) || used.contains(port + kBus)) continue;
+    if (!is_free(port) || !is_free(static_cast<uint16_t>(port + kBus))) continue;
+    out.push_back(port);
+    used.insert({port, port + kBus});
   }
   return out;
+}
+
+namespace {
+
+// Ports whose bus ports (+10000) stay below the ephemeral range.
+std::vector<uint16_t> FreePorts(const std::string& host, size_t n,
+                                const std::vector<uint16_t>& avoid) {
+  static std::mt19937 random(static_cast<uint32_t>(::getpid()) * 7919u +
+                             static_cast<uint32_t>(std::time(nullptr)));
+  const uint16_t hi =
+      static_cast<uint16_t>(std::max(EphemeralLow() - RedisClusterProcess::kBusOffset, 13000));
+  return PickClusterPorts(
+      n, random, 11000, hi, [&](uint16_t port) { return PortFree(host, port); }, avoid);
 }
 
 std::string Tail(const std::string& path, size_t bytes) {
@@ -90,16 +120,24 @@ Result<std::unique_ptr<RedisClusterProcess>> RedisClusterProcess::Start(const Op
   if (::inet_pton(AF_INET, options.host.c_str(), &ignored) != 1) {
     return Err(InvalidArgument("RedisClusterProcess: host '" + options.host + "' is not an IPv4 address"));
   }
-  cluster->ports_ = FreePorts(options.host, n);
+  cluster->ports_ = FreePorts(options.host, n, {});
   cluster->pids_.assign(n, -1);
   for (size_t i = 0; i < n; ++i) KVTIER_RETURN_IF_ERROR(cluster->Spawn(i));
-  // Every node answers PING.
+  // Every node answers PING. A node that exited lost its port (or its bus
+  // port) to someone else between the check and its bind, as parallel tests
+  // do: it gets other ports and starts again.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (size_t i = 0; i < n; ++i) {
+    int moves = 0;
     while (!Command(cluster->node(i), options.password, {"PING"})) {
       if (std::chrono::steady_clock::now() > deadline) {
         return Err(StatusCode::kUnavailable, "redis-server " + cluster->node(i).ToString() +
                                                  " did not answer PING:\n" + cluster->LogTails());
+      }
+      if (::waitpid(cluster->pids_[i], nullptr, WNOHANG) == cluster->pids_[i] && moves++ < 5) {
+        cluster->pids_[i] = -1;
+        cluster->ports_[i] = FreePorts(options.host, 1, cluster->ports_).front();
+        KVTIER_RETURN_IF_ERROR(cluster->Spawn(i));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

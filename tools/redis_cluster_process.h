@@ -1,7 +1,9 @@
 // RedisClusterProcess: a real Redis Cluster of a test's own, from Debian's
 // redis-server and redis-cli: `masters` nodes with `replicas` replicas each
 // on TCP ports of 127.0.0.1 (or Options::host; each also uses its port +
-// 10000 for the cluster bus), joined by `redis-cli --cluster create`, persistence off. Nodes can
+// 10000 for the cluster bus, kept below the ephemeral port range), joined by
+// `redis-cli --cluster create`, persistence off. A node whose port another
+// process took before it could bind starts again on other ports. Nodes can
 // be killed and started again to inject faults; all are killed (SIGKILL,
 // then their directories removed) when it is destroyed, and if the test
 // process dies (PR_SET_PDEATHSIG).
@@ -13,7 +15,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +28,8 @@ namespace kvtier::testing {
 
 class RedisClusterProcess {
  public:
+  static constexpr int kBusOffset = 10000;  // a node's cluster bus port: its port + this
+
   struct Options {
     int masters = 3;
     int replicas = 1;  // per master
@@ -75,5 +81,13 @@ class RedisClusterProcess {
   std::vector<uint16_t> ports_;
   std::vector<pid_t> pids_;
 };
+
+// `n` ports in [lo, hi) for cluster nodes: each with its bus port
+// (+kBusOffset) free by `is_free`, and neither of them equal to another
+// picked port or bus port, nor to one of `avoid` or its bus port. Its own
+// for its test.
+std::vector<uint16_t> PickClusterPorts(size_t n, std::mt19937& random, uint16_t lo, uint16_t hi,
+                                       const std::function<bool(uint16_t)>& is_free,
+                                       const std::vector<uint16_t>& avoid);
 
 }  // namespace kvtier::testing

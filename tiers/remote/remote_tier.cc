@@ -35,7 +35,9 @@ bool ClusterCannotServe(std::string_view error) {
 
 }  // namespace
 
-RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options)) {}
+RemoteTier::RemoteTier(RemoteTierOptions options)
+    : options_(std::move(options)),
+      breaker_({.failures = options_.breaker_failures, .cooldown = options_.breaker_cooldown}) {}
 
 Result<std::unique_ptr<RemoteTier>> RemoteTier::Start(RemoteTierOptions options) {
   if (options.cluster.seeds.empty()) return Err(InvalidArgument("tiers.remote: no seed node"));
@@ -98,7 +100,11 @@ void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vec
 RemoteCounters RemoteTier::counters() const {
   std::lock_guard lock(mu_);
   RemoteCounters c = counters_;
-  c.breaker_open = open_;
+  const CircuitBreaker::Counters b = breaker_.counters();
+  c.errors_unavailable = b.unavailable;
+  c.refused_breaker = b.refused;
+  c.breaker_opened = b.opened;
+  c.breaker_open = b.open;
   return c;
 }
 
@@ -108,8 +114,7 @@ void RemoteTier::Submit(Batch batch) {
     std::lock_guard lock(mu_);
     if (stopping_) {
       refused = Status(StatusCode::kCancelled, "the remote tier is stopping");
-    } else if (open_ && std::chrono::steady_clock::now() < reopen_at_) {
-      ++counters_.refused_breaker;
+    } else if (breaker_.RefuseNow()) {
       refused = Unavailable("the remote tier's circuit breaker is open");
     } else if (inflight_ >= options_.max_inflight_batches) {
       ++counters_.refused_busy;
@@ -161,45 +166,14 @@ void RemoteTier::Loop(Worker& worker) {
   }
 }
 
-bool RemoteTier::Admit() {
-  std::lock_guard lock(mu_);
-  if (!open_) return true;
-  if (probing_ || std::chrono::steady_clock::now() < reopen_at_) {
-    ++counters_.refused_breaker;
-    return false;
-  }
-  probing_ = true;  // one batch probes the cluster
-  return true;
-}
-
-void RemoteTier::Record(bool reached_cluster) {
-  std::lock_guard lock(mu_);
-  probing_ = false;
-  if (reached_cluster) {
-    consecutive_failures_ = 0;
-    if (open_) {
-      open_ = false;
-      spdlog::info("tiers.remote: the cluster answers again; circuit breaker closed");
-    }
-    return;
-  }
-  ++counters_.errors_unavailable;
-  ++consecutive_failures_;
-  const auto now = std::chrono::steady_clock::now();
-  if (open_) {
-    reopen_at_ = now + options_.breaker_cooldown;  // the probe failed
-  } else if (consecutive_failures_ >= options_.breaker_failures) {
-    open_ = true;
-    reopen_at_ = now + options_.breaker_cooldown;
-    ++counters_.breaker_opened;
-    spdlog::warn("tiers.remote: {} batches in a row could not reach the cluster; circuit breaker open (every "
-                 "remote lookup is a miss; probing again every {} ms)",
-                 consecutive_failures_, options_.breaker_cooldown.count());
-  }
-}
-
 Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
-  if (!Admit()) return Err(Unavailable("the remote tier's circuit breaker is open"));
+  if (batch.kind == Kind::kGet && batch.codec.kind != CodecKind::kNone && worker.coder == nullptr) {
+    Result<std::unique_ptr<BlockCodec>> coder = BlockCodec::Create();
+    if (!coder) return Err(coder.error());
+    worker.coder = std::move(*coder);
+  }
+  std::optional<CircuitBreaker::Ticket> ticket = breaker_.Admit();
+  if (!ticket) return Err(Unavailable("the remote tier's circuit breaker is open"));
   if (worker.cluster == nullptr) {
     Result<std::unique_ptr<RedisCluster>> cluster = RedisCluster::Connect(options_.cluster);
     if (!cluster) {
@@ -212,22 +186,17 @@ Result<uint32_t> RemoteTier::Execute(Worker& worker, Batch& batch) {
                         cluster.error().ToString());
         }
       }
-      Record(refused);
+      ticket->Record(refused);
       return Err(cluster.error());
     }
     worker.cluster = std::move(*cluster);
     worker.seen = {};
   }
   RedisCluster& cluster = *worker.cluster;
-  if (batch.kind == Kind::kGet && batch.codec.kind != CodecKind::kNone && worker.coder == nullptr) {
-    Result<std::unique_ptr<BlockCodec>> coder = BlockCodec::Create();
-    if (!coder) return Err(coder.error());
-    worker.coder = std::move(*coder);
-  }
   Result<uint32_t> result = batch.kind == Kind::kExists ? DoExists(cluster, batch)
                             : batch.kind == Kind::kGet  ? DoGet(cluster, worker.coder.get(), batch)
                                                         : DoPut(cluster, batch);
-  Record(result.has_value() || result.error().code() != StatusCode::kUnavailable);
+  ticket->Record(result.has_value() || result.error().code() != StatusCode::kUnavailable);
   const RedisCluster::Counters& now = cluster.counters();
   std::lock_guard lock(mu_);
   counters_.topology_refreshes += now.refreshes - worker.seen.refreshes;

@@ -39,6 +39,7 @@
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "kernels/codec.h"
+#include "tiers/remote/circuit_breaker.h"
 #include "tiers/remote/redis_cluster.h"
 
 namespace kvtier {
@@ -140,9 +141,6 @@ class RemoteTier {
   // `coder`: the worker's, for a namespace with a codec (else null).
   Result<uint32_t> DoGet(RedisCluster& cluster, BlockCodec* coder, Batch& batch);
   Result<uint32_t> DoPut(RedisCluster& cluster, const Batch& batch);
-  // The breaker: whether a batch may go to the network now.
-  bool Admit();
-  void Record(bool reached_cluster);
 
   RemoteTierOptions options_;
   mutable std::mutex mu_;
@@ -150,13 +148,10 @@ class RemoteTier {
   std::deque<Batch> queue_;
   uint32_t inflight_ = 0;  // queued or running
   bool stopping_ = false;
-  // Breaker state, under mu_.
-  uint32_t consecutive_failures_ = 0;
-  bool open_ = false;
-  bool probing_ = false;
-  std::chrono::steady_clock::time_point reopen_at_{};
-  bool refusal_logged_ = false;  // a node refused us (AUTH): said once
-  RemoteCounters counters_;      // under mu_
+  CircuitBreaker breaker_;
+  bool refusal_logged_ = false;  // under mu_: a node refused us (AUTH), said once
+  // Under mu_; the breaker keeps its own counters.
+  RemoteCounters counters_;
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <hiredis/hiredis.h>
 
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -66,6 +67,34 @@ void ExpectValues(RedisCluster& c, const std::vector<std::string>& keys, const s
     const redisReply& r = **replies[i];
     ASSERT_EQ(r.type, REDIS_REPLY_STRING) << i << " " << RedisErrorText(r);
     EXPECT_EQ(std::string(r.str, r.len), values[i]) << "key " << i;
+  }
+}
+
+// The test helper's ports: a node's port is never another node's bus port
+// (port + 10000), nor taken by `avoid`. Seen before: one node on P, another
+// on P + 10000, and the first node's bus could not bind. A thousand ports
+// from a range just over 10000 wide: without the check, most seeds pair some.
+TEST(PickClusterPortsTest, NoNodesPortIsAnotherNodesBusPort) {
+  using ::kvtier::testing::PickClusterPorts;
+  for (uint32_t seed = 0; seed < 20; ++seed) {
+    std::mt19937 random(seed);
+    const std::vector<uint16_t> avoid = {12005, 12050};
+    const std::vector<uint16_t> ports =
+        PickClusterPorts(1000, random, 12000, 22100, [](uint16_t) { return true; }, avoid);
+    ASSERT_EQ(ports.size(), 1000u);
+    std::set<int> used = {12005, 22005, 12050, 22050};
+    for (const uint16_t p : ports) {
+      EXPECT_TRUE(used.insert(p).second) << "seed " << seed << ": port " << p << " is in use";
+      EXPECT_TRUE(used.insert(p + RedisClusterProcess::kBusOffset).second)
+          << "seed " << seed << ": port " << p << "'s bus port is in use";
+    }
+  }
+  // Ports the machine has taken (here: every even port) are never picked,
+  // nor ports whose bus port is taken.
+  std::mt19937 random(7);
+  for (const uint16_t p :
+       PickClusterPorts(50, random, 11000, 13000, [](uint16_t q) { return q % 2 == 1; }, {})) {
+    EXPECT_EQ(p % 2, 1) << p;
   }
 }
 
