@@ -746,6 +746,9 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                           {"remote_promotions", c.remote_promotions},
                           {"remote_writes", c.remote_writes},
                           {"remote_write_failures", c.remote_write_failures},
+                          {"remote_write_backoffs", c.remote_write_backoffs},
+                          {"remote_writes_refused", c.remote_writes_refused},
+                          {"remote_retries_dropped", c.remote_retries_dropped},
                           {"remote_demotions_missed", c.remote_demotions_missed},
                       });
     }

@@ -289,7 +289,9 @@ void BlockCache::Drop(BlockEntry* e) {
     if (e->tier != Tier::kDisk) Tell(false, e, e->tier);
     if (e->on_disk) Tell(false, e, Tier::kDisk);
   }
-  if (!e->on_disk && PutsToRemote(e, Options::RemoteWrite::kOnDemote)) ++counters_.remote_demotions_missed;
+  if (!e->on_disk && WantsRemotePut(e, Options::RemoteWrite::kOnDemote)) {
+    ++counters_.remote_demotions_missed;
+  }
   Charge(e, -1);
   if (e->on_disk) options_.disk->Forget(e->key, e->disk);
   if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, SlotBytes(e));

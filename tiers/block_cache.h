@@ -67,6 +67,7 @@
 #include "tiers/disk_only_index.h"
 #include "tiers/disk_write_log.h"
 #include "tiers/namespace_table.h"
+#include "tiers/remote/put_outcome.h"
 #include "tiers/slot_pool.h"
 
 namespace kvtier {
@@ -217,7 +218,16 @@ struct CacheCounters : RequestCounters {
   uint64_t bytes_disk_to_host = 0;
   uint64_t remote_promotions = 0;  // blocks fetched from the remote tier into host
   uint64_t remote_writes = 0;      // blocks put to the remote tier
+  // Puts of blocks that did not reach the cluster: tried again after a
+  // pause that doubles per failed batch in a row (remote_write_backoffs).
   uint64_t remote_write_failures = 0;
+  uint64_t remote_write_backoffs = 0;
+  // Blocks the cluster refused (too large, out of memory, no permission):
+  // never put again.
+  uint64_t remote_writes_refused = 0;
+  // Write-through (write: store) puts waiting to be tried again, given up
+  // because too many waited.
+  uint64_t remote_retries_dropped = 0;
   // Host blocks dropped before the kOnDemote write-back put them (host full,
   // a tenant's quota or a size change needed their slots at once).
   uint64_t remote_demotions_missed = 0;
@@ -629,16 +639,26 @@ class BlockCache {
   bool RemoteWriteBack() const {
     return options_.remote != nullptr && options_.remote_write == Options::RemoteWrite::kOnDemote;
   }
-  // Whether `policy` puts host block `e` to the remote tier now.
+  // Whether `policy` wants host block `e` put to the remote tier (it is
+  // not there, nor on its way, nor refused); and whether it is put now
+  // (puts are not pausing after a failure).
+  bool WantsRemotePut(const BlockEntry* e, Options::RemoteWrite policy) const;
   bool PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const;
   // Queues a put of host block `e` to the remote tier: leased for its owner
-  // until the put ends, and marked on_remote (one try per block). A block
+  // until the put ends, and on_remote once it landed. A block
   // `leaving` host counts as moving out of it meanwhile (write-back stops
   // at the low watermark without waiting for the put).
   void QueueRemotePut(BlockEntry* e, bool leaving);
   // Starts the queued puts, one batch per namespace (after each
-  // PumpDiskWrites, and in MaybeDemote).
+  // PumpDiskWrites, and in MaybeDemote), and write-through retries once a
+  // pause is over.
   void FlushRemotePuts();
+  // Whether remote puts pause after a failure.
+  bool RemoteBackingOff() const;
+  // A put's end: each block on_remote where it landed, refused for good,
+  // or to try again after a pause.
+  void FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>& batch,
+                       const std::vector<RemotePutOutcome>& outcomes);
   // A put's blocks that asked for a codec are encoded on the codec pool
   // first, then sent (SendRemotePut); false (nothing started) when there is
   // nothing to encode, or the pool or staging is full (counted).
@@ -847,6 +867,14 @@ class BlockCache {
   uint64_t inflight_copies_ = 0;
   // QueueRemotePut's blocks (leased), and whether each is leaving host.
   std::vector<std::pair<BlockEntry*, bool>> remote_puts_;
+  // After a put batch that did not reach the cluster, puts wait until then
+  // (doubling per failure in a row); write-back without a disk tier waits
+  // too, so that no block leaves host unput while the cluster is away.
+  std::chrono::steady_clock::time_point remote_backoff_until_{};
+  uint32_t remote_failures_in_a_row_ = 0;
+  // Write-through puts that did not reach the cluster, to try again once
+  // the pause is over (at most kMaxRemoteRetries; stale keys are skipped).
+  std::deque<StoredKey> remote_retries_;
   // Disk writes waiting for a place in flight: key, and whether the block
   // stays in memory (write-through) or moves to disk (flush).
   struct QueuedDiskWrite {

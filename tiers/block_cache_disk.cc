@@ -595,6 +595,9 @@ void BlockCache::PumpDiskWrites() {
   // tier as they leave host (then drops them).
   if (options_.disk == nullptr && !RemoteWriteBack()) return;
   if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return;
+  // Without a disk tier, write-back only puts blocks to the remote tier:
+  // while puts pause after a failure it waits, and drops nothing unput.
+  if (options_.disk == nullptr && RemoteBackingOff()) return;
   // After a failure, one write at a time until one succeeds: a failing
   // device costs one try per pause, not a crowd of them (each takes room in
   // the disk's log).

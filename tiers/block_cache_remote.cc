@@ -85,14 +85,35 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
   return std::nullopt;
 }
 
-bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const {
+namespace {
+
+// Remote put pauses after failures: the first, and the longest.
+constexpr std::chrono::milliseconds kFirstRemoteBackoff{50};
+constexpr std::chrono::milliseconds kMaxRemoteBackoff{5000};
+// Write-through retries kept at most: the oldest go beyond it; and queued
+// again per FlushRemotePuts at most (bounded work on the event loop).
+constexpr size_t kMaxRemoteRetries = 1 << 16;
+constexpr size_t kRetriesPerFlush = 512;
+
+}  // namespace
+
+bool BlockCache::WantsRemotePut(const BlockEntry* e, Options::RemoteWrite policy) const {
   return options_.remote != nullptr && options_.remote_write == policy && !e->on_remote &&
-         e->tier == Tier::kHost && e->state == EntryState::kReady && e->has_checksum;
+         e->remote_put == RemotePut::kNone && e->tier == Tier::kHost &&
+         e->state == EntryState::kReady && e->has_checksum;
+}
+
+bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const {
+  return WantsRemotePut(e, policy) && !RemoteBackingOff();
+}
+
+bool BlockCache::RemoteBackingOff() const {
+  return remote_failures_in_a_row_ > 0 && options_.clock() < remote_backoff_until_;
 }
 
 void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
   Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
-  e->on_remote = true;
+  e->remote_put = RemotePut::kPutting;
   // Its slot cannot change while it leaves: it is neither moving nor
   // compacting, and its lease keeps it so.
   if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(SlotBytes(e));
@@ -100,6 +121,16 @@ void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
 }
 
 void BlockCache::FlushRemotePuts() {
+  // Write-through puts that failed, once the pause is over (a bounded step:
+  // the rest wait for the next call).
+  for (size_t step = 0; step < kRetriesPerFlush && !remote_retries_.empty() && !RemoteBackingOff();
+       ++step) {
+    BlockEntry* e = index_.Find(remote_retries_.front());
+    remote_retries_.pop_front();
+    if (e != nullptr && PutsToRemote(e, Options::RemoteWrite::kOnStore)) {
+      QueueRemotePut(e, /*leaving=*/false);
+    }
+  }
   // A block being coded in host waits for it, and is sent coded: its
   // compaction's end flushes again.
   std::vector<std::pair<BlockEntry*, bool>> ready;
@@ -204,26 +235,65 @@ void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, b
     }
     forms.push_back(form);
   }
-  options_.remote->Put(namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
-                       [this, batch = std::move(batch), encoding](Result<uint32_t> put) {
-                         --inflight_copies_;
-                         if (encoding != nullptr) codec_staging_bytes_ -= encoding->reserved;
-                         // Per block, the tier says only how many landed:
-                         // a batch that wholly did is announced.
-                         const bool all = put && *put == batch.size();
-                         for (const auto& [e, leaving] : batch) {
-                           if (all) SetRemotePresent(e, true);
-                           if (leaving) {
-                             tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
-                           }
-                           Unlease(e, e->owner);
-                         }
-                         const uint64_t n = put ? *put : 0;
-                         counters_.remote_writes += n;
-                         counters_.remote_write_failures += batch.size() - n;
-                         MaybeDemote();
-                       },
-                       std::move(forms));
+  auto outcomes = std::make_shared<std::vector<RemotePutOutcome>>(batch.size());
+  std::vector<RemotePutOutcome>* outcomes_out = outcomes.get();
+  options_.remote->Put(
+      namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
+      [this, batch = std::move(batch), encoding,
+       outcomes = std::move(outcomes)](Result<uint32_t> /*put*/) {
+        --inflight_copies_;
+        if (encoding != nullptr) codec_staging_bytes_ -= encoding->reserved;
+        FinishRemotePut(batch, *outcomes);
+      },
+      std::move(forms), outcomes_out);
+}
+
+void BlockCache::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>& batch,
+                                 const std::vector<RemotePutOutcome>& outcomes) {
+  bool stored_any = false;
+  bool failed_any = false;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto [e, leaving] = batch[i];
+    e->remote_put = RemotePut::kNone;
+    switch (outcomes[i]) {
+      case RemotePutOutcome::kStored:
+        e->on_remote = true;  // only now: a block is clean only where it landed
+        SetRemotePresent(e, true);
+        ++counters_.remote_writes;
+        stored_any = true;
+        break;
+      case RemotePutOutcome::kRefused:
+        e->remote_put = RemotePut::kRefused;
+        ++counters_.remote_writes_refused;
+        break;
+      case RemotePutOutcome::kNotReached:
+        // Tried again after a pause: write-back picks it again, and a
+        // write-through put waits in remote_retries_.
+        ++counters_.remote_write_failures;
+        failed_any = true;
+        if (!leaving) {
+          if (remote_retries_.size() >= kMaxRemoteRetries) {
+            remote_retries_.pop_front();
+            ++counters_.remote_retries_dropped;
+          }
+          remote_retries_.push_back(e->key);
+        }
+        break;
+    }
+    if (leaving) tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
+    Unlease(e, e->owner);
+  }
+  if (failed_any && !stored_any) {
+    ++remote_failures_in_a_row_;
+    ++counters_.remote_write_backoffs;
+    const uint32_t doublings = std::min<uint32_t>(remote_failures_in_a_row_ - 1, 16);
+    const auto pause =
+        std::min<std::chrono::milliseconds>(kFirstRemoteBackoff * (uint64_t{1} << doublings), kMaxRemoteBackoff);
+    remote_backoff_until_ = options_.clock() + pause;
+  } else if (stored_any) {
+    remote_failures_in_a_row_ = 0;
+  }
+  MaybeDemote();
 }
 
 }  // namespace kvtier

@@ -23,6 +23,8 @@ enum class EntryState : uint8_t {
   kReady,
 };
 
+enum class RemotePut : uint8_t { kNone, kPutting, kRefused };
+
 struct BlockEntry {
   StoredKey key;
   uint8_t* slot = nullptr;
@@ -70,10 +72,12 @@ struct BlockEntry {
   // write-through.
   bool compacting = false;
   uint8_t deferred_write = 0;
-  // The remote tier holds it (or a put of it was tried): put once at most.
+  // The remote tier holds it: a put of it landed, or it was fetched from
+  // there. Put once at most.
   bool on_remote = false;
   // The cluster holds it as far as this node knows (TierListener's kRemote).
   bool remote_present = false;
+
   // Cached children (blocks whose parent is this one), counted by the tier
   // they live in. A block with children in its own tier or above is evicted
   // after them.
@@ -88,6 +92,10 @@ struct BlockEntry {
   uint32_t keep_until_ms = 0;
   uint8_t policy_bits = 0;
   uint8_t hint_bits = 0;
+  // Its put to the remote tier (while not on_remote): none yet, queued or in
+  // flight, or refused by the cluster (too large, out of memory, no
+  // permission: never put again).
+  RemotePut remote_put = RemotePut::kNone;
   // The slot this block lived in before its last move, freed when the last
   // lease taken before the move is released (loads read the old slot).
   Tier retired_tier = Tier::kHost;

@@ -124,9 +124,10 @@ std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> 
   pending.reserve(batch.size());
   bool refresh = false;
   for (size_t i = 0; i < batch.size(); ++i) {
-    const uint16_t node = standalone_ ? 0 : slots_.NodeOf(KeySlot(batch[i].argv.at(1)));
+    const uint16_t slot = KeySlot(batch[i].argv.at(batch[i].key_index));
+    const uint16_t node = standalone_ ? 0 : slots_.NodeOf(slot);
     if (node == SlotMap::kNoNode) {
-      done[i] = Err(Unavailable("redis cluster: no node serves slot " + std::to_string(KeySlot(batch[i].argv[1]))));
+      done[i] = Err(Unavailable("redis cluster: no node serves slot " + std::to_string(slot)));
       refresh = true;
       continue;
     }

@@ -47,6 +47,8 @@ struct RedisCommand {
   // Takes the command's string reply in place (RedisConnection::Next); the
   // reply is then an empty string.
   RedisValueSink* sink = nullptr;
+  // The key's place in argv, which routes the command (EVAL's is 3).
+  size_t key_index = 1;
 };
 
 class RedisCluster {

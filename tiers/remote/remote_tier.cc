@@ -85,16 +85,19 @@ void RemoteTier::Get(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vec
                .codec = codec});
 }
 
-void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
-                     Done done, std::vector<Form> forms) {
+void RemoteTier::Put(LayoutFingerprint ns, std::vector<StoredKey> keys,
+                     std::vector<std::span<const uint8_t>> payloads, Done done,
+                     std::vector<Form> forms, std::vector<PutOutcome>* outcomes) {
   KVTIER_CHECK(forms.empty() || forms.size() == payloads.size());
+  KVTIER_CHECK(outcomes == nullptr || outcomes->size() == keys.size());
   Submit(Batch{.kind = Kind::kPut,
                .ns = ns,
                .keys = std::move(keys),
                .payloads = std::move(payloads),
                .done = std::move(done),
                .checksums = nullptr,
-               .forms = std::move(forms)});
+               .forms = std::move(forms),
+               .outcomes = outcomes});
 }
 
 RemoteCounters RemoteTier::counters() const {
@@ -246,10 +249,10 @@ Result<uint32_t> RemoteTier::DoExists(RedisCluster& cluster, const Batch& batch)
 
 namespace {
 
-// A GET's value, checked and copied into its block's slot straight from
-// hiredis' read buffer (CopyRemoteValue: one pass over the bytes).
-// Where a GET's value goes: checked and copied into the block's slot as it
-// is read, or, stored by a codec, checked and decoded into it.
+// Where a GET's value goes: checked and copied into the block's slot
+// straight from hiredis' read buffer (CopyRemoteValue: one pass over the
+// bytes), or, stored by a codec, checked and decoded into it. A value that
+// fails its check is kept for the delete.
 class BlockSink final : public RedisValueSink {
  public:
   BlockSink(const LayoutFingerprint& ns, const StoredKey& key, std::span<uint8_t> out, const CodecParams& codec,
@@ -257,6 +260,18 @@ class BlockSink final : public RedisValueSink {
       : ns_(ns), key_(key), out_(out), codec_(codec), coder_(coder) {}
   void Take(std::span<const uint8_t> value) override {
     value_bytes_ = value.size();
+    Check(value);
+    // Kept only when it fails its check: the delete removes just these bytes.
+    if (got_.has_value() && !got_->has_value()) failed_value_.assign(value.begin(), value.end());
+  }
+  // Unset until a value came.
+  const std::optional<Result<RemoteValueHeader>>& got() const { return got_; }
+  uint64_t value_bytes() const { return value_bytes_; }
+  uint64_t checksum() const { return checksum_; }  // of the block as served
+  std::string_view failed_value() const { return failed_value_; }
+
+ private:
+  void Check(std::span<const uint8_t> value) {
     Result<RemoteValueHeader> header = DecodeRemoteValueHeader(value);
     if (header && header->codec != RemoteValueHeader::kCodecRaw && coder_ != nullptr) {
       Result<std::pair<RemoteValueHeader, uint64_t>> decoded =
@@ -272,12 +287,7 @@ class BlockSink final : public RedisValueSink {
     got_ = CopyRemoteValue(value, ns_, key_, out_);  // a coded value without a codec fails its length check
     if (*got_) checksum_ = (*got_)->payload_checksum;
   }
-  // Unset until a value came.
-  const std::optional<Result<RemoteValueHeader>>& got() const { return got_; }
-  uint64_t value_bytes() const { return value_bytes_; }
-  uint64_t checksum() const { return checksum_; }  // of the block as served
 
- private:
   const LayoutFingerprint& ns_;
   const StoredKey& key_;
   std::span<uint8_t> out_;
@@ -286,9 +296,18 @@ class BlockSink final : public RedisValueSink {
   std::optional<Result<RemoteValueHeader>> got_;
   uint64_t value_bytes_ = 0;
   uint64_t checksum_ = 0;
+  std::string failed_value_;
 };
 
 }  // namespace
+
+RedisCommand DeleteIfUnchanged(std::string_view key, std::string_view value) {
+  // Atomic on the node: a valid value another node SET since is kept.
+  static constexpr std::string_view kScript =
+      "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+      "return redis.call('DEL', KEYS[1]) end return 0";
+  return RedisCommand{.argv = {"EVAL", kScript, "1", key}, .value_parts = {value}, .key_index = 3};
+}
 
 Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, BlockCodec* coder, Batch& batch) {
   const std::vector<std::string> keys = RedisKeys(options_.key_prefix, batch.keys);
@@ -317,10 +336,11 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, BlockCodec* coder, Bat
     KVTIER_CHECK(got.has_value());  // a string reply goes to its sink
     const Result<RemoteValueHeader>& header = *got;
     if (!header) {
-      // Never served; deleted so that it is not fetched again.
+      // Never served; deleted so that it is not fetched again, unless a
+      // valid value replaced it since.
       ++corrupt;
       spdlog::warn("tiers.remote: {}: {}; deleted, a miss", keys[served], header.error().message());
-      const RedisCommand del[] = {{{"DEL", keys[served]}}};
+      const RedisCommand del[] = {DeleteIfUnchanged(keys[served], sinks[served].failed_value())};
       (void)cluster.Run(del);
       break;
     }
@@ -348,6 +368,7 @@ Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
     const std::span<const uint8_t> payload = batch.payloads[i];
     if (payload.size() + RemoteValueHeader::kBytes > options_.max_value_bytes) {
       ++rejected;  // larger than the deployment allows in one value
+      if (batch.outcomes != nullptr) (*batch.outcomes)[i] = PutOutcome::kRefused;
       continue;
     }
     const Form form = batch.forms.empty() ? Form{CodecKind::kNone, payload.size()} : batch.forms[i];
@@ -373,16 +394,20 @@ Result<uint32_t> RemoteTier::DoPut(RedisCluster& cluster, const Batch& batch) {
   Status first;
   for (size_t c = 0; c < replies.size(); ++c) {
     const Result<RedisReply>& r = replies[c];
+    PutOutcome outcome = PutOutcome::kNotReached;
     if (r && (*r)->type == REDIS_REPLY_STATUS) {
       ++stored;
       bytes += RemoteValueHeader::kBytes + batch.payloads[index[c]].size();
       reached = true;
+      outcome = PutOutcome::kStored;
     } else if (r && !ClusterCannotServe(RedisErrorText(**r))) {
       ++rejected;  // OOM (maxmemory with noeviction), NOPERM, ...
       reached = true;
+      outcome = PutOutcome::kRefused;
     } else if (first.ok()) {
       first = FirstFailure(r);
     }
+    if (batch.outcomes != nullptr) (*batch.outcomes)[index[c]] = outcome;
   }
   std::lock_guard lock(mu_);
   counters_.stores += stored;

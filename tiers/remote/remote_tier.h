@@ -40,6 +40,7 @@
 #include "common/status.h"
 #include "kernels/codec.h"
 #include "tiers/remote/circuit_breaker.h"
+#include "tiers/remote/put_outcome.h"
 #include "tiers/remote/redis_cluster.h"
 
 namespace kvtier {
@@ -107,11 +108,15 @@ class RemoteTier {
     CodecKind codec = CodecKind::kNone;
     uint64_t raw_bytes = 0;
   };
+  using PutOutcome = RemotePutOutcome;
   // Stores each block (payloads valid until `done` runs); `done` gets how
   // many were stored (a refused one is counted in errors_rejected). `forms`
-  // (empty: every payload raw) says what each payload is.
-  void Put(LayoutFingerprint ns, std::vector<StoredKey> keys, std::vector<std::span<const uint8_t>> payloads,
-           Done done, std::vector<Form> forms = {});
+  // (empty: every payload raw) says what each payload is. `outcomes`, when
+  // given, holds keys.size() kNotReached and gets each block's outcome
+  // before `done` runs.
+  void Put(LayoutFingerprint ns, std::vector<StoredKey> keys,
+           std::vector<std::span<const uint8_t>> payloads, Done done, std::vector<Form> forms = {},
+           std::vector<PutOutcome>* outcomes = nullptr);
 
   RemoteCounters counters() const;
   const RemoteTierOptions& options() const { return options_; }
@@ -128,6 +133,7 @@ class RemoteTier {
     std::vector<uint64_t>* checksums = nullptr;
     CodecParams codec = {};  // kGet: the namespace's
     std::vector<Form> forms = {};  // kPut
+    std::vector<PutOutcome>* outcomes = nullptr;  // kPut
   };
   struct Worker;
 
@@ -154,5 +160,10 @@ class RemoteTier {
   RemoteCounters counters_;
   std::vector<std::unique_ptr<Worker>> workers_;
 };
+
+// The command that deletes `key` only while it still holds `value` (the
+// bytes a fetch found corrupt): an EVAL of a compare-and-delete. For
+// RemoteTier, and its test.
+RedisCommand DeleteIfUnchanged(std::string_view key, std::string_view value);
 
 }  // namespace kvtier

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tiers/remote/remote_tier.h"
 #include "tools/redis_cluster_process.h"
 
 namespace kvtier {
@@ -228,6 +229,47 @@ TEST(RedisClusterTest, AKilledMasterFailsOnlyItsSlotsUntilItsReplicaTakesOver) {
     if (r.type == REDIS_REPLY_NIL) continue;
     ASSERT_EQ(r.type, REDIS_REPLY_STRING) << RedisErrorText(r);
     EXPECT_EQ(std::string(r.str, r.len), values[i]);
+  }
+}
+
+// A value that failed its check is deleted only while it is still the value
+// found: a valid one another node SET in between stays (before: an
+// unconditional DEL). The command goes to the key's node (EVAL's key is its
+// fourth word), not to the script's.
+TEST(RedisClusterTest, DeleteIfUnchangedKeepsAValueSetSince) {
+  auto process = MustStart();
+  ASSERT_NE(process, nullptr);
+  auto c = MustConnect(*process);
+  ASSERT_NE(c, nullptr);
+  std::vector<std::string> keys, bad;
+  SetAll(*c, 0, 30, 300, &keys, &bad);
+  // Half of them replaced by a valid value since the bad one was read.
+  std::vector<std::string> good;
+  for (int i = 0; i < 30; ++i) good.push_back(Value(1000 + i, 500));
+  std::vector<RedisCommand> batch;
+  for (size_t i = 0; i < keys.size(); i += 2) batch.push_back({{"SET", keys[i], good[i]}});
+  for (const Result<RedisReply>& r : c->Run(batch)) ASSERT_TRUE(r.has_value()) << r.error();
+
+  const uint64_t redirects = c->counters().moved + c->counters().ask;
+  batch.clear();
+  for (size_t i = 0; i < keys.size(); ++i) batch.push_back(DeleteIfUnchanged(keys[i], bad[i]));
+  std::vector<Result<RedisReply>> deleted = c->Run(batch);
+  EXPECT_EQ(c->counters().moved + c->counters().ask, redirects) << "each went to its key's node";
+  batch.clear();
+  for (const std::string& k : keys) batch.push_back({{"GET", k}});
+  std::vector<Result<RedisReply>> after = c->Run(batch);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(deleted[i].has_value()) << deleted[i].error();
+    ASSERT_EQ((*deleted[i])->type, REDIS_REPLY_INTEGER) << RedisErrorText(**deleted[i]);
+    ASSERT_TRUE(after[i].has_value()) << after[i].error();
+    if (i % 2 == 0) {
+      EXPECT_EQ((*deleted[i])->integer, 0) << i;
+      ASSERT_EQ((*after[i])->type, REDIS_REPLY_STRING) << i;
+      EXPECT_EQ(std::string((*after[i])->str, (*after[i])->len), good[i]) << i;
+    } else {
+      EXPECT_EQ((*deleted[i])->integer, 1) << i;
+      EXPECT_EQ((*after[i])->type, REDIS_REPLY_NIL) << i;
+    }
   }
 }
 
