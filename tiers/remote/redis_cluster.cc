@@ -119,6 +119,9 @@ Status RedisCluster::RefreshTopology() {
 }
 
 std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> batch) {
+  // The batch's bound, all nodes and rounds together: a node that answers
+  // slowly fails its commands (kUnavailable) however its bytes trickle in.
+  const RedisConnection::Deadline deadline = std::chrono::steady_clock::now() + options_.io_timeout;
   std::vector<std::optional<Result<RedisReply>>> done(batch.size());
   std::vector<Pending> pending;
   pending.reserve(batch.size());
@@ -160,13 +163,22 @@ std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> 
       }
       written.emplace_back(conn, &group);
     }
+    // Every node's pipeline on the wire before any reply is read, so that
+    // the nodes work at once (hiredis would write each on its first read).
+    std::erase_if(written, [&](const std::pair<RedisConnection*, std::vector<Pending>*>& w) {
+      const Status flushed = w.first->Flush(deadline);
+      if (flushed.ok()) return false;
+      for (const Pending& p : *w.second) done[p.index] = Err(flushed);
+      return true;
+    });
     bool tryagain = false;
     for (auto& [conn, group] : written) {
       ++counters_.round_trips;
       for (size_t k = 0; k < group->size(); ++k) {
         Pending& p = (*group)[k];
-        Result<RedisReply> reply = p.asking ? conn->Next() : Result<RedisReply>(RedisReply());
-        if (reply) reply = conn->Next(batch[p.index].sink);
+        Result<RedisReply> reply =
+            p.asking ? conn->Next(nullptr, deadline) : Result<RedisReply>(RedisReply());
+        if (reply) reply = conn->Next(batch[p.index].sink, deadline);
         if (!reply) {  // the connection is gone: this and the rest of its group fail
           for (size_t rest = k; rest < group->size(); ++rest) done[(*group)[rest].index] = Err(reply.error());
           break;

@@ -1,18 +1,22 @@
 #include "tiers/remote/redis_connection.h"
 
 #include <hiredis/hiredis.h>
-#include <sys/time.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
-#include <climits>
-#include <cerrno>
-#include <algorithm>
-#include <cstring>
 
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
 #include <vector>
 
 namespace kvtier {
 namespace {
+
+// A reply buffer kept between replies at most (bytes).
+constexpr size_t kKeptReplyBuffer = size_t{8} << 20;
 
 // The reader's createString: a top-level string reply goes to the sink of
 // the reply being read (RedisConnection::Next), which copies it where it
@@ -49,15 +53,17 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisCon
                         ? redisConnectWithTimeout(options.address.host.c_str(), options.address.port, connect_timeout)
                         : redisConnectUnixWithTimeout(options.unix_socket.c_str(), connect_timeout);
   if (c == nullptr) return Err(StatusCode::kResourceExhausted, "redis: cannot allocate a context");
-  std::unique_ptr<RedisConnection> conn(new RedisConnection(c, name));
+  std::unique_ptr<RedisConnection> conn(new RedisConnection(c, name, options.io_timeout));
   if (c->err != 0) return Err(StatusCode::kUnavailable, "redis " + name + ": connect: " + c->errstr);
   if (redisSetTimeout(c, ToTimeval(options.io_timeout)) != REDIS_OK) {
     return Err(StatusCode::kUnavailable, "redis " + name + ": setting the I/O timeout: " + c->errstr);
   }
-  // Blocks are large: the reply buffer is kept between replies instead of
-  // freed whenever more than 16 KiB of it is unused (grown again, and its
-  // pages faulted in again, for every value).
-  c->reader->maxbuf = 0;
+  // Blocks are large: the reply buffer is kept between replies, up to
+  // kKeptReplyBuffer, instead of freed whenever more than 16 KiB of it is
+  // unused (grown again, and its pages faulted in again, for every value).
+  // A larger one (a larger block) goes once it is empty, so a connection
+  // holds at most that much between batches.
+  c->reader->maxbuf = kKeptReplyBuffer;
   // String replies may go to a sink (Next): hiredis' functions, with
   // createString wrapped.
   conn->sink_state_.hiredis = c->reader->fn;
@@ -78,8 +84,9 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Connect(const RedisCon
   return conn;
 }
 
-RedisConnection::RedisConnection(redisContext* context, std::string name)
-    : context_(context), name_(std::move(name)) {}
+RedisConnection::RedisConnection(redisContext* context, std::string name,
+                                 std::chrono::milliseconds io_timeout)
+    : context_(context), name_(std::move(name)), io_timeout_(io_timeout) {}
 
 RedisConnection::~RedisConnection() { redisFree(context_); }
 
@@ -152,15 +159,88 @@ Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
   return Status::Ok();
 }
 
-Result<RedisReply> RedisConnection::Next(RedisValueSink* sink) {
+Status RedisConnection::Flush(Deadline deadline) {
+  if (broken_) {
+    return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
+  }
+  // Each write waits at most the socket's send timeout (io_timeout).
+  for (int done = 0; done == 0;) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      broken_ = true;
+      return Status(StatusCode::kUnavailable, "redis " + name_ + ": writing: timed out");
+    }
+    if (redisBufferWrite(context_, &done) != REDIS_OK) return Broken("write");
+  }
+  return Status::Ok();
+}
+
+std::optional<uint64_t> RedisConnection::PendingStringLength() const {
+  const redisReader& r = *context_->reader;
+  // hiredis takes the type byte first ('$': rstack[0] a string from then on),
+  // and the length line once it is whole.
+  size_t at = r.pos;
+  if (r.ridx == -1) {
+    if (at >= r.len || r.buf[at] != '$') return std::nullopt;
+    ++at;
+  } else if (r.ridx != 0 || r.rstack[0].type != REDIS_REPLY_STRING) {
+    return std::nullopt;
+  }
+  uint64_t length = 0;
+  for (size_t i = at; i < r.len && i < at + 21; ++i) {
+    if (r.buf[i] == '\r') return i > at ? std::optional<uint64_t>(length) : std::nullopt;
+    if (r.buf[i] == '-') return std::nullopt;  // $-1: nil
+    // Anything else: hiredis reports the protocol error.
+    if (r.buf[i] < '0' || r.buf[i] > '9') return std::nullopt;
+    length = length * 10 + static_cast<uint64_t>(r.buf[i] - '0');
+  }
+  return std::nullopt;
+}
+
+Result<RedisReply> RedisConnection::Next(RedisValueSink* sink, std::optional<Deadline> deadline) {
   if (broken_) return Err(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
-  void* reply = nullptr;
-  // hiredis starts parsing a reply only within this call: its task takes
-  // the reader's privdata, sink_state_, now.
+  const Deadline until = deadline.value_or(std::chrono::steady_clock::now() + io_timeout_);
+  KVTIER_RETURN_IF_ERROR(Flush(until));
+  // hiredis starts parsing a reply only within redisGetReplyFromReader: its
+  // task takes the reader's privdata, sink_state_, then.
   sink_state_.sink = sink;
-  const int rc = redisGetReply(context_, &reply);
+  void* reply = nullptr;
+  while (true) {
+    if (redisGetReplyFromReader(context_, &reply) != REDIS_OK) {
+      sink_state_.sink = nullptr;
+      return Err(Broken("reading a reply"));
+    }
+    if (reply != nullptr) break;
+    if (sink != nullptr) {
+      if (const std::optional<uint64_t> length = PendingStringLength();
+          length && *length > sink->max_bytes()) {
+        sink_state_.sink = nullptr;
+        broken_ = true;  // the rest of it is never read
+        return Err(StatusCode::kResourceExhausted,
+                   "redis " + name_ + ": a value of " + std::to_string(*length) +
+                       " bytes, more than the " + std::to_string(sink->max_bytes()) +
+                       " it can be: refused unread");
+      }
+    }
+    // Bytes may trickle in: the deadline bounds the reply, not each read.
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd pfd{.fd = context_->fd, .events = POLLIN, .revents = 0};
+    const int ready =
+        left.count() > 0
+            ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)))
+            : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) {
+      sink_state_.sink = nullptr;
+      broken_ = true;
+      return Err(StatusCode::kUnavailable, "redis " + name_ + ": reading a reply: timed out");
+    }
+    if (redisBufferRead(context_) != REDIS_OK) {
+      sink_state_.sink = nullptr;
+      return Err(Broken("reading a reply"));
+    }
+  }
   sink_state_.sink = nullptr;
-  if (rc != REDIS_OK || reply == nullptr) return Err(Broken("reading a reply"));
   return RedisReply(static_cast<redisReply*>(reply));
 }
 

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -40,6 +41,9 @@ std::string_view RedisErrorText(const redisReply& reply);
 class RedisValueSink {
  public:
   virtual void Take(std::span<const uint8_t> value) = 0;
+  // The longest value it takes: a longer one is refused by its length,
+  // before its bytes are read (RedisConnection::Next).
+  virtual uint64_t max_bytes() const = 0;
 
  protected:
   ~RedisValueSink() = default;
@@ -74,11 +78,20 @@ class RedisConnection {
   // sendmsg: the parts are not copied (hiredis would copy the whole value
   // into its buffer). Errors: kUnavailable when the write fails or times out.
   Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts);
-  // Sends what is queued if needed and reads the next reply. An error reply
-  // (MOVED, ASK, OOM, ...) is a reply, not an error. A string reply goes to
-  // `sink` when one is given (other types do not). Errors: kUnavailable when
-  // the connection fails or times out (it is broken from then on).
-  Result<RedisReply> Next(RedisValueSink* sink = nullptr);
+  using Deadline = std::chrono::steady_clock::time_point;
+  // Writes what is queued. Errors: kUnavailable when the connection fails or
+  // `deadline` passes first (it is broken from then on).
+  Status Flush(Deadline deadline);
+  // Sends what is queued if needed and reads the next reply, by `deadline`
+  // (default: io_timeout from now). An error reply (MOVED, ASK, OOM, ...)
+  // is a reply, not an error. A string reply goes to `sink` when one is
+  // given (other types do not). Errors: kUnavailable when the connection
+  // fails or the deadline passes (however slowly bytes trickle in);
+  // kResourceExhausted for a string longer than the sink's max_bytes, found
+  // by its length before its bytes are read. The connection is broken from
+  // then on.
+  Result<RedisReply> Next(RedisValueSink* sink = nullptr,
+                          std::optional<Deadline> deadline = std::nullopt);
   // Append, then Next.
   Result<RedisReply> Command(std::span<const std::string_view> argv);
 
@@ -87,8 +100,11 @@ class RedisConnection {
   const std::string& name() const { return name_; }
 
  private:
-  RedisConnection(redisContext* context, std::string name);
+  RedisConnection(redisContext* context, std::string name, std::chrono::milliseconds io_timeout);
   Status Broken(std::string_view what);
+  // The length of the string reply being read, once its header is in the
+  // reader's buffer; nullopt before (or for another type).
+  std::optional<uint64_t> PendingStringLength() const;
 
   redisContext* context_;  // owned
  public:
@@ -104,6 +120,7 @@ class RedisConnection {
   std::unique_ptr<redisReplyObjectFunctions> functions_;
   SinkState sink_state_;
   std::string name_;
+  std::chrono::milliseconds io_timeout_;
   bool broken_ = false;
 };
 

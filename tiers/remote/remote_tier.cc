@@ -269,6 +269,15 @@ class BlockSink final : public RedisValueSink {
   uint64_t value_bytes() const { return value_bytes_; }
   uint64_t checksum() const { return checksum_; }  // of the block as served
   std::string_view failed_value() const { return failed_value_; }
+  // A value is its header and the block, or what the namespace's codec
+  // made of it: anything longer is refused unread.
+  uint64_t max_bytes() const override {
+    const uint64_t payload =
+        coder_ != nullptr
+            ? std::max<uint64_t>(out_.size(), BlockCodec::MaxEncodedBytes(codec_, out_.size()))
+            : out_.size();
+    return RemoteValueHeader::kBytes + payload;
+  }
 
  private:
   void Check(std::span<const uint8_t> value) {
@@ -325,6 +334,13 @@ Result<uint32_t> RemoteTier::DoGet(RedisCluster& cluster, BlockCodec* coder, Bat
   uint64_t bytes = 0, corrupt = 0, rejected = 0;
   for (; served < replies.size(); ++served) {
     const Result<RedisReply>& r = replies[served];
+    if (!r && r.error().code() == StatusCode::kResourceExhausted) {
+      // Longer than its block can be (RedisValueSink::max_bytes): refused
+      // before its bytes were read, never served; the cluster was reached.
+      ++corrupt;
+      spdlog::warn("tiers.remote: {}: {}; a miss", keys[served], r.error().message());
+      break;
+    }
     if (!r || (*r)->type == REDIS_REPLY_ERROR) {
       if (served == 0 && (!r || ClusterCannotServe(RedisErrorText(**r)))) return Err(FirstFailure(r));
       rejected += r ? 1 : 0;

@@ -8,13 +8,15 @@
 #include <gtest/gtest.h>
 #include <hiredis/hiredis.h>
 
+#include <fstream>
 #include <future>
 #include <string>
 #include <vector>
 
 #include "common/block_pattern.h"
-#include "tools/redis_cluster_process.h"
+#include "tests/tiers/remote/slow_proxy.h"
 #include "tiers/remote/remote_value.h"
+#include "tools/redis_cluster_process.h"
 
 namespace kvtier {
 namespace {
@@ -312,6 +314,75 @@ TEST(RemoteTierTest, AClusterThatIsDownOpensTheBreakerAndIsBackAfterwards) {
   ASSERT_TRUE(got.has_value()) << got.error();
   EXPECT_EQ(*got, 6u);
   EXPECT_EQ(out[5], b.data[5]);
+}
+
+// A node that answers slowly (a 64 KiB value trickled back 4 KiB every
+// 0.4 s: 6.4 s whole) fails its batch within timeout_ms, and such batches
+// open the breaker as a dead node's do. Before, timeout_ms bounded each
+// read: one Get took 6.8 s, and a slow node counted as reached.
+TEST(RemoteTierTest, ASlowNodeFailsItsBatchInTimeAndOpensTheBreaker) {
+  auto redis = MustStart({.standalone = true});
+  ASSERT_NE(redis, nullptr);
+  Blocks b(1, 64 << 10);
+  {
+    auto direct = RemoteTier::Start(Options(redis->seeds()));
+    ASSERT_TRUE(direct.has_value()) << direct.error();
+    ASSERT_EQ(*Put(**direct, b), 1u);
+  }
+  testing::SlowProxy proxy(redis->node(0), 4096, std::chrono::milliseconds(400));
+  RemoteTierOptions o = Options({proxy.address()});
+  o.cluster.io_timeout = std::chrono::milliseconds(500);
+  auto tier = RemoteTier::Start(o);
+  ASSERT_TRUE(tier.has_value()) << tier.error();
+  std::vector<std::vector<uint8_t>> out;
+  for (int i = 0; i < 2; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    Result<uint32_t> got = Get(**tier, b, &out);
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_FALSE(got.has_value() && *got > 0) << "served through a node too slow to answer in time";
+    // The bound, and the connection to the node (also through the proxy).
+    EXPECT_LT(took, std::chrono::milliseconds(1500)) << i;
+  }
+  EXPECT_TRUE((*tier)->counters().breaker_open);
+  EXPECT_EQ((*tier)->counters().hits, 0u);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(Get(**tier, b, &out).has_value());  // refused at once while open
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+}
+
+uint64_t RssBytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("VmRSS:")) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// A value far longer than its block (64 MiB under a 64 KiB block's key,
+// as anyone who can SET under the prefix could write) is refused by its
+// length before it is read: a miss, and the reader keeps no memory for it.
+// Before, it was read whole, and its buffer kept for good.
+TEST(RemoteTierTest, AnOversizedValueIsRefusedUnreadAndKeepsNoMemory) {
+  auto redis = MustStart({.maxmemory = "256mb", .standalone = true});
+  ASSERT_NE(redis, nullptr);
+  auto tier = RemoteTier::Start(Options(redis->seeds()));
+  ASSERT_TRUE(tier.has_value()) << tier.error();
+  Blocks b(1, 64 << 10);
+  SetRaw(redis->node(0), RemoteKey("test:", b.keys[0]), std::string(64 << 20, 'x'));
+  std::vector<std::vector<uint8_t>> out;
+  const uint64_t before = RssBytes();
+  for (int i = 0; i < 3; ++i) {  // each I/O thread, and again
+    Result<uint32_t> got = Get(**tier, b, &out);
+    ASSERT_TRUE(got.has_value()) << got.error();
+    EXPECT_EQ(*got, 0u);
+  }
+  EXPECT_LT(RssBytes(), before + (16 << 20)) << "a reader buffered the value";
+  EXPECT_EQ((*tier)->counters().corrupt, 3u);
+  EXPECT_FALSE((*tier)->counters().breaker_open);
+  // The block, stored again, is served (the refused connections reconnect).
+  ASSERT_EQ(*Put(**tier, b), 1u);
+  ASSERT_EQ(*Get(**tier, b, &out), 1u);
+  EXPECT_EQ(out[0], b.data[0]);
 }
 
 TEST(RemoteTierTest, AnUnreachableSeedAtStartUpIsAMissUntilItAnswers) {

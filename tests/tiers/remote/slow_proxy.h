@@ -1,0 +1,111 @@
+// SlowProxy: a TCP proxy on 127.0.0.1 in front of one Redis node that
+// passes requests at once and trickles replies back, `piece_bytes` at a
+// time with `interval` between pieces: a node that answers, slowly. Fault
+// injection at the network seam, for what Redis cannot do itself.
+//
+// For tests only. Stops (closing every connection) when destroyed.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "tiers/remote/cluster_slots.h"
+
+namespace kvtier::testing {
+
+class SlowProxy {
+ public:
+  SlowProxy(NodeAddress target, size_t piece_bytes, std::chrono::milliseconds interval)
+      : target_(std::move(target)), piece_bytes_(piece_bytes), interval_(interval) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        ::listen(listener_, 16) == 0 &&
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      port_ = ntohs(addr.sin_port);
+    }
+    accepter_ = std::thread([this] { Accept(); });
+  }
+  ~SlowProxy() {
+    stopping_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    accepter_.join();
+    {
+      std::lock_guard lock(mu_);
+      for (const int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+    }
+    for (std::thread& t : pumps_) t.join();
+    for (const int fd : fds_) ::close(fd);
+    ::close(listener_);
+  }
+  SlowProxy(const SlowProxy&) = delete;
+  SlowProxy& operator=(const SlowProxy&) = delete;
+
+  NodeAddress address() const { return NodeAddress{"127.0.0.1", port_}; }
+
+ private:
+  void Accept() {
+    while (!stopping_) {
+      const int client = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (client < 0) return;
+      const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(target_.port);
+      ::inet_pton(AF_INET, target_.host.c_str(), &addr.sin_addr);
+      if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        ::close(server);
+        ::close(client);
+        continue;
+      }
+      std::lock_guard lock(mu_);
+      fds_.push_back(client);
+      fds_.push_back(server);
+      pumps_.emplace_back([this, client, server] { Pump(client, server, SIZE_MAX, {}); });
+      pumps_.emplace_back(
+          [this, client, server] { Pump(server, client, piece_bytes_, interval_); });
+    }
+  }
+  // Copies `from` to `to`, `piece` bytes per write with `pause` between.
+  void Pump(int from, int to, size_t piece, std::chrono::milliseconds pause) {
+    std::vector<char> buf(64 << 10);
+    while (!stopping_) {
+      const ssize_t n = ::read(from, buf.data(), buf.size());
+      if (n <= 0) break;
+      for (ssize_t at = 0; at < n && !stopping_;) {
+        const size_t len = std::min<size_t>(piece, static_cast<size_t>(n - at));
+        if (::send(to, buf.data() + at, len, MSG_NOSIGNAL) <= 0) return;
+        at += static_cast<ssize_t>(len);
+        if (at < n) std::this_thread::sleep_for(pause);
+      }
+    }
+    ::shutdown(to, SHUT_WR);
+  }
+
+  const NodeAddress target_;
+  const size_t piece_bytes_;
+  const std::chrono::milliseconds interval_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread accepter_;
+  std::mutex mu_;
+  std::vector<int> fds_;
+  std::vector<std::thread> pumps_;
+};
+
+}  // namespace kvtier::testing
