@@ -41,8 +41,10 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
     // Present but not servable (being stored, read or moved): the prefix
     // ends there for now.
     if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) break;
+    // Room from free slots and blocks held below host only, as for a disk
+    // read: a fetch never drops a block (anyone's) that exists nowhere else.
     uint8_t* slot =
-        MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, Room::kAny) : nullptr;
+        MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly) : nullptr;
     if (slot == nullptr) break;
     filling.push_back(InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
     filling.back()->compress = codec.kind != CodecKind::kNone;

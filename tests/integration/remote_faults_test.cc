@@ -357,6 +357,50 @@ TEST_F(RemoteFaultsTest, WriteBackWithoutADiskDropsNothingWhileTheClusterIsDown)
   EXPECT_EQ(wrong, 0u);
 }
 
+// A remote fetch takes host room only from free slots and blocks held
+// below host: on a node whose host is full of blocks that exist nowhere else
+// (write: demote, not written back yet), a fetch is a miss and drops none of
+// them. Before, it evicted the coldest of them for good.
+TEST_F(RemoteFaultsTest, ARemoteFetchNeverDropsAHostBlockThatExistsNowhereElse) {
+  StartAll({.masters = 3, .replicas = 0});
+  const std::vector<BlockKey> shared = a_->StoreShared(400, kPromptBlocks);
+  std::filesystem::create_directories(dir_ / "c");
+  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
+  // 8 MiB of host: 128 blocks of 64 KiB, never written back (above a high
+  // watermark of 1.0: never), so none of them is in the cluster.
+  std::unique_ptr<Node> c = Node::Start(cluster_->seeds(), (dir_ / "c").string(),
+                                        {"tiers.remote.write=demote", "tiers.host.bytes=8MiB",
+                                         "policy.watermarks.host={high: 1.0, low: 0.99}"});
+  ASSERT_NE(c, nullptr);
+  std::vector<std::vector<BlockKey>> prompts;
+  for (uint64_t seed = 500; seed < 517; ++seed) {  // 17 x 8 blocks: host full
+    Result<std::vector<BlockKey>> keys = c->Store(seed, kPromptBlocks);
+    ASSERT_TRUE(keys.has_value()) << keys.error();
+    prompts.push_back(*keys);
+  }
+  ASSERT_EQ(c->Counter("remote_writes"), 0u) << "nothing written back";
+  // What host holds before the fetch stays.
+  std::vector<std::vector<BlockKey>> held;
+  for (const std::vector<BlockKey>& keys : prompts) {
+    Result<LookupResult> hit = c->client->Lookup(c->id, keys);
+    ASSERT_TRUE(hit.has_value()) << hit.error();
+    if (hit->hits == keys.size()) held.push_back(keys);
+  }
+  ASSERT_GE(held.size(), 14u);
+  const uint64_t evictions = c->Counter("evictions_host");
+  uint32_t wrong = 0;
+  Result<uint32_t> fetched = c->Load(shared, 200, &wrong);
+  ASSERT_TRUE(fetched.has_value()) << fetched.error();
+  EXPECT_EQ(*fetched, 0u) << "no clean room in host: a miss";
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(c->Counter("evictions_host"), evictions) << c->daemon.Log();
+  for (const std::vector<BlockKey>& keys : held) {
+    Result<LookupResult> hit = c->client->Lookup(c->id, keys);
+    ASSERT_TRUE(hit.has_value()) << hit.error();
+    EXPECT_EQ(hit->hits, keys.size());
+  }
+}
+
 TEST_F(RemoteFaultsTest, ValuesEvictedByMaxmemoryAreMissesNeverWrongBytes) {
   // 3 x 4 MiB of cluster (less Redis' own) for 20 MiB of blocks:
   // allkeys-lru evicts most.
