@@ -345,9 +345,10 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
 uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
   TierState* s = tier(t);
   if (!s->pool) return nullptr;
-  // Blocks the tier below holds can go for nothing; an extent of another
-  // size is emptied without loss only where host writes back to disk.
-  const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || RemoteWriteBack());
+  // Blocks the tier below holds (disk, or else the cluster, however they
+  // were put there) can go for nothing; an extent of another size is emptied
+  // without loss only where host writes back to disk.
+  const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || options_.remote != nullptr);
   const bool may_empty_extents =
       room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr);
   while (true) {
@@ -369,9 +370,9 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
         if (r == ExtentReclaim::kDraining) return nullptr;
       }
     }
-    // A block the tier below holds (disk, or else remote write-back's
-    // cluster) costs nothing to let go; a dirty one would be lost, so it
-    // goes only when no clean one can.
+    // A block the tier below holds (disk, or else the cluster) costs
+    // nothing to let go; a dirty one would be lost, so it goes only when no
+    // clean one can.
     BlockEntry* victim =
         has_clean ? PickVictim(t, bytes, std::nullopt, /*clean_only=*/true) : nullptr;
     if (victim == nullptr && room == Room::kAny) victim = PickVictim(t, bytes, std::nullopt);
