@@ -75,6 +75,8 @@ void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
 void BlockCache::SetTenantName(TenantId tenant, std::string name) {
   if (tenant_names_.size() <= tenant) tenant_names_.resize(tenant + 1);
   tenant_names_[tenant] = std::move(name);
+  named_tenants_ = static_cast<uint64_t>(std::count_if(tenant_names_.begin(), tenant_names_.end(),
+                                                       [](const std::string& n) { return !n.empty(); }));
 }
 
 bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {

@@ -504,7 +504,8 @@ class BlockCache {
   // EvictionOrder::ArrivedTogether): the blocks before it (its parent's
   // depth) and the request's length with them. O(blocks stored).
   void ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t parent_depth, uint32_t request_blocks);
-  // index_.Hint, within the tier's hint_share (in blocks of e's size).
+  // index_.Hint, within the tier's hint_share and the owner's part of it
+  // (in bytes).
   bool HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms);
   struct TierState {
     std::unique_ptr<SlotPool> pool;  // null: tier disabled (and always for disk)
@@ -858,6 +859,7 @@ class BlockCache {
   std::vector<TenantShare> tenant_shares_;  // by TenantId
   NamespaceTable namespaces_;
   std::vector<std::string> tenant_names_;
+  uint64_t named_tenants_ = 0;  // of tenant_names_: the tenants a hint share is split among
   // Loads waiting for a block's disk read, by key.
   std::unordered_map<StoredKey, std::vector<std::function<void(bool)>>, Key128Hash> disk_waiters_;
   // Disk reads waiting for a host slot while host's blocks leave, in order:

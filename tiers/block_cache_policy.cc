@@ -25,12 +25,18 @@ void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t 
 }
 
 bool BlockCache::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms) {
-  // The tier's share for blocks hinted to be kept, in blocks of e's size.
+  // Bytes hinted to be kept: the tier's share, and of it the owner's: its
+  // quota's share where it has a quota of the tier, else an even part of
+  // the tier among the tenants.
   const uint64_t capacity = Usage(e->tier).capacity_bytes;
   const double share = std::clamp(options_.hint_share, 0.0, 1.0);
-  const auto keep_limit = static_cast<uint64_t>(share * static_cast<double>(capacity) /
-                                                static_cast<double>(std::max<uint64_t>(SlotBytes(e), 1)));
-  return index_.Hint(e, hint, now_ms, keep_limit);
+  const uint64_t tenants = std::max<uint64_t>(1, named_tenants_);
+  const std::optional<uint64_t> quota =
+      e->owner < quotas_.size() ? quotas_[e->owner].bytes[static_cast<size_t>(e->tier)] : std::nullopt;
+  const uint64_t owner_room = quota ? std::min(*quota, capacity) : capacity / tenants;
+  return index_.Hint(e, hint, now_ms,
+                     {.tier_bytes = static_cast<uint64_t>(share * static_cast<double>(capacity)),
+                      .owner_bytes = static_cast<uint64_t>(share * static_cast<double>(owner_room))});
 }
 
 uint32_t BlockCache::NowMs() const {

@@ -49,8 +49,8 @@ class BlockIndex {
   void Touch(BlockEntry* e);
   // The engine's retention hint for `e`, in its tier's order
   // (EvictionOrder::Hint; a parked entry takes it when it comes back).
-  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, uint64_t keep_limit = UINT64_MAX) {
-    return order(e->tier).Hint(e, hint, now_ms, !e->parked, keep_limit);
+  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, EvictionOrder::KeepLimits limits = {}) {
+    return order(e->tier).Hint(e, hint, now_ms, !e->parked, limits);
   }
   // Moves `e` into another tier's order (an arrival there), keeping parent
   // counts right. A parked entry changes tier and stays out of the orders

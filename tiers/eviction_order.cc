@@ -34,18 +34,24 @@ uint64_t EvictionOrder::protected_size() const {
 }
 
 bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked,
-                         uint64_t keep_limit) {
+                         KeepLimits limits) {
   uint8_t level = hint.session_over  ? kLevelOver
                   : hint.priority < 0 ? kLevelLow
                   : hint.priority > 0 ? kLevelHigh
                                       : kLevelNone;
   bool kept = !hint.session_over && hint.next_use_ms > 0;
   bool refused = false;
-  const bool was_protected = (e->hint_bits & kKeptBit) != 0 || LevelOf(e) == kLevelHigh;
-  if ((kept || level == kLevelHigh) && !was_protected && protected_size() >= keep_limit) {
-    kept = false;
-    if (level == kLevelHigh) level = kLevelNone;
-    refused = true;
+  if (kept || level == kLevelHigh) {
+    // The bytes protected once it is: a renewal counts itself once, so it
+    // is refused only while the protected bytes are past a limit already.
+    const uint64_t counted = linked && Protects(QueueOf(e)) ? e->block_bytes : 0;
+    const uint64_t tier_after = protected_bytes_ - counted + e->block_bytes;
+    const uint64_t owner_after = protected_bytes_of(e->owner) - counted + e->block_bytes;
+    if (tier_after > limits.tier_bytes || owner_after > limits.owner_bytes) {
+      kept = false;
+      if (level == kLevelHigh) level = kLevelNone;
+      refused = true;
+    }
   }
   if (linked) Unlink(e);
   e->hint_bits = level;
@@ -207,6 +213,18 @@ void EvictionOrder::Link(BlockEntry* e, bool hot) {
   if (other == nullptr) other = e;
   ++count_[q];
   ++total_;
+  if (Protects(q)) CountProtected(e, true);
+}
+
+void EvictionOrder::CountProtected(const BlockEntry* e, bool in) {
+  if (protected_by_owner_.size() <= e->owner) protected_by_owner_.resize(e->owner + size_t{1}, 0);
+  if (in) {
+    protected_bytes_ += e->block_bytes;
+    protected_by_owner_[e->owner] += e->block_bytes;
+  } else {
+    protected_bytes_ -= e->block_bytes;
+    protected_by_owner_[e->owner] -= e->block_bytes;
+  }
 }
 
 void EvictionOrder::Unlink(BlockEntry* e) {
@@ -227,6 +245,7 @@ void EvictionOrder::Unlink(BlockEntry* e) {
   e->lru_prev = e->lru_next = 0;
   --count_[q];
   --total_;
+  if (Protects(q)) CountProtected(e, false);
 }
 
 }  // namespace kvtier

@@ -34,9 +34,11 @@
 //           at the cold end of their level. In 13 classes by the power of
 //           two of next_use_ms, the longest asked first (a block needed
 //           later goes first, as Belady's would).
-// High and kept blocks number at most the `keep_limit` a Hint is given (the
-// owner's share of the tier); past it a block's hint to keep it is taken as
-// none.
+// High and kept blocks (protected) hold at most the KeepLimits a Hint is
+// given, in bytes (BlockEntry::block_bytes): the tier's share, and the
+// owner's share of it. Past either, a hint to keep a block is taken as none,
+// a renewal of a protected block too, so no tenant keeps more than its
+// share by hinting again.
 //
 // Thread-compatible: owned by BlockIndex's thread.
 #pragma once
@@ -44,6 +46,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 #include "tiers/block_entry.h"
@@ -119,15 +122,25 @@ class EvictionOrder {
   // it); `linked`: e is in this order (not parked), else only its bits
   // change and Return or Insert places it. `now_ms`: the order's clock
   // (any origin; wraps). Returns false when a hint to keep it was refused
-  // (high and kept blocks number keep_limit already) and it is kept as
+  // (it would take protected bytes past `limits`; also when it was
+  // protected already and they are past them now) and it is kept as
   // unhinted.
-  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked, uint64_t keep_limit);
+  struct KeepLimits {
+    uint64_t tier_bytes = UINT64_MAX;   // protected bytes of every owner
+    uint64_t owner_bytes = UINT64_MAX;  // protected bytes of e's owner
+  };
+  bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked, KeepLimits limits);
   // Kept blocks whose time has passed go back to their level, at most
   // kExpirePerCall a call (the rest at the next).
   static constexpr uint32_t kExpirePerCall = 256;
   void Expire(uint32_t now_ms);
-  // Blocks in the high and kept queues.
+  // Blocks in the high and kept queues, and their bytes: all, and one
+  // owner's.
   uint64_t protected_size() const;
+  uint64_t protected_bytes() const { return protected_bytes_; }
+  uint64_t protected_bytes_of(TenantId owner) const {
+    return owner < protected_by_owner_.size() ? protected_by_owner_[owner] : 0;
+  }
   // Blocks in the low queue.
   uint64_t low_size() const { return count_[kLow]; }
 
@@ -206,8 +219,11 @@ class EvictionOrder {
   static void Set(BlockEntry* e, int queue, uint8_t hits) {
     e->policy_bits = static_cast<uint8_t>(queue | (hits << kHitsShift));
   }
+  static bool Protects(int queue) { return queue == kHigh || queue >= kKept; }
+  // Moves a block into, or out of, its queue; keeps the protected bytes.
   void Link(BlockEntry* e, bool hot);
   void Unlink(BlockEntry* e);
+  void CountProtected(const BlockEntry* e, bool in);
   // s3fifo: whether the scan keeps willing block `e` (hit since it entered
   // its queue), and moves it.
   bool Keep(BlockEntry* e);
@@ -218,6 +234,8 @@ class EvictionOrder {
   Queue queues_[kQueues];
   uint64_t count_[kQueues] = {};
   uint64_t total_ = 0;
+  uint64_t protected_bytes_ = 0;
+  std::vector<uint64_t> protected_by_owner_;  // by TenantId
   double small_share_ = 0.1;
   GhostFilter ghost_small_;  // let go of from S
   GhostFilter ghost_main_;   // let go of from M

@@ -141,6 +141,49 @@ TEST_F(HintsTest, KeepHintsHoldAtMostTheirShareOfTheTier) {
   EXPECT_EQ(again->refused, kPrompt);
 }
 
+// Two tenants hint against each other: each keeps at most its part of the
+// tier's share (here half of it each: no quotas, two tenants), so the first
+// to hint cannot refuse the other's hints. Before, the share was the
+// tier's alone: tenant a took it whole and every hint of b was refused.
+TEST(HintsTenantsTest, NoTenantTakesAnotherTenantsPartOfTheShare) {
+  const std::string token_a(32, 'a'), token_b(32, 'b');
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tiers.hbm.enabled=false", "tiers.disk.enabled=false", "tiers.host.bytes=2MiB",
+       "policy.watermarks.host={high: 1.0, low: 0.99}", "policy.hints.max_share=0.5",
+       "tenants=[{name: a, token: " + token_a + "}, {name: b, token: " + token_b + "}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  struct Tenant {
+    std::unique_ptr<Client> client;
+    std::optional<ShmKvCache> cache;
+    CacheId id = 0;
+    // Stores prompt `seed`, then hints it high; returns the hints refused.
+    uint64_t StoreHigh(uint32_t seed) {
+      const std::vector<BlockKey> keys = client->ComputeKeys(id, PseudoTokens(seed, kPrompt * kBlockTokens)).value();
+      for (size_t i = 0; i < keys.size(); ++i) FillFromKey(keys[i], cache->block(static_cast<uint32_t>(i)));
+      auto stored = client->Store(id, keys, Range(0, kPrompt));
+      EXPECT_TRUE(stored.has_value()) << stored.error();
+      auto hinted = client->Hint(id, keys, BlockHint{.priority = 1});
+      EXPECT_TRUE(hinted.has_value()) << hinted.error();
+      EXPECT_EQ(hinted.value_or(HintResult{}).hinted, kPrompt);
+      return hinted ? hinted->refused : 0;
+    }
+  };
+  std::vector<Tenant> tenants(2);
+  for (int i = 0; i < 2; ++i) {
+    auto c = Client::Connect({.socket_path = d->socket_path(), .token = i == 0 ? token_a : token_b});
+    ASSERT_TRUE(c.has_value()) << c.error();
+    tenants[i].client = std::move(*c);
+    tenants[i].cache.emplace(ShmKvCache::Create(SmallLayout(), kPrompt).value());
+    tenants[i].id = tenants[i].client->RegisterKvCache(*tenants[i].cache).value();
+  }
+  // 0.5 of 128 blocks is 64 for the tier, 32 for each tenant.
+  uint64_t refused_a = 0;
+  for (uint32_t s = 1; s <= 4; ++s) refused_a += tenants[0].StoreHigh(s);
+  EXPECT_EQ(refused_a, 4 * kPrompt - 32) << d->Log();
+  EXPECT_EQ(tenants[1].StoreHigh(100) + tenants[1].StoreHigh(101), 0u) << "b's part is its own";
+  EXPECT_EQ(tenants[1].StoreHigh(102), kPrompt) << "and no more";
+}
+
 TEST_F(HintsTest, APartialTailBlockIsNeverStored) {
   const auto keys = Keys(7, 3);
   const BlockHint partial{.last_partial = true};

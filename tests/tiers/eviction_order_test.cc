@@ -218,11 +218,47 @@ TEST_P(HintTest, KeptEndsAtItsUseOrTwiceItsTimeAndAHitUndoesSessionOver) {
   EXPECT_EQ(order.protected_size(), 0u);
 }
 
+// The share is in bytes, per tier and per owner: one owner cannot take the
+// tier's share (before: a count of blocks of every owner), mixed sizes count
+// what they hold (before: the limit was in blocks of the hinted one's size),
+// and a renewal stays within the limits (before: re-hinting a protected
+// block skipped the check).
+TEST_P(HintTest, HintsToKeepHoldAtMostTheirBytesPerTierAndPerOwner) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 10; ++i) {
+    BlockEntry* e = index.Insert(K(i), Tier::kHost, nullptr);
+    e->owner = i < 5 ? 1 : 2;
+    e->block_bytes = i < 5 ? 4000 : 1000;
+  }
+  const EvictionOrder& order = index.order(Tier::kHost);
+  EvictionOrder::KeepLimits limits{.tier_bytes = 10000, .owner_bytes = 5000};
+  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.priority = 1}, 0, limits));
+  EXPECT_FALSE(index.Hint(index.Find(K(1)), {.next_use_ms = 100}, 0, limits)) << "owner 1 at 8000 of 5000";
+  for (uint32_t i = 5; i < 10; ++i) EXPECT_TRUE(index.Hint(index.Find(K(i)), {.priority = 1}, 0, limits)) << i;
+  EXPECT_EQ(order.protected_bytes_of(1), 4000u);
+  EXPECT_EQ(order.protected_bytes_of(2), 5000u);
+  EXPECT_EQ(order.protected_bytes(), 9000u);
+  // The tier's limit binds too: owner 1 has room of its own, the tier none.
+  limits.owner_bytes = 20000;
+  EXPECT_FALSE(index.Hint(index.Find(K(2)), {.priority = 1}, 0, limits));
+  EXPECT_EQ(order.protected_bytes(), 9000u);
+  // Renewals within the limits keep a block; past them (owner 2's part
+  // lowered) a renewal is refused and the block is unprotected.
+  EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 500}, 0, limits));
+  limits.owner_bytes = 2000;
+  EXPECT_FALSE(index.Hint(index.Find(K(5)), {.priority = 1}, 0, limits));
+  EXPECT_EQ(order.protected_bytes_of(2), 4000u);
+  // Hints to evict sooner are never refused; they give protection back.
+  EXPECT_TRUE(index.Hint(index.Find(K(6)), {.priority = -1}, 0, limits));
+  EXPECT_EQ(order.protected_bytes_of(2), 3000u);
+  EXPECT_EQ(order.protected_size(), 4u);
+}
+
 TEST_P(HintTest, HintsToKeepHoldAtMostTheirShareAndTravelWithABlockAcrossTiers) {
   BlockIndex index(GetParam());
-  for (uint32_t i = 0; i < 10; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  for (uint32_t i = 0; i < 10; ++i) index.Insert(K(i), Tier::kHost, nullptr)->block_bytes = 1000;
   EvictionOrder& order = index.order(Tier::kHost);
-  constexpr uint64_t kKeepLimit = 3;
+  constexpr EvictionOrder::KeepLimits kKeepLimit{.tier_bytes = 3000};
   uint32_t took = 0, refused = 0;
   for (uint32_t i = 0; i < 10; ++i) {
     const bool ok = index.Hint(index.Find(K(i)), {.priority = 1}, 0, kKeepLimit);
@@ -231,6 +267,7 @@ TEST_P(HintTest, HintsToKeepHoldAtMostTheirShareAndTravelWithABlockAcrossTiers) 
   }
   EXPECT_EQ(took, 3u);
   EXPECT_EQ(order.protected_size(), 3u);
+  EXPECT_EQ(order.protected_bytes(), 3000u);
   EXPECT_EQ(refused, 7u);
   // Re-hinting a protected block is no new share; low is never refused.
   EXPECT_TRUE(index.Hint(index.Find(K(0)), {.next_use_ms = 500}, 0, kKeepLimit));
