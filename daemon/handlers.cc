@@ -717,6 +717,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                                           {"events_batches", p.batches_published},
                                           {"events_replays_served", p.replays_served},
                                           {"events_replay_batches", p.replay_batches},
+                                          {"events_replays_refused", p.replays_refused},
                                           {"events_clears", e.clears_published},
                                           {"events_blocks_tracked", e.blocks_tracked},
                                           {"events_metadata_bytes", e.metadata_bytes},

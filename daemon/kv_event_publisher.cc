@@ -32,9 +32,11 @@ double WallSeconds() {
 
 Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventPublisherOptions options) {
   if (options.max_batch_events == 0 || options.max_queued_events == 0 || options.buffer_batches == 0 ||
-      options.buffer_bytes == 0 ||
-      options.cadence.count() <= 0 || options.send_high_water_mark <= 0) {
-    return Err(InvalidArgument("events: batch size, queue, buffer, cadence and high-water mark must be > 0"));
+      options.buffer_bytes == 0 || options.cadence.count() <= 0 || options.send_high_water_mark <= 0 ||
+      options.replay_batches_per_turn == 0 || options.replay_bytes_per_second == 0 ||
+      options.max_pending_replays == 0) {
+    return Err(InvalidArgument(
+        "events: batch size, queue, buffer, cadence, high-water mark and replay budgets must be > 0"));
   }
   auto sockets = std::make_unique<Sockets>();
   try {
@@ -90,21 +92,27 @@ KvEventPublisherCounters KvEventPublisher::counters() const {
 }
 
 void KvEventPublisher::Loop() {
+  replay_refilled_ = std::chrono::steady_clock::now();
+  replay_tokens_ = static_cast<double>(options_.replay_bytes_per_second);
+  bool replaying = false;  // replays wait for their next slice
   while (true) {
     bool stopping = false;
     {
       std::unique_lock lock(mu_);
-      // Replay requests are answered between batches: wait on the ROUTER
+      // Replay requests are taken between batches: wait on the ROUTER
       // socket (below) instead when there is one.
       if (!sockets_->router) cv_.wait_for(lock, options_.cadence, [&] { return stopping_; });
       stopping = stopping_;
     }
     if (sockets_->router) {
+      // While replays wait, a short wait: their next slice comes after this
+      // turn's live batches.
       zmq::pollitem_t item{sockets_->router->handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, options_.cadence);
-      if ((item.revents & ZMQ_POLLIN) != 0) ServeReplays();
+      zmq::poll(&item, 1, replaying ? std::chrono::milliseconds(1) : options_.cadence);
+      if ((item.revents & ZMQ_POLLIN) != 0) TakeReplayRequests();
     }
-    SendQueued();
+    SendQueued();  // live first
+    if (sockets_->router) replaying = ServeReplaySlice();
     if (stopping) return;
   }
 }
@@ -160,11 +168,12 @@ void KvEventPublisher::SendQueued() {
   counters_.batches_published += batches;
 }
 
-void KvEventPublisher::ServeReplays() {
+void KvEventPublisher::TakeReplayRequests() {
   zmq::socket_t& router = *sockets_->router;
-  uint64_t served = 0, resent = 0;
-  while (true) {
-    // [identity, "", start_seq (8 bytes, big endian)].
+  uint64_t refused = 0;
+  // At most a turn's worth of requests are read now; more wait in ZMQ.
+  for (size_t taken = 0; taken < options_.replay_batches_per_turn; ++taken) {
+    // [identity, "", start_seq (8 bytes, big endian)] and an optional topic prefix.
     std::vector<zmq::message_t> frames;
     zmq::message_t frame;
     if (!router.recv(frame, zmq::recv_flags::dontwait)) break;
@@ -174,35 +183,86 @@ void KvEventPublisher::ServeReplays() {
       if (!router.recv(next, zmq::recv_flags::none)) break;
       frames.push_back(std::move(next));
     }
-    if (frames.size() != 3 || frames[2].size() != 8) {
-      spdlog::warn("events: a replay request of {} frames ignored (expected identity, empty, start sequence)",
+    if ((frames.size() != 3 && frames.size() != 4) || frames[2].size() != 8) {
+      ++refused;
+      spdlog::warn("events: a replay request of {} frames ignored (expected identity, empty, start sequence, "
+                   "and maybe a topic prefix)",
                    frames.size());
+      continue;
+    }
+    if (replays_.size() >= options_.max_pending_replays) {
+      ++refused;  // unanswered: the client asks again
       continue;
     }
     uint64_t start = 0;
     for (size_t i = 0; i < 8; ++i) start = (start << 8) | frames[2].data<uint8_t>()[i];
+    replays_.push_back(PendingReplay{.identity = frames[0].to_string(),
+                                     .next = start,
+                                     .end = next_seq_.load(),
+                                     .prefix = frames.size() == 4 ? frames[3].to_string() : std::string()});
+  }
+  if (refused > 0) {
+    std::lock_guard lock(mu_);
+    counters_.replays_refused += refused;
+  }
+}
+
+bool KvEventPublisher::ServeReplaySlice() {
+  if (replays_.empty()) return false;
+  const auto now = std::chrono::steady_clock::now();
+  const auto rate = static_cast<double>(options_.replay_bytes_per_second);
+  replay_tokens_ =
+      std::min(rate, replay_tokens_ + rate * std::chrono::duration<double>(now - replay_refilled_).count());
+  replay_refilled_ = now;
+  zmq::socket_t& router = *sockets_->router;
+  uint64_t served = 0, resent = 0;
+  size_t looked = 0;
+  // Each pending replay in turn gets a share of this turn's budget.
+  const size_t share = std::max<size_t>(1, options_.replay_batches_per_turn / replays_.size());
+  for (size_t turns = replays_.size(); turns > 0 && looked < options_.replay_batches_per_turn &&
+                                       replay_tokens_ > 0;
+       --turns) {
+    PendingReplay r = std::move(replays_.front());
+    replays_.pop_front();
     auto reply = [&](std::string_view topic, std::span<const uint8_t> seq, std::string_view payload) {
-      router.send(zmq::buffer(frames[0].data(), frames[0].size()), zmq::send_flags::sndmore);
-      router.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
-      router.send(zmq::buffer(topic), zmq::send_flags::sndmore);
-      router.send(zmq::buffer(seq.data(), seq.size()), zmq::send_flags::sndmore);
-      router.send(zmq::buffer(payload), zmq::send_flags::none);
+      // dontwait: a client that does not read loses replies (ROUTER drops
+      // past its high-water mark), never this thread's time.
+      router.send(zmq::buffer(r.identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router.send(zmq::buffer(topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router.send(zmq::buffer(seq.data(), seq.size()), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router.send(zmq::buffer(payload), zmq::send_flags::dontwait);
     };
     try {
-      for (const SentBatch& b : sent_) {
-        if (b.seq < start) continue;
+      const uint64_t first = sent_.empty() ? next_seq_.load() : sent_.front().seq;
+      r.next = std::max(r.next, first);  // what left the buffer is gone
+      for (size_t mine = 0; r.next < r.end && mine < share && replay_tokens_ > 0; ++mine, ++r.next, ++looked) {
+        const size_t at = r.next - first;  // sequences in the buffer are contiguous
+        if (at >= sent_.size()) {
+          r.next = r.end;
+          break;
+        }
+        const SentBatch& b = sent_[at];
+        if (!b.topic.starts_with(r.prefix)) continue;
         reply(b.topic, BigEndian(b.seq), b.payload);
+        replay_tokens_ -= static_cast<double>(b.payload.size() + b.topic.size());
         ++resent;
       }
-      reply("", kEndOfReplay, "");
-      ++served;
+      if (r.next >= r.end) {
+        reply("", kEndOfReplay, "");
+        ++served;
+        continue;
+      }
     } catch (const zmq::error_t& e) {
       spdlog::warn("events: answering a replay request: {}", e.what());
+      continue;
     }
+    replays_.push_back(std::move(r));
   }
   std::lock_guard lock(mu_);
   counters_.replays_served += served;
   counters_.replay_batches += resent;
+  return !replays_.empty();
 }
 
 }  // namespace kvtier

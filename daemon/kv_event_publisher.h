@@ -12,6 +12,15 @@
 // requests. Events beyond the queue's bound are dropped and counted, as are
 // batches the PUB socket drops (its high-water mark).
 //
+// A replay request may name a topic prefix in a third frame (["", start,
+// prefix]): it gets only the batches whose topic starts with it, as a SUB
+// subscribed to it would. A replay ends at the sequence that was next when
+// it was asked. Replays are answered a slice at a time, after each turn's
+// live batches: at most replay_batches_per_turn batches looked at per turn
+// and replay_bytes_per_second resent, so no flood of requests starves the
+// live stream or the queue; at most max_pending_replays wait (more are
+// refused unanswered and counted: the client asks again).
+//
 // Thread-safe: Publish and counters from any thread.
 #pragma once
 
@@ -44,6 +53,9 @@ struct KvEventPublisherOptions {
   size_t buffer_batches = 10000;      // kept for replay...
   size_t buffer_bytes = 64 << 20;     // ... and at most this many payload bytes
   int send_high_water_mark = 100000;  // PUB messages queued per subscriber
+  size_t replay_batches_per_turn = 256;
+  uint64_t replay_bytes_per_second = uint64_t{256} << 20;
+  size_t max_pending_replays = 64;
 };
 
 struct KvEventPublisherCounters {
@@ -52,6 +64,7 @@ struct KvEventPublisherCounters {
   uint64_t batches_published = 0;
   uint64_t replays_served = 0;    // replay requests answered
   uint64_t replay_batches = 0;    // batches resent by them
+  uint64_t replays_refused = 0;   // requests beyond max_pending_replays, or malformed
 };
 
 class KvEventPublisher {
@@ -80,7 +93,11 @@ class KvEventPublisher {
   void Loop();
   // Batches and sends what is queued (publisher thread).
   void SendQueued();
-  void ServeReplays();
+  // Takes the replay requests waiting on the ROUTER socket into replays_.
+  void TakeReplayRequests();
+  // Resends a slice of the pending replays, in turn, within the turn's and
+  // the second's budgets; true while some wait for budget or their turn.
+  bool ServeReplaySlice();
 
   const KvEventPublisherOptions options_;
   std::unique_ptr<Sockets> sockets_;  // used by the publisher thread only (after Start)
@@ -100,6 +117,17 @@ class KvEventPublisher {
   };
   std::deque<SentBatch> sent_;
   size_t sent_bytes_ = 0;
+  // Replays being answered, publisher thread only: who asked, the next
+  // sequence to look at, where the replay ends and the topic prefix.
+  struct PendingReplay {
+    std::string identity;
+    uint64_t next = 0;
+    uint64_t end = 0;
+    std::string prefix;
+  };
+  std::deque<PendingReplay> replays_;
+  double replay_tokens_ = 0;  // bytes that may be resent now
+  std::chrono::steady_clock::time_point replay_refilled_{};
   std::thread thread_;
 };
 

@@ -235,6 +235,9 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
               static_cast<double>(p.replays_served));
     f.Counter("kvtier_kv_event_replay_batches_total", "Batches sent again by replays.",
               static_cast<double>(p.replay_batches));
+    f.Counter("kvtier_kv_event_replays_refused_total",
+              "Replay requests refused unanswered: malformed, or more waiting than the publisher serves at once.",
+              static_cast<double>(p.replays_refused));
     f.Counter("kvtier_kv_events_clears_total", "AllBlocksCleared events sent (restarts, evict-all).",
               static_cast<double>(e.clears_published));
     f.Gauge("kvtier_kv_event_blocks_tracked", "Blocks whose metadata KV events keep.",

@@ -7,9 +7,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 #include <zmq.hpp>
 
 namespace kvtier {
@@ -153,6 +157,153 @@ TEST(KvEventPublisherTest, TheReplaySocketResendsFromASequenceThenTheEndMarker) 
   }
   EXPECT_EQ((*publisher)->counters().replays_served, 3u);
   EXPECT_EQ((*publisher)->counters().replay_batches, 7u);
+}
+
+// Sends a replay request from `start` (with a topic prefix frame unless
+// null) on `dealer`; returns the (topic, sequence) of each batch resent,
+// or nullopt when no end marker came.
+std::optional<std::vector<std::pair<std::string, uint64_t>>> Replay(zmq::socket_t& dealer, uint64_t start,
+                                                                     const char* prefix) {
+  std::array<uint8_t, 8> start_bytes{};
+  for (size_t i = 0; i < 8; ++i) start_bytes[i] = static_cast<uint8_t>(start >> (56 - 8 * i));
+  dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
+  if (prefix == nullptr) {
+    dealer.send(zmq::buffer(start_bytes));
+  } else {
+    dealer.send(zmq::buffer(start_bytes), zmq::send_flags::sndmore);
+    dealer.send(zmq::buffer(std::string(prefix)));
+  }
+  std::vector<std::pair<std::string, uint64_t>> got;
+  while (true) {
+    zmq::message_t empty, topic, seq, payload;
+    if (!dealer.recv(empty) || !dealer.recv(topic) || !dealer.recv(seq) || !dealer.recv(payload)) return std::nullopt;
+    if (seq.to_string() == std::string(8, '\xff')) return got;
+    got.emplace_back(topic.to_string(), Sequence(seq));
+  }
+}
+
+// A replay names a topic prefix as a subscription does: it gets only that
+// prefix's batches (before: every topic's, other tenants' token ids too).
+TEST(KvEventPublisherTest, AReplayWithATopicPrefixGetsOnlyThatPrefixsBatches) {
+  KvEventPublisherOptions o;
+  o.endpoint = Endpoint("pub4");
+  o.replay_endpoint = Endpoint("replay4");
+  o.cadence = std::chrono::milliseconds(5);
+  o.max_batch_events = 1;
+  Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
+  ASSERT_TRUE(publisher.has_value()) << publisher.error();
+  for (uint64_t h = 0; h < 6; ++h) ASSERT_TRUE((*publisher)->Publish(h % 2 == 0 ? "kv@a@m" : "kv@b@m", Removed(h)));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*publisher)->next_sequence() < 6 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  zmq::context_t context;
+  zmq::socket_t dealer(context, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(o.replay_endpoint);
+  auto a = Replay(dealer, 0, "kv@a");
+  ASSERT_TRUE(a.has_value());
+  ASSERT_EQ(a->size(), 3u);
+  for (const auto& [topic, seq] : *a) EXPECT_EQ(topic, "kv@a@m") << seq;
+  auto all = Replay(dealer, 0, nullptr);
+  ASSERT_TRUE(all.has_value());
+  EXPECT_EQ(all->size(), 6u) << "no prefix: every topic, as vLLM's replay";
+}
+
+// DEALERs that ask for the whole buffer again and again cannot starve the
+// live stream: live batches keep their pace, and requests beyond what the
+// publisher serves at once are refused (before: every request resent the
+// whole buffer in one go, between two turns of live sending).
+TEST(KvEventPublisherTest, AFloodOfReplaysDoesNotStarveLiveBatches) {
+  KvEventPublisherOptions o;
+  o.endpoint = Endpoint("pub5");
+  o.replay_endpoint = Endpoint("replay5");
+  o.cadence = std::chrono::milliseconds(2);
+  o.max_batch_events = 1;
+  o.buffer_batches = 2000;
+  o.buffer_bytes = size_t{256} << 20;
+  o.max_queued_events = 1 << 20;
+  Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
+  ASSERT_TRUE(publisher.has_value()) << publisher.error();
+  // A full buffer of fat batches (4096 hashes each, about 37 KiB: 74 MiB).
+  BlockRemovedEvent fat{.block_hashes = {}, .medium = KvEventMedium::kDisk};
+  for (uint64_t h = 0; h < 4096; ++h) fat.block_hashes.push_back(EngineBlockHash::FromU64(h));
+  for (int i = 0; i < 2000; ++i) (*publisher)->PublishWaiting("kv@old@m", fat);
+  const auto filled = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while ((*publisher)->next_sequence() < 2000 && std::chrono::steady_clock::now() < filled) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ((*publisher)->next_sequence(), 2000u);
+
+  zmq::context_t context;
+  zmq::socket_t sub(context, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::subscribe, "kv@live");
+  sub.set(zmq::sockopt::rcvtimeo, 50);
+  sub.connect(o.endpoint);
+  for (int i = 0;; ++i) {  // warm-up until the subscription is in place
+    ASSERT_LT(i, 200);
+    ASSERT_TRUE((*publisher)->Publish("kv@live@warm-up", Removed(0)));
+    zmq::message_t m;
+    if (sub.recv(m)) {
+      while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());
+      break;
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  sub.set(zmq::sockopt::rcvtimeo, 0);
+  while (true) {  // the warm-ups still on their way
+    zmq::message_t m;
+    if (!sub.recv(m)) break;
+    while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());
+  }
+
+  // 16 DEALERs ask for the whole buffer every millisecond and never read.
+  std::atomic<bool> flooding{true};
+  std::vector<std::thread> dealers;
+  for (int d = 0; d < 16; ++d) {
+    dealers.emplace_back([&] {
+      zmq::socket_t dealer(context, zmq::socket_type::dealer);
+      dealer.set(zmq::sockopt::linger, 0);
+      dealer.set(zmq::sockopt::sndtimeo, 100);
+      dealer.connect(o.replay_endpoint);
+      const std::array<uint8_t, 8> from_zero{};
+      while (flooding) {
+        (void)dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
+        (void)dealer.send(zmq::buffer(from_zero));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the flood is on
+  // Live events every 5 ms for 2 s; the largest gap between two arrivals.
+  constexpr int kLive = 400;
+  std::thread live([&] {
+    for (int i = 0; i < kLive; ++i) {
+      EXPECT_TRUE((*publisher)->Publish("kv@live@m", Removed(static_cast<uint64_t>(i))));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  sub.set(zmq::sockopt::rcvtimeo, 5000);
+  int received = 0;
+  auto last = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration worst{};
+  for (; received < kLive; ++received) {
+    zmq::message_t m;
+    if (!sub.recv(m)) break;
+    while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());
+    const auto now = std::chrono::steady_clock::now();
+    if (received > 0) worst = std::max(worst, now - last);
+    last = now;
+  }
+  live.join();
+  flooding = false;
+  for (std::thread& t : dealers) t.join();
+  EXPECT_EQ(received, kLive);
+  std::printf("largest gap between live batches: %.1f ms\n", std::chrono::duration<double, std::milli>(worst).count());
+  EXPECT_LT(worst, std::chrono::milliseconds(100))
+      << "live batches waited on replays: " << std::chrono::duration<double, std::milli>(worst).count() << " ms";
+  EXPECT_GT((*publisher)->counters().replay_batches, 0u);
+  EXPECT_GT((*publisher)->counters().replays_refused, 0u) << "more requests than it serves at once";
 }
 
 TEST(KvEventPublisherTest, AFullQueueDropsAndCountsWithoutBlocking) {
