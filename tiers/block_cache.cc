@@ -352,7 +352,10 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
   // without loss only where host writes back to disk.
   const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || options_.remote != nullptr);
   const bool may_empty_extents =
-      room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr);
+      room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr) || (room == Room::kCleanOnly && has_clean);
+  // Without a disk to write them to, an extent is emptied for kCleanOnly
+  // only when every block in it is held below host.
+  const bool extents_clean_only = room != Room::kAny;
   while (true) {
     if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
     if (room == Room::kNothing) return nullptr;
@@ -367,7 +370,7 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
         // Draining: refused until its blocks have left (this size's own
         // blocks are hotter than the coldest). Busy: this size's own
         // coldest may still go below.
-        const ExtentReclaim r = EmptyExtent(t, bytes, coldest->slot);
+        const ExtentReclaim r = EmptyExtent(t, bytes, coldest->slot, extents_clean_only);
         if (r == ExtentReclaim::kRoom) continue;
         if (r == ExtentReclaim::kDraining) return nullptr;
       }
@@ -383,7 +386,7 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
       // own, blocks being coded; or all dirty): an extent of another size,
       // whatever the coldest is, before giving up.
       if (may_empty_extents && s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u) &&
-          EmptyExtent(t, bytes, nullptr) == ExtentReclaim::kRoom) {
+          EmptyExtent(t, bytes, nullptr, extents_clean_only) == ExtentReclaim::kRoom) {
         continue;
       }
       return nullptr;
@@ -395,9 +398,10 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
 // Extents one EmptyExtent looks at, at most.
 constexpr size_t kExtentCandidates = 4;
 
-BlockCache::ExtentReclaim BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest) {
+BlockCache::ExtentReclaim BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest, bool clean_only) {
   SlotPool& pool = *tier(t)->pool;
   const bool write_back = t == Tier::kHost && options_.disk != nullptr;
+  const bool keep_dirty = clean_only && !write_back;
   for (const std::span<uint8_t> extent : pool.ExtentsToReclaim(bytes, coldest, kExtentCandidates)) {
     // Its blocks, found through the slots' owners: each must be settled
     // to go now (a lease, a copy in flight, a retired slot or a move's
@@ -408,7 +412,7 @@ BlockCache::ExtentReclaim BlockCache::EmptyExtent(Tier t, uint64_t bytes, const 
       ++counters_.extent_slots_examined;
       auto* e = static_cast<BlockEntry*>(owner);
       busy = e == nullptr || e->slot != slot || e->tier != t || e->leases != 0 || e->moving ||
-             e->state != EntryState::kReady || e->retired_slot != nullptr;
+             e->state != EntryState::kReady || e->retired_slot != nullptr || (keep_dirty && !e->on_remote);
       if (!busy) blocks.push_back(e);
       return !busy;
     });

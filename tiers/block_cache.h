@@ -554,7 +554,9 @@ class BlockCache {
     kDraining,  // an extent is being emptied for it: try again shortly
     kBusy,      // no candidate could go now
   };
-  ExtentReclaim EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest);
+  // `clean_only` (without a disk tier): an extent holding a block the
+  // cluster does not is not emptied.
+  ExtentReclaim EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest, bool clean_only = false);
   // A host block that still has its disk record goes back to the disk tier,
   // no write needed. Returns whether it did.
   bool BackToDisk(BlockEntry* e);

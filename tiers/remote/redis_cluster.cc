@@ -119,9 +119,18 @@ Status RedisCluster::RefreshTopology() {
 }
 
 std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> batch) {
-  // The batch's bound, all nodes and rounds together: a node that answers
-  // slowly fails its commands (kUnavailable) however its bytes trickle in.
-  const RedisConnection::Deadline deadline = std::chrono::steady_clock::now() + options_.io_timeout;
+  // The batch's bound, all nodes and rounds together: io_timeout, plus the
+  // time its values take at kMinBytesPerSecond (a large batch on a busy
+  // link is not a slow node). A node that answers slower fails its commands
+  // (kUnavailable), however its bytes trickle in.
+  uint64_t value_bytes = 0;
+  for (const RedisCommand& command : batch) {
+    for (const std::string_view part : command.value_parts) value_bytes += part.size();
+    if (command.sink != nullptr) value_bytes += command.sink->max_bytes();
+  }
+  const auto transfer = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(value_bytes) / kMinBytesPerSecond));
+  const RedisConnection::Deadline deadline = std::chrono::steady_clock::now() + options_.io_timeout + transfer;
   std::vector<std::optional<Result<RedisReply>>> done(batch.size());
   std::vector<Pending> pending;
   pending.reserve(batch.size());

@@ -53,6 +53,9 @@ struct RedisCommand {
 
 class RedisCluster {
  public:
+  // A batch may take io_timeout plus its value bytes at this pace (Run).
+  static constexpr double kMinBytesPerSecond = 100e6;
+
   // Connects to the first seed that answers and reads the topology
   // (CLUSTER SLOTS); a node without cluster support is a standalone
   // endpoint. Errors: kInvalidArgument without seeds; kUnavailable when no
@@ -63,7 +66,9 @@ class RedisCluster {
   // Runs a batch (see the header comment). Result i is command i's final
   // reply: error replies other than redirections are replies (the caller
   // judges OOM, NOPERM, ...); kUnavailable when its node could not be
-  // reached or the redirections ran out. REQUIRES: every argv has a key.
+  // reached, did not answer in time (the batch's bound: io_timeout, plus
+  // its values' bytes at kMinBytesPerSecond), or the redirections ran out.
+  // REQUIRES: every argv has a key.
   std::vector<Result<RedisReply>> Run(std::span<const RedisCommand> batch);
 
   // Reads CLUSTER SLOTS again from a node that answers (the known nodes,
