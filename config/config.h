@@ -197,6 +197,7 @@ struct Config {
     bool hashes_as_bytes = false;  // `hash: bytes`; default `u64`
     std::optional<int32_t> dp_rank = std::nullopt;
     uint32_t cadence_ms = 10;
+    uint32_t subscriber_grace_ms = 1000;  // at start, batches wait for subscribers to come back
     uint32_t max_batch_events = 1024;
     uint64_t max_queued_events = 100000;
     uint64_t buffer_batches = 10000;

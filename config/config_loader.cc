@@ -731,6 +731,8 @@ void ReadEvents(Context* ctx, const YAML::Node& node, Config::Events* e) {
     return {};
   }));
   m.Read("cadence_ms", &e->cadence_ms, [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 10000, v); });
+  m.Read("subscriber_grace_ms", &e->subscriber_grace_ms,
+         [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 0, 60000, v); });
   m.Read("max_batch_events", &e->max_batch_events,
          [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 20, v); });
   m.Read("max_queued_events", &e->max_queued_events, [](const YAML::Node& n, uint64_t* v) -> ParseResult {

@@ -10,7 +10,7 @@ namespace kvtier {
 
 struct KvEventPublisher::Sockets {
   zmq::context_t context{1};
-  zmq::socket_t pub{context, zmq::socket_type::pub};
+  zmq::socket_t pub{context, zmq::socket_type::xpub};
   std::optional<zmq::socket_t> router;
 };
 
@@ -42,6 +42,7 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventPublish
   try {
     sockets->pub.set(zmq::sockopt::sndhwm, options.send_high_water_mark);
     sockets->pub.set(zmq::sockopt::linger, 0);
+    sockets->pub.set(zmq::sockopt::xpub_verbose, 1);  // every subscription, also a repeated one
     sockets->pub.bind(options.endpoint);
     if (!options.replay_endpoint.empty()) {
       sockets->router.emplace(sockets->context, zmq::socket_type::router);
@@ -66,7 +67,6 @@ KvEventPublisher::~KvEventPublisher() {
     std::lock_guard lock(mu_);
     stopping_ = true;
   }
-  cv_.notify_one();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -94,26 +94,42 @@ KvEventPublisherCounters KvEventPublisher::counters() const {
 void KvEventPublisher::Loop() {
   replay_refilled_ = std::chrono::steady_clock::now();
   replay_tokens_ = static_cast<double>(options_.replay_bytes_per_second);
+  grace_ends_ = replay_refilled_ + options_.subscriber_grace;
+  holding_ = options_.subscriber_grace.count() > 0;
   bool replaying = false;  // replays wait for their next slice
   while (true) {
     bool stopping = false;
     {
-      std::unique_lock lock(mu_);
-      // Replay requests are taken between batches: wait on the ROUTER
-      // socket (below) instead when there is one.
-      if (!sockets_->router) cv_.wait_for(lock, options_.cadence, [&] { return stopping_; });
+      std::lock_guard lock(mu_);
       stopping = stopping_;
     }
-    if (sockets_->router) {
-      // While replays wait, a short wait: their next slice comes after this
-      // turn's live batches.
-      zmq::pollitem_t item{sockets_->router->handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, replaying ? std::chrono::milliseconds(1) : options_.cadence);
-      if ((item.revents & ZMQ_POLLIN) != 0) TakeReplayRequests();
+    // Subscriptions and replay requests are taken between batches. While
+    // replays wait, a short wait: their next slice comes after this turn's
+    // live batches.
+    std::array<zmq::pollitem_t, 2> items{zmq::pollitem_t{sockets_->pub.handle(), 0, ZMQ_POLLIN, 0},
+                                         zmq::pollitem_t{nullptr, 0, ZMQ_POLLIN, 0}};
+    size_t n = 1;
+    if (sockets_->router) items[n++].socket = sockets_->router->handle();
+    zmq::poll(items.data(), n, replaying || holding_ ? std::chrono::milliseconds(1) : options_.cadence);
+    if ((items[0].revents & ZMQ_POLLIN) != 0) TakeSubscriptions();
+    if (n > 1 && (items[1].revents & ZMQ_POLLIN) != 0) TakeReplayRequests();
+    if (holding_) {
+      const auto now = std::chrono::steady_clock::now();
+      holding_ = now < grace_ends_ && !(last_subscription_ && now - *last_subscription_ >= kSubscriberSettle);
     }
-    SendQueued();  // live first
+    if (!holding_ || stopping) SendQueued();  // live first
     if (sockets_->router) replaying = ServeReplaySlice();
     if (stopping) return;
+  }
+}
+
+void KvEventPublisher::TakeSubscriptions() {
+  // [1 or 0, topic prefix]: a subscription or its end; the first kind ends
+  // the start's grace once they settle.
+  for (int taken = 0; taken < 1024; ++taken) {
+    zmq::message_t m;
+    if (!sockets_->pub.recv(m, zmq::recv_flags::dontwait)) return;
+    if (m.size() >= 1 && m.data<uint8_t>()[0] == 1) last_subscription_ = std::chrono::steady_clock::now();
   }
 }
 

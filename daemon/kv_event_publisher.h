@@ -12,6 +12,10 @@
 // requests. Events beyond the queue's bound are dropped and counted, as are
 // batches the PUB socket drops (its high-water mark).
 //
+// The socket is an XPUB (a PUB that shows who subscribes): at start, batches
+// wait for subscribers to come back (subscriber_grace), so that a restart's
+// AllBlocksCleared and snapshot reach the routers that were listening.
+//
 // A replay request may name a topic prefix in a third frame (["", start,
 // prefix]): it gets only the batches whose topic starts with it, as a SUB
 // subscribed to it would. A replay ends at the sequence that was next when
@@ -53,6 +57,12 @@ struct KvEventPublisherOptions {
   size_t buffer_batches = 10000;      // kept for replay...
   size_t buffer_bytes = 64 << 20;     // ... and at most this many payload bytes
   int send_high_water_mark = 100000;  // PUB messages queued per subscriber
+  // At start, batches wait until subscribers are back: until a
+  // subscription arrived and none for kSubscriberSettle, or this long
+  // (0: no wait). A subscriber that was connected to the kvtierd before
+  // reconnects on its own (ZMQ), and so gets its AllBlocksCleared and
+  // snapshot live instead of losing them before it is back.
+  std::chrono::milliseconds subscriber_grace{1000};
   size_t replay_batches_per_turn = 256;
   uint64_t replay_bytes_per_second = uint64_t{256} << 20;
   size_t max_pending_replays = 64;
@@ -69,6 +79,7 @@ struct KvEventPublisherCounters {
 
 class KvEventPublisher {
  public:
+  static constexpr std::chrono::milliseconds kSubscriberSettle{100};
   // Binds the sockets. Errors: kInvalidArgument for options out of range,
   // kUnavailable when an endpoint cannot be bound (its text in the message).
   static Result<std::unique_ptr<KvEventPublisher>> Start(KvEventPublisherOptions options);
@@ -93,6 +104,9 @@ class KvEventPublisher {
   void Loop();
   // Batches and sends what is queued (publisher thread).
   void SendQueued();
+  // Reads the (un)subscriptions the XPUB socket passes up; ends the
+  // start's grace once they settle.
+  void TakeSubscriptions();
   // Takes the replay requests waiting on the ROUTER socket into replays_.
   void TakeReplayRequests();
   // Resends a slice of the pending replays, in turn, within the turn's and
@@ -102,7 +116,6 @@ class KvEventPublisher {
   const KvEventPublisherOptions options_;
   std::unique_ptr<Sockets> sockets_;  // used by the publisher thread only (after Start)
   mutable std::mutex mu_;
-  std::condition_variable cv_;
   std::condition_variable room_;  // the publisher thread took what was queued
   std::vector<std::pair<std::string, KvEvent>> queue_;  // under mu_
   bool stopping_ = false;                                // under mu_
@@ -126,6 +139,11 @@ class KvEventPublisher {
     std::string prefix;
   };
   std::deque<PendingReplay> replays_;
+  // The start's grace (publisher thread only): batches wait until then, or
+  // until subscriptions settle.
+  bool holding_ = true;
+  std::chrono::steady_clock::time_point grace_ends_{};
+  std::optional<std::chrono::steady_clock::time_point> last_subscription_;
   double replay_tokens_ = 0;  // bytes that may be resent now
   std::chrono::steady_clock::time_point replay_refilled_{};
   std::thread thread_;

@@ -135,7 +135,8 @@ Status Server::SetupEvents() {
                                .max_queued_events = e.max_queued_events,
                                .buffer_batches = e.buffer_batches,
                                .buffer_bytes = e.buffer_bytes,
-                               .send_high_water_mark = static_cast<int>(e.send_hwm)}));
+                               .send_high_water_mark = static_cast<int>(e.send_hwm),
+                               .subscriber_grace = std::chrono::milliseconds(e.subscriber_grace_ms)}));
   size_t publishing = 0;
   for (const auto& t : topics) publishing += t.publish ? 1 : 0;
   spdlog::info("KV events on {} (replay: {}), {} of {} tenant(s) published", e.endpoint,

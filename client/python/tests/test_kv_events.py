@@ -60,6 +60,7 @@ class Consumer:
         self.events: list[Any] = []  # every event applied, in order
         self.gaps = 0
         self.replayed = 0
+        self.restarts = 0
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -82,7 +83,12 @@ class Consumer:
         dealer.close(linger=0)
         return out
 
-    def apply(self, seq: int, topic: bytes, payload: bytes) -> None:
+    def apply(self, seq: int, topic: bytes, payload: bytes, live: bool = False) -> None:
+        if live and seq < self.last_seq:
+            # A lower sequence on the live stream: kvtierd started again
+            # (docs/kv-events.md); its stream starts over here.
+            self.restarts += 1
+            self.last_seq = seq - 1
         if seq <= self.last_seq:
             return  # seen already (a replay overlapping the stream)
         if seq > self.last_seq + 1:
@@ -120,7 +126,7 @@ class Consumer:
             if not self.sub.poll(int(quiet * 1000)):
                 break
             topic, seq, payload = self.sub.recv_multipart()
-            self.apply(int.from_bytes(seq, "big"), topic, payload)
+            self.apply(int.from_bytes(seq, "big"), topic, payload, live=True)
         for seq, topic, payload in self.replay_from(self.last_seq + 1):
             self.replayed += 1
             self.apply(seq, topic, payload)
@@ -347,6 +353,35 @@ def test_a_restart_ends_in_a_consistent_snapshot() -> None:
             assert by_hash[h]["parent_block_hash"] == (hashes[i - 1] if i else None)
         counters = n.client.stats()["counters"]
         assert counters["events_blocks_tracked"] == len(hashes) and counters["events_dropped"] == 0
+
+
+def test_a_subscriber_connected_across_a_restart_gets_it_live() -> None:
+    # The subscriber stays connected through a restart (ZMQ reconnects it).
+    # kvtierd's first batches wait until it is back, so the clear marker and
+    # the snapshot reach it on the live stream, with nothing asked and
+    # nothing else happening on the node. Before, they went out before it
+    # was back, and an idle node never told it.
+    with running(["tiers.hbm.enabled=false"]) as n:
+        cache = n.client.register_cpu_cache(kvtier.CpuKvCache(small_layout(), 64))
+        prompts = Prompts(n.client, cache, seed=5)
+        keys, hashes, tokens = prompts.make(20)
+        prompts.store(keys, hashes, tokens, list(range(20)))
+        settle(n)
+        n.client.close()
+        n.daemon.stop()  # SIGTERM: host blocks are written to disk and come back
+        n.daemon.start()
+        n.client = kvtier.Client.connect(n.daemon.socket, name="events")
+        consumer = n.consumer
+        deadline = time.monotonic() + 10
+        # (The old kvtierd's last batch, its blocks written to disk at the
+        # stop, may come first.)
+        while time.monotonic() < deadline and (consumer.restarts == 0 or consumer.held != {"DISK": set(hashes)}):
+            if consumer.sub.poll(200):
+                topic, seq, payload = consumer.sub.recv_multipart()
+                consumer.apply(int.from_bytes(seq, "big"), topic, payload, live=True)
+        assert consumer.restarts == 1, "the sequence started over"
+        assert consumer.gaps == 0, "nothing was missed: the first batches waited for the subscriber"
+        assert consumer.held == {"DISK": set(hashes)}
 
 
 @pytest.mark.parametrize("encoding,hash_kind", [("map", "u64"), ("positional", "bytes")])
