@@ -1,9 +1,13 @@
 #include "kvtier/client.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
+#include <climits>
 #include <map>
 #include <variant>
 
@@ -329,8 +333,8 @@ class Client::Impl {
     FlatBufferBuilder b(64);
     const uint64_t rid = next_id_++;
     const auto ms = static_cast<uint32_t>(std::min<int64_t>(timeout.count(), UINT32_MAX));
-    Result<Reply> r =
-        Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid, w::Body::OpResult);
+    Result<Reply> r = Call(ipc::FinishMessage(b, rid, w::CreateWait(b, op.op, ms)), {}, rid,
+                           w::Body::OpResult, std::chrono::milliseconds(ms));
     if (!r) {
       // NotFound: the daemon no longer holds the op, so it is over (its result
       // was taken, or dropped unread after it finished): its event is free.
@@ -577,15 +581,36 @@ class Client::Impl {
   }
 
   // Sends a request and reads until its reply. A transport failure drops the
-  // connection and returns kUnavailable; an Error reply is returned as its
-  // status; a reply of another type than `expect` is kInternal.
-  Result<Reply> Call(std::vector<uint8_t> bytes, std::span<const int> fds, uint64_t id, w::Body expect)
-      KVTIER_REQUIRES(mu_) {
+  // connection and returns kUnavailable; no reply within call_timeout (plus
+  // `also`: a Wait's own time) drops it and returns kDeadlineExceeded; an
+  // Error reply is returned as its status; a reply of another type than
+  // `expect` is kInternal.
+  Result<Reply> Call(std::vector<uint8_t> bytes, std::span<const int> fds, uint64_t id,
+                     w::Body expect, std::chrono::milliseconds also = {}) KVTIER_REQUIRES(mu_) {
     if (Status st = ipc::SendMessage(fd_.get(), bytes, fds); !st.ok()) {
       Disconnect();
       return Err(Unavailable("lost kvtierd: " + st.message()));
     }
+    const bool bounded = options_.call_timeout.count() > 0;
+    const auto deadline = std::chrono::steady_clock::now() + options_.call_timeout + also;
     while (true) {
+      if (bounded) {
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        pollfd pfd{.fd = fd_.get(), .events = POLLIN, .revents = 0};
+        const int ready =
+            left.count() > 0
+                ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)))
+                : 0;
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready == 0) {
+          Disconnect();  // a late reply must not be read as the next call's
+          return Err(Status(StatusCode::kDeadlineExceeded,
+                            "kvtierd did not answer within " +
+                                std::to_string((options_.call_timeout + also).count()) +
+                                " ms (call_timeout); the connection is dropped"));
+        }
+      }
       Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(fd_.get(), ipc::kMaxReplyBytes);
       if (!m || m->eof || m->truncated) {
         Disconnect();

@@ -47,6 +47,11 @@ struct ClientOptions {
   std::string client_name = {};     // shown in the daemon's logs
   // After losing the daemon, the shortest time between reconnect attempts.
   std::chrono::milliseconds reconnect_interval{200};
+  // How long a call waits for the daemon's reply (a Wait: its own timeout
+  // more); past it the call fails with kDeadlineExceeded and the connection
+  // is dropped (the next call connects again). 0: no limit. An engine's
+  // scheduler sets one, so that a hung daemon costs it a bounded wait.
+  std::chrono::milliseconds call_timeout{0};
 };
 
 // How a KV cache's blocks are stored below the daemon's host memory

@@ -189,14 +189,21 @@ class PyClient {
  public:
   static std::shared_ptr<PyClient> Connect(const std::string& socket_path,
                                            const std::optional<std::string>& token,
-                                           const std::string& name, double reconnect_interval_s) {
+                                           const std::string& name, double reconnect_interval_s,
+                                           const std::optional<double>& call_timeout_s) {
     if (socket_path.empty()) RaiseInvalid("socket_path must not be empty");
     if (reconnect_interval_s < 0) RaiseInvalid("reconnect_interval must be >= 0");
-    ClientOptions options{.socket_path = socket_path,
-                          .token = token.value_or(""),
-                          .client_name = name,
-                          .reconnect_interval = std::chrono::milliseconds(
-                              static_cast<int64_t>(reconnect_interval_s * 1000.0))};
+    if (call_timeout_s && *call_timeout_s <= 0)
+      RaiseInvalid("call_timeout must be > 0 (or None: no limit)");
+    ClientOptions options{
+        .socket_path = socket_path,
+        .token = token.value_or(""),
+        .client_name = name,
+        .reconnect_interval =
+            std::chrono::milliseconds(static_cast<int64_t>(reconnect_interval_s * 1000.0)),
+        .call_timeout = std::chrono::milliseconds(
+            call_timeout_s ? std::max<int64_t>(1, static_cast<int64_t>(*call_timeout_s * 1000.0))
+                           : 0)};
     std::unique_ptr<Client> c = WithoutGil([&] { return Client::Connect(std::move(options)); });
     return std::make_shared<PyClient>(std::shared_ptr<Client>(std::move(c)));
   }
@@ -547,12 +554,16 @@ PYBIND11_MODULE(_kvtier, m) {
       "the GIL. While the daemon is down every call raises "
       "UnavailableError: treat it as a miss; the client reconnects and "
       "re-registers its caches by itself.")
-      .def_static("connect", &PyClient::Connect, py::arg("socket_path"),
-                  py::arg("token") = py::none(), py::arg("name") = "",
-                  py::arg("reconnect_interval") = 0.2,
-                  "Connects to the kvtierd listening on socket_path. The tenant comes from this "
-                  "process's uid, "
-                  "or from token when the daemon's config names tenants by token.")
+      .def_static(
+          "connect", &PyClient::Connect, py::arg("socket_path"), py::arg("token") = py::none(),
+          py::arg("name") = "", py::arg("reconnect_interval") = 0.2,
+          py::arg("call_timeout") = py::none(),
+          "Connects to the kvtierd listening on socket_path. The tenant comes from this "
+          "process's uid, "
+          "or from token when the daemon's config names tenants by token. call_timeout "
+          "(seconds; None: no limit) bounds each call's wait for the daemon's reply: past it "
+          "the call raises DeadlineExceededError and the connection is dropped (the next "
+          "call connects again).")
       .def("close", &PyClient::Close,
            "Closes the connection; later calls raise FailedPreconditionError.")
       .def_property_readonly("closed", &PyClient::closed)
@@ -560,7 +571,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("connected", [](const PyClient& c) { return c.Get()->connected(); })
       .def(
           "register_cpu_cache",
-          [](const PyClient& self, const py::object& cache_obj, const std::string& codec, uint32_t fp8_group) {
+          [](const PyClient& self, const py::object& cache_obj, const std::string& codec,
+             uint32_t fp8_group) {
             auto& cache = cache_obj.cast<ShmKvCache&>();
             const CodecChoice choice = Codec(codec, fp8_group);
             std::shared_ptr<Client> c = self.Get();
@@ -580,8 +592,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "register_host_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
-             const py::object& regions_arg, const py::object& placements_arg, const std::string& codec,
-             uint32_t fp8_group) {
+             const py::object& regions_arg, const py::object& placements_arg,
+             const std::string& codec, uint32_t fp8_group) {
             const CodecChoice choice = Codec(codec, fp8_group);
             std::vector<std::pair<uintptr_t, uint64_t>> regions = Regions(regions_arg);
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
@@ -620,8 +632,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "register_cuda_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
-             const py::object& regions_arg, const py::object& placements_arg, const std::string& codec,
-             uint32_t fp8_group) {
+             const py::object& regions_arg, const py::object& placements_arg,
+             const std::string& codec, uint32_t fp8_group) {
             const CodecChoice choice = Codec(codec, fp8_group);
             std::vector<CudaKvRegion> regions;
             for (const auto& [ptr, size] : Regions(regions_arg)) {
@@ -723,8 +735,9 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
-          py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
-          py::arg("priority") = 0, py::arg("next_use_ms") = 0, py::arg("last_partial") = false,
+          py::arg("token_ids") = py::none(), py::arg("block_size") = 0,
+          py::arg("lora_name") = py::none(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
+          py::arg("last_partial") = false,
           "Copies engine blocks block_ids out under keys (parent: the key of the block before the "
           "first). For KV events (docs/kv-events.md), optionally: the engine's hash of each block "
           "(bytes, or an int sent as its low 64 bits), of the block before the first, the blocks' "
@@ -746,8 +759,8 @@ PYBIND11_MODULE(_kvtier, m) {
             d["refused"] = r.refused;
             return d;
           },
-          py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
-          py::arg("session_over") = false,
+          py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("priority") = 0,
+          py::arg("next_use_ms") = 0, py::arg("session_over") = false,
           "A retention hint for the cached blocks of keys (a request's, or a finished session's: "
           "session_over=True), replacing theirs. Returns {'hinted': blocks that took it, "
           "'refused': of which hinted to be kept past the tier's share}.")
@@ -782,8 +795,9 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
-          py::arg("token_ids") = py::none(), py::arg("block_size") = 0, py::arg("lora_name") = py::none(),
-          py::arg("priority") = 0, py::arg("next_use_ms") = 0, py::arg("last_partial") = false,
+          py::arg("token_ids") = py::none(), py::arg("block_size") = 0,
+          py::arg("lora_name") = py::none(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
+          py::arg("last_partial") = false,
           "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
           "then.")
       .def(
@@ -812,6 +826,7 @@ PYBIND11_MODULE(_kvtier, m) {
             std::shared_ptr<Client> c = self.Get();
             return WithoutGil([&] { return c->Flush(); });
           },
-          "Admin: starts writing every host block that is not on disk yet to the disk tier; returns "
+          "Admin: starts writing every host block that is not on disk yet to the disk tier; "
+          "returns "
           "how many writes were queued.");
 }

@@ -429,6 +429,8 @@ def test_the_scheduler_never_waits_on_a_hung_daemon(model_dir: pathlib.Path, dae
     request = engine.add("a", PREFIX + [1])
     connector = engine.scheduler.connector
     assert daemon.process is not None
+    watch = kvtier.Client.connect(daemon.socket, name="watch")
+    before = watch.stats()["counters"]["lookups"]
     daemon.process.send_signal(signal.SIGSTOP)
     try:
         answers = []
@@ -443,8 +445,30 @@ def test_the_scheduler_never_waits_on_a_hung_daemon(model_dir: pathlib.Path, dae
             time.sleep(0.02)
         assert answers[0] == (None, False)
         assert answers[-1] == (0, False)  # unanswered past lookup_timeout_s: a miss
+        # More requests while it hangs: misses too, and their lookups are
+        # dropped, not run once it answers again.
+        for name in ("b", "c", "d"):
+            later = engine.add(name, PREFIX + [2])
+            deadline = time.monotonic() + 5
+            while connector.get_num_new_matched_tokens(later, 0)[0] is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert connector.get_num_new_matched_tokens(later, 0) == (0, False)
+        daemon.process.send_signal(signal.SIGCONT)
+        # Back: a new request is answered at once, not behind a backlog (the
+        # scheduler's calls waited at most lookup_timeout_s, then its
+        # connection was dropped and made again).
+        fresh = engine.add("e", PREFIX + [3])
+        started = time.monotonic()
+        while connector.get_num_new_matched_tokens(fresh, 0)[0] is None:
+            assert time.monotonic() - started < 3, "the lookup after the hang waited behind stale ones"
+            time.sleep(0.02)
+        time.sleep(0.5)  # anything stale would have run by now
+        # The fresh lookup, and the one asked as the daemon hung (its request
+        # was sent): never the ones that waited behind it.
+        assert watch.stats()["counters"]["lookups"] - before <= 2
     finally:
         daemon.process.send_signal(signal.SIGCONT)
+        watch.close()
         engine.close()
 
 

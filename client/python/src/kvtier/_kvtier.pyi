@@ -120,7 +120,11 @@ class Client:
 
     @staticmethod
     def connect(
-        socket_path: str, token: str | None = None, name: str = "", reconnect_interval: float = 0.2
+        socket_path: str,
+        token: str | None = None,
+        name: str = "",
+        reconnect_interval: float = 0.2,
+        call_timeout: float | None = None,
     ) -> Client: ...
     def close(self) -> None: ...
     def __enter__(self) -> Client: ...

@@ -44,7 +44,9 @@ Settings (``kv_connector_extra_config``): ``socket`` (default
 ``$KVTIER_SOCKET``, else ``/run/kvtier/kvtierd.sock``), ``token`` (when the
 tenant is identified by a token), ``model_id`` (default: the served model's
 name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
-2: a lookup unanswered for that long is a miss), ``lookup_wait_ms`` (default
+2: a lookup unanswered for that long is a miss; the scheduler's calls to the
+daemon wait at most that long, and lookups that waited past it behind a hung
+call are dropped, not run late), ``lookup_wait_ms`` (default
 2: how long the scheduler's first ask about a request waits for the answer
 before vLLM goes on without it; 0 never waits).
 """
@@ -158,9 +160,10 @@ class _Connection:
     reconnects after a daemon restart and registers the cache again.
     Owned by one thread at a time."""
 
-    def __init__(self, settings: _Settings, name: str) -> None:
+    def __init__(self, settings: _Settings, name: str, call_timeout_s: float | None = None) -> None:
         self._settings = settings
         self._name = name
+        self._call_timeout_s = call_timeout_s
         self._client: kvtier.Client | None = None
         self._next_attempt = 0.0
         self._warned = False
@@ -172,7 +175,9 @@ class _Connection:
         if now < self._next_attempt:
             return None
         try:
-            self._client = kvtier.Client.connect(self._settings.socket, token=self._settings.token, name=self._name)
+            self._client = kvtier.Client.connect(
+                self._settings.socket, token=self._settings.token, name=self._name, call_timeout=self._call_timeout_s
+            )
             logger.info("kvtier: connected to %s as tenant %s", self._settings.socket, self._client.tenant)
             self._warned = False
         except kvtier.Error as error:
@@ -308,12 +313,25 @@ class _Lookups:
         self._queue.put(None)
         self._thread.join(timeout=5)
 
+    def _stale(self, req_id: str, hashes: list[bytes]) -> bool:
+        """Whether a queued lookup is no longer wanted: its request is gone,
+        asked again with other blocks, or answered already (a miss, once it
+        waited lookup_timeout_s)."""
+        with self._lock:
+            entry = self._entries.get(req_id)
+            return entry is None or entry.num_blocks != len(hashes) or entry.hits is not None
+
     def _run(self) -> None:
-        connection = _Connection(self._settings, "vllm-scheduler")
+        # Each call waits for the daemon at most lookup_timeout_s: a hung
+        # daemon costs this thread that, then the connection is dropped, and
+        # lookups that waited meanwhile are dropped, not run late.
+        connection = _Connection(self._settings, "vllm-scheduler", call_timeout_s=self._settings.lookup_timeout_s)
         cache: kvtier.KvCache | None = None
         cpu: kvtier.CpuKvCache | None = None
         while (item := self._queue.get()) is not None:
             req_id, hashes = item
+            if self._stale(req_id, hashes):
+                continue
             hits = 0
             try:
                 client = connection.client()
@@ -326,6 +344,8 @@ class _Lookups:
                     hits = client.prefetch(cache, _keys(client, cache, hashes))
             except kvtier.Error as error:
                 logger.debug("kvtier: lookup failed (%s); a miss", error)
+                if isinstance(error, kvtier.DeadlineExceededError):
+                    cache = None  # the connection was dropped: registered again on the next
             with self._lock:
                 entry = self._entries.get(req_id)
                 if entry is not None and entry.num_blocks == len(hashes) and entry.hits is None:
