@@ -750,7 +750,7 @@ void BlockCache::FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult re
       if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
         QueueDiskWrite(e->key, /*keep_in_memory=*/true);
       }
-      if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
+      PutOnStore(e);
     } else {
       Drop(e);
     }
@@ -916,7 +916,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
     ++counters_.demotions;
     counters_.bytes_hbm_to_host += e->block_bytes;
     MaybeCompact(e);
-    if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) QueueRemotePut(e, /*leaving=*/false);
+    PutOnStore(e);
   } else {
     ++counters_.promotions;
     counters_.bytes_host_to_hbm += e->block_bytes;

@@ -647,6 +647,10 @@ class BlockCache {
   // (puts are not pausing after a failure).
   bool WantsRemotePut(const BlockEntry* e, Options::RemoteWrite policy) const;
   bool PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const;
+  // Write-through (write: store): puts host block `e` now, or once the
+  // pause after a failed put is over (RetryRemotePut, remote_retries_).
+  void PutOnStore(BlockEntry* e);
+  void RetryRemotePut(const StoredKey& key);
   // Queues a put of host block `e` to the remote tier: leased for its owner
   // until the put ends, and on_remote once it landed. A block
   // `leaving` host counts as moving out of it meanwhile (write-back stops

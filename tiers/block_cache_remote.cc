@@ -113,6 +113,23 @@ bool BlockCache::RemoteBackingOff() const {
   return remote_failures_in_a_row_ > 0 && options_.clock() < remote_backoff_until_;
 }
 
+void BlockCache::PutOnStore(BlockEntry* e) {
+  if (!WantsRemotePut(e, Options::RemoteWrite::kOnStore)) return;
+  if (!RemoteBackingOff()) {
+    QueueRemotePut(e, /*leaving=*/false);
+    return;
+  }
+  RetryRemotePut(e->key);  // puts pause after a failure: after the pause
+}
+
+void BlockCache::RetryRemotePut(const StoredKey& key) {
+  if (remote_retries_.size() >= kMaxRemoteRetries) {
+    remote_retries_.pop_front();
+    ++counters_.remote_retries_dropped;
+  }
+  remote_retries_.push_back(key);
+}
+
 void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
   Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
   e->remote_put = RemotePut::kPutting;
@@ -273,13 +290,7 @@ void BlockCache::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>
         // write-through put waits in remote_retries_.
         ++counters_.remote_write_failures;
         failed_any = true;
-        if (!leaving) {
-          if (remote_retries_.size() >= kMaxRemoteRetries) {
-            remote_retries_.pop_front();
-            ++counters_.remote_retries_dropped;
-          }
-          remote_retries_.push_back(e->key);
-        }
+        if (!leaving) RetryRemotePut(e->key);
         break;
     }
     if (leaving) tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
