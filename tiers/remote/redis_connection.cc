@@ -182,8 +182,13 @@ std::optional<uint64_t> RedisConnection::PendingStringLength() const {
   if (r.ridx == -1) {
     if (at >= r.len || r.buf[at] != '$') return std::nullopt;
     ++at;
-  } else if (r.ridx != 0 || r.rstack[0].type != REDIS_REPLY_STRING) {
-    return std::nullopt;
+  } else {
+#if HIREDIS_MAJOR >= 1
+    const int top_type = r.tasks > 0 ? r.task[0]->type : -1;
+#else
+    const int top_type = r.rstack[0].type;
+#endif
+    if (r.ridx != 0 || top_type != REDIS_REPLY_STRING) return std::nullopt;
   }
   uint64_t length = 0;
   for (size_t i = at; i < r.len && i < at + 21; ++i) {
