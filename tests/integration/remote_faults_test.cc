@@ -138,11 +138,29 @@ class RemoteFaultsTest : public ::testing::Test {
     b_ = StartSharing("b", cluster_->seeds());
     ASSERT_NE(b_, nullptr);
   }
-  // Another node with A's tenant secrets, on `seeds`.
-  std::unique_ptr<Node> StartSharing(const std::string& name, const std::vector<NodeAddress>& seeds) {
+  // Another node with A's tenant secrets, on `seeds`, with `more` settings.
+  std::unique_ptr<Node> StartSharing(const std::string& name, const std::vector<NodeAddress>& seeds,
+                                     std::vector<std::string> more = {}) {
     std::filesystem::create_directories(dir_ / name);
     std::filesystem::copy(dir_ / "a" / "salts", dir_ / name / "salts", std::filesystem::copy_options::recursive);
-    return Node::Start(seeds, (dir_ / name).string(), {"tiers.remote.breaker_cooldown_ms=300"});
+    more.insert(more.begin(), "tiers.remote.breaker_cooldown_ms=300");
+    return Node::Start(seeds, (dir_ / name).string(), std::move(more));
+  }
+  // Until B loads `keys_on_b` whole, byte for byte, from the cluster: each
+  // try, `driver` stores a fresh one-block prompt first (its loop runs its
+  // put retries and write-back after other work).
+  void ExpectBLoadsOnceDriven(Node& driver, const std::vector<BlockKey>& keys_on_b, uint64_t seed) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    uint32_t loaded = 0, wrong = 0;
+    for (; loaded < keys_on_b.size() && std::chrono::steady_clock::now() < deadline; ++seed) {
+      ASSERT_TRUE(driver.Store(seed, 1).has_value());
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      Result<uint32_t> n = b_->Load(keys_on_b, 0, &wrong);
+      ASSERT_TRUE(n.has_value()) << n.error();
+      loaded = *n;
+    }
+    EXPECT_EQ(loaded, keys_on_b.size()) << driver.daemon.Log();
+    EXPECT_EQ(wrong, 0u);
   }
   void TearDown() override {
     a_.reset();
@@ -289,18 +307,7 @@ TEST_F(RemoteFaultsTest, TheWholeClusterDownThenBack) {
   // B finds it too. Before, a failed put counted as done: never tried again.
   Result<std::vector<BlockKey>> during_on_b = b_->Keys(10, kPromptBlocks);
   ASSERT_TRUE(during_on_b.has_value());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  uint32_t loaded = 0, wrong = 0;
-  for (uint64_t seed = 6000; loaded < kPromptBlocks && std::chrono::steady_clock::now() < deadline;
-       ++seed) {
-    ASSERT_TRUE(a_->Store(seed, 1).has_value());  // A's loop runs its retries after other work
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    Result<uint32_t> n = b_->Load(*during_on_b, 0, &wrong);
-    ASSERT_TRUE(n.has_value()) << n.error();
-    loaded = *n;
-  }
-  EXPECT_EQ(loaded, kPromptBlocks) << a_->daemon.Log();
-  EXPECT_EQ(wrong, 0u);
+  ExpectBLoadsOnceDriven(*a_, *during_on_b, 6000);
 }
 
 // tiers.remote.write=demote without a disk tier: host is written back to
@@ -310,14 +317,10 @@ TEST_F(RemoteFaultsTest, TheWholeClusterDownThenBack) {
 // marked its block as in the cluster, and write-back then dropped it.
 TEST_F(RemoteFaultsTest, WriteBackWithoutADiskDropsNothingWhileTheClusterIsDown) {
   StartAll({.masters = 3, .replicas = 0});
-  std::filesystem::create_directories(dir_ / "c");
-  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts",
-                        std::filesystem::copy_options::recursive);
   // 8 MiB of host: 128 blocks of 64 KiB, written back above 50% (64 blocks).
-  std::unique_ptr<Node> c = Node::Start(
-      cluster_->seeds(), (dir_ / "c").string(),
-      {"tiers.remote.write=demote", "tiers.host.bytes=8MiB", "tiers.remote.breaker_cooldown_ms=300",
-       "policy.watermarks.host={high: 0.5, low: 0.3}"});
+  std::unique_ptr<Node> c =
+      StartSharing("c", cluster_->seeds(),
+                   {"tiers.remote.write=demote", "tiers.host.bytes=8MiB", "policy.watermarks.host={high: 0.5, low: 0.3}"});
   ASSERT_NE(c, nullptr);
   for (size_t i = 0; i < cluster_->size(); ++i) cluster_->Kill(i);
   // 96 blocks: past the high watermark, with room left.
@@ -343,18 +346,7 @@ TEST_F(RemoteFaultsTest, WriteBackWithoutADiskDropsNothingWhileTheClusterIsDown)
   ASSERT_TRUE(cluster_->WaitHealthy().ok());
   Result<std::vector<BlockKey>> first_on_b = b_->Keys(300, kPromptBlocks);
   ASSERT_TRUE(first_on_b.has_value());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  uint32_t loaded = 0, wrong = 0;
-  for (uint64_t seed = 7000; loaded < kPromptBlocks && std::chrono::steady_clock::now() < deadline;
-       ++seed) {
-    ASSERT_TRUE(c->Store(seed, 1).has_value());  // drives C's write-back
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    Result<uint32_t> n = b_->Load(*first_on_b, 0, &wrong);
-    ASSERT_TRUE(n.has_value()) << n.error();
-    loaded = *n;
-  }
-  EXPECT_EQ(loaded, kPromptBlocks) << c->daemon.Log();
-  EXPECT_EQ(wrong, 0u);
+  ExpectBLoadsOnceDriven(*c, *first_on_b, 7000);
 }
 
 // A remote fetch takes host room only from free slots and blocks held
@@ -364,13 +356,11 @@ TEST_F(RemoteFaultsTest, WriteBackWithoutADiskDropsNothingWhileTheClusterIsDown)
 TEST_F(RemoteFaultsTest, ARemoteFetchNeverDropsAHostBlockThatExistsNowhereElse) {
   StartAll({.masters = 3, .replicas = 0});
   const std::vector<BlockKey> shared = a_->StoreShared(400, kPromptBlocks);
-  std::filesystem::create_directories(dir_ / "c");
-  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
   // 8 MiB of host: 128 blocks of 64 KiB, never written back (above a high
   // watermark of 1.0: never), so none of them is in the cluster.
-  std::unique_ptr<Node> c = Node::Start(cluster_->seeds(), (dir_ / "c").string(),
-                                        {"tiers.remote.write=demote", "tiers.host.bytes=8MiB",
-                                         "policy.watermarks.host={high: 1.0, low: 0.99}"});
+  std::unique_ptr<Node> c =
+      StartSharing("c", cluster_->seeds(),
+                   {"tiers.remote.write=demote", "tiers.host.bytes=8MiB", "policy.watermarks.host={high: 1.0, low: 0.99}"});
   ASSERT_NE(c, nullptr);
   std::vector<std::vector<BlockKey>> prompts;
   for (uint64_t seed = 500; seed < 517; ++seed) {  // 17 x 8 blocks: host full
