@@ -37,6 +37,63 @@ uint64_t Sequence(const zmq::message_t& m) {
 // from its 10th byte (after 93 cb <8-byte ts>) must equal a fresh encoding's.
 std::string AfterTs(const std::string& payload) { return payload.substr(10); }
 
+// Sends a replay request from `start` (with a topic prefix frame unless
+// null) on `dealer`; returns each batch resent, or nullopt when no end
+// marker came.
+struct Replayed {
+  std::string topic;
+  uint64_t seq = 0;
+  std::string payload;
+};
+std::optional<std::vector<Replayed>> Replay(zmq::socket_t& dealer, uint64_t start, const char* prefix) {
+  std::array<uint8_t, 8> start_bytes{};
+  for (size_t i = 0; i < 8; ++i) start_bytes[i] = static_cast<uint8_t>(start >> (56 - 8 * i));
+  dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
+  if (prefix == nullptr) {
+    dealer.send(zmq::buffer(start_bytes));
+  } else {
+    dealer.send(zmq::buffer(start_bytes), zmq::send_flags::sndmore);
+    dealer.send(zmq::buffer(std::string(prefix)));
+  }
+  std::vector<Replayed> got;
+  while (true) {
+    zmq::message_t empty, topic, seq, payload;
+    if (!dealer.recv(empty) || !dealer.recv(topic) || !dealer.recv(seq) || !dealer.recv(payload)) return std::nullopt;
+    EXPECT_EQ(empty.size(), 0u);
+    if (seq.to_string() == std::string(8, '\xff')) {
+      EXPECT_EQ(topic.size() + payload.size(), 0u);
+      return got;
+    }
+    got.push_back(Replayed{.topic = topic.to_string(), .seq = Sequence(seq), .payload = payload.to_string()});
+  }
+}
+
+// Until the publisher has given `n` sequence numbers (sent n batches), at
+// most `limit`.
+void WaitForSequence(const KvEventPublisher& publisher, uint64_t n, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (publisher.next_sequence() < n && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// PUB/SUB: a subscriber misses what is sent before its subscription arrives.
+// Publishes warm-up events on `topic` until one comes through `sub`.
+::testing::AssertionResult WarmUp(zmq::socket_t& sub, KvEventPublisher& publisher, const std::string& topic) {
+  sub.set(zmq::sockopt::rcvtimeo, 50);
+  for (int i = 0; i < 200; ++i) {
+    if (!publisher.Publish(topic, Removed(0))) return ::testing::AssertionFailure() << "the queue refused a warm-up";
+    zmq::message_t m;
+    if (sub.recv(m)) {
+      while (m.more()) {
+        if (!sub.recv(m)) return ::testing::AssertionFailure() << "a warm-up's frames were cut";
+      }
+      return ::testing::AssertionSuccess();
+    }
+  }
+  return ::testing::AssertionFailure() << "no warm-up event came through";
+}
+
 TEST(KvEventPublisherTest, ASubscriberSeesOrderedBatchesOfThreeFrames) {
   KvEventPublisherOptions o;
   o.endpoint = Endpoint("pub");
@@ -49,18 +106,7 @@ TEST(KvEventPublisherTest, ASubscriberSeesOrderedBatchesOfThreeFrames) {
   sub.set(zmq::sockopt::subscribe, "kv@node-a");
   sub.set(zmq::sockopt::rcvtimeo, 5000);
   sub.connect(o.endpoint);
-  // PUB/SUB: a subscriber misses what is sent before its subscription
-  // arrives. Warm-up events until one comes through; the test's own follow.
-  sub.set(zmq::sockopt::rcvtimeo, 50);
-  for (int i = 0;; ++i) {
-    ASSERT_LT(i, 200) << "no warm-up event came through";
-    ASSERT_TRUE((*publisher)->Publish("kv@node-a@warm-up", Removed(0)));
-    zmq::message_t m;
-    if (sub.recv(m)) {
-      while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());  // the rest of its frames
-      break;
-    }
-  }
+  ASSERT_TRUE(WarmUp(sub, **publisher, "kv@node-a@warm-up"));  // the test's own follow
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the last warm-ups are sent
   const uint64_t base = (*publisher)->next_sequence();
   const KvEventPublisherCounters before = (*publisher)->counters();
@@ -113,10 +159,7 @@ TEST(KvEventPublisherTest, TheReplaySocketResendsFromASequenceThenTheEndMarker) 
   Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
   ASSERT_TRUE(publisher.has_value()) << publisher.error();
   for (uint64_t h = 0; h < 6; ++h) ASSERT_TRUE((*publisher)->Publish("t", Removed(h)));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while ((*publisher)->next_sequence() < 6 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitForSequence(**publisher, 6, std::chrono::seconds(5));
   ASSERT_EQ((*publisher)->next_sequence(), 6u);
 
   zmq::context_t context;
@@ -124,26 +167,17 @@ TEST(KvEventPublisherTest, TheReplaySocketResendsFromASequenceThenTheEndMarker) 
   dealer.set(zmq::sockopt::rcvtimeo, 5000);
   dealer.connect(o.replay_endpoint);
   auto replay_from = [&](uint64_t start) {
-    std::array<uint8_t, 8> start_bytes{};
-    for (size_t i = 0; i < 8; ++i) start_bytes[i] = static_cast<uint8_t>(start >> (56 - 8 * i));
-    dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
-    dealer.send(zmq::buffer(start_bytes));
+    std::optional<std::vector<Replayed>> got = Replay(dealer, start, nullptr);
     std::vector<uint64_t> seqs;
-    while (true) {
-      zmq::message_t empty, topic, seq, payload;
-      if (!dealer.recv(empty) || !dealer.recv(topic) || !dealer.recv(seq) || !dealer.recv(payload)) {
-        ADD_FAILURE() << "no reply";
-        return std::vector<uint64_t>{};
-      }
-      EXPECT_EQ(empty.size(), 0u);
-      if (seq.to_string() == std::string(8, '\xff')) {
-        EXPECT_EQ(topic.size() + payload.size(), 0u);
-        break;
-      }
-      EXPECT_EQ(topic.to_string(), "t");
-      EXPECT_EQ(AfterTs(payload.to_string()),
-                AfterTs(EncodeKvEventBatch(0, std::vector<KvEvent>{Removed(Sequence(seq))}, std::nullopt, {})));
-      seqs.push_back(Sequence(seq));
+    if (!got) {
+      ADD_FAILURE() << "no reply";
+      return seqs;
+    }
+    for (const Replayed& r : *got) {
+      EXPECT_EQ(r.topic, "t");
+      EXPECT_EQ(AfterTs(r.payload),
+                AfterTs(EncodeKvEventBatch(0, std::vector<KvEvent>{Removed(r.seq)}, std::nullopt, {})));
+      seqs.push_back(r.seq);
     }
     return seqs;
   };
@@ -159,29 +193,6 @@ TEST(KvEventPublisherTest, TheReplaySocketResendsFromASequenceThenTheEndMarker) 
   EXPECT_EQ((*publisher)->counters().replay_batches, 7u);
 }
 
-// Sends a replay request from `start` (with a topic prefix frame unless
-// null) on `dealer`; returns the (topic, sequence) of each batch resent,
-// or nullopt when no end marker came.
-std::optional<std::vector<std::pair<std::string, uint64_t>>> Replay(zmq::socket_t& dealer, uint64_t start,
-                                                                     const char* prefix) {
-  std::array<uint8_t, 8> start_bytes{};
-  for (size_t i = 0; i < 8; ++i) start_bytes[i] = static_cast<uint8_t>(start >> (56 - 8 * i));
-  dealer.send(zmq::const_buffer(nullptr, 0), zmq::send_flags::sndmore);
-  if (prefix == nullptr) {
-    dealer.send(zmq::buffer(start_bytes));
-  } else {
-    dealer.send(zmq::buffer(start_bytes), zmq::send_flags::sndmore);
-    dealer.send(zmq::buffer(std::string(prefix)));
-  }
-  std::vector<std::pair<std::string, uint64_t>> got;
-  while (true) {
-    zmq::message_t empty, topic, seq, payload;
-    if (!dealer.recv(empty) || !dealer.recv(topic) || !dealer.recv(seq) || !dealer.recv(payload)) return std::nullopt;
-    if (seq.to_string() == std::string(8, '\xff')) return got;
-    got.emplace_back(topic.to_string(), Sequence(seq));
-  }
-}
-
 // A replay names a topic prefix as a subscription does: it gets only that
 // prefix's batches (before: every topic's, other tenants' token ids too).
 TEST(KvEventPublisherTest, AReplayWithATopicPrefixGetsOnlyThatPrefixsBatches) {
@@ -193,10 +204,7 @@ TEST(KvEventPublisherTest, AReplayWithATopicPrefixGetsOnlyThatPrefixsBatches) {
   Result<std::unique_ptr<KvEventPublisher>> publisher = KvEventPublisher::Start(o);
   ASSERT_TRUE(publisher.has_value()) << publisher.error();
   for (uint64_t h = 0; h < 6; ++h) ASSERT_TRUE((*publisher)->Publish(h % 2 == 0 ? "kv@a@m" : "kv@b@m", Removed(h)));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while ((*publisher)->next_sequence() < 6 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitForSequence(**publisher, 6, std::chrono::seconds(5));
   zmq::context_t context;
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::rcvtimeo, 5000);
@@ -204,7 +212,7 @@ TEST(KvEventPublisherTest, AReplayWithATopicPrefixGetsOnlyThatPrefixsBatches) {
   auto a = Replay(dealer, 0, "kv@a");
   ASSERT_TRUE(a.has_value());
   ASSERT_EQ(a->size(), 3u);
-  for (const auto& [topic, seq] : *a) EXPECT_EQ(topic, "kv@a@m") << seq;
+  for (const Replayed& r : *a) EXPECT_EQ(r.topic, "kv@a@m") << r.seq;
   auto all = Replay(dealer, 0, nullptr);
   ASSERT_TRUE(all.has_value());
   EXPECT_EQ(all->size(), 6u) << "no prefix: every topic, as vLLM's replay";
@@ -229,26 +237,14 @@ TEST(KvEventPublisherTest, AFloodOfReplaysDoesNotStarveLiveBatches) {
   BlockRemovedEvent fat{.block_hashes = {}, .medium = KvEventMedium::kDisk};
   for (uint64_t h = 0; h < 4096; ++h) fat.block_hashes.push_back(EngineBlockHash::FromU64(h));
   for (int i = 0; i < 1000; ++i) (*publisher)->PublishWaiting("kv@old@m", fat);
-  const auto filled = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while ((*publisher)->next_sequence() < 1000 && std::chrono::steady_clock::now() < filled) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitForSequence(**publisher, 1000, std::chrono::seconds(60));
   ASSERT_EQ((*publisher)->next_sequence(), 1000u);
 
   zmq::context_t context;
   zmq::socket_t sub(context, zmq::socket_type::sub);
   sub.set(zmq::sockopt::subscribe, "kv@live");
-  sub.set(zmq::sockopt::rcvtimeo, 50);
   sub.connect(o.endpoint);
-  for (int i = 0;; ++i) {  // warm-up until the subscription is in place
-    ASSERT_LT(i, 200);
-    ASSERT_TRUE((*publisher)->Publish("kv@live@warm-up", Removed(0)));
-    zmq::message_t m;
-    if (sub.recv(m)) {
-      while (m.more()) ASSERT_TRUE(sub.recv(m).has_value());
-      break;
-    }
-  }
+  ASSERT_TRUE(WarmUp(sub, **publisher, "kv@live@warm-up"));
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   sub.set(zmq::sockopt::rcvtimeo, 0);
   while (true) {  // the warm-ups still on their way
