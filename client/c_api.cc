@@ -259,4 +259,12 @@ kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t t
   return KVTIER_OK;
 }
 
+kvtier_status kvtier_cancel(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms) {
+  if (client == nullptr || op == nullptr)
+    return Fail(kvtier::StatusCode::kInvalidArgument, "NULL argument");
+  const kvtier::Status st = client->client->Cancel(kvtier::OpHandle{.op = op->op, .connection = op->connection},
+                                                   std::chrono::milliseconds(timeout_ms));
+  return st.ok() ? KVTIER_OK : Fail(st);
+}
+
 }  // extern "C"

@@ -12,6 +12,7 @@
 #include <variant>
 
 #include "client/cuda_export.h"
+#include "client/op_fences.h"
 #include "common/mutex.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
@@ -93,6 +94,7 @@ class Client::Impl {
   explicit Impl(ClientOptions options) : options_(std::move(options)) {}
 
   Status Connect() {
+    KVTIER_ASSIGN_OR_RETURN(fences_, OpFences::Create());
     MutexLock lock(&mu_);
     return Reconnect();
   }
@@ -250,13 +252,18 @@ class Client::Impl {
       }
       if (event >= 0) completion = c->cuda->NextCompletionValue(event);
     }
+    // From here on, a failure cancels the op's copies (which the daemon
+    // may have started) before returning: the caller may reuse the blocks.
+    const OpFences::Fence fence = fences_->Open();
     FlatBufferBuilder b(128 + keys.size() * 20);
     const std::vector<w::Key> wk = KeysToWire(keys);
     const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
     const uint64_t rid = next_id_++;
     std::vector<uint8_t> bytes;
     if (load) {
-      bytes = ipc::FinishMessage(b, rid, w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event));
+      bytes = ipc::FinishMessage(b, rid,
+                                 w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event,
+                                                     static_cast<int32_t>(fence.slot), fence.generation));
     } else {
       const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
       std::vector<uint8_t> hashes, parent_hash;
@@ -274,21 +281,24 @@ class Client::Impl {
                                events != nullptr ? &hashes : nullptr, events != nullptr ? events->hash_bytes : 0,
                                parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
                                events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str(),
-                               static_cast<int8_t>(h.priority), h.next_use_ms, h.last_partial));
+                               static_cast<int8_t>(h.priority), h.next_use_ms, h.last_partial,
+                               static_cast<int32_t>(fence.slot), fence.generation));
     }
     if (wait) {
       Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
       release();  // the op is over (or, on error, never started)
-      if (!r) return Err(r.error());
+      if (!r) return Err(Abandon(fence, r.error()));
+      fences_->Close(fence);
       return FinishOpResult(*r->msg->body_as_OpResult());
     }
     Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpStarted);
     if (!r) {
       release();
-      return Err(r.error());
+      return Err(Abandon(fence, r.error()));
     }
     const w::OpStarted* started = r->msg->body_as_OpStarted();
     OpHandle handle{started->op(), connection_};
+    fences_->Track({connection_, handle.op}, fence);
     if (load && event >= 0 && started->event_recorded()) {
       if (Status st = c->cuda->StreamWait(stream, event); !st.ok()) {
         release();
@@ -328,8 +338,16 @@ class Client::Impl {
   }
 
   Result<OpResult> WaitLocked(const OpHandle& op, std::chrono::milliseconds timeout) KVTIER_REQUIRES(mu_) {
-    KVTIER_RETURN_IF_ERROR(EnsureConnected());
-    if (op.connection != connection_) return Err(Unavailable("kvtierd restarted; the op was lost"));
+    if (!fd_.valid() || op.connection != connection_) {
+      // Its connection is gone (kvtierd restarted, or a call timed out), and
+      // with it the op's result: its copies were cancelled then.
+      const OpFences::OpKey key{op.connection, op.op};
+      Status lost = Abandon(fences_->Find(key),
+                            Unavailable("the connection to kvtierd was lost (it restarted, or a call timed out); "
+                                        "the op was lost"));
+      if (lost.code() != StatusCode::kAborted) fences_->Untrack(key);
+      return Err(std::move(lost));
+    }
     FlatBufferBuilder b(64);
     const uint64_t rid = next_id_++;
     const auto ms = static_cast<uint32_t>(std::min<int64_t>(timeout.count(), UINT32_MAX));
@@ -338,11 +356,33 @@ class Client::Impl {
     if (!r) {
       // NotFound: the daemon no longer holds the op, so it is over (its result
       // was taken, or dropped unread after it finished): its event is free.
-      if (r.error().code() == StatusCode::kNotFound) ReleaseOpEvent(op.op);
+      if (r.error().code() == StatusCode::kNotFound) {
+        ReleaseOpEvent(op.op);
+        fences_->Untrack({op.connection, op.op});
+      }
       return Err(r.error());
     }
-    if (r->msg->body_as_OpResult()->done()) ReleaseOpEvent(op.op);
+    if (r->msg->body_as_OpResult()->done()) {
+      ReleaseOpEvent(op.op);
+      fences_->Untrack({op.connection, op.op});
+    }
     return ToOpResult(*r->msg->body_as_OpResult());
+  }
+
+  Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout) {
+    // No lock of the client's calls: this works while one waits on kvtierd.
+    const std::optional<OpFences::Fence> fence = fences_->Find({op.connection, op.op});
+    if (!fence) return Status::Ok();  // over (its result collected) or cancelled already
+    const auto deadline = timeout.count() > 0 ? std::chrono::steady_clock::now() + timeout
+                                              : std::chrono::steady_clock::time_point::max();
+    if (!fences_->Cancel(*fence, deadline)) {
+      return Status(StatusCode::kDeadlineExceeded,
+                    "a copy of op " + std::to_string(op.op) + " is still in progress after " +
+                        std::to_string(timeout.count()) +
+                        " ms (kvtierd stopped or died in the middle of it): its blocks are not safe to reuse yet");
+    }
+    fences_->Untrack({op.connection, op.op});
+    return Status::Ok();
   }
 
   Result<DaemonStats> Stats() {
@@ -484,6 +524,24 @@ class Client::Impl {
     return Reconnect();
   }
 
+  // Cancels the copies of an op that failed or was lost with `error`, and
+  // returns `error` once none runs; kAborted when one is still in progress
+  // after call_timeout (10 s without one): kvtierd stopped or died in the
+  // middle of a copy, and the op's blocks are not safe to reuse.
+  Status Abandon(std::optional<OpFences::Fence> fence, Status error) {
+    if (!fence) return error;
+    const auto wait = options_.call_timeout.count() > 0 ? options_.call_timeout
+                                                        : std::chrono::milliseconds(std::chrono::seconds(10));
+    if (!fences_->Cancel(*fence, std::chrono::steady_clock::now() + wait)) {
+      return Status(StatusCode::kAborted,
+                    error.message() + "; and a copy of the op is still in progress after " +
+                        std::to_string(wait.count()) +
+                        " ms (kvtierd stopped or died in the middle of it): its blocks are not safe to reuse");
+    }
+    fences_->Close(*fence);
+    return error;
+  }
+
   void ReleaseOpEvent(uint64_t op) KVTIER_REQUIRES(mu_) {
     auto it = op_events_.find(op);
     if (it == op_events_.end()) return;
@@ -500,6 +558,8 @@ class Client::Impl {
       held.cache->cuda->ReleaseEvent(held.slot);
     }
     op_events_.clear();
+    // Nor will it answer for their copies: none may start now.
+    fences_->CancelAll(connection_);
     fd_.Reset();
     next_attempt_ = std::chrono::steady_clock::now() + options_.reconnect_interval;
   }
@@ -565,15 +625,18 @@ class Client::Impl {
       for (const IpcEventHandle& h : c.cuda->event_handles()) {
         events.emplace_back(flatbuffers::span<const uint8_t, 64>(h.data(), h.size()));
       }
-      fds.push_back(c.cuda->completion_fd());
     }
+    const int completion_index = c.cuda != nullptr ? static_cast<int>(fds.size()) : -1;
+    if (c.cuda != nullptr) fds.push_back(c.cuda->completion_fd());
+    const auto fence_index = static_cast<int>(fds.size());
+    fds.push_back(fences_->fd());
     std::vector<w::Placement> placements;
     for (const Placement& p : c.placements) placements.push_back(ipc::PlacementToWire(p));
     const uint64_t rid = next_id_++;
     const auto body = w::CreateRegisterKvCacheDirect(b, ipc::LayoutToWire(b, c.layout), c.num_blocks, &regions,
                                                      &placements, c.cuda != nullptr ? &events : nullptr,
-                                                     c.cuda != nullptr ? static_cast<int>(fds.size()) - 1 : -1,
-                                                     static_cast<w::Codec>(c.codec.kind), c.codec.fp8_group);
+                                                     completion_index, static_cast<w::Codec>(c.codec.kind),
+                                                     c.codec.fp8_group, fence_index);
     KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, body), fds, rid, w::Body::Registered));
     c.namespace_id = r.msg->body_as_Registered()->namespace_id();
     c.hasher = std::make_unique<ChainHasher>(*hash_secret_, c.layout);
@@ -654,6 +717,8 @@ class Client::Impl {
     uint32_t completion = 0;  // a store's completion value, or 0
   };
   std::map<uint64_t, HeldEvent> op_events_ KVTIER_GUARDED_BY(mu_);
+  // Set by Connect, before any other call.
+  std::unique_ptr<OpFences> fences_;
 };
 
 Result<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
@@ -726,6 +791,7 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
 }
 
 Result<OpResult> Client::Wait(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Wait(op, timeout); }
+Status Client::Cancel(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Cancel(op, timeout); }
 
 Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
   KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, true, cache, keys, block_ids, std::nullopt));

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/kv_cache_layout.h"
+#include "common/op_fence.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -129,6 +130,10 @@ struct CopyBatch {
   // What the blocks with coded_bytes hold (kSlotToEngine, DecodesOnLoad) or
   // are to hold (kEngineToSlot, EncodesOnStore).
   CodecParams codec = {};
+  // Engine copies: the client's fence for them (common/op_fence.h). A copy
+  // touches the engine's memory only from a successful Enter to its entry's
+  // release; refused, the batch fails with kCancelled and copies no more.
+  OpFence fence = {};
 };
 
 struct CopyResult {

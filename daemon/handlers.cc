@@ -242,19 +242,31 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
       std::copy(e->bytes()->begin(), e->bytes()->end(), h.begin());
     }
   }
-  std::shared_ptr<CompletionPage> completions;
-  if (const int idx = m.completion_fd_index(); idx >= 0) {
-    if (static_cast<size_t>(idx) >= fds.size() || fd_used[static_cast<size_t>(idx)]) {
-      return ipc::ErrorMessage(id, InvalidArgument("completion_fd_index does not name an unused descriptor"));
+  // A page sent with the message (`index` -1: none): the client's memfd,
+  // mapped shared.
+  auto map_page = [&](int index, const char* what, size_t bytes) -> Result<std::optional<MemoryMapping>> {
+    if (index < 0) return std::optional<MemoryMapping>();
+    if (static_cast<size_t>(index) >= fds.size() || fd_used[static_cast<size_t>(index)]) {
+      return Err(InvalidArgument(std::string(what) + ": its fd index does not name an unused descriptor"));
     }
-    fd_used[static_cast<size_t>(idx)] = true;
+    fd_used[static_cast<size_t>(index)] = true;
     ClientRegionHandle page;
     page.kind = ClientMemoryKind::kHostMemfd;
-    page.size_bytes = CompletionPage::kBytes;
-    page.memfd = std::move(fds[static_cast<size_t>(idx)]);
-    Result<MemoryMapping> mapped = HostBackend::MapSealedMemfd(page, "the completion page");
-    if (!mapped) return ipc::ErrorMessage(id, mapped.error());
-    completions = std::make_shared<CompletionPage>(std::move(*mapped));
+    page.size_bytes = bytes;
+    page.memfd = std::move(fds[static_cast<size_t>(index)]);
+    KVTIER_ASSIGN_OR_RETURN(MemoryMapping mapped, HostBackend::MapSealedMemfd(page, what));
+    return std::optional<MemoryMapping>(std::move(mapped));
+  };
+  std::shared_ptr<CompletionPage> completions;
+  std::shared_ptr<FencePage> fences;
+  {
+    Result<std::optional<MemoryMapping>> page =
+        map_page(m.completion_fd_index(), "the completion page", CompletionPage::kBytes);
+    if (!page) return ipc::ErrorMessage(id, page.error());
+    if (*page) completions = std::make_shared<CompletionPage>(std::move(**page));
+    page = map_page(m.fence_fd_index(), "the fence page", FencePage::kBytes);
+    if (!page) return ipc::ErrorMessage(id, page.error());
+    if (*page) fences = std::make_shared<FencePage>(std::move(**page));
   }
   Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles), std::move(events));
   if (!mapping) return ipc::ErrorMessage(id, mapping.error());
@@ -263,7 +275,8 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));
   const LayoutFingerprint fingerprint = CodedFingerprint(layout->fingerprint(), *codec);
   s.namespaces[ns_id] =
-      SessionNamespace{shared_layout, std::move(*mapping), std::move(completions), *codec, fingerprint};
+      SessionNamespace{shared_layout, std::move(*mapping), std::move(completions), std::move(fences), *codec,
+                       fingerprint};
   spdlog::info("session {}: registered KV cache {}: {} blocks, {}, codec {}", s.id, ns_id, m.num_blocks(),
                layout->ToString(), CodecName(codec->kind));
   FlatBufferBuilder b(128);
@@ -446,6 +459,16 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  " needs a completion page and a slot below " +
                                                  std::to_string(CompletionPage::kSlots)));
   }
+  const int32_t fence_slot = load ? l->fence_slot() : st->fence_slot();
+  const uint64_t fence_generation = load ? l->fence_generation() : st->fence_generation();
+  if (fence_slot != -1 && ((*ns)->fences == nullptr || fence_slot < 0 ||
+                           static_cast<uint32_t>(fence_slot) >= FencePage::kSlots || fence_generation == 0 ||
+                           fence_generation > FencePage::kGenerationMask)) {
+    return ipc::ErrorMessage(id, InvalidArgument("fence_slot " + std::to_string(fence_slot) +
+                                                 " needs a fence page, a slot below " +
+                                                 std::to_string(FencePage::kSlots) +
+                                                 " and a generation of 1 to 2^48 - 1"));
+  }
   StoreHint hint;
   if (!load) {
     hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
@@ -494,7 +517,9 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     o.completion_slot = static_cast<uint32_t>(completion_slot);
     o.completion_value = st->completion_value();
   }
-  EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec};
+  EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec,
+                      fence_slot < 0 ? OpFence()
+                                     : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation)};
   OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
   uint32_t queued = 0;  // blocks whose copies were queued just now
   if (load) {
@@ -535,6 +560,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
 }
 
 void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
+  if (outcome.status.code() == StatusCode::kCancelled) ++ops_cancelled_;
   auto sit = sessions_.find(session_id);
   if (sit == sessions_.end()) return;  // the client is gone; nothing to tell
   Session& s = *sit->second;
@@ -707,6 +733,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"blocks_present_remote", cache_->present_blocks(Presence::kRemote)},
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
+                        {"ops_cancelled", ops_cancelled_},
                     });
     if (events_ != nullptr) {
       const KvEventPublisherCounters p = events_->publisher_counters();
@@ -919,6 +946,7 @@ MetricsSnapshot Server::Snapshot() const {
   for (const auto& [sid, session] : sessions_) m.inflight_ops += session->ops.in_flight();
   m.sessions_refused = sessions_refused_;
   m.messages_rejected = messages_rejected_;
+  m.ops_cancelled = ops_cancelled_;
   m.lookup_latency = lookup_latency_;
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;

@@ -266,6 +266,8 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.sessions_refused));
   f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
             static_cast<double>(s.messages_rejected));
+  f.Counter("kvtier_ops_cancelled_total", "Loads and stores whose copies their client cancelled (a fence).",
+            static_cast<double>(s.ops_cancelled));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
     const TenantShare& ts = t.share;
     for (size_t i = 0; i < 3; ++i) {

@@ -64,6 +64,7 @@ struct MetricsSnapshot {
   uint64_t inflight_ops = 0;
   uint64_t sessions_refused = 0;
   uint64_t messages_rejected = 0;
+  uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
   LatencyHistogram lookup_latency;  // request handling
   LatencyHistogram load_latency;    // op start to completion
   LatencyHistogram store_latency;

@@ -153,6 +153,7 @@ class Server {
   std::optional<std::chrono::steady_clock::time_point> stop_flush_until_;
   uint64_t sessions_refused_ = 0;
   uint64_t messages_rejected_ = 0;
+  uint64_t ops_cancelled_ = 0;  // ops that ended with kCancelled (their client's fence)
   LatencyHistogram lookup_latency_;
   LatencyHistogram load_latency_;
   LatencyHistogram store_latency_;

@@ -17,6 +17,7 @@
 #include "common/memory_mapping.h"
 #include "common/unique_fd.h"
 #include "daemon/session_ops.h"
+#include "common/op_fence.h"
 #include "ipc/seqpacket.h"
 #include "tiers/block_cache.h"
 
@@ -45,6 +46,7 @@ struct SessionNamespace {
   std::shared_ptr<const KvCacheLayout> layout;
   std::shared_ptr<ClientMapping> mapping;
   std::shared_ptr<CompletionPage> completions = nullptr;  // optional
+  std::shared_ptr<FencePage> fences = nullptr;            // optional: the client's fence page
   // How its blocks are stored below host, and the namespace that makes them
   // (CodedFingerprint): what stored keys are derived with.
   CodecParams codec = {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0};

@@ -553,7 +553,8 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
                   .flow = tenant,
                   .layout = target.layout,
                   .mapping = target.mapping,
-                  .signal_event = target.event};
+                  .signal_event = target.event,
+                  .fence = target.fence};
   // Coded host blocks are decoded on their way (DecodesOnLoad): all of one
   // namespace, the target's.
   for (size_t i = 0; i < leased.size(); ++i) {
@@ -657,7 +658,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .mapping = target.mapping,
                   .checksum_destination = true,
                   .wait_event = target.event,
-                  .codec = target.codec};
+                  .codec = target.codec,
+                  .fence = target.fence};
   const StoredKey* prev = parent ? &*parent : nullptr;
   // Where the chain stands: the parent's depth when the index has it.
   const BlockEntry* parent_entry = parent ? index_.Find(*parent) : nullptr;
@@ -778,7 +780,8 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
                   .flow = job->tenant,
                   .layout = job->target.layout,
                   .mapping = job->target.mapping,
-                  .checksum_destination = true};
+                  .checksum_destination = true,
+                  .fence = job->target.fence};
   std::vector<size_t> regathered;
   for (uint32_t i : result.not_coded) {
     BlockEntry* e = job->filling.at(i);

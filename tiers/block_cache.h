@@ -59,6 +59,7 @@
 #include "common/device_backend.h"
 #include "common/key128.h"
 #include "common/latency_histogram.h"
+#include "common/op_fence.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
 #include "tiers/disk_gate.h"
@@ -124,6 +125,9 @@ struct EngineTarget {
   // namespace of their own (CodedFingerprint). REQUIRES: CheckCodec passes
   // for the layout's dtype (the daemon checks it at registration).
   CodecParams codec = {.kind = CodecKind::kNone, .dtype = DType::kBf16, .group_elems = 0};
+  // The op's fence (common/op_fence.h): its copies touch the engine's memory
+  // only while the client has not cancelled it. Empty: none.
+  OpFence fence = {};
 };
 
 // What a store's engine said of its blocks (issue 19, docs/policy.md).

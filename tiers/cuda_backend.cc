@@ -150,6 +150,7 @@ void Finish(Pending p, Status status, Lane* lane) {
     }
   }
   p.batch = CopyBatch{};
+  p.fenced = OpFence::Entry();
   p.done(std::move(result));
 }
 
@@ -224,6 +225,9 @@ bool Enqueue(CudaBackend::State& s, Pending p, int device) {
   MutexLock lock(&lane.mu);  // queue order must be stream order
   bool queued_work = false;
   auto enqueue = [&]() -> Status {
+    if (batch.direction != CopyDirection::kSlotToSlot && !batch.fence.Enter(p.fenced)) {
+      return Status(StatusCode::kCancelled, "the client cancelled the op");
+    }
     if (p.on_cpu) return Status::Ok();
     ScopedDevice scope(device);
     KVTIER_RETURN_IF_ERROR(scope.status());

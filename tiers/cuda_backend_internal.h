@@ -137,6 +137,9 @@ struct Pending {
   std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
   // Coded blocks on the GPU: a store's per coded block, a load's one.
   CodecFlags::Lease codec_flags;
+  // Engine copies: the client's fence, held from before their launch until
+  // they are over (Finish).
+  OpFence::Entry fenced;
 };
 
 // One stream and the thread that completes its batches, in stream order.

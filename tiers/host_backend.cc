@@ -217,7 +217,15 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
 void HostBackend::RunTask(const Task& task, Worker& worker) {
   Batch& b = *task.batch;
   const CopyBatch& c = b.copies;
-  for (size_t i = task.begin; i < task.end; ++i) {
+  // Held across this task's copies: a client that cancels the op waits for
+  // them, and none starts once it has.
+  OpFence::Entry fenced;
+  const bool go = c.direction == CopyDirection::kSlotToSlot || c.fence.Enter(fenced);
+  if (!go) {
+    MutexLock lock(&b.mu);
+    if (b.status.ok()) b.status = Status(StatusCode::kCancelled, "the client cancelled the op");
+  }
+  for (size_t i = task.begin; go && i < task.end; ++i) {
     uint64_t* checksum = c.checksum_destination ? &b.checksums[i] : nullptr;
     switch (c.direction) {
       case CopyDirection::kEngineToSlot:
@@ -245,6 +253,7 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
       }
     }
   }
+  fenced = OpFence::Entry();
   if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     // Let go of the client's mapping and layout before `done` runs: the
     // other tasks of the batch may still hold the Batch for a moment, and

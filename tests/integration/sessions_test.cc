@@ -16,8 +16,6 @@
 
 #include <array>
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +26,7 @@
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/raw_session.h"
 #include "tests/integration/stats_when.h"
+#include "tests/integration/stopped_daemon.h"
 
 namespace kvtier::testing {
 namespace {
@@ -106,46 +105,6 @@ std::vector<uint8_t> WaitFor(uint64_t request, uint64_t op, uint32_t timeout_ms)
   flatbuffers::FlatBufferBuilder b;
   return ipc::FinishMessage(b, request, wire::CreateWait(b, op, timeout_ms));
 }
-
-// Whether every thread of `pid` is stopped (a signal is delivered
-// asynchronously: kill() may return while the target still runs).
-bool AllThreadsStopped(pid_t pid) {
-  const std::filesystem::path tasks = "/proc/" + std::to_string(pid) + "/task";
-  std::error_code ec;
-  for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
-    std::ifstream stat(task.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    // "tid (comm) S ...": the state follows the last ')'.
-    const size_t paren = line.rfind(')');
-    if (paren == std::string::npos || paren + 2 >= line.size()) return false;
-    if (const char state = line[paren + 2]; state != 'T' && state != 't') return false;
-  }
-  return !ec;
-}
-
-// Stops the daemon until it goes out of scope, so that what is sent
-// meanwhile is read in one wake-up.
-class Stopped {
- public:
-  explicit Stopped(const DaemonProcess& d) : d_(d) {
-    d_.Signal(SIGSTOP);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!AllThreadsStopped(d_.pid())) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        ADD_FAILURE() << "kvtierd did not stop";
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-  ~Stopped() { d_.Signal(SIGCONT); }
-  Stopped(const Stopped&) = delete;
-  Stopped& operator=(const Stopped&) = delete;
-
- private:
-  const DaemonProcess& d_;
-};
 
 TEST(SessionsTest, OpsNeverWaitedForKeepBeingAcceptedAndKeepABoundedNumberOfResults) {
   constexpr uint32_t kLimit = 8;

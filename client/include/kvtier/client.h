@@ -274,11 +274,27 @@ class Client {
                               const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
   // Waits for an op (timeout 0 = no limit). Errors: the op's own error
   // (e.g. kResourceExhausted for a store), kDeadlineExceeded on timeout (the
-  // op keeps running; wait again), kUnavailable if the daemon restarted,
+  // op keeps running; wait again, or Cancel), kUnavailable if the connection
+  // was lost (the daemon restarted, or a call ran past call_timeout),
   // kNotFound if its result was taken already or dropped unread (a session
   // keeps the results of only its last max_inflight_ops finished ops that
   // nobody waited for; an op handle may be dropped without a Wait).
+  // After any error but kDeadlineExceeded, no copy of the op touches its
+  // blocks any more (kAborted if one is still in progress after
+  // call_timeout: see Cancel). The same holds for a LoadAsync or StoreAsync
+  // that fails.
   Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Cancels an op without the daemon (it works while kvtierd is hung, and
+  // from another thread than one waiting on it): its copies not started yet
+  // never start, and this waits for any in progress to end (timeout 0 = no
+  // limit). Once it returns Ok, the daemon never touches the op's blocks
+  // again, so the engine may reuse them; the op then ends with kCancelled,
+  // or with its own result if it was over, and need not be waited for. Ok
+  // for an op that is over. Errors: kDeadlineExceeded when a copy is still in
+  // progress after `timeout` (kvtierd stopped or died in the middle of one,
+  // which takes microseconds otherwise): its blocks are not safe to reuse
+  // yet; cancel again.
+  Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Blocking forms: one round trip.
   Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
   Result<OpResult> Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,

@@ -173,11 +173,22 @@ kvtier_status kvtier_hint_blocks(kvtier_client* client, uint32_t cache_id, const
                                  const kvtier_hint* hint, uint32_t* hinted, uint32_t* refused);
 
 /* Waits for an op, at most timeout_ms (0: no limit). KVTIER_DEADLINE_EXCEEDED:
- * still running, wait again; KVTIER_UNAVAILABLE: the daemon restarted, the op
- * is lost (a load loaded nothing usable, a store stored nothing). *blocks and
- * *already (either may be NULL) as for kvtier_load and kvtier_store. */
+ * still running, wait again (or kvtier_cancel); KVTIER_UNAVAILABLE: the
+ * connection was lost (the daemon restarted), the op is lost (a load loaded
+ * nothing usable, a store stored nothing). After any error but
+ * KVTIER_DEADLINE_EXCEEDED no copy of the op touches its blocks any more.
+ * *blocks and *already (either may be NULL) as for kvtier_load and
+ * kvtier_store. */
 kvtier_status kvtier_wait(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms,
                           uint32_t* blocks, uint32_t* already);
+
+/* Cancels an op without the daemon (it works while kvtierd is hung): its
+ * copies not started never start, and this waits at most timeout_ms (0: no
+ * limit) for any in progress. KVTIER_OK: the daemon never touches the op's
+ * blocks again, and the engine may reuse them; the op need not be waited
+ * for. KVTIER_DEADLINE_EXCEEDED: a copy is still in progress (kvtierd
+ * stopped in the middle of it); the blocks are not safe yet, cancel again. */
+kvtier_status kvtier_cancel(kvtier_client* client, const kvtier_op* op, uint32_t timeout_ms);
 
 #ifdef __cplusplus
 }

@@ -254,9 +254,20 @@ class PyOp {
                   : std::chrono::milliseconds(0);
     Result<OpResult> r = Unlocked([&] { return client_->Wait(handle_, timeout); });
     if (!r && r.error().code() == StatusCode::kDeadlineExceeded)
-      Raise(r.error());  // still running: wait again
+      Raise(r.error());  // still running: wait again, or cancel
     client_.reset();
     return Must(std::move(r));
+  }
+  void Cancel(std::optional<double> timeout_s) {
+    if (!client_) return;  // over: its result was returned
+    if (timeout_s && *timeout_s < 0) RaiseInvalid("timeout must be >= 0 seconds, or None");
+    const auto timeout = timeout_s ? std::max<std::chrono::milliseconds>(
+                                         std::chrono::milliseconds(1),
+                                         std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
+                                   : std::chrono::milliseconds(0);
+    Status st = Unlocked([&] { return client_->Cancel(handle_, timeout); });
+    if (!st.ok()) Raise(st);  // a copy still in progress: cancel again
+    client_.reset();
   }
   bool waited() const { return !client_; }
 
@@ -545,8 +556,15 @@ PYBIND11_MODULE(_kvtier, m) {
           "Waits for the op (timeout in seconds; None = no limit) and returns its OpResult. Raises "
           "DeadlineExceededError when the timeout passes first (the op keeps running: wait again), "
           "the op's own "
-          "error otherwise.")
-      .def_property_readonly("done", &PyOp::waited, "Whether wait() has returned its result.");
+          "error otherwise. After any error but DeadlineExceededError, no copy of the op touches its "
+          "blocks any more.")
+      .def("cancel", &PyOp::Cancel, py::arg("timeout") = py::none(),
+           "Cancels the op without the daemon (it works while kvtierd is hung): copies not started "
+           "never start, and this waits for any in progress (timeout in seconds; None = no limit). "
+           "Once it returns, the daemon never touches the op's blocks again and the engine may reuse "
+           "them. Raises DeadlineExceededError when a copy is still in progress after the timeout "
+           "(kvtierd stopped in the middle of it): the blocks are not safe yet, cancel again.")
+      .def_property_readonly("done", &PyOp::waited, "Whether wait() or cancel() has returned.");
 
   py::class_<PyClient, std::shared_ptr<PyClient>>(
       m, "Client",

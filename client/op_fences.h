@@ -1,0 +1,75 @@
+// OpFences: a client's fence page (common/op_fence.h) and which of its
+// slots serve which ops, so that an op can be cancelled without kvtierd: a
+// client that gives up on a hung daemon makes sure that no copy of the op
+// touches the engine's blocks before it lets the engine reuse them.
+//
+// Slots are taken by Open and given back by Close. An op whose handle was
+// dropped never gives its slot back: when every slot is taken, Open reopens
+// the one opened longest ago, whose op (if it still runs) then fails with
+// kCancelled at its next copy, never touching the memory after.
+//
+// Internal to libkvtier. Thread-safe; Cancel and Await take no lock the
+// client's calls hold, so they work while another thread waits on kvtierd.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "common/mutex.h"
+#include "common/op_fence.h"
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace kvtier {
+
+class OpFences {
+ public:
+  struct Fence {
+    uint32_t slot = 0;
+    uint64_t generation = 0;
+  };
+  // An op, as the client names it: (connection, op id).
+  using OpKey = std::pair<uint64_t, uint64_t>;
+
+  static Result<std::unique_ptr<OpFences>> Create();
+
+  // The page's memfd, to send with RegisterKvCache (borrowed).
+  int fd() const { return fd_.get(); }
+
+  // A slot for a new op, opened (no copies, not cancelled).
+  Fence Open();
+  // Gives a slot back; no-op if it was reopened since.
+  void Close(const Fence& fence);
+
+  // Remembers which op a fence serves, until Untrack.
+  void Track(const OpKey& op, const Fence& fence);
+  std::optional<Fence> Find(const OpKey& op) const;
+  // Forgets the op and closes its fence (its result was delivered).
+  void Untrack(const OpKey& op);
+  // Cancels every tracked op of `connection`, without waiting (the client
+  // lost the connection: its ops' results never come).
+  void CancelAll(uint64_t connection);
+
+  // Cancels `fence`'s op and waits until no copy of it is in progress, at
+  // most until `deadline`. True: none touches the op's memory from now on.
+  bool Cancel(const Fence& fence, std::chrono::steady_clock::time_point deadline);
+
+ private:
+  OpFences(UniqueFd fd, MemoryMapping mapping);
+
+  const UniqueFd fd_;
+  FencePage page_;
+  mutable Mutex mu_;
+  // Per slot: the generation of the op it serves, or 0 when free.
+  std::vector<uint64_t> open_ KVTIER_GUARDED_BY(mu_);
+  uint64_t next_generation_ KVTIER_GUARDED_BY(mu_) = 1;
+  uint32_t next_slot_ KVTIER_GUARDED_BY(mu_) = 0;
+  std::map<OpKey, Fence> ops_ KVTIER_GUARDED_BY(mu_);
+};
+
+}  // namespace kvtier

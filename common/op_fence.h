@@ -1,0 +1,158 @@
+// Op fences: how a client stops the daemon's copies into and out of its KV
+// cache without the daemon's help, so that an engine that gives up on a hung
+// or slow kvtierd may reuse its blocks at once (docs/protocol.md, "Cancelling
+// an op").
+//
+// The fence page is a 4 KiB memfd the client makes and registers with its
+// caches (RegisterKvCache.fence_fd_index); both sides map it. Each of its
+// kSlots 64-bit words serves one op at a time:
+//
+//   bit 63      cancelled (set by the client)
+//   bits 48-62  copies of the op in progress (the daemon's)
+//   bits 0-47   the op's generation, never 0 (the client's)
+//
+// The client opens a slot for an op by writing a new generation, and names
+// slot and generation in the Load or Store. Before a copy touches the
+// engine's memory the daemon enters the word (count + 1), only while it holds
+// the op's generation and is not cancelled; after the copy it leaves (count
+// - 1, only while the generation is the op's). The client cancels by setting
+// bit 63 and waiting for the count to reach zero: every change to the word is
+// one compare-and-swap, so from then on no copy of the op touches its memory.
+// A slot the client has reopened for another op keeps stale copies out by
+// its generation.
+//
+// The daemon never waits on a fence, and a client writing nonsense into its
+// own page can only fail its own ops.
+//
+// FencePage and OpFence are thread-safe (atomic accesses to shared memory).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "common/memory_mapping.h"
+
+namespace kvtier {
+
+class FencePage {
+ public:
+  static constexpr size_t kBytes = 4096;
+  static constexpr uint32_t kSlots = kBytes / sizeof(uint64_t);
+  static constexpr uint64_t kCancelled = uint64_t{1} << 63;
+  static constexpr uint64_t kOneCopy = uint64_t{1} << 48;
+  static constexpr uint64_t kCopiesMask = (kCancelled - 1) & ~(kOneCopy - 1);
+  static constexpr uint64_t kGenerationMask = kOneCopy - 1;
+
+  // REQUIRES: `mapping` is at least kBytes, shared with the other side.
+  explicit FencePage(MemoryMapping mapping) : mapping_(std::move(mapping)) {}
+
+  // The daemon's side. Whether a copy of op (slot, generation) may start;
+  // if so, it is counted until Leave. REQUIRES: slot < kSlots.
+  bool Enter(uint32_t slot, uint64_t generation) {
+    std::atomic_ref<uint64_t> w = word(slot);
+    uint64_t v = w.load(std::memory_order_acquire);
+    while (true) {
+      if ((v & kGenerationMask) != generation || (v & kCancelled) != 0 || (v & kCopiesMask) == kCopiesMask) {
+        return false;
+      }
+      if (w.compare_exchange_weak(v, v + kOneCopy, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
+    }
+  }
+  // After the copy's last access to the engine's memory (release: the
+  // client that sees the count fall sees the copy over).
+  void Leave(uint32_t slot, uint64_t generation) {
+    std::atomic_ref<uint64_t> w = word(slot);
+    uint64_t v = w.load(std::memory_order_acquire);
+    while ((v & kGenerationMask) == generation && (v & kCopiesMask) != 0) {
+      if (w.compare_exchange_weak(v, v - kOneCopy, std::memory_order_acq_rel, std::memory_order_acquire)) return;
+    }
+  }
+
+  // The client's side. Opens `slot` for a new op (no copies, not cancelled).
+  // REQUIRES: 0 < generation <= kGenerationMask.
+  void Open(uint32_t slot, uint64_t generation) { word(slot).store(generation, std::memory_order_release); }
+  // Marks the op cancelled: no copy of it starts from now on. Returns
+  // whether none is in progress (then none ever touches the op's memory
+  // again); false: wait for Quiet.
+  bool Cancel(uint32_t slot, uint64_t generation) {
+    std::atomic_ref<uint64_t> w = word(slot);
+    uint64_t v = w.load(std::memory_order_acquire);
+    while ((v & kGenerationMask) == generation && (v & kCancelled) == 0) {
+      if (w.compare_exchange_weak(v, v | kCancelled, std::memory_order_acq_rel, std::memory_order_acquire)) break;
+    }
+    return Quiet(slot, generation);
+  }
+  // Whether no copy of the op is in progress (acquire: its writes are seen).
+  bool Quiet(uint32_t slot, uint64_t generation) {
+    const uint64_t v = word(slot).load(std::memory_order_acquire);
+    return (v & kGenerationMask) != generation || (v & kCopiesMask) == 0;
+  }
+
+ private:
+  std::atomic_ref<uint64_t> word(uint32_t slot) {
+    return std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(mapping_.data())[slot]);
+  }
+
+  MemoryMapping mapping_;
+};
+
+// One op's fence, as the daemon's copies carry it (CopyBatch::fence). Empty:
+// the op has none, and its copies always run. Copyable.
+class OpFence {
+ public:
+  OpFence() = default;
+  // REQUIRES: page != nullptr, slot < FencePage::kSlots.
+  OpFence(std::shared_ptr<FencePage> page, uint32_t slot, uint64_t generation)
+      : page_(std::move(page)), slot_(slot), generation_(generation) {}
+
+  // A copy in progress, from a successful Enter until destruction. Move-only.
+  class Entry {
+   public:
+    Entry() = default;
+    ~Entry() { Release(); }
+    Entry(Entry&& other) noexcept
+        : page_(std::move(other.page_)), slot_(other.slot_), generation_(other.generation_) {}
+    Entry& operator=(Entry&& other) noexcept {
+      if (this != &other) {
+        Release();
+        page_ = std::move(other.page_);
+        slot_ = other.slot_;
+        generation_ = other.generation_;
+      }
+      return *this;
+    }
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+
+   private:
+    friend class OpFence;
+    Entry(std::shared_ptr<FencePage> page, uint32_t slot, uint64_t generation)
+        : page_(std::move(page)), slot_(slot), generation_(generation) {}
+    void Release() {
+      if (page_ != nullptr) page_->Leave(slot_, generation_);
+      page_ = nullptr;
+    }
+    std::shared_ptr<FencePage> page_;
+    uint32_t slot_ = 0;
+    uint64_t generation_ = 0;
+  };
+
+  // Whether the op's copies may touch the engine's memory now; `entry` then
+  // holds the fence until they are over. Always true for an empty fence.
+  bool Enter(Entry& entry) const {
+    if (page_ == nullptr) return true;
+    if (!page_->Enter(slot_, generation_)) return false;
+    entry = Entry(page_, slot_, generation_);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<FencePage> page_;
+  uint32_t slot_ = 0;
+  uint64_t generation_ = 0;
+};
+
+}  // namespace kvtier
