@@ -666,6 +666,8 @@ class BlockCache {
   void FlushRemotePuts();
   // Whether remote puts pause after a failure.
   bool RemoteBackingOff() const;
+  // Whether puts hold less than their share of host (kRemotePutShareOfHost).
+  bool RemotePutRoom() const;
   // A put's end: each block on_remote where it landed, refused for good,
   // or to try again after a pause.
   void FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>& batch,
@@ -887,6 +889,7 @@ class BlockCache {
   // Write-through puts that did not reach the cluster, to try again once
   // the pause is over (at most kMaxRemoteRetries; stale keys are skipped).
   std::deque<StoredKey> remote_retries_;
+  uint64_t remote_put_bytes_ = 0;  // host slot bytes leased by puts queued or in flight
   // Disk writes waiting for a place in flight: key, and whether the block
   // stays in memory (write-through) or moves to disk (flush).
   struct QueuedDiskWrite {

@@ -596,8 +596,9 @@ void BlockCache::PumpDiskWrites() {
   if (options_.disk == nullptr && !RemoteWriteBack()) return;
   if (disk_failures_in_a_row_ > 0 && options_.clock() < disk_backoff_until_) return;
   // Without a disk tier, write-back only puts blocks to the remote tier:
-  // while puts pause after a failure it waits, and drops nothing unput.
-  if (options_.disk == nullptr && RemoteBackingOff()) return;
+  // while puts pause after a failure, or hold their share of host, it
+  // waits, and drops nothing unput.
+  if (options_.disk == nullptr && (RemoteBackingOff() || !RemotePutRoom())) return;
   // After a failure, one write at a time until one succeeds: a failing
   // device costs one try per pause, not a crowd of them (each takes room in
   // the disk's log).
@@ -637,9 +638,12 @@ void BlockCache::PumpDiskWrites() {
     if (v == nullptr) break;
     if (PutsToRemote(v, Options::RemoteWrite::kOnDemote)) {
       QueueRemotePut(v, /*leaving=*/true);  // it leaves once the put has ended
-    } else {
-      DemoteFromHost(v);
+      continue;
     }
+    // Puts hold their share of host: without a disk it waits for them to
+    // end, and drops nothing unput.
+    if (options_.disk == nullptr && WantsRemotePut(v, Options::RemoteWrite::kOnDemote)) break;
+    DemoteFromHost(v);
   }
   // A flush ends once the tier is idle: until then a reclaim (also one that
   // carried blocks' appends start) may still take a host block's disk copy.

@@ -96,6 +96,12 @@ constexpr std::chrono::milliseconds kMaxRemoteBackoff{5000};
 // again per FlushRemotePuts at most (bounded work on the event loop).
 constexpr size_t kMaxRemoteRetries = 1 << 16;
 constexpr size_t kRetriesPerFlush = 512;
+// Host bytes that puts may hold leased at once, as a fraction of the tier:
+// a cluster that answers slowly (a master down until its replica takes
+// over) holds each put until its deadline, and stores must still find
+// blocks to let go meanwhile. Write-through puts beyond it wait in the
+// retry line, unleased.
+constexpr uint64_t kRemotePutShareOfHost = 4;  // a quarter
 
 }  // namespace
 
@@ -106,7 +112,12 @@ bool BlockCache::WantsRemotePut(const BlockEntry* e, Options::RemoteWrite policy
 }
 
 bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const {
-  return WantsRemotePut(e, policy) && !RemoteBackingOff();
+  return WantsRemotePut(e, policy) && !RemoteBackingOff() && RemotePutRoom();
+}
+
+bool BlockCache::RemotePutRoom() const {
+  const TierState* host = tier(Tier::kHost);
+  return host->pool && remote_put_bytes_ < host->pool->capacity_bytes() / kRemotePutShareOfHost;
 }
 
 bool BlockCache::RemoteBackingOff() const {
@@ -115,11 +126,11 @@ bool BlockCache::RemoteBackingOff() const {
 
 void BlockCache::PutOnStore(BlockEntry* e) {
   if (!WantsRemotePut(e, Options::RemoteWrite::kOnStore)) return;
-  if (!RemoteBackingOff()) {
+  if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) {
     QueueRemotePut(e, /*leaving=*/false);
     return;
   }
-  RetryRemotePut(e->key);  // puts pause after a failure: after the pause
+  RetryRemotePut(e->key);  // after the pause that follows a failure, or once puts in flight ended
 }
 
 void BlockCache::RetryRemotePut(const StoredKey& key) {
@@ -133,6 +144,7 @@ void BlockCache::RetryRemotePut(const StoredKey& key) {
 void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
   Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
   e->remote_put = RemotePut::kPutting;
+  remote_put_bytes_ += e->block_bytes;  // not its slot's: a compaction may code it meanwhile
   // Its slot cannot change while it leaves: it is neither moving nor
   // compacting, and its lease keeps it so.
   if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(SlotBytes(e));
@@ -142,8 +154,8 @@ void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
 void BlockCache::FlushRemotePuts() {
   // Write-through puts that failed, once the pause is over (a bounded step:
   // the rest wait for the next call).
-  for (size_t step = 0; step < kRetriesPerFlush && !remote_retries_.empty() && !RemoteBackingOff();
-       ++step) {
+  for (size_t step = 0;
+       step < kRetriesPerFlush && !remote_retries_.empty() && !RemoteBackingOff() && RemotePutRoom(); ++step) {
     BlockEntry* e = index_.Find(remote_retries_.front());
     remote_retries_.pop_front();
     if (e != nullptr && PutsToRemote(e, Options::RemoteWrite::kOnStore)) {
@@ -294,6 +306,7 @@ void BlockCache::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>
         break;
     }
     if (leaving) tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
+    remote_put_bytes_ -= e->block_bytes;
     Unlease(e, e->owner);
   }
   if (failed_any && !stored_any) {
