@@ -253,8 +253,8 @@ class PyOp {
                         std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
                   : std::chrono::milliseconds(0);
     Result<OpResult> r = Unlocked([&] { return client_->Wait(handle_, timeout); });
-    if (!r && r.error().code() == StatusCode::kDeadlineExceeded)
-      Raise(r.error());  // still running: wait again, or cancel
+    if (!r && (r.error().code() == StatusCode::kDeadlineExceeded || r.error().code() == StatusCode::kAborted))
+      Raise(r.error());  // still running, or a copy of it still is: wait again, or cancel
     client_.reset();
     return Must(std::move(r));
   }

@@ -139,6 +139,15 @@ def test_async_ops_are_waited_for_once(client: kvtier.Client) -> None:
     load = client.load_async(cache, keys, [8, 9, 10, 11])
     assert load.wait().blocks == 4
     assert (np.asarray(cpu)[8:12] == 9).all()
+    load.cancel()  # over already: nothing to do
+    # A cancelled op is over too: its result is never read.
+    again = client.load_async(cache, keys, [12, 13, 14, 15])
+    again.cancel(timeout=10)
+    assert again.done
+    with pytest.raises(kvtier.FailedPreconditionError):
+        again.wait()
+    with pytest.raises(kvtier.InvalidArgumentError, match="timeout"):
+        client.load_async(cache, keys, [12, 13, 14, 15]).cancel(timeout=-1)
 
 
 def test_bad_input_is_a_clear_exception(daemon: Daemon, client: kvtier.Client) -> None:

@@ -48,7 +48,18 @@ name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
 daemon wait at most that long, and lookups that waited past it behind a hung
 call are dropped, not run late), ``lookup_wait_ms`` (default
 2: how long the scheduler's first ask about a request waits for the answer
-before vLLM goes on without it; 0 never waits).
+before vLLM goes on without it; 0 never waits), ``op_timeout_s`` (default
+10: how long a worker's call to the daemon, and a step's loads, may take; a
+load not done by then is cancelled and its blocks recomputed, a store not
+done when its blocks are needed is cancelled; after a call timed out the
+worker leaves the daemon alone for a second, doubling to 30 s while it stays
+hung, and every transfer meanwhile is a miss. A step so waits at most about
+twice op_timeout_s on a hung daemon, once).
+
+Cancelling (``Op.cancel``) needs no answer from the daemon: once it
+returns, kvtierd never touches the op's blocks again, so vLLM may reuse or
+recompute them at once. Only a daemon stopped in the middle of a copy (a
+copy takes microseconds) makes it wait for that copy.
 """
 
 from __future__ import annotations
@@ -91,6 +102,8 @@ logger = init_logger("vllm.kvtier")
 _DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 # How long a process waits between attempts to reach a daemon that was down.
 _RECONNECT_INTERVAL_S = 1.0
+# The longest pause after calls to a hung daemon (_Connection.note).
+_MAX_HUNG_PAUSE_S = 30.0
 
 
 # --------------------------------------------------------------------------
@@ -104,6 +117,7 @@ class _Settings:
     model_id: str
     lookup_timeout_s: float
     lookup_wait_s: float
+    op_timeout_s: float
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -114,6 +128,7 @@ class _Settings:
             model_id=str(extra.get("model_id") or vllm_config.model_config.model),
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
             lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
+            op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
         )
 
 
@@ -167,11 +182,15 @@ class _Connection:
         self._client: kvtier.Client | None = None
         self._next_attempt = 0.0
         self._warned = False
+        self._hung_for = 0.0  # the pause after the last call that timed out, 0 once one was answered
+        self._hung_until = 0.0
 
     def client(self) -> kvtier.Client | None:
+        now = time.monotonic()
+        if now < self._hung_until:
+            return None
         if self._client is not None:
             return self._client
-        now = time.monotonic()
         if now < self._next_attempt:
             return None
         try:
@@ -186,6 +205,21 @@ class _Connection:
                 logger.warning("kvtier: %s unreachable (%s); every lookup is a miss until it is back", self._settings.socket, error)
                 self._warned = True
         return self._client
+
+    def note(self, error: kvtier.Error | None) -> None:
+        """What a call to the daemon ended with (None: it answered). After a
+        call that timed out (which drops the connection; an op that is still
+        running does not), client() is None for a second, then two, up to
+        _MAX_HUNG_PAUSE_S while the daemon stays hung: a hung daemon costs
+        each step nothing more, not a call_timeout per step."""
+        if error is None:
+            self._hung_for = 0.0
+            return
+        if not isinstance(error, kvtier.DeadlineExceededError) or self._client is None or self._client.connected:
+            return
+        self._hung_for = min(max(2 * self._hung_for, 1.0), _MAX_HUNG_PAUSE_S)
+        self._hung_until = time.monotonic() + self._hung_for
+        logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._settings.socket, error, self._hung_for)
 
     def close(self) -> None:
         if self._client is not None:
@@ -513,13 +547,16 @@ class _WorkerSide:
         self._settings = settings
         self._kv_cache_config = kv_cache_config
         self._layout = _layout(settings, kv_cache_config, tp_rank, tp_size)
-        self._connection = _Connection(settings, f"vllm-worker-{tp_rank}")
+        # Every call waits at most op_timeout_s: a hung daemon never holds a
+        # step for long (docs: op_timeout_s).
+        self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
         self._cache: kvtier.KvCache | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._invalid: set[int] = set()
         self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
         self._finishing: set[str] = set()  # finished requests with stores
         self._hints: dict[str, TransferSpec] = {}  # to send once their request's stores landed
+        self._store_started: dict[int, float] = {}  # id(op) -> when get_finished first found it running
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -579,17 +616,47 @@ class _WorkerSide:
                 try:
                     op = client.load_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids)
                 except kvtier.Error as error:
+                    # No copy of it runs now (a failed start cancels them).
+                    self._connection.note(error)
                     logger.info("kvtier: a load of %d blocks failed to start (%s); vLLM recomputes them", len(spec.block_ids), error)
             pending.append((spec, op))
-        # The forward pass reads these blocks: every load ends before it starts.
+        # The forward pass reads these blocks: every load ends, or is
+        # cancelled, before it starts.
+        deadline = time.monotonic() + self._settings.op_timeout_s
         for spec, op in pending:
             loaded = 0
             if op is not None:
-                try:
-                    loaded = op.wait().blocks
-                except kvtier.Error as error:
-                    logger.info("kvtier: a load of %d blocks failed (%s); vLLM recomputes them", len(spec.block_ids), error)
+                result = self._finish(op, deadline - time.monotonic(), f"a load of {len(spec.block_ids)} blocks")
+                loaded = result.blocks if result is not None else 0
             self._invalid.update(spec.block_ids[loaded:])
+
+    def _finish(self, op: kvtier.Op, timeout: float, what: str) -> kvtier.OpResult | None:
+        """The op's result within `timeout`, else None once it is cancelled:
+        either way, no copy of it touches its blocks any more."""
+        try:
+            result = op.wait(max(timeout, 0.0))
+            self._connection.note(None)
+            return result
+        except kvtier.DeadlineExceededError as error:
+            self._connection.note(error)
+            logger.warning("kvtier: %s is not done in time (%s); cancelled", what, error)
+        except kvtier.Error as error:
+            # Over, or lost with its connection: its copies are cancelled.
+            logger.info("kvtier: %s failed (%s)", what, error)
+            if not isinstance(error, kvtier.AbortedError):
+                return None
+        self._cancel(op)
+        return None
+
+    @staticmethod
+    def _cancel(op: kvtier.Op) -> None:
+        try:
+            op.cancel(timeout=1.0)
+        except kvtier.DeadlineExceededError:
+            # The daemon stopped in the middle of one of the op's copies: its
+            # blocks are not vLLM's again until that copy is over.
+            logger.error("kvtier: kvtierd stopped in the middle of a copy; waiting for it before vLLM reuses the blocks")
+            op.cancel()
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         if not meta.stores:
@@ -616,26 +683,45 @@ class _WorkerSide:
                     )
                 )
             except kvtier.Error as error:
+                self._connection.note(error)
                 logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its
-        stores must have read them first."""
+        stores must have read them first, or be cancelled."""
         for req_id in meta.preempted:
-            for op in self._stores.get(req_id, []):
-                self._wait_store(op)
+            self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
 
-    @staticmethod
-    def _wait_store(op: kvtier.Op, timeout: float | None = None) -> bool:
-        """Collects a store's result; False while it still runs (after `timeout`)."""
+    def _end_stores(self, ops: list[kvtier.Op]) -> None:
+        """Collects stores within op_timeout_s in all, cancelling those not
+        done by then."""
+        deadline = time.monotonic() + self._settings.op_timeout_s
+        for op in ops:
+            self._finish(op, deadline - time.monotonic(), "a store")
+
+    def _poll_store(self, op: kvtier.Op) -> bool:
+        """Collects a store's result if it is over; False while it still
+        runs. One running past op_timeout_s is cancelled (so the request's
+        blocks are vLLM's again)."""
+        if self._connection.client() is None:
+            self._cancel(op)  # the daemon is hung or gone: do not wait on it
+            return True
         try:
-            op.wait(timeout)
-        except kvtier.DeadlineExceededError:
-            return False
+            op.wait(0)
+        except kvtier.DeadlineExceededError as error:
+            self._connection.note(error)
+            started = self._store_started.setdefault(id(op), time.monotonic())
+            if self._connection.client() is not None and time.monotonic() - started < self._settings.op_timeout_s:
+                return False
+            logger.warning("kvtier: a store is not done after %.1f s; cancelled", self._settings.op_timeout_s)
+            self._cancel(op)
         except kvtier.Error as error:
             logger.info("kvtier: a store failed (%s)", error)
+            if isinstance(error, kvtier.AbortedError):
+                self._cancel(op)
+        self._store_started.pop(id(op), None)
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -644,7 +730,7 @@ class _WorkerSide:
         for req_id in self._finishing:
             ops = self._stores[req_id]
             # Polled in order, at most one still running per request.
-            while ops and self._wait_store(ops[0], timeout=0):
+            while ops and self._poll_store(ops[0]):
                 ops.pop(0)
             if not ops:
                 done.add(req_id)
@@ -671,6 +757,7 @@ class _WorkerSide:
                 session_over=hint.session_over,
             )
         except kvtier.Error as error:
+            self._connection.note(error)
             logger.info("kvtier: a hint for %d blocks failed (%s)", len(spec.block_hashes), error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -678,9 +765,7 @@ class _WorkerSide:
         return invalid
 
     def shutdown(self) -> None:
-        for ops in self._stores.values():
-            for op in ops:
-                self._wait_store(op)
+        self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()
         # The registration goes before vLLM frees its tensors.
         self._cache = None

@@ -16,7 +16,12 @@ SPEC (JSON):
                  phase's loads find kvtierd emptied just before they start
                  (after the scheduler's lookups): the fault of blocks evicted
                  between lookup and load. It needs the worker in this process
-                 (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+                 (VLLM_ENABLE_V1_MULTIPROCESSING=0). With stop_before_load, the
+                 phase's first step that loads stops kvtierd (SIGSTOP to
+                 kvtierd_pid) just before its loads start: a daemon that hangs
+                 between the scheduler's lookups and the worker's loads. It
+                 stays stopped until the test continues it.
+  kvtierd_pid    kvtierd's pid, for stop_before_load
   pause          when true, after each phase but the last the process prints
                  "PAUSED <i>" and waits for a line on stdin before going on
 
@@ -65,6 +70,48 @@ class EvictBeforeLoad:
         connector._WorkerSide.start_load_kv = start_load_kv
 
 
+class StopBeforeLoad:
+    """Wraps the connector's worker so that, while on, the first step that
+    loads from kvtierd stops it first (SIGSTOP, and waits until every
+    thread of it is stopped)."""
+
+    on = False
+
+    @classmethod
+    def install(cls, pid: int) -> None:
+        import os
+        import pathlib
+        import signal
+
+        from kvtier import vllm as connector
+
+        original = connector._WorkerSide.start_load_kv
+
+        def stopped() -> bool:
+            for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+                state = stat.read_text().rpartition(")")[2].split()[0]
+                if state not in ("T", "t"):
+                    return False
+            return True
+
+        def start_load_kv(self, meta):  # type: ignore[no-untyped-def]
+            if cls.on and meta.loads:
+                cls.on = False
+                os.kill(pid, signal.SIGSTOP)
+                deadline = time.monotonic() + 10
+                while not stopped() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                print(f"STOPPED kvtierd before a load of {sum(len(s.block_ids) for s in meta.loads)} blocks", flush=True)
+                started = time.monotonic()
+                try:
+                    return original(self, meta)
+                finally:
+                    print(f"LOADS GIVEN UP after {time.monotonic() - started:.2f} s", flush=True)
+            return original(self, meta)
+
+        connector._WorkerSide.start_load_kv = start_load_kv
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
@@ -99,10 +146,13 @@ def main() -> None:
     phases = spec["phases"]
     if any(phase.get("evict_before_load") for phase in phases):
         EvictBeforeLoad.install(spec["kvtier"]["socket"])
+    if any(phase.get("stop_before_load") for phase in phases):
+        StopBeforeLoad.install(int(spec["kvtierd_pid"]))
     # The first request with logprobs pays a one-time cost: not in any phase.
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, logprobs=1), use_tqdm=False)
     for index, phase in enumerate(phases):
         EvictBeforeLoad.on = bool(phase.get("evict_before_load"))
+        StopBeforeLoad.on = bool(phase.get("stop_before_load"))
         requests = phase["requests"]
         prompts = [{"prompt_token_ids": r["ids"]} for r in requests]
         params = [

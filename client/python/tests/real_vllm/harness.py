@@ -19,9 +19,12 @@ import dataclasses
 import json
 import os
 import pathlib
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -96,8 +99,29 @@ def run_engine(spec: dict[str, Any], on_pause: Callable[[int], None] | None = No
             )
             phases: list[Phase] = []
             assert process.stdout is not None and process.stdin is not None
+            # Read on a thread of its own, so that an engine that hangs fails
+            # the test at ENGINE_TIMEOUT_S instead of holding it forever.
+            lines: queue.Queue[str | None] = queue.Queue()
+            stdout = process.stdout
+
+            def read() -> None:
+                for line in stdout:
+                    lines.put(line)
+                lines.put(None)
+
+            threading.Thread(target=read, daemon=True).start()
+            deadline = time.monotonic() + ENGINE_TIMEOUT_S
+            code: int | None = None
             try:
-                for line in process.stdout:
+                while True:
+                    try:
+                        line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+                    except queue.Empty:
+                        log.write(f"\nHUNG: the engine ran past {ENGINE_TIMEOUT_S} s\n")
+                        break
+                    if line is None:
+                        code = process.wait(timeout=max(deadline - time.monotonic(), 1.0))
+                        break
                     log.write(line)
                     log.flush()
                     if line.startswith("RESULT "):
@@ -107,7 +131,6 @@ def run_engine(spec: dict[str, Any], on_pause: Callable[[int], None] | None = No
                         on_pause(int(line.split()[1]))
                         process.stdin.write("\n")
                         process.stdin.flush()
-                code = process.wait(timeout=ENGINE_TIMEOUT_S)
             finally:
                 if process.poll() is None:
                     process.kill()

@@ -241,6 +241,57 @@ def test_kvtierd_killed_and_restarted_mid_run(model: pathlib.Path, reference: di
     assert "Traceback" not in run.log
 
 
+def test_a_hung_kvtierd_never_holds_a_step_past_the_connectors_timeouts(
+    model: pathlib.Path, reference: dict[str, Phase], kvtierd: Daemon
+) -> None:
+    """kvtierd hangs (SIGSTOP) between the scheduler's lookups, which found
+    the blocks, and the worker's loads, and stays hung for the rest of the
+    phase: the loads give up within op_timeout_s and vLLM recomputes (the
+    same outputs), later lookups are misses, later stores are skipped. Once
+    the daemon continues, it skips the copies of the load given up on (the
+    op's fence): vLLM may have reused those blocks by then."""
+    timeouts = {"lookup_timeout_s": 1, "op_timeout_s": 1}
+    phases = [
+        {"requests": LONG},
+        {"requests": FLUSH[0]},  # LONG's blocks leave vLLM's own cache
+        {"requests": AGAIN, "stop_before_load": True},  # the lookups hit kvtierd, which hangs before the loads
+        {"requests": FLUSH[1]},  # kvtierd is back
+    ]
+    assert kvtierd.process is not None
+    pid = kvtierd.process.pid
+    before: dict[str, int] = {}
+
+    def between(phase: int) -> None:
+        if phase == 1:
+            before.update(counters(kvtierd))  # before the phase it hangs in
+        if phase == 2:
+            os.kill(pid, signal.SIGCONT)
+
+    small = {"num_blocks": SMALL_CACHE_BLOCKS, "max_num_seqs": 8, "max_model_len": 1024, "max_num_batched_tokens": 1024}
+    run_spec = spec(model, kvtierd, phases, kvtierd_pid=pid, **small)
+    run_spec["kvtier"].update(timeouts)
+    try:
+        run = run_engine(run_spec, on_pause=between)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # whatever happened, the fixture can stop it
+    for phase, name in [(0, "long"), (1, "flush0"), (2, "again"), (3, "flush1")]:
+        assert_same_outputs(run.phases[phase], reference[name], f"phase {phase} ({name})")
+    assert "STOPPED kvtierd before a load" in run.log
+    given_up = float(run.log.split("LOADS GIVEN UP after ")[1].split()[0])
+    # One call's timeout for the first load (the others are misses at once),
+    # plus the cancels: nothing near a hang.
+    assert given_up < 5, run.log[-6000:]
+    assert run.counter(2, "external_prefix_cache_hits") > 0, "the lookups should have hit before the daemon hung"
+    assert run.phases[2].seconds < 60, f"phase 2 took {run.phases[2].seconds:.1f} s with kvtierd hung"
+    after = counters(kvtierd)
+    # The load kvtierd read once it continued was cancelled, its copies
+    # skipped; no other load could reach it while it was stopped, and phase
+    # 3's prompts are new.
+    assert after["ops_cancelled"] >= before["ops_cancelled"] + 1, after
+    assert after["loads"] == before["loads"], "a load given up on was copied after all"
+    assert "Traceback" not in run.log
+
+
 # --------------------------------------------------------------------------
 # `vllm serve`, the OpenAI server users run, with the connector.
 
