@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap  # noqa: E402
 
+import kvtier  # noqa: E402
 from kvtier.sglang import KvtierStore  # noqa: E402
 
 # 16 KiB pages: 16 tokens x 2 layers x (K, V) x 2 heads x 64 dims x bf16.
@@ -286,6 +287,8 @@ def test_bad_input_is_a_clear_exception(daemon: Daemon, make_store: Callable[...
         StorageBackendFactory.create_backend("dynamic", without_v1, None)
     with pytest.raises(ValueError, match="kvtier_bounce_bytes"):
         KvtierStore(storage_config(daemon.socket, kvtier_bounce_bytes=0))
+    with pytest.raises(ValueError, match="kvtier_timeout_s"):
+        KvtierStore(storage_config(daemon.socket, kvtier_timeout_s=0))
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         KvtierStore(storage_config(daemon.socket)).batch_exists(page_keys("early", 1))
     wrong_shape = host_pool("page_first", 4)
@@ -343,6 +346,47 @@ def test_a_stopped_daemon_means_misses_then_a_restart_works(
         assert store.batch_get_v1(keys, slots([2, 3])) == [True, True]
         assert torch.equal(page_kv(pool, 2), page_kv(pool, 0))
         assert torch.equal(page_kv(pool, 3), page_kv(pool, 1))
+
+
+def test_a_hung_daemon_costs_one_timeout_then_misses_and_never_writes_late(
+    daemon: Daemon, make_store: Callable[..., KvtierStore]
+) -> None:
+    pool = host_pool("page_first", 4)
+    store = make_store(pool, kvtier_timeout_s=0.5)
+    assert store.mode == "in_place"
+    keys = page_keys("hung", 2)
+    fill(pool, [0, 1], seed=7)
+    assert store.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    fill(pool, [2, 3], seed=8)  # the engine's own: a load given up on never lands here
+    mine = [page_kv(pool, 2).clone(), page_kv(pool, 3).clone()]
+    assert daemon.process is not None
+    watch = kvtier.Client.connect(daemon.socket, name="watch")
+    cancelled = watch.stats()["counters"]["ops_cancelled"]
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert store.batch_get_v1(keys, slots([2, 3])) == [False, False]
+        waited = time.monotonic() - started
+        assert 0.5 <= waited < 2.0, waited  # the call's timeout, and its cancel
+        # Left alone meanwhile: misses at once, no call waits again.
+        started = time.monotonic()
+        assert store.batch_exists(keys) == 0
+        assert store.batch_set_v1(keys, slots([0, 1])) == [False, False]
+        assert time.monotonic() - started < 0.1
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    # The daemon reads the load once it continues, and copies nothing.
+    deadline = time.monotonic() + 10
+    while watch.stats()["counters"]["ops_cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the load given up on was never cancelled"
+        time.sleep(0.05)
+    assert torch.equal(page_kv(pool, 2), mine[0]) and torch.equal(page_kv(pool, 3), mine[1])
+    # After the pause (1 s) it is answered again.
+    deadline = time.monotonic() + 10
+    while store.batch_get_v1(keys, slots([2, 3])) != [True, True]:
+        assert time.monotonic() < deadline, "no load after the daemon continued"
+        time.sleep(0.1)
+    assert torch.equal(page_kv(pool, 2), page_kv(pool, 0)) and torch.equal(page_kv(pool, 3), page_kv(pool, 1))
 
 
 def test_a_daemon_down_at_start_is_a_miss_until_it_answers(

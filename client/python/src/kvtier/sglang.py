@@ -24,7 +24,8 @@ Configuration (SGLang 0.5.23)::
   ``/run/kvtier/kvtierd.sock``); ``kvtier_token``: the tenant's token where
   the daemon names tenants by token (default ``$KVTIER_TOKEN``);
   ``kvtier_model_id``: the namespace's model name (default SGLang's model
-  name); ``kvtier_bounce_bytes``: see Memory (default 64 MiB).
+  name); ``kvtier_bounce_bytes``: see Memory (default 64 MiB);
+  ``kvtier_timeout_s``: the longest a call waits on the daemon (default 10).
 - MHA models, host layouts ``page_first`` (SGLang's default),
   ``page_first_direct`` and ``layer_first``. Not MLA models, nor the extra
   host pools of hybrid models (Mamba, SWA, indexer, draft): construction or
@@ -58,10 +59,16 @@ stored) it; a load stops at the first miss and leaves later pages alone.
 Malformed input (lengths, indices that are not whole pages) raises
 ValueError or TypeError.
 
+A daemon that hangs costs one call ``kvtier_timeout_s``: the call cancels
+its copies without the daemon (a fence both share: once cancelled, the
+daemon never writes those pages), reports its pages missed, and later calls
+are misses at once for 1 s, doubling to 30 s while it stays hung. Only a
+daemon stopped in the middle of a copy (microseconds) makes the cancel wait
+for that copy, up to the timeout once more; past it the call fails the same
+way and the pages may still be written once the daemon continues.
+
 Thread-safe: the controller's threads call in concurrently. Every call that
-waits on the daemon releases the GIL, and none has a timeout: a load that the
-daemon may still be writing must not be reported failed (SGLang would reuse
-its pages).
+waits on the daemon releases the GIL.
 """
 
 from __future__ import annotations
@@ -87,11 +94,15 @@ from sglang.srt.mem_cache.hicache_storage import (
 import kvtier
 
 from . import _TORCH_DTYPES
+from ._hung import HungPause
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 DEFAULT_BOUNCE_BYTES = 64 << 20
+# The longest a call waits on kvtierd (kvtier_timeout_s): then its copies are
+# cancelled, its pages are misses, and the daemon is left alone a while.
+DEFAULT_TIMEOUT_S = 10.0
 # Keys per daemon request: below the daemon's default max_keys_per_request.
 _MAX_KEYS_PER_CALL = 1024
 # Seconds between attempts to connect while the daemon has never answered
@@ -259,10 +270,14 @@ class KvtierStore(HiCacheStorage):
         bounce_bytes = int(extra.get("kvtier_bounce_bytes", DEFAULT_BOUNCE_BYTES))
         if bounce_bytes <= 0:
             raise ValueError(f"kvtier_bounce_bytes must be positive, not {bounce_bytes}")
+        timeout_s = float(extra.get("kvtier_timeout_s", DEFAULT_TIMEOUT_S))
+        if not timeout_s > 0:
+            raise ValueError(f"kvtier_timeout_s must be positive, not {timeout_s}")
         self._config = storage_config
         self._socket = str(extra.get("kvtier_socket") or os.environ.get("KVTIER_SOCKET") or DEFAULT_SOCKET)
         self._token: Optional[str] = extra.get("kvtier_token") or os.environ.get("KVTIER_TOKEN") or None
         self._bounce_bytes = bounce_bytes
+        self._timeout_s = timeout_s
         self._model_id = str(extra.get("kvtier_model_id") or storage_config.model_name or "sglang")
         self._lock = threading.Lock()  # connecting and registering
         self._client: Optional[kvtier.Client] = None
@@ -272,6 +287,8 @@ class KvtierStore(HiCacheStorage):
         self._bounce: Optional[_Bounce] = None
         self._cache: Optional[kvtier.KvCache] = None
         self._failing: set[str] = set()  # status codes logged since the last success
+        self._hung = HungPause()  # misses for a while after a call timed out
+        self._hung_lock = threading.Lock()  # _hung's (taken under _lock too)
         with self._lock:
             self._connect()
 
@@ -456,7 +473,10 @@ class KvtierStore(HiCacheStorage):
         config = self._config
         try:
             self._client = kvtier.Client.connect(
-                self._socket, token=self._token, name=f"sglang tp{config.tp_rank}/{config.tp_size}"
+                self._socket,
+                token=self._token,
+                name=f"sglang tp{config.tp_rank}/{config.tp_size}",
+                call_timeout=self._timeout_s,
             )
         except kvtier.UnavailableError as error:
             self._report(error)
@@ -475,6 +495,9 @@ class KvtierStore(HiCacheStorage):
     def _ready(self) -> Optional[tuple[kvtier.Client, kvtier.KvCache]]:
         """The client and the registered cache, registering when due; None
         while the daemon is unreachable or after close()."""
+        with self._hung_lock:
+            if self._hung.active():
+                return None
         client, cache = self._client, self._cache
         if client is not None and cache is not None:
             return client, cache
@@ -579,7 +602,17 @@ class KvtierStore(HiCacheStorage):
         return len(pages)
 
     def _report(self, error: kvtier.Error) -> None:
-        """Logs a daemon error once until the next success."""
+        """Logs a daemon error once until the next success. A call that timed
+        out (its connection dropped, its copies cancelled) starts a pause of
+        misses (HungPause): a hung daemon costs each later call nothing."""
+        client = self._client
+        with self._hung_lock:
+            pause = self._hung.note(error, client is None or client.connected)
+        if pause is not None:
+            logger.warning(
+                "kvtier: kvtierd (%s) did not answer in %.1f s, storage misses for %.0f s: %s",
+                self._socket, self._timeout_s, pause, error,
+            )
         if error.code in self._failing:
             return
         self._failing.add(error.code)
@@ -589,6 +622,8 @@ class KvtierStore(HiCacheStorage):
             logger.warning("kvtier: kvtierd refused a HiCache storage call; its pages miss: %s", error)
 
     def _recovered(self) -> None:
+        with self._hung_lock:
+            self._hung.note(None, True)
         if self._failing:
             self._failing.clear()
             logger.info("kvtier: kvtierd (%s) answers again", self._socket)

@@ -82,6 +82,7 @@ from vllm.logger import init_logger
 import kvtier
 
 from . import _TORCH_DTYPES
+from ._hung import HungPause
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,8 +103,6 @@ logger = init_logger("vllm.kvtier")
 _DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 # How long a process waits between attempts to reach a daemon that was down.
 _RECONNECT_INTERVAL_S = 1.0
-# The longest pause after calls to a hung daemon (_Connection.note).
-_MAX_HUNG_PAUSE_S = 30.0
 
 
 # --------------------------------------------------------------------------
@@ -182,12 +181,11 @@ class _Connection:
         self._client: kvtier.Client | None = None
         self._next_attempt = 0.0
         self._warned = False
-        self._hung_for = 0.0  # the pause after the last call that timed out, 0 once one was answered
-        self._hung_until = 0.0
+        self._hung = HungPause()
 
     def client(self) -> kvtier.Client | None:
         now = time.monotonic()
-        if now < self._hung_until:
+        if self._hung.active():
             return None
         if self._client is not None:
             return self._client
@@ -208,18 +206,11 @@ class _Connection:
 
     def note(self, error: kvtier.Error | None) -> None:
         """What a call to the daemon ended with (None: it answered). After a
-        call that timed out (which drops the connection; an op that is still
-        running does not), client() is None for a second, then two, up to
-        _MAX_HUNG_PAUSE_S while the daemon stays hung: a hung daemon costs
-        each step nothing more, not a call_timeout per step."""
-        if error is None:
-            self._hung_for = 0.0
-            return
-        if not isinstance(error, kvtier.DeadlineExceededError) or self._client is None or self._client.connected:
-            return
-        self._hung_for = min(max(2 * self._hung_for, 1.0), _MAX_HUNG_PAUSE_S)
-        self._hung_until = time.monotonic() + self._hung_for
-        logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._settings.socket, error, self._hung_for)
+        call that timed out, client() is None for a while (HungPause): a hung
+        daemon costs each step nothing more, not a call_timeout per step."""
+        connected = self._client is None or self._client.connected
+        if (pause := self._hung.note(error, connected)) is not None:
+            logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._settings.socket, error, pause)
 
     def close(self) -> None:
         if self._client is not None:
