@@ -255,6 +255,11 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
 }
 
 void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t budgeted) {
+  // A block whose old slot a load still reads (its move to host landed
+  // meanwhile) cannot leave host now: an entry keeps one retired slot. It is
+  // written and stays, clean (a flush, a reclaim's rewrite, a write deferred
+  // until its compaction ended). Nothing moves it while it is written.
+  keep_in_memory = keep_in_memory || e->retired_slot != nullptr;
   e->moving = true;
   index_.Park(e);  // out of the eviction path while it is written
   // A write-through copy leaves nothing in host: no space is on its way out.

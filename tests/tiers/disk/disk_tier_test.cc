@@ -112,7 +112,9 @@ class DiskTierTest : public ::testing::Test {
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
     const uint64_t stride = SlotPool::StrideFor(engine_->block_bytes());
-    BlockCache::Options o{.backend = backend_.get(),
+    // Loads' completions held back when the test asks (holding_).
+    if (hold_loads_ && !holding_) holding_ = std::make_unique<tiers_test::HoldingBackend>(backend_.get());
+    BlockCache::Options o{.backend = holding_ ? static_cast<DeviceBackend*>(holding_.get()) : backend_.get(),
                           .post = post,
                           .hbm_bytes = hbm_slots * stride,
                           .host_bytes = host_slots * stride,
@@ -254,10 +256,12 @@ class DiskTierTest : public ::testing::Test {
   std::string index_path_;
   uint32_t promotion_min_hits_ = 0;
   bool admit_on_reuse_ = false;
+  bool hold_loads_ = false;  // set before Open: the cache copies through holding_
   bool admit_learned_ = false;
   uint32_t gate_sample_every_ = 32;
   std::mt19937_64 rng_{42};
   std::unique_ptr<HostBackend> backend_;
+  std::unique_ptr<tiers_test::HoldingBackend> holding_;
   std::unique_ptr<EngineMemory> engine_;
   std::unique_ptr<MemoryDevice> memory_;
   std::unique_ptr<FaultyDevice> faulty_;
@@ -823,6 +827,46 @@ TEST_F(DiskTierTest, ALoadWhoseBlockMovesToDiskMeanwhileFinishesCleanly) {
   EXPECT_TRUE(engine_->Holds(40, key));
   EXPECT_EQ(cache_->leases(), 0u);
   EXPECT_TRUE(LoadExact(key));
+}
+
+// A load leases block X in hbm; X's move to host lands meanwhile, so its hbm
+// slot is retired, kept for that load. A flush then writes X: it must not
+// move X to disk (an entry keeps one retired slot), so it writes X and keeps
+// it in host. Before, the write's end retired X's host slot too and the
+// daemon aborted (KVTIER_CHECK in RetireSlot), losing every block in memory.
+TEST_F(DiskTierTest, AFlushWritesABlockWhoseOldSlotALoadStillReadsAndKeepsItInHost) {
+  hold_loads_ = true;
+  Open(/*hbm_slots=*/4, /*host_slots=*/8, {.high = 1.0, .low = 1.0});
+  const StoredKey x = NewKeys(1)[0];
+  ASSERT_TRUE(Store(x, 0).status.ok());
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  ASSERT_EQ(TiersOf({x})[0], Tier::kHbm);
+  cache_->SetWatermarks(TierWatermarks{.high = 0, .low = 0}, TierWatermarks{.high = 1.0, .low = 1.0});
+  ASSERT_EQ(cache_->inflight_copies(), 1u) << "the move to host";
+  holding_->HoldLoads(true);
+  std::shared_ptr<std::pair<bool, OpOutcome>> load = LoadAsync(x, 40);  // reads the hbm slot
+  ASSERT_TRUE(Drain([&] { return cache_->counters().demotions == 1; }));
+  ASSERT_EQ(TiersOf({x})[0], Tier::kHost);
+  ASSERT_EQ(cache_->leases(), 1u) << "the load still reads the old hbm slot";
+
+  EXPECT_EQ(cache_->FlushToDisk(), 1u);
+  ASSERT_TRUE(Drain([&] { return cache_->pending_disk_writes() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(cache_->counters().disk_demotions, 1u);
+  EXPECT_EQ(TiersOf({x})[0], Tier::kHost) << "written, and kept in host";
+  ASSERT_TRUE(holding_->WaitHeld(1));
+  holding_->HoldLoads(false);
+  holding_->ReleaseAll();
+  ASSERT_TRUE(Drain([&] { return load->first; }));
+  EXPECT_EQ(load->second.blocks, 1u);
+  EXPECT_TRUE(engine_->Holds(40, x));
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
+  EXPECT_EQ(cache_->leases(), 0u);
+  EXPECT_EQ(cache_->FlushToDisk(), 0u) << "clean now";
+  // The flush made it durable: a restart finds it on disk.
+  Close();
+  Open(/*hbm_slots=*/4, /*host_slots=*/8, {.high = 1.0, .low = 1.0});
+  EXPECT_EQ(adopted_, 1u);
+  EXPECT_TRUE(LoadExact(x));
 }
 
 TEST_F(DiskTierTest, ABlockWhoseRecordWasReclaimedWhileALoadHeldItIsAMissForOthers) {
