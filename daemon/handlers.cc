@@ -710,6 +710,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_reclaim_failures", disk_ ? disk_->counters().reclaim_failures : 0},
                         {"disk_appends_waited", disk_ ? disk_->counters().appends_waited : 0},
                         {"disk_index_errors", disk_ ? disk_->counters().index_errors : 0},
+                        {"disk_index_recoveries", disk_ ? disk_->counters().index_recoveries : 0},
+                        {"disk_index_stopped", disk_ && disk_->index_stopped() ? 1u : 0u},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
                         {"disk_writes_pending", cache_->pending_disk_writes()},
                         {"hinted", c.hinted},
@@ -931,6 +933,7 @@ MetricsSnapshot Server::Snapshot() const {
   if (disk_) {
     m.disk = disk_->counters();
     m.disk_free_regions = disk_->free_regions();
+    m.disk_index_stopped = disk_->index_stopped();
   }
   if (events_ != nullptr) m.events = MetricsSnapshot::Events{events_->publisher_counters(), events_->counters()};
   if (remote_ != nullptr) {

@@ -154,6 +154,12 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.disk.reclaim_failures));
   f.Counter("kvtier_disk_index_errors_total", "Disk index writes that failed.",
             static_cast<double>(s.disk.index_errors));
+  f.Counter("kvtier_disk_index_recoveries_total", "Times the disk index took writes again after writes failed.",
+            static_cast<double>(s.disk.index_recoveries));
+  f.Gauge("kvtier_disk_index_stopped",
+          "1 while the disk index refuses writes (its volume full, say): no block reaches the disk until it "
+          "recovers, by itself once the volume has room.",
+          s.disk_index_stopped ? 1.0 : 0.0);
   f.Counter("kvtier_disk_writes_given_up_total",
             "Blocks whose disk writes kept failing (or can never fit): not tried again.",
             static_cast<double>(c.disk_writes_given_up));

@@ -54,6 +54,7 @@ struct MetricsSnapshot {
   };
   std::optional<Events> events;  // with KV events on
   uint64_t disk_free_regions = 0;
+  bool disk_index_stopped = false;   // the last index write failed
   uint64_t disk_writes_pending = 0;
   uint64_t namespaces = 0;           // layouts holding blocks
   uint64_t evicts_pending = 0;       // Evict calls still walking

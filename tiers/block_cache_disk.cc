@@ -342,9 +342,13 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
                      disk_failures_in_a_row_, where.error().ToString(), pause.count());
       }
       // Tried too often: given up. It stays in memory as long as LRU keeps
-      // it, and is dropped, not written, when it leaves.
-      if (e->disk_write_failures < UINT8_MAX) ++e->disk_write_failures;
-      if (e->disk_write_failures == kMaxDiskWriteTries) ++counters_.disk_writes_given_up;
+      // it, and is dropped, not written, when it leaves. A failure of the
+      // index (a full index volume, until it has room again) is no fault of
+      // the block's: it is written once the index takes writes again.
+      const bool index_failed = where.error().source() == ErrorSource::kRocksDb ||
+                                where.error().code() == StatusCode::kResourceExhausted;
+      if (!index_failed && e->disk_write_failures < UINT8_MAX) ++e->disk_write_failures;
+      if (!index_failed && e->disk_write_failures == kMaxDiskWriteTries) ++counters_.disk_writes_given_up;
     }
     index_.Unpark(e, /*hot=*/false);
     MaybeDemote();

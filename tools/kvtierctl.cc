@@ -99,6 +99,24 @@ std::optional<std::string> RemoteSummary(const kvtier::DaemonStats& s, bool json
   return std::string(line);
 }
 
+// The disk index's line of `status`, when the daemon has a disk tier (node
+// scope): whether it takes writes.
+std::optional<std::string> DiskIndexSummary(const kvtier::DaemonStats& s, bool json) {
+  const bool has = std::any_of(s.counters.begin(), s.counters.end(),
+                               [](const auto& c) { return c.first == "disk_index_stopped"; });
+  if (!has) return std::nullopt;
+  const bool stopped = s.Counter("disk_index_stopped") != 0;
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                json ? "{\"stopped\": %s, \"errors\": %lu, \"recoveries\": %lu}"
+                     : "%s; %lu write error(s), %lu recovery(ies)",
+                json ? (stopped ? "true" : "false")
+                     : (stopped ? "STOPPED (its writes fail: no block reaches the disk until it recovers)"
+                                : "writable"),
+                s.Counter("disk_index_errors"), s.Counter("disk_index_recoveries"));
+  return std::string(line);
+}
+
 void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool json) {
   uint64_t used = 0;
   uint64_t capacity = 0;
@@ -109,10 +127,11 @@ void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool j
   if (json) {
     std::printf("{\"socket\": %s, \"scope\": %s, \"backend\": %s, \"metrics\": %s, \"sessions\": %lu, "
                 "\"leases\": %lu, \"mappings\": %lu, \"inflight_ops\": %lu, \"used_bytes\": %lu, "
-                "\"capacity_bytes\": %lu, \"remote\": %s}\n",
+                "\"capacity_bytes\": %lu, \"disk_index\": %s, \"remote\": %s}\n",
                 JsonString(socket).c_str(), JsonString(s.scope).c_str(), JsonString(s.backend).c_str(),
                 JsonString(s.metrics).c_str(), s.sessions,
-                s.leases, s.mappings, s.inflight_ops, used, capacity, RemoteSummary(s, true).value_or("null").c_str());
+                s.leases, s.mappings, s.inflight_ops, used, capacity, DiskIndexSummary(s, true).value_or("null").c_str(),
+                RemoteSummary(s, true).value_or("null").c_str());
     return;
   }
   std::printf("kvtierd   up, on %s\n", socket.c_str());
@@ -127,6 +146,7 @@ void PrintStatus(const kvtier::DaemonStats& s, const std::string& socket, bool j
                 100.0 * static_cast<double>(t.used_bytes) / static_cast<double>(t.capacity_bytes), t.capacity_bytes,
                 t.blocks);
   }
+  if (std::optional<std::string> index = DiskIndexSummary(s, false)) std::printf("disk idx  %s\n", index->c_str());
   if (std::optional<std::string> remote = RemoteSummary(s, false)) std::printf("remote    %s\n", remote->c_str());
 }
 

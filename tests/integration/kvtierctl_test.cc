@@ -78,7 +78,9 @@ TEST(KvtierctlTest, InspectsEvictsFlushesAndVerifies) {
   EXPECT_THAT(status.out, HasSubstr("backend   host"));
   EXPECT_THAT(status.out, HasSubstr("metrics   http://127.0.0.1:"));
   EXPECT_THAT(status.out, HasSubstr("scope     node"));
+  EXPECT_THAT(status.out, HasSubstr("disk idx  writable; 0 write error(s), 0 recovery(ies)"));
   status = Ctl(*d, "status --json");
+  EXPECT_THAT(status.out, HasSubstr("\"disk_index\": {\"stopped\": false, \"errors\": 0, \"recoveries\": 0}"));
   EXPECT_THAT(status.out, HasSubstr("\"sessions\": 2"));  // the test and kvtierctl
   EXPECT_THAT(status.out, HasSubstr("\"scope\": \"node\""));
 

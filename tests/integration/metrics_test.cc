@@ -166,6 +166,8 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(after.at("kvtier_disk_hot_blocks_dropped_total"), 0);
   EXPECT_EQ(after.at("kvtier_disk_reclaim_failures_total"), 0);
   EXPECT_EQ(after.at("kvtier_disk_index_errors_total"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_index_stopped"), 0);
+  EXPECT_EQ(after.at("kvtier_disk_index_recoveries_total"), 0);
   EXPECT_EQ(after.at("kvtier_disk_writes_given_up_total"), 0);
   EXPECT_GT(after.at("kvtier_tier_blocks{tier=\"host\"}"), 0);
   EXPECT_EQ(after.at("kvtier_lookup_duration_seconds_count"), 1);

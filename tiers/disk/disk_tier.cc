@@ -759,10 +759,24 @@ void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<v
                       auto tier = self.lock();
                       if (!tier) return;
                       --(*tier)->index_jobs_;
-                      if (!st.ok()) ++(*tier)->counters_.index_errors;
+                      (*tier)->NoteIndexWrite(st);
                       if (done) done(std::move(st));
                     });
                   });
+}
+
+void DiskTier::NoteIndexWrite(const Status& st) {
+  if (!st.ok()) {
+    ++counters_.index_errors;
+    if (!index_failing_) spdlog::error("disk tier: the index refuses writes, no block reaches the disk: {}", st.ToString());
+    index_failing_ = true;
+    return;
+  }
+  if (index_failing_) {
+    ++counters_.index_recoveries;
+    spdlog::info("disk tier: the index takes writes again");
+  }
+  index_failing_ = false;
 }
 
 void DiskTier::FlushForgotten() {
@@ -779,7 +793,7 @@ void DiskTier::FlushForgotten() {
                       auto tier = self.lock();
                       if (!tier) return;
                       --(*tier)->index_jobs_;
-                      if (!st.ok()) ++(*tier)->counters_.index_errors;
+                      (*tier)->NoteIndexWrite(st);
                       if (!st.ok() && ++(*tier)->forget_failures_ % 1000 == 1) {
                         spdlog::warn("disk tier: dropping index entries ({} failures so far): {}",
                                      (*tier)->forget_failures_, st.ToString());

@@ -104,6 +104,7 @@ struct DiskCounters {
   uint64_t reclaim_failures = 0;   // reclaims whose index deletes failed (retried later)
   uint64_t appends_waited = 0;     // appends that found no free region and waited for a reclaim
   uint64_t index_errors = 0;       // index writes that failed
+  uint64_t index_recoveries = 0;   // index writes that succeeded after one failed
   uint64_t recovered_records = 0;
   uint64_t recovery_dropped = 0;   // index entries that could not be right
   uint64_t group_commits = 0;      // fdatasync + index batches (writes / this = batching)
@@ -219,6 +220,9 @@ class DiskTier {
   uint64_t inflight() const { return inflight_ + waiting_.size() + index_jobs_; }
   uint64_t free_regions() const { return free_regions_; }
   const DiskCounters& counters() const { return counters_; }
+  // Whether the last index write failed: no block reaches the disk until one
+  // succeeds (a full index volume, until it has room again; IndexWriter).
+  bool index_stopped() const { return index_failing_; }
 
  private:
   enum class RegionState : uint8_t { kFree = 0, kOpen = 1, kSealed = 2, kReclaiming = 3 };
@@ -298,6 +302,9 @@ class DiskTier {
   void FinishAppend(PendingAppend& p, Status st);
   // Hands an index change to the writer, after the unsynced deletes
   // gathered so far (so that every change lands in the order it was made).
+  // Each index write's outcome, on the loop, in the order written: counts
+  // errors and recoveries, and logs the recovery.
+  void NoteIndexWrite(const Status& st);
   void SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done);
   void FlushForgotten();
   std::string LocationValue(const RecordHeader& h, const DiskLocation& l) const;
@@ -328,6 +335,7 @@ class DiskTier {
   rocksdb::WriteBatch forgotten_;  // unsynced deletes, not yet handed to the writer
   uint32_t forgotten_count_ = 0;
   uint64_t forget_failures_ = 0;      // for rate-limited warnings
+  bool index_failing_ = false;        // the last index write's outcome (NoteIndexWrite)
   uint64_t carry_staging_bytes_ = 0;  // staging buffers of carried records in flight
   DiskCounters counters_;
   std::shared_ptr<DiskTier*> self_;  // completions check the tier still exists

@@ -1,10 +1,20 @@
 #include "tiers/disk/index_writer.h"
 
 #include <rocksdb/db.h>
+#include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace kvtier {
+
+namespace {
+
+// The most often DB::Resume is tried while writes fail (it flushes the
+// memtables, which fails at once while the volume is still full).
+constexpr std::chrono::seconds kResumeEvery{1};
+
+}  // namespace
 
 IndexWriter::IndexWriter(rocksdb::DB* db) : db_(db), thread_([this] { Run(); }) {}
 
@@ -44,6 +54,7 @@ void IndexWriter::Run() {
     // written synced when any job needs it, which syncs the log with every
     // write before it (one fsync for the group). Never a separate SyncWAL:
     // after a failed write, RocksDB 7.8 asserts on one.
+    MaybeResume();
     bool need_sync = false;
     for (const Job& job : jobs) need_sync = need_sync || job.sync;
     std::vector<Status> results;
@@ -57,6 +68,7 @@ void IndexWriter::Run() {
                                         "writing the disk index: " + s.ToString(),
                                         ErrorSource::kRocksDb, static_cast<int>(s.code())));
     }
+    failing_ = std::any_of(results.begin(), results.end(), [](const Status& st) { return !st.ok(); });
     const Status synced = results.back();
     for (size_t i = 0; i < jobs.size(); ++i) {
       Status st = std::move(results[i]);
@@ -65,6 +77,21 @@ void IndexWriter::Run() {
     }
     MutexLock lock(&mu_);
     running_ = 0;
+  }
+}
+
+void IndexWriter::MaybeResume() {
+  if (!failing_ || std::chrono::steady_clock::now() < next_resume_) return;
+  next_resume_ = std::chrono::steady_clock::now() + kResumeEvery;
+  // OK at once when RocksDB is not stopped (the failure was the write's own).
+  const rocksdb::Status s = db_->Resume();
+  if (s.ok()) {
+    if (resume_failures_ > 0) spdlog::info("disk index: RocksDB resumed after {} tries", resume_failures_ + 1);
+    resume_failures_ = 0;
+    return;
+  }
+  if (resume_failures_++ % 60 == 0) {
+    spdlog::warn("disk index: RocksDB cannot resume writes yet ({} tries): {}", resume_failures_, s.ToString());
   }
 }
 

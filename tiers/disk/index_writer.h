@@ -7,12 +7,19 @@
 // key always lands first. Jobs that queue up while one runs are written one
 // after the other and share one WAL sync (a group commit of the index).
 //
+// A failed write may leave RocksDB stopped: a hard background error (ENOSPC
+// on its log, say) fails every later write until DB::Resume clears it, which
+// RocksDB does not do by itself. While writes fail, the writer tries Resume
+// before a group, at most once per kResumeEvery: once the cause is gone
+// (space is back), writes go on.
+//
 // Thread-safe. The destructor runs every job submitted before it began,
 // then joins the thread.
 #pragma once
 
 #include <rocksdb/write_batch.h>
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -51,8 +58,14 @@ class IndexWriter {
     Done done;
   };
   void Run();
+  // Before a group, while the last one failed: DB::Resume, when due.
+  void MaybeResume();
 
   rocksdb::DB* const db_;
+  // The writer thread's own.
+  bool failing_ = false;
+  uint64_t resume_failures_ = 0;
+  std::chrono::steady_clock::time_point next_resume_{};
   mutable Mutex mu_;
   CondVar cv_;
   std::deque<Job> queue_ KVTIER_GUARDED_BY(mu_);

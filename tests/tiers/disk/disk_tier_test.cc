@@ -1073,5 +1073,90 @@ TEST_F(DiskTierTest, AFullIndexVolumeKeepsServingAndStops) {
   Close();  // stops: every copy, I/O and index write drained
 }
 
+// As above, and then the volume has room again (the filler removed): the
+// index must take writes again (RocksDB keeps a hard error until
+// DB::Resume), and blocks written after it are durable across a restart.
+// Before, every index write kept failing until the daemon was restarted.
+TEST_F(DiskTierTest, AFullIndexVolumeRecoversOnceItHasRoomAgain) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs for the index needs root";
+  const std::string mnt = dir_ + "/index-fs";
+  std::filesystem::create_directories(mnt);
+  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=32m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  index_path_ = mnt + "/index";
+  // The volume full but for 128 KiB when the index opens (so its log has no
+  // room preallocated), then filled to the last byte by the index itself.
+  const std::string filler = mnt + "/filler";
+  {
+    std::FILE* f = std::fopen(filler.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::vector<char> chunk(64 << 10, 'x');
+    while (std::fwrite(chunk.data(), 1, chunk.size(), f) == chunk.size()) {
+    }
+    std::fclose(f);
+    std::error_code ec;
+    std::filesystem::resize_file(filler, std::filesystem::file_size(filler) - (128 << 10), ec);
+    ASSERT_FALSE(ec) << ec.message();
+  }
+  Open();
+  ASSERT_FALSE(StoreFlushed(10).empty());
+  for (int i = 0; i < 2000 && disk_->counters().index_errors == 0; ++i) {
+    now_ += 1s;
+    StoreAll(NewKeys(1));
+  }
+  ASSERT_GT(disk_->counters().index_errors, 0u);
+  EXPECT_TRUE(disk_->index_stopped()) << "the index refuses writes, and says so";
+  // What host holds now, dirty: flushes try every block many times while
+  // the index refuses writes. Its failure is not the blocks': none is given
+  // up (before, each was after three tries, and never written).
+  for (int i = 0; i < 100; ++i) {
+    now_ += 10s;
+    cache_->FlushToDisk();
+    ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  }
+  EXPECT_EQ(cache_->counters().disk_writes_given_up, 0u);
+  std::vector<StoredKey> kept;
+  for (const auto& [key, presence] : PresenceTracker::Of(*cache_)) {
+    if (presence == Presence::kHost) kept.push_back(StoredKey::FromHex(key).value());
+  }
+  ASSERT_GE(kept.size(), 4u);
+  EXPECT_TRUE(OnDisk(kept).empty());
+
+  std::filesystem::remove(filler);
+  // Flushes go on (their pauses pass): the index takes writes again, and
+  // the blocks host kept through the outage are written.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (disk_->index_stopped() && std::chrono::steady_clock::now() < deadline) {
+    now_ += 1s;
+    cache_->FlushToDisk();
+    ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_FALSE(disk_->index_stopped()) << "the index never took writes again";
+  EXPECT_GE(disk_->counters().index_recoveries, 1u);
+  now_ += 10s;
+  cache_->FlushToDisk();
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  EXPECT_EQ(OnDisk(kept).size(), kept.size()) << "blocks host kept through the outage were given up";
+  // And what is stored from now on is durable.
+  std::vector<StoredKey> after = kept;
+  for (int i = 0; i < 20; ++i) {
+    now_ += 1s;
+    const std::vector<StoredKey> k = StoreFlushed(1);
+    after.insert(after.end(), k.begin(), k.end());
+  }
+  ASSERT_GE(after.size(), kept.size() + 10) << "blocks stored after the recovery reach the disk";
+  const uint64_t errors = disk_->counters().index_errors;
+  Close();
+  Open();
+  EXPECT_EQ(disk_->counters().index_errors, 0u) << errors;
+  for (const StoredKey& k : after) EXPECT_TRUE(LoadExact(k)) << "written since the outage, lost at restart";
+}
+
 }  // namespace
 }  // namespace kvtier
