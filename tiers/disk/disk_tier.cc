@@ -398,7 +398,7 @@ void DiskTier::MaybeReclaim() {
   const auto now = options_.clock();
   if (!failed_reclaims_.empty() && now >= retry_reclaims_at_) {
     std::vector<FailedReclaim> retry = std::exchange(failed_reclaims_, {});
-    for (FailedReclaim& f : retry) SubmitReclaimDeletes(f.device, f.region, std::move(f.batch));
+    for (FailedReclaim& f : retry) SubmitReclaimDeletes(f.device, f.region, std::move(f.keys));
   }
   if (!failed_reclaims_.empty()) return;  // the index cannot be written: wait
   // Regions free or on their way: a reclaim under way counts, or appends
@@ -436,7 +436,7 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
   ++reclaiming_;
   // The owner decides for every record it still has here; nothing can keep
   // the region. Carried records are read out before the region is reused.
-  rocksdb::WriteBatch batch;
+  std::vector<StoredKey> deleted;
   const size_t carry_budget =
       static_cast<size_t>(options_.carry_fraction * static_cast<double>(r.members.size()));
   size_t carried = 0;
@@ -447,7 +447,7 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
         carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
     ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
     if (answer.action == ReclaimAction::kStale) continue;
-    batch.Delete(blocks_cf_, KeySlice(m.key));
+    deleted.push_back(m.key);
     ++counters_.records_reclaimed;
     if (live_records_ > 0) --live_records_;
     if (answer.action == ReclaimAction::kCarry) {
@@ -455,9 +455,7 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
       StartCarry(m.key, where, std::move(answer));
     }
   }
-  batch.Put(regions_cf_, RegionKey(device, region),
-            RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
-  SubmitReclaimDeletes(device, region, std::move(batch));
+  SubmitReclaimDeletes(device, region, std::move(deleted));
 }
 
 void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer) {
@@ -526,12 +524,31 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, Recla
       });
 }
 
-void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::WriteBatch batch) {
+void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, std::vector<StoredKey> keys) {
   devices_[device].regions[region].deletes_pending = true;
-  // Kept for a retry: a failed write leaves the region unusable until its
-  // deletes are durable.
-  auto copy = std::make_shared<rocksdb::WriteBatch>(batch);
-  SubmitIndex(std::move(batch), /*sync=*/true, [this, device, region, copy](Status st) {
+  // Each entry is deleted only while it still names this region, read on
+  // the writer thread after every earlier index write: a retry (after the
+  // index failed) must not delete the entry of a key appended again
+  // elsewhere since, which is durable. The keys are kept for that retry: a
+  // failed write leaves the region unusable until its deletes are durable.
+  auto kept = std::make_shared<std::vector<StoredKey>>(std::move(keys));
+  IndexWriter::Build build = [db = db_.get(), blocks = blocks_cf_, regions = regions_cf_, device, region,
+                              kept](rocksdb::WriteBatch* batch) {
+    std::string value;
+    for (const StoredKey& key : *kept) {
+      const rocksdb::Status s = db->Get(rocksdb::ReadOptions(), blocks, KeySlice(key), &value);
+      if (s.IsNotFound()) continue;
+      DiskRecord now;
+      // An entry that does not parse goes too, as recovery would drop it.
+      if (s.ok() && ParseValue(key, value, &now) &&
+          (now.location.device != device || now.location.region != region)) {
+        continue;
+      }
+      batch->Delete(blocks, KeySlice(key));
+    }
+    batch->Put(regions, RegionKey(device, region), RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
+  };
+  SubmitIndex(rocksdb::WriteBatch(), /*sync=*/true, [this, device, region, kept](Status st) {
     Region& r = devices_[device].regions[region];
     if (!st.ok()) {
       ++counters_.reclaim_failures;
@@ -545,7 +562,7 @@ void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::W
         spdlog::error("disk tier: reclaiming region {}/{}: {} ({} failures in a row; retrying)",
                       device, region, st.ToString(), reclaim_failures_in_a_row_);
       }
-      failed_reclaims_.push_back(FailedReclaim{device, region, std::move(*copy)});
+      failed_reclaims_.push_back(FailedReclaim{device, region, std::move(*kept)});
       // Nothing frees a region until the index can be written: appends
       // waiting for one fail now instead of waiting without end.
       const Status error(
@@ -557,7 +574,7 @@ void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::W
     reclaim_failures_in_a_row_ = 0;
     r.deletes_pending = false;
     MaybeFree(device, region);
-  });
+  }, std::move(build));
 }
 
 void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
@@ -749,7 +766,8 @@ void DiskTier::MaybeCommit(uint32_t device_index) {
   });
 }
 
-void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done) {
+void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done,
+                           IndexWriter::Build build) {
   FlushForgotten();
   ++index_jobs_;
   writer_->Submit(std::move(batch), sync,
@@ -762,7 +780,8 @@ void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<v
                       (*tier)->NoteIndexWrite(st);
                       if (done) done(std::move(st));
                     });
-                  });
+                  },
+                  std::move(build));
 }
 
 void DiskTier::NoteIndexWrite(const Status& st) {

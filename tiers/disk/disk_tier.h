@@ -267,7 +267,7 @@ class DiskTier {
   struct FailedReclaim {
     uint32_t device = 0;
     uint32_t region = 0;
-    rocksdb::WriteBatch batch;
+    std::vector<StoredKey> keys;  // whose entries it deletes
   };
 
   explicit DiskTier(Options options);
@@ -290,7 +290,7 @@ class DiskTier {
   // Reads the record at `where` out of its region being reclaimed, then
   // appends it again and tells the owner.
   void StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer);
-  void SubmitReclaimDeletes(uint32_t device, uint32_t region, rocksdb::WriteBatch batch);
+  void SubmitReclaimDeletes(uint32_t device, uint32_t region, std::vector<StoredKey> keys);
   // Frees a reclaimed region once its deletes are durable and its I/O is done.
   void MaybeFree(uint32_t device, uint32_t region);
   // Starts waiting appends on free regions; fails them with `error` when set.
@@ -305,7 +305,8 @@ class DiskTier {
   // Each index write's outcome, on the loop, in the order written: counts
   // errors and recoveries, and logs the recovery.
   void NoteIndexWrite(const Status& st);
-  void SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done);
+  void SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done,
+                   IndexWriter::Build build = nullptr);
   void FlushForgotten();
   std::string LocationValue(const RecordHeader& h, const DiskLocation& l) const;
 

@@ -27,10 +27,10 @@ IndexWriter::~IndexWriter() {
   thread_.join();
 }
 
-void IndexWriter::Submit(rocksdb::WriteBatch batch, bool sync, Done done) {
+void IndexWriter::Submit(rocksdb::WriteBatch batch, bool sync, Done done, Build build) {
   {
     MutexLock lock(&mu_);
-    queue_.push_back(Job{std::move(batch), sync, std::move(done)});
+    queue_.push_back(Job{std::move(batch), sync, std::move(done), std::move(build)});
   }
   cv_.Signal();
 }
@@ -60,6 +60,7 @@ void IndexWriter::Run() {
     std::vector<Status> results;
     results.reserve(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
+      if (jobs[i].build) jobs[i].build(&jobs[i].batch);
       rocksdb::WriteOptions options;
       options.sync = need_sync && i + 1 == jobs.size();
       const rocksdb::Status s = db_->Write(options, &jobs[i].batch);
@@ -69,6 +70,11 @@ void IndexWriter::Run() {
                                         ErrorSource::kRocksDb, static_cast<int>(s.code())));
     }
     failing_ = std::any_of(results.begin(), results.end(), [](const Status& st) { return !st.ok(); });
+    // A synced job is durable only if the group's sync happened: when the
+    // last write failed, it did not, so every synced job fails too. (Each of
+    // kvtier's batches is well formed, so a write fails only when RocksDB
+    // does, which stops it: the earlier writes of the group are then not
+    // durable either.)
     const Status synced = results.back();
     for (size_t i = 0; i < jobs.size(); ++i) {
       Status st = std::move(results[i]);

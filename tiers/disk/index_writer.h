@@ -39,6 +39,10 @@ class IndexWriter {
   // Runs on the writer thread with the job's outcome: for a synced job, Ok
   // only once the batch and everything submitted before it are durable.
   using Done = std::function<void(Status)>;
+  // Runs on the writer thread just before the job's batch is written, after
+  // every job submitted before it: adds to the batch what depends on the
+  // index as it is then (it may read `db`).
+  using Build = std::function<void(rocksdb::WriteBatch*)>;
 
   // `db` is borrowed and must outlive the writer.
   explicit IndexWriter(rocksdb::DB* db);
@@ -46,7 +50,7 @@ class IndexWriter {
   IndexWriter(const IndexWriter&) = delete;
   IndexWriter& operator=(const IndexWriter&) = delete;
 
-  void Submit(rocksdb::WriteBatch batch, bool sync, Done done);
+  void Submit(rocksdb::WriteBatch batch, bool sync, Done done, Build build = nullptr);
 
   // Jobs submitted and not yet done.
   uint64_t pending() const;
@@ -56,6 +60,7 @@ class IndexWriter {
     rocksdb::WriteBatch batch;
     bool sync = false;
     Done done;
+    Build build;
   };
   void Run();
   // Before a group, while the last one failed: DB::Resume, when due.
