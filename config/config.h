@@ -183,6 +183,13 @@ struct Config {
     // Evict and ListNamespaces calls per second of a tenant that is no
     // admin (a token bucket holding a second's worth).
     uint32_t bulk_calls_per_second = 10;
+    // What one tenant's registered KV caches may map in kvtierd at once:
+    // memory maps (each memfd region, completion and fence page, CUDA IPC
+    // region: Linux's vm.max_map_count is 65,530 for the whole daemon), and
+    // bytes (pages the daemon writes into a hole of a client's memfd are
+    // charged to kvtierd's memory cgroup).
+    uint32_t max_mappings_per_tenant = 4096;
+    uint64_t max_mapped_bytes_per_tenant = 1ull << 40;
   } limits;
 
   // KV events for KV-aware routers (docs/kv-events.md).

@@ -802,6 +802,14 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 16, v); });
     m.Read("bulk_calls_per_second", &l.bulk_calls_per_second,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 100000, v); });
+    m.Read("max_mappings_per_tenant", &l.max_mappings_per_tenant,
+           [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 3, 1u << 20, v); });
+    m.Read("max_mapped_bytes_per_tenant", &l.max_mapped_bytes_per_tenant,
+           [](const YAML::Node& n, uint64_t* v) -> ParseResult {
+             if (auto e = ParseSizeNode(n, v); !e.empty()) return e;
+             if (*v < (1ull << 20)) return "must be at least 1MiB, got " + FormatSize(*v);
+             return {};
+           });
     m.Finish();
   }
   ReadEvents(ctx, r.Take("events"), &c->events);

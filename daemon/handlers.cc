@@ -231,6 +231,21 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   }
   Result<KvCacheLayout> kv = KvCacheLayout::Create(*layout, m.num_blocks(), std::move(placements), sizes);
   if (!kv) return ipc::ErrorMessage(id, kv.error());
+  // A memfd is mapped only as far as the placements reach (a sealed memfd of
+  // any size, mostly holes, costs what the cache uses); then the tenant's
+  // budget of maps and bytes is charged, before anything is mapped.
+  const std::vector<uint64_t> needed = KvCacheLayout::MinRegionSizes(*layout, m.num_blocks(), kv->placements());
+  uint64_t charged_bytes = 0;
+  for (size_t i = 0; i < handles.size(); ++i) {
+    if (handles[i].kind == ClientMemoryKind::kHostMemfd) {
+      handles[i].size_bytes = std::min(handles[i].size_bytes, AlignUpToPage(needed[i]));
+    }
+    charged_bytes += handles[i].size_bytes;
+  }
+  const uint64_t pages = (m.completion_fd_index() >= 0 ? 1 : 0) + (m.fence_fd_index() >= 0 ? 1 : 0);
+  Result<MappedCharge> charge =
+      MappedCharge::Take(*s.tenant, options_.config.limits, handles.size() + pages, charged_bytes + pages * 4096);
+  if (!charge) return ipc::ErrorMessage(id, charge.error());
   std::vector<IpcEventHandle> events;
   if (m.cuda_events() != nullptr) {
     if (m.cuda_events()->size() > kMaxCudaEvents) {
@@ -270,6 +285,7 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   }
   Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles), std::move(events));
   if (!mapping) return ipc::ErrorMessage(id, mapping.error());
+  *mapping = std::move(*charge).Hold(std::move(*mapping));
 
   const uint32_t ns_id = s.next_namespace_id++;
   auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));

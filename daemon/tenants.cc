@@ -7,6 +7,7 @@
 #include <map>
 
 #include "common/xxh128.h"
+#include "config/size.h"
 
 namespace kvtier {
 namespace {
@@ -126,6 +127,43 @@ std::vector<std::string> TenantRegistry::Reload(const Config& config) {
     }
   }
   return need_restart;
+}
+
+Result<MappedCharge> MappedCharge::Take(const Tenant& tenant, const Config::Limits& limits, uint64_t maps,
+                                        uint64_t bytes) {
+  // Only the event loop adds: what it reads can only fall meanwhile.
+  const Tenant::Mapped& now = *tenant.mapped;
+  if (now.maps.load() + maps > limits.max_mappings_per_tenant) {
+    return Err(Status(StatusCode::kResourceExhausted,
+                      "tenant " + tenant.config.name + " would map " + std::to_string(now.maps.load() + maps) +
+                          " regions in kvtierd, past limits.max_mappings_per_tenant (" +
+                          std::to_string(limits.max_mappings_per_tenant) + "); close KV caches it no longer uses"));
+  }
+  if (now.bytes.load() + bytes > limits.max_mapped_bytes_per_tenant) {
+    return Err(Status(StatusCode::kResourceExhausted,
+                      "tenant " + tenant.config.name + " would map " + FormatSize(now.bytes.load() + bytes) +
+                          " in kvtierd, past limits.max_mapped_bytes_per_tenant (" +
+                          FormatSize(limits.max_mapped_bytes_per_tenant) + ")"));
+  }
+  tenant.mapped->maps += maps;
+  tenant.mapped->bytes += bytes;
+  return MappedCharge(tenant.mapped, maps, bytes);
+}
+
+MappedCharge::~MappedCharge() {
+  if (!mapped_) return;
+  mapped_->maps -= maps_;
+  mapped_->bytes -= bytes_;
+}
+
+std::shared_ptr<ClientMapping> MappedCharge::Hold(std::shared_ptr<ClientMapping> mapping) && {
+  struct Held {
+    MappedCharge charge;
+    std::shared_ptr<ClientMapping> mapping;  // released first: declared last
+  };
+  auto held = std::make_shared<Held>(Held{std::move(*this), std::move(mapping)});
+  ClientMapping* raw = held->mapping.get();
+  return std::shared_ptr<ClientMapping>(std::move(held), raw);
 }
 
 }  // namespace kvtier

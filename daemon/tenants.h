@@ -11,6 +11,7 @@
 // Owned by the event-loop thread; thread-compatible.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -18,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/device_backend.h"
 #include "common/secret.h"
 #include "common/status.h"
 #include "config/config.h"
@@ -32,11 +34,46 @@ struct Tenant {
   Secret salt;
   Secret hash_secret;
   uint32_t sessions = 0;  // live sessions
+  // What its registered KV caches map in kvtierd now (limits.max_mappings_
+  // per_tenant, max_mapped_bytes_per_tenant): charged at registration, given
+  // back when the cache's mapping is released, which may be on a copy worker.
+  struct Mapped {
+    std::atomic<uint64_t> maps{0};
+    std::atomic<uint64_t> bytes{0};
+  };
+  std::shared_ptr<Mapped> mapped = std::make_shared<Mapped>();
   // Its Evict and ListNamespaces calls (limits.bulk_calls_per_second): a
   // token bucket, and whether one of its evicts is waiting or running.
   double bulk_tokens = -1;  // < 0: full (not used yet)
   std::chrono::steady_clock::time_point bulk_refilled{};
   bool evicting = false;
+};
+
+// A tenant's charge for one registered KV cache's maps (Tenant::mapped),
+// taken by the event loop before anything is mapped, then held with the
+// cache's ClientMapping: given back when the mapping is released, on
+// whichever thread drops it last. Move-only.
+class MappedCharge {
+ public:
+  // Errors: kResourceExhausted naming the limit the charge would pass.
+  static Result<MappedCharge> Take(const Tenant& tenant, const Config::Limits& limits, uint64_t maps,
+                                   uint64_t bytes);
+  MappedCharge(MappedCharge&& other) noexcept
+      : mapped_(std::move(other.mapped_)), maps_(other.maps_), bytes_(other.bytes_) {}
+  MappedCharge& operator=(MappedCharge&&) = delete;
+  ~MappedCharge();
+
+  // `mapping`, holding this charge until the last copy of it is dropped
+  // (after the mapping itself is released).
+  std::shared_ptr<ClientMapping> Hold(std::shared_ptr<ClientMapping> mapping) &&;
+
+ private:
+  MappedCharge(std::shared_ptr<Tenant::Mapped> mapped, uint64_t maps, uint64_t bytes)
+      : mapped_(std::move(mapped)), maps_(maps), bytes_(bytes) {}
+
+  std::shared_ptr<Tenant::Mapped> mapped_;  // null once moved from
+  uint64_t maps_ = 0;
+  uint64_t bytes_ = 0;
 };
 
 class TenantRegistry {

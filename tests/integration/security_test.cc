@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <grp.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +22,8 @@
 #include <vector>
 
 #include "common/block_pattern.h"
+#include "common/kv_cache_layout.h"
+#include "common/unique_fd.h"
 #include "kvtier/client.h"
 #include "kvtier/shm_kv_cache.h"
 #include "tests/integration/daemon_process.h"
@@ -279,6 +283,73 @@ Layout LayoutOfModel(const std::string& model) {
   return Layout::Create(LayoutSpec{.model_id = model, .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
                                    .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
       .value();
+}
+
+// A sealed memfd of `bytes` (a hole: no memory behind it).
+UniqueFd SparseMemfd(uint64_t bytes) {
+  UniqueFd fd(::memfd_create("kvtier-security-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(bytes)), 0);
+  EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  return fd;
+}
+
+// One tenant cannot use up kvtierd's memory maps (Linux allows a process
+// vm.max_map_count of them, 65,530 by default) nor map without bound: each
+// tenant has limits.max_mappings_per_tenant and max_mapped_bytes_per_tenant,
+// given back when its sessions end. A memfd is mapped only as far as the
+// cache's placements reach. Before, about 70 sessions of one tenant took the
+// daemon to its map limit, and every other tenant's registration failed.
+TEST(SecurityTest, MapsAndMappedBytesPerTenantAreBounded) {
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tenants=[{name: a, token: " + Tok('a') + "}, {name: b, token: " + Tok('b') + "}]",
+       "limits.max_mappings_per_tenant=8", "limits.max_mapped_bytes_per_tenant=64MiB"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  const Layout layout = LayoutOfModel("kvtier/maps");  // 16 KiB blocks
+  std::vector<ShmKvCache> caches;
+  for (int i = 0; i < 10; ++i) caches.push_back(ShmKvCache::Create(layout, 4).value());
+
+  // Tenant a, over two sessions: each cache maps its region and its fence
+  // page (two maps), so four fit in 8, not five.
+  auto a1 = Connect(*d, Tok('a'));
+  auto a2 = Connect(*d, Tok('a'));
+  ASSERT_TRUE(a1 && a2);
+  size_t registered = 0;
+  Result<CacheId> refused = Err(Status(StatusCode::kInternal, "never refused"));
+  for (; registered < 8; ++registered) {
+    refused = (registered % 2 == 0 ? a1 : a2)->RegisterKvCache(caches[registered]);
+    if (!refused) break;
+  }
+  EXPECT_EQ(registered, 4u);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.error().message(), ::testing::HasSubstr("limits.max_mappings_per_tenant"));
+  // Tenant b is not held back by a.
+  auto b = Connect(*d, Tok('b'));
+  ASSERT_TRUE(b);
+  ASSERT_TRUE(b->RegisterKvCache(caches[9]).has_value());
+  // a's maps come back when its session ends.
+  a1.reset();
+  Result<CacheId> again = Err(Status(StatusCode::kInternal, "not tried"));
+  for (int i = 0; i < 100 && !again.has_value(); ++i) {
+    again = a2->RegisterKvCache(caches[8]);
+    if (!again) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(again.has_value()) << again.error();
+
+  // Bytes: a 1 GiB memfd whose cache uses 16 MiB is mapped (and charged) as
+  // 16 MiB; one that needs 56 MiB more is past b's 64 MiB.
+  const UniqueFd big = SparseMemfd(1ull << 30);
+  Result<CacheId> small_use =
+      b->RegisterKvCache(layout, 1024, KvCacheLayout::Contiguous(layout), {KvRegion{big.get(), 1ull << 30}});
+  ASSERT_TRUE(small_use.has_value()) << small_use.error();
+  const UniqueFd other = SparseMemfd(1ull << 30);
+  Result<CacheId> past =
+      b->RegisterKvCache(layout, 3584, KvCacheLayout::Contiguous(layout), {KvRegion{other.get(), 1ull << 30}});
+  ASSERT_FALSE(past.has_value());
+  EXPECT_EQ(past.error().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(past.error().message(), ::testing::HasSubstr("limits.max_mapped_bytes_per_tenant"));
+  EXPECT_TRUE(b->Stats().has_value()) << "the refusals closed nothing";
 }
 
 // A tenant that loops `kvtierctl namespaces` or `kvtierctl evict` is held to
