@@ -192,7 +192,16 @@ std::optional<size_t> BlockCodec::Encode(const CodecParams& p, std::span<const u
         continue;
       }
       const float inv = fp8::kE4m3Max / amax;  // x·inv: x/s within fp32 rounding
-      for (size_t i = begin; i < end; ++i) q[i] = fp8::FloatToE4m3Rounded(f[i] * inv);
+      if (std::isfinite(inv)) {
+        for (size_t i = begin; i < end; ++i) q[i] = fp8::FloatToE4m3Rounded(f[i] * inv);
+        continue;
+      }
+      // amax below about 2^-119 (bf16 only): 448/amax is past the largest
+      // float. Scaled up by 2^64 first, exactly (a power of two, and |x|
+      // is tiny), the same quotient is finite.
+      const float pre = 0x1p64f;
+      const float scaled_inv = fp8::kE4m3Max / (amax * pre);
+      for (size_t i = begin; i < end; ++i) q[i] = fp8::FloatToE4m3Rounded((f[i] * pre) * scaled_inv);
     }
     return groups * sizeof(float) + elems;
   }

@@ -106,7 +106,11 @@ KVTIER_HOST_DEVICE void Fp8EncodeThread(const CopyPiece* pieces, uint32_t num_pi
   const uint32_t bits = fp8::FloatBits(s);
   for (uint32_t k = 0; k < 4; ++k) b.slot[g * 4 + k] = static_cast<uint8_t>(bits >> (8 * k));
   uint8_t* q = b.slot + uint64_t{shape.groups} * 4;
-  const float inv = s == 0 ? 0.0f : fp8::kE4m3Max / amax;
+  // amax below about 2^-119 (bf16 only) makes 448/amax pass the largest
+  // float: the group is scaled up by 2^64 first, exactly, as the CPU codec
+  // does (x·1 and x·2^64 are exact, so both give the same bytes).
+  const float pre = s != 0 && !(fp8::kE4m3Max / amax <= 3.40282347e38f) ? 0x1p64f : 1.0f;
+  const float inv = s == 0 ? 0.0f : fp8::kE4m3Max / (amax * pre);
   for (uint64_t i = begin; i < end; ++i) {
     const uint16_t h = LoadElem(EngineByte(pieces, num_pieces, b.engine_block, 2 * i));
     if (s == 0) {  // an all-zero group keeps its zeros' signs
@@ -114,7 +118,7 @@ KVTIER_HOST_DEVICE void Fp8EncodeThread(const CopyPiece* pieces, uint32_t num_pi
       continue;
     }
     const float x = shape.bf16 ? fp8::Bf16ToFloat(h) : fp8::Fp16ToFloat(h);
-    q[i] = fp8::FloatToE4m3Rounded(x * inv);
+    q[i] = fp8::FloatToE4m3Rounded((x * pre) * inv);
   }
 }
 

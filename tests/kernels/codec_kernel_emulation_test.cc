@@ -54,14 +54,28 @@ void EmulateDecode(const CopyPlan& plan, const Fp8Shape& shape, const std::vecto
   }
 }
 
-void CheckCase(const CopyCase& c, uint64_t seed, uint32_t group) {
-  SCOPED_TRACE(c.description + ", seed " + std::to_string(seed) + ", groups of " + std::to_string(group));
+// `tiny`: every bf16 value's magnitude bits shifted down by 8, making
+// subnormals (and zeros): groups whose 448/amax is past the largest float.
+void CheckCase(const CopyCase& c, uint64_t seed, uint32_t group, bool tiny = false) {
+  SCOPED_TRACE(c.description + ", seed " + std::to_string(seed) + ", groups of " + std::to_string(group) +
+               (tiny ? ", tiny values" : ""));
   Result<KvCacheLayout> kv = layout_cases::MakeKvCacheLayout(c);
   ASSERT_TRUE(kv.has_value()) << kv.error();
   const DType dtype = kv->layout().spec().dtype;
   const CodecParams codec{.kind = CodecKind::kFp8, .dtype = dtype, .group_elems = group};
   Cache engine(c.region_sizes);
   codec_cases::FillFinite(engine, *kv, seed);
+  if (tiny) {
+    ASSERT_EQ(dtype, DType::kBf16);
+    for (std::vector<uint8_t>& r : engine.regions) {
+      for (size_t i = 0; i + 1 < r.size(); i += 2) {
+        uint16_t v;
+        std::memcpy(&v, r.data() + i, 2);
+        v = static_cast<uint16_t>((v & 0x8000) | ((v & 0x7fff) >> 8));
+        std::memcpy(r.data() + i, &v, 2);
+      }
+    }
+  }
   const CopyPlan plan = CopyPlan::Build(*kv, engine.Mapped());
   const uint64_t block_bytes = kv->layout().block_bytes();
   std::vector<uint8_t> raw(block_bytes);
@@ -149,14 +163,21 @@ INSTANTIATE_TEST_SUITE_P(Layouts, CodecKernelEmulationTest, ::testing::ValuesIn(
 
 TEST(CodecKernelEmulationRandomTest, MatchesTheCpuCodecOnRandomLayouts) {
   int checked = 0;
+  int tiny_checked = 0;
   for (uint64_t seed = 1; seed <= 60; ++seed) {
     CopyCase c = layout_cases::RandomCase(seed);
     if (!codec_cases::TwoByteFloats(c.spec.dtype)) continue;
     CheckCase(c, seed, seed % 2 == 0 ? c.spec.head_dim : 3);
     if (HasFatalFailure()) return;
+    if (c.spec.dtype == DType::kBf16) {
+      CheckCase(c, seed, c.spec.head_dim, /*tiny=*/true);
+      if (HasFatalFailure()) return;
+      ++tiny_checked;
+    }
     ++checked;
   }
   EXPECT_GT(checked, 10);
+  EXPECT_GT(tiny_checked, 2);
 }
 
 }  // namespace

@@ -322,6 +322,23 @@ TEST(Fp8CodecTest, ZerosNansInfsAndExtremes) {
   ExpectWithinBound(DType::kFp16, 8, fp16_extremes, Elems16(RoundTrip(*c, h, Bytes16(fp16_extremes)).value()));
 }
 
+// A bf16 group whose largest magnitude is below about 2^-119: 448/amax is
+// past the largest float. Before, the encoder's inverse scale was inf, and
+// zeros came back as -amax.
+TEST(Fp8CodecTest, GroupsOfTinyBf16ValuesKeepTheBound) {
+  auto c = Codec();
+  const CodecParams p{.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 8};
+  for (const int e : {-120, -126, -128, -130, -133}) {
+    const float a = std::ldexp(1.0f, e);
+    std::vector<uint16_t> tiny = {FloatToBf16(a),         0, 0x8000, FloatToBf16(-a / 2), FloatToBf16(a / 4),
+                                  FloatToBf16(a * 0.75f), 0, FloatToBf16(-a)};
+    ExpectWithinBound(DType::kBf16, 8, tiny, Elems16(RoundTrip(*c, p, Bytes16(tiny)).value()));
+    // The smallest subnormal alone, and beside zeros.
+    std::vector<uint16_t> least = {0x0001, 0, 0, 0, 0x8000, 0, 0, 0x8001};
+    ExpectWithinBound(DType::kBf16, 8, least, Elems16(RoundTrip(*c, p, Bytes16(least)).value()));
+  }
+}
+
 TEST(Fp8CodecTest, DamagedBytesAreCorruption) {
   auto c = Codec();
   const CodecParams p{.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 16};
