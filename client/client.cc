@@ -333,6 +333,7 @@ class Client::Impl {
   }
 
   Result<OpResult> Wait(const OpHandle& op, std::chrono::milliseconds timeout) {
+    if (timeout.count() < 0) return Err(InvalidArgument("a Wait's timeout must be >= 0 ms (0: no limit)"));
     MutexLock lock(&mu_);
     return WaitLocked(op, timeout);
   }
@@ -370,6 +371,7 @@ class Client::Impl {
   }
 
   Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout) {
+    if (timeout.count() < 0) return InvalidArgument("a Cancel's timeout must be >= 0 ms (0: no limit)");
     // No lock of the client's calls: this works while one waits on kvtierd.
     const std::optional<OpFences::Fence> fence = fences_->Find({op.connection, op.op});
     if (!fence) return Status::Ok();  // over (its result collected) or cancelled already

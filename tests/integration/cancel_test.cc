@@ -121,6 +121,18 @@ TEST_F(CancelTest, ALoadGivenUpOnAHungDaemonNeverWritesTheBlocksAfter) {
   ASSERT_TRUE(loaded.has_value()) << loaded.error();
   ASSERT_EQ(loaded->blocks, 4u);
   for (uint32_t b = 8; b < 12; ++b) EXPECT_TRUE(MatchesKvKey(keys[b - 8], cache.block(b)));
+
+  // A negative timeout is refused (it once wrapped to 49 days), and the op
+  // is still there to wait for.
+  Result<OpHandle> op = engine->LoadAsync(id, keys, std::vector<uint32_t>{8, 9, 10, 11});
+  ASSERT_TRUE(op.has_value()) << op.error();
+  Result<OpResult> negative = engine->Wait(*op, milliseconds(-1));
+  ASSERT_FALSE(negative.has_value());
+  EXPECT_EQ(negative.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->Cancel(*op, milliseconds(-5)).code(), StatusCode::kInvalidArgument);
+  Result<OpResult> waited = engine->Wait(*op, milliseconds(10000));
+  ASSERT_TRUE(waited.has_value()) << waited.error();
+  EXPECT_EQ(waited->blocks, 4u);
 }
 
 TEST_F(CancelTest, AStoreGivenUpOnAHungDaemonIsNeverCommitted) {

@@ -20,6 +20,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -50,6 +51,24 @@ namespace {
   throw py::error_already_set();
 }
 [[noreturn]] void RaiseInvalid(const std::string& message) { Raise(InvalidArgument(message)); }
+
+// A timeout argument in seconds as the C++ client takes it (0 = no limit):
+// None is no limit; NaN, an infinity and a negative number are refused (a
+// NaN passes every comparison, and would convert to anything). A timeout of
+// 0 s waits 1 ms (`zero_ok`) or is refused.
+std::chrono::milliseconds TimeoutArg(const std::optional<double>& seconds, const char* what, bool zero_ok) {
+  if (!seconds) return std::chrono::milliseconds(0);
+  const double s = *seconds;
+  if (!std::isfinite(s) || s < 0 || (!zero_ok && s == 0)) {
+    RaiseInvalid(std::string(what) + (zero_ok ? " must be >= 0 seconds" : " must be > 0 seconds") +
+                 " and finite, or None (no limit)");
+  }
+  // At most a year, so that it converts exactly (a Wait on the wire is
+  // bounded to 49 days anyway).
+  const double ms = std::min(s * 1000.0, 365.0 * 24 * 3600 * 1000);
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(ms)));
+}
+
 
 template <typename T>
 T Must(Result<T> r) {
@@ -192,18 +211,15 @@ class PyClient {
                                            const std::string& name, double reconnect_interval_s,
                                            const std::optional<double>& call_timeout_s) {
     if (socket_path.empty()) RaiseInvalid("socket_path must not be empty");
-    if (reconnect_interval_s < 0) RaiseInvalid("reconnect_interval must be >= 0");
-    if (call_timeout_s && *call_timeout_s <= 0)
-      RaiseInvalid("call_timeout must be > 0 (or None: no limit)");
+    if (!(reconnect_interval_s >= 0) || !std::isfinite(reconnect_interval_s))
+      RaiseInvalid("reconnect_interval must be >= 0 seconds and finite");
     ClientOptions options{
         .socket_path = socket_path,
         .token = token.value_or(""),
         .client_name = name,
         .reconnect_interval =
             std::chrono::milliseconds(static_cast<int64_t>(reconnect_interval_s * 1000.0)),
-        .call_timeout = std::chrono::milliseconds(
-            call_timeout_s ? std::max<int64_t>(1, static_cast<int64_t>(*call_timeout_s * 1000.0))
-                           : 0)};
+        .call_timeout = TimeoutArg(call_timeout_s, "call_timeout", /*zero_ok=*/false)};
     std::unique_ptr<Client> c = WithoutGil([&] { return Client::Connect(std::move(options)); });
     return std::make_shared<PyClient>(std::shared_ptr<Client>(std::move(c)));
   }
@@ -242,30 +258,24 @@ class PyOp {
   PyOp(std::shared_ptr<Client> client, OpHandle handle, std::string what)
       : client_(std::move(client)), handle_(handle), what_(std::move(what)) {}
 
+  // Another thread may wait on (or cancel) the same op meanwhile: each call
+  // copies the client before the GIL is released, and the loser of the race
+  // gets the C++ client's error for an op already over.
   OpResult Wait(std::optional<double> timeout_s) {
-    if (!client_)
-      Raise(Status(StatusCode::kFailedPrecondition, "this " + what_ + " was waited for already"));
-    if (timeout_s && *timeout_s < 0) RaiseInvalid("timeout must be >= 0 seconds, or None");
-    // 0 is "no limit" to the C++ client: a timeout of 0 s waits 1 ms.
-    const auto timeout =
-        timeout_s ? std::max<std::chrono::milliseconds>(
-                        std::chrono::milliseconds(1),
-                        std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
-                  : std::chrono::milliseconds(0);
-    Result<OpResult> r = Unlocked([&] { return client_->Wait(handle_, timeout); });
+    std::shared_ptr<Client> client = client_;
+    if (!client) Raise(Status(StatusCode::kFailedPrecondition, "this " + what_ + " was waited for already"));
+    const std::chrono::milliseconds timeout = TimeoutArg(timeout_s, "timeout", /*zero_ok=*/true);
+    Result<OpResult> r = Unlocked([&] { return client->Wait(handle_, timeout); });
     if (!r && (r.error().code() == StatusCode::kDeadlineExceeded || r.error().code() == StatusCode::kAborted))
       Raise(r.error());  // still running, or a copy of it still is: wait again, or cancel
     client_.reset();
     return Must(std::move(r));
   }
   void Cancel(std::optional<double> timeout_s) {
-    if (!client_) return;  // over: its result was returned
-    if (timeout_s && *timeout_s < 0) RaiseInvalid("timeout must be >= 0 seconds, or None");
-    const auto timeout = timeout_s ? std::max<std::chrono::milliseconds>(
-                                         std::chrono::milliseconds(1),
-                                         std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000.0)))
-                                   : std::chrono::milliseconds(0);
-    Status st = Unlocked([&] { return client_->Cancel(handle_, timeout); });
+    std::shared_ptr<Client> client = client_;
+    if (!client) return;  // over: its result was returned
+    const std::chrono::milliseconds timeout = TimeoutArg(timeout_s, "timeout", /*zero_ok=*/true);
+    Status st = Unlocked([&] { return client->Cancel(handle_, timeout); });
     if (!st.ok()) Raise(st);  // a copy still in progress: cancel again
     client_.reset();
   }

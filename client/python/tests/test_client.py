@@ -150,6 +150,40 @@ def test_async_ops_are_waited_for_once(client: kvtier.Client) -> None:
         client.load_async(cache, keys, [12, 13, 14, 15]).cancel(timeout=-1)
 
 
+def test_timeouts_must_be_finite_and_two_threads_may_wait_on_one_op(daemon: Daemon, client: kvtier.Client) -> None:
+    cpu = kvtier.CpuKvCache(small_layout(), 16)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(17, 4))
+    op = client.store_async(cache, keys, [0, 1, 2, 3])
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(kvtier.InvalidArgumentError, match="finite"):
+            op.wait(timeout=bad)
+        with pytest.raises(kvtier.InvalidArgumentError, match="finite"):
+            op.cancel(timeout=bad)
+        with pytest.raises(kvtier.InvalidArgumentError, match="call_timeout"):
+            kvtier.Client.connect(daemon.socket, call_timeout=bad)
+    assert op.wait(timeout=10).blocks == 4  # the refused calls changed nothing
+    # Two threads wait on each op: one gets its result, the other an error
+    # saying it is over; nothing crashes, whatever the interleaving.
+    for attempt in range(50):
+        load = client.load_async(cache, keys, [4, 5, 6, 7])
+        results: list[object] = []
+
+        def wait() -> None:
+            try:
+                results.append(load.wait(timeout=10).blocks)
+            except kvtier.Error as error:
+                results.append(type(error))
+
+        threads = [threading.Thread(target=wait) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results.count(4) == 1, (attempt, results)
+        assert all(r == 4 or issubclass(r, (kvtier.FailedPreconditionError, kvtier.NotFoundError)) for r in results), results
+
+
 def test_bad_input_is_a_clear_exception(daemon: Daemon, client: kvtier.Client) -> None:
     layout = small_layout()
     cpu = kvtier.CpuKvCache(layout, 8)
