@@ -779,6 +779,9 @@ class BlockCache {
   void FailDiskRead(BlockEntry* e);
   // Reads `e` (on disk, not moving) into host slot `dst`.
   void StartDiskRead(BlockEntry* e, uint8_t* dst);
+  // Whether a failed disk read says nothing of its record (cancelled at a
+  // stop, EAGAIN, ENOMEM): the record is kept.
+  static bool TransientReadError(const Status& st);
   // `coded_bytes`: the slot holds the record's payload as it was coded.
   void FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status, uint64_t checksum,
                       uint64_t coded_bytes = 0);

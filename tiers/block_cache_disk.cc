@@ -162,6 +162,11 @@ void BlockCache::FailDiskRead(BlockEntry* e) {
   Dematerialize(e);
 }
 
+bool BlockCache::TransientReadError(const Status& st) {
+  return st.code() == StatusCode::kCancelled || st.code() == StatusCode::kUnavailable ||
+         st.code() == StatusCode::kResourceExhausted;
+}
+
 void BlockCache::StartDiskRead(BlockEntry* e, uint8_t* dst) {
   disk_waiters_.try_emplace(e->key);  // loads that come meanwhile share this read
   e->moving = true;
@@ -231,10 +236,15 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
   } else {
     tier(Tier::kHost)->pool->Free(dst, coded_bytes != 0 ? coded_bytes : e->block_bytes);
     ++counters_.disk_read_failures;
-    // The record is bad: it is no disk copy any more (and the block must not
-    // go back to the disk-only table when the loads below let go of it).
-    if (e->on_disk) options_.disk->Forget(e->key, e->disk);
-    SetOnDisk(e, false);
+    // The record is bad (it failed its checks, or the device could not read
+    // it): it is no disk copy any more (and the block must not go back to
+    // the disk-only table when the loads below let go of it). A read that
+    // was cancelled (a stop) or refused for a moment (EAGAIN, ENOMEM) says
+    // nothing of the record: it stays, and this read is only a miss.
+    if (!TransientReadError(status)) {
+      if (e->on_disk) options_.disk->Forget(e->key, e->disk);
+      SetOnDisk(e, false);
+    }
   }
   index_.Unpark(e, /*hot=*/true);  // in host now, or still on disk after a failure
   auto it = disk_waiters_.find(key);
@@ -246,8 +256,15 @@ void BlockCache::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status statu
   for (const auto& w : waiters) w(ok);  // loads release their leases of a failed block here
   if (!ok) {
     e = index_.Find(key);
-    // Never served: a record that failed its checks (or its read) is dropped.
-    if (e != nullptr && e->leases == 0 && !e->moving) Drop(e);
+    // Never served: a record that failed its checks (or its read) is
+    // dropped; an intact one goes back to the disk-only table.
+    if (e != nullptr && e->leases == 0 && !e->moving) {
+      if (e->on_disk) {
+        Dematerialize(e);
+      } else {
+        Drop(e);
+      }
+    }
   } else if (e = index_.Find(key); e != nullptr && e->tier == Tier::kHost) {
     MaybeCompact(e);  // a raw record of a block that asked for a codec
   }

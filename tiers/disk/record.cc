@@ -144,8 +144,8 @@ Result<RecordHeader> DecodeRecordHeader(std::span<const uint8_t> in) {
   // an oversized payload means a bug or a foreign file, not a bit flip.
   RecordHeader header;
   header.payload_bytes = GetU64(p + kPayloadBytesOffset);
-  if (header.payload_bytes > Layout::kMaxBlockBytes) {
-    return Corrupt("payload_bytes " + std::to_string(header.payload_bytes) + " exceeds " +
+  if (header.payload_bytes == 0 || header.payload_bytes > Layout::kMaxBlockBytes) {
+    return Corrupt("payload_bytes " + std::to_string(header.payload_bytes) + " is not from 1 to " +
                    std::to_string(Layout::kMaxBlockBytes));
   }
   std::memcpy(header.key.bytes.data(), p + kKeyOffset, StoredKey::kSize);
@@ -243,7 +243,7 @@ Result<RecordHeader> DecodeRecordTrailer(std::span<const uint8_t> record_tail) {
   if (p[kTrailerReservedOffset] != 0 || p[kTrailerReservedOffset + 1] != 0) {
     return CorruptTrailer("reserved bytes are not zero");
   }
-  if (h.raw_bytes == 0 || h.raw_bytes > Layout::kMaxBlockBytes || h.payload_bytes >= h.raw_bytes) {
+  if (h.payload_bytes == 0 || h.raw_bytes > Layout::kMaxBlockBytes || h.payload_bytes >= h.raw_bytes) {
     return CorruptTrailer("payload_bytes " + std::to_string(h.payload_bytes) + " and raw_bytes " +
                           std::to_string(h.raw_bytes) + " out of range (0 < payload < raw <= " +
                           std::to_string(Layout::kMaxBlockBytes) + ")");

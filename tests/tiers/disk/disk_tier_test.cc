@@ -649,6 +649,28 @@ TEST_F(DiskTierTest, ReadErrorIsAMissAndTheOtherTiersKeepServing) {
   }
 }
 
+// A read refused for a moment (EAGAIN after the engine's retries, ENOMEM)
+// or cancelled says nothing of the record: the load misses, and the record
+// stays on disk, for the next load and across a restart. Before, any failed
+// read forgot an intact record.
+TEST_F(DiskTierTest, ATransientReadErrorKeepsTheRecord) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(12);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_GE(disk.size(), 2u);
+  faulty_->FailNth(FaultOp::kRead, 1, EAGAIN);
+  EXPECT_FALSE(LoadExact(disk[0]));
+  faulty_->FailNth(FaultOp::kRead, 1, ENOMEM);
+  EXPECT_FALSE(LoadExact(disk[1]));
+  EXPECT_EQ(cache_->counters().disk_read_failures, 2u);
+  EXPECT_EQ(TiersOf({disk[0], disk[1]}), (std::vector<Tier>{Tier::kDisk, Tier::kDisk}));
+  EXPECT_TRUE(LoadExact(disk[0]));
+  Close();
+  Open();
+  EXPECT_TRUE(LoadExact(disk[1])) << "an intact record was forgotten";
+}
+
 TEST_F(DiskTierTest, WriteErrorsKeepTheBlockOutOfTheDiskIndex) {
   Open();
   faulty_->FailNth(FaultOp::kWrite, 1, ENOSPC);

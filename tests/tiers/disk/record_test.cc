@@ -55,7 +55,7 @@ RecordHeader RandomHeader(std::mt19937_64& rng) {
   for (auto& b : h.key.bytes) b = static_cast<uint8_t>(rng());
   for (auto& b : h.ns.bytes) b = static_cast<uint8_t>(rng());
   h.sequence = rng();
-  h.payload_bytes = rng() % (Layout::kMaxBlockBytes + 1);
+  h.payload_bytes = 1 + rng() % Layout::kMaxBlockBytes;
   h.payload_checksum = rng();
   // Any bytes, NUL included: the owner is length-prefixed, not a C string.
   h.owner.resize(rng() % (RecordHeader::kMaxOwnerBytes + 1));
@@ -213,6 +213,8 @@ TEST(RecordTest, PayloadBytesAboveTheBlockLimitIsRejected) {
   EXPECT_TRUE(DecodeRecordHeader(Encode(h)).has_value());
   h.payload_bytes = Layout::kMaxBlockBytes + 1;
   ExpectCorruption(Encode(h), "payload_bytes");
+  h.payload_bytes = 0;  // the format forbids an empty payload
+  ExpectCorruption(Encode(h), "payload_bytes 0");
 }
 
 TEST(RecordTest, ZeroPageIsRejected) { ExpectCorruption(Page(RecordHeader::kBytes, 0), "magic"); }
@@ -385,6 +387,7 @@ TEST(RecordTest, TrailerFieldsOutOfRangeAreRejectedEvenWithAGoodChecksum) {
   ExpectTrailerCorruption(edited([](Page& t) { StoreU32(t, kTrailerGroupAt, 0); }), "group_elems");
   ExpectTrailerCorruption(edited([](Page& t) { t[82] = 1; }), "reserved");
   ExpectTrailerCorruption(edited([](Page& t) { StoreU64(t, kTrailerRawBytesAt, 0); }), "raw_bytes");
+  ExpectTrailerCorruption(edited([](Page& t) { StoreU64(t, 56, 0); }), "payload_bytes 0");
   ExpectTrailerCorruption(edited([](Page& t) { StoreU64(t, kTrailerRawBytesAt, LoadU64(t, 56)); }),
                           "out of range");
   ExpectTrailerCorruption(
