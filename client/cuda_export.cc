@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 
 #include "client/sealed_memfd.h"
 #include "kernels/cuda/cuda_util.h"
@@ -50,6 +51,7 @@ Result<std::unique_ptr<CudaExport>> CudaExport::Create(std::span<const CudaKvReg
     e->regions_.push_back(out);
   }
   if (device < 0) return Err(InvalidArgument("no regions"));
+  e->device_ = device;
   cuda::ScopedDevice scope(device);
   KVTIER_RETURN_IF_ERROR(scope.status());
   for (uint32_t i = 0; i < num_events; ++i) {
@@ -74,8 +76,10 @@ Status CudaExport::CreateCompletionPage() {
                                                 .prot = PROT_READ | PROT_WRITE,
                                                 .flags = MAP_SHARED,
                                                 .fd = completion_fd_.get()}));
-  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostRegister(completion_page_.data(), kPageBytes, cudaHostRegisterMapped),
-                              "cudaHostRegister of the completion page");
+  // Portable: pinned for every context, not only the one current now.
+  KVTIER_CUDA_RETURN_IF_ERROR(
+      cudaHostRegister(completion_page_.data(), kPageBytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+      "cudaHostRegister of the completion page");
   completion_registered_ = true;
   for (size_t i = 0; i < events_.size(); ++i) {
     cudaStream_t stream = nullptr;
@@ -96,6 +100,8 @@ uint32_t CudaExport::NextCompletionValue(int32_t slot) {
 }
 
 Result<CudaEvent> CudaExport::CompletionEvent(int32_t slot, uint32_t value) {
+  cuda::ScopedDevice scope(device_);
+  KVTIER_RETURN_IF_ERROR(scope.status());
   void* device_ptr = nullptr;
   uint8_t* host = completion_page_.data() + sizeof(uint32_t) * static_cast<size_t>(slot);
   KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_ptr, host, 0), "cudaHostGetDevicePointer");
@@ -112,6 +118,8 @@ void CudaExport::Complete(int32_t slot, uint32_t value) {
 }
 
 CudaExport::~CudaExport() {
+  std::optional<cuda::ScopedDevice> scope;
+  if (device_ >= 0) scope.emplace(device_);
   // Release every wait first (values only grow), then tear down.
   for (size_t i = 0; i < completion_values_.size(); ++i) Complete(static_cast<int32_t>(i), completion_values_[i]);
   for (CudaStream stream : completion_streams_) {
@@ -136,12 +144,16 @@ std::optional<int32_t> CudaExport::AcquireEvent() {
 void CudaExport::ReleaseEvent(int32_t slot) { busy_[static_cast<size_t>(slot)] = false; }
 
 Status CudaExport::Record(int32_t slot, CudaStream stream) const {
+  cuda::ScopedDevice scope(device_);
+  KVTIER_RETURN_IF_ERROR(scope.status());
   KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event(slot)), static_cast<cudaStream_t>(stream)),
                               "cudaEventRecord on the engine's stream");
   return Status::Ok();
 }
 
 Status CudaExport::StreamWait(CudaStream stream, int32_t slot) const {
+  cuda::ScopedDevice scope(device_);
+  KVTIER_RETURN_IF_ERROR(scope.status());
   KVTIER_CUDA_RETURN_IF_ERROR(
       cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event(slot)), 0),
       "cudaStreamWaitEvent on the engine's stream");
@@ -149,6 +161,8 @@ Status CudaExport::StreamWait(CudaStream stream, int32_t slot) const {
 }
 
 Status CudaExport::Synchronize(CudaStream stream) const {
+  cuda::ScopedDevice scope(device_);
+  KVTIER_RETURN_IF_ERROR(scope.status());
   KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
                               "cudaStreamSynchronize of the engine's stream");
   return Status::Ok();

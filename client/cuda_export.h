@@ -15,7 +15,8 @@
 // Built with the real CUDA runtime when libkvtier has CUDA (cuda_export.cc),
 // else every call reports kUnimplemented (cuda_export_stub.cc).
 //
-// Owned by Client::Impl, used under its mutex; thread-compatible.
+// Owned by Client::Impl, used under its mutex; thread-compatible. Any thread
+// may call: each call makes the cache's device current for its duration.
 #pragma once
 
 #include <array>
@@ -78,6 +79,10 @@ class CudaExport {
   Status CreateCompletionPage();
 
   std::vector<Region> regions_;
+  // The cache's device: every CUDA call here runs with it current, whatever
+  // device the calling thread has (a store from a helper thread must not
+  // create a context on device 0 nor record on another device's stream).
+  int device_ = -1;
   std::vector<CudaEvent> events_;  // cudaEvent_t, interprocess
   std::vector<IpcEventHandle> event_handles_;
   std::vector<bool> busy_;
