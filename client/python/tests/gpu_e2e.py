@@ -45,6 +45,16 @@ def engine(mode: str, socket: str) -> int:
     client = kvtier.Client.connect(socket, name=f"gpu-e2e-{mode}")
     tokens = list(range(1000, 1000 + STORED * BLOCK_TOKENS))
     if mode == "store":
+        # Pinned CPU tensors are refused: their pins would stay on the old
+        # pages once the memory moved into shared memory.
+        shape = (2, NUM_BLOCKS, BLOCK_TOKENS, HEADS, HEAD_DIM)
+        pinned = [torch.zeros(shape, dtype=torch.bfloat16).pin_memory() for _ in range(LAYERS)]
+        try:
+            client.register_tensors(layout, NUM_BLOCKS, pinned, "vllm_nhd")
+            print("pinned: registered, which must not be")
+            return 1
+        except kvtier.InvalidArgumentError as error:
+            print(f"pinned: refused ({error})")
         layers = tensors(fill=True)
         cache = client.register_tensors(layout, NUM_BLOCKS, layers, "vllm_nhd")
         assert cache.kind == "cuda", cache

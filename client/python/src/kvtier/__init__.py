@@ -150,6 +150,18 @@ def _region_of(tensor: Any, layout: Layout, index: int) -> tuple[str, int, int]:
     raise TypeError(f"tensors[{index}]: a torch tensor or a NumPy array is needed, not {type(tensor).__name__}")
 
 
+def _is_pinned(tensor: Any) -> bool:
+    """Whether a torch tensor lives in page-locked memory (False for NumPy
+    arrays, and where torch has no CUDA)."""
+    is_pinned = getattr(tensor, "is_pinned", None)
+    if is_pinned is None:
+        return False
+    try:
+        return bool(is_pinned())
+    except RuntimeError:  # no CUDA in this torch: nothing can be pinned
+        return False
+
+
 def _register_tensors(
     self: Client,
     layout: Layout,
@@ -166,7 +178,10 @@ def _register_tensors(
     CPU memory is shared with the daemon in place (kvtier/host_memory.h): the
     tensors keep their addresses and bytes, and must not be in use while this
     runs, and a tensor can be registered once (its memory is shared memory
-    afterwards: keep the KvCache). Each tensor must be contiguous and of the
+    afterwards: keep the KvCache). Pinned tensors are refused
+    (InvalidArgumentError): a pin stays on the pages the memory had, and
+    pinning that torch cannot see (io_uring fixed buffers, RDMA) must not
+    cover them either. Each tensor must be contiguous and of the
     layout's dtype (or uint8); tensors may be views of one storage, or share
     pages. CUDA tensors go through CUDA IPC (``UnimplementedError`` without
     CUDA). ``codec``: how the daemon stores the blocks on disk, ``"none"``,
@@ -181,6 +196,16 @@ def _register_tensors(
     if len(kinds) > 1:
         raise InvalidArgumentError("tensors: all on the CPU or all on one GPU, not a mix")
     pairs = [(ptr, size) for _, ptr, size in regions]
+    if kinds != {"cuda"}:
+        # Pinned memory (pin_memory, cudaHostRegister) keeps its pin on the
+        # pages it had: once they moved into shared memory, the GPU's copies
+        # would go to pages neither the engine nor the daemon reads.
+        pinned = [i for i, t in enumerate(tensors) if _is_pinned(t)]
+        if pinned:
+            raise InvalidArgumentError(
+                f"tensors{pinned}: pinned memory cannot be shared in place (its pin stays on the old pages); "
+                "allocate the KV cache unpinned, or copy through Client.register_cpu_cache"
+            )
     if kinds == {"cuda"}:
         devices = {t.device.index for t in tensors}
         if len(devices) > 1:
