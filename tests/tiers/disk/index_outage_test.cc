@@ -3,7 +3,6 @@
 // mounts: what a reclaim whose index deletes failed may delete once it is
 // retried. The cache's side of an outage is in disk_tier_test.cc.
 #include <gtest/gtest.h>
-#include <sys/mount.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,6 +19,7 @@
 
 #include "tests/tiers/disk/cache_loop.h"
 #include "tests/tiers/disk/memory_device.h"
+#include "tests/tiers/disk/small_volume.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk/record.h"
 
@@ -34,23 +34,19 @@ constexpr uint64_t kPayloadBytes = 8 * 1024;
 class IndexOutageTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs for the index needs root";
     char tmpl[] = "/tmp/kvtier-outage-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    mnt_ = dir_ + "/index-fs";
-    std::filesystem::create_directories(mnt_);
-    if (::mount("tmpfs", mnt_.c_str(), "tmpfs", 0, "size=32m") != 0) {
-      GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
-    }
-    mounted_ = true;
+    std::string why;
+    volume_ = tiers_test::SmallVolume::Mount(dir_ + "/index-fs", "32m", &why);
+    if (!volume_) GTEST_SKIP() << why;
     device_ = std::make_unique<MemoryDevice>(16 * kRegionBytes);
     payload_ = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, kPayloadBytes));
     std::memset(payload_, 0x5a, kPayloadBytes);
   }
   void TearDown() override {
     Close();
-    if (mounted_) ::umount2(mnt_.c_str(), MNT_DETACH);
+    volume_.reset();
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
     std::free(payload_);
   }
@@ -58,7 +54,7 @@ class IndexOutageTest : public ::testing::Test {
   void Open() {
     Result<std::unique_ptr<DiskTier>> disk = DiskTier::Open(
         {.devices = {device_.get()},
-         .index_path = mnt_ + "/index",
+         .index_path = volume_->path() + "/index",
          .region_bytes = kRegionBytes,
          .post = loop_.post(),
          .reclaim = [this](const StoredKey& key, const DiskLocation& where,
@@ -83,20 +79,6 @@ class IndexOutageTest : public ::testing::Test {
     }
     disk_.reset();
   }
-
-  // Fills the volume but for `room` bytes.
-  void Fill(uint64_t room) {
-    std::FILE* f = std::fopen(filler().c_str(), "w");
-    ASSERT_NE(f, nullptr);
-    std::vector<char> chunk(64 << 10, 'x');
-    while (std::fwrite(chunk.data(), 1, chunk.size(), f) == chunk.size()) {
-    }
-    std::fclose(f);
-    std::error_code ec;
-    std::filesystem::resize_file(filler(), std::filesystem::file_size(filler()) - room, ec);
-    ASSERT_FALSE(ec) << ec.message();
-  }
-  std::string filler() const { return mnt_ + "/filler"; }
 
   // Appends a packed record under `key`; where it is once durable.
   Result<DiskLocation> Append(const StoredKey& key) {
@@ -124,8 +106,8 @@ class IndexOutageTest : public ::testing::Test {
   }
 
   tiers_test::CacheLoop loop_;
-  std::string dir_, mnt_;
-  bool mounted_ = false;
+  std::string dir_;
+  std::unique_ptr<tiers_test::SmallVolume> volume_;
   std::unique_ptr<MemoryDevice> device_;
   uint8_t* payload_ = nullptr;
   std::unique_ptr<DiskTier> disk_;
@@ -141,7 +123,7 @@ class IndexOutageTest : public ::testing::Test {
 // delete its new entry. Before, the retry resubmitted the old deletes word
 // for word, and the block was gone after a restart.
 TEST_F(IndexOutageTest, ARetriedReclaimNeverDeletesTheEntryOfABlockAppendedAgainSince) {
-  Fill(128 << 10);  // before the index opens: its log gets no room preallocated
+  volume_->Fill(128 << 10);  // before the index opens: its log gets no room preallocated
   Open();
   // Appends until the index refuses writes and a reclaim's deletes failed.
   size_t dropped_before = 0;
@@ -158,7 +140,7 @@ TEST_F(IndexOutageTest, ARetriedReclaimNeverDeletesTheEntryOfABlockAppendedAgain
 
   // Room again: RocksDB recovers by itself (it polls every 5 s). The clock
   // stands still, so the failed reclaim waits for its retry.
-  std::filesystem::remove(filler());
+  volume_->Free();
   std::this_thread::sleep_for(6s);
   for (const StoredKey& k : again) {
     Result<DiskLocation> now = Append(k);
