@@ -48,7 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::memcpy(built.ns.bytes.data(), data + 16, 16);
   std::memcpy(&built.sequence, data + 32, 8);
   std::memcpy(&built.payload_bytes, data + 40, 8);
-  built.payload_bytes %= kvtier::Layout::kMaxBlockBytes + 1;
+  built.payload_bytes = 1 + built.payload_bytes % kvtier::Layout::kMaxBlockBytes;  // 0 is corruption
   std::memcpy(&built.payload_checksum, data + 48, 8);
   const size_t owner = std::min<size_t>(data[56] % (RecordHeader::kMaxOwnerBytes + 1), size - 57);
   built.owner.assign(reinterpret_cast<const char*>(data + 57), owner);
