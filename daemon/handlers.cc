@@ -242,9 +242,15 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     }
     charged_bytes += handles[i].size_bytes;
   }
-  const uint64_t pages = (m.completion_fd_index() >= 0 ? 1 : 0) + (m.fence_fd_index() >= 0 ? 1 : 0);
+  uint64_t pages = 0;
+  for (const auto& [index, bytes] : {std::pair{m.completion_fd_index(), CompletionPage::kBytes},
+                                     std::pair{m.fence_fd_index(), FencePage::kBytes}}) {
+    if (index < 0) continue;
+    ++pages;
+    charged_bytes += bytes;
+  }
   Result<MappedCharge> charge =
-      MappedCharge::Take(*s.tenant, options_.config.limits, handles.size() + pages, charged_bytes + pages * 4096);
+      MappedCharge::Take(*s.tenant, options_.config.limits, handles.size() + pages, charged_bytes);
   if (!charge) return ipc::ErrorMessage(id, charge.error());
   std::vector<IpcEventHandle> events;
   if (m.cuda_events() != nullptr) {
