@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -25,8 +26,10 @@
 #include "common/kv_cache_layout.h"
 #include "common/layout.h"
 #include "common/status.h"
+#include "kernels/codec.h"
 #include "kernels/copy_plan.h"
 #include "kernels/copy_reference.h"
+#include "kernels/cuda/codec_kernels.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_util.h"
 #include "tools/bench_report.h"
@@ -46,6 +49,9 @@ constexpr uint32_t kVerifyBlocks = 16;
 constexpr uint64_t kPermutationSeed = 0x6b767469657231;
 // Host staging for filling the engine regions.
 constexpr uint64_t kFillChunkBytes = 16 << 20;
+// The fp8 codec's groups: one head's head_dim values of one token, kvtier's
+// default (common/layout.h).
+constexpr uint32_t kFp8GroupElems = kHeadDim;
 // Informational target ratios (kvtier / contiguous cudaMemcpy).
 constexpr double kTargetHostDevice = 0.9;
 constexpr double kTargetDeviceDevice = 0.8;
@@ -65,6 +71,13 @@ void FillPattern(uint8_t* p, uint64_t size_bytes, uint64_t stream, uint64_t firs
     const uint64_t v = Mix((stream << 44) ^ (first_word + w));
     std::memcpy(p + w * 8, &v, std::min<uint64_t>(8, size_bytes - w * 8));
   }
+}
+
+// Clears the top exponent bit of every 2-byte element, so that the bytes
+// read as finite bf16 values below 2 in magnitude: what the fp8 codec
+// encodes (a NaN or an Inf makes it store the block raw).
+void MakeFiniteBf16(uint8_t* p, uint64_t size_bytes) {
+  for (uint64_t i = 1; i < size_bytes; i += 2) p[i] &= 0xbf;
 }
 
 struct StreamDeleter {
@@ -197,7 +210,7 @@ class GpuBench {
   // Checks every direction once against the CPU reference; prints what was
   // verified. Errors: kCorruption naming the first differing byte, CUDA.
   Status Verify();
-  // The four timed comparisons, in GB/s.
+  // The timed comparisons (four copies, the fp8 encode and decode), in GB/s.
   Result<std::vector<Comparison>> Measure();
 
  private:
@@ -210,6 +223,9 @@ class GpuBench {
     return Status();
   }
   Status CompareWithReference(std::span<const BlockCopy> copies, std::string_view what);
+  // Checks the fp8 encode and decode kernels against the CPU codec.
+  Status VerifyCodec();
+  CodecParams fp8() const { return {.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = kFp8GroupElems}; }
   Result<Medians> TimePair(const Op& kvtier, const Op& baseline);
 
   const GpuOptions o_;
@@ -225,6 +241,13 @@ class GpuBench {
   cuda::DeviceBuffer arena_;    // blocks slots in HBM
   cuda::DeviceBuffer scratch_;  // the other end of the baselines' copies
   std::vector<BlockCopy> to_pinned_, to_arena_;
+  // fp8: the coded slots (pinned host, as the host tier's), the kernels'
+  // flags (one per block) and the copy lists.
+  cuda::Fp8Shape shape_;
+  uint64_t coded_bytes_ = 0;  // per block
+  PinnedBuffer coded_;
+  PinnedBuffer flags_;
+  std::vector<cuda::CodedBlock> to_coded_;
   UniqueStream stream_;
   UniqueEvent events_[3];
 };
@@ -248,6 +271,10 @@ Result<std::unique_ptr<GpuBench>> GpuBench::Create(const GpuOptions& o, KvCacheL
   KVTIER_ASSIGN_OR_RETURN(b->pinned_, PinnedBuffer::Allocate(b->copy_bytes_));
   KVTIER_ASSIGN_OR_RETURN(b->arena_, cuda::DeviceBuffer::Allocate(o.device, b->copy_bytes_));
   KVTIER_ASSIGN_OR_RETURN(b->scratch_, cuda::DeviceBuffer::Allocate(o.device, b->copy_bytes_));
+  b->shape_ = cuda::Fp8ShapeOf(b->block_bytes(), kFp8GroupElems, /*bf16=*/true);
+  b->coded_bytes_ = uint64_t{b->shape_.groups} * 4 + b->shape_.elems;
+  KVTIER_ASSIGN_OR_RETURN(b->coded_, PinnedBuffer::Allocate(uint64_t{o.blocks} * b->coded_bytes_));
+  KVTIER_ASSIGN_OR_RETURN(b->flags_, PinnedBuffer::Allocate(uint64_t{o.blocks} * sizeof(uint32_t)));
 
   // The copied blocks, scattered over the cache as an engine's free list
   // leaves them; slot i holds the i-th.
@@ -258,6 +285,7 @@ Result<std::unique_ptr<GpuBench>> GpuBench::Create(const GpuOptions& o, KvCacheL
   for (uint32_t i = 0; i < o.blocks; ++i) {
     b->to_pinned_.push_back({engine_blocks[i], b->pinned_.device() + i * b->block_bytes()});
     b->to_arena_.push_back({engine_blocks[i], b->arena_.data() + i * b->block_bytes()});
+    b->to_coded_.push_back({engine_blocks[i], b->coded_.device() + i * b->coded_bytes_});
   }
 
   cudaStream_t stream = nullptr;
@@ -280,6 +308,7 @@ Status GpuBench::FillEngine() {
     for (uint64_t off = 0; off < size; off += kFillChunkBytes) {
       const uint64_t n = std::min(kFillChunkBytes, size - off);
       FillPattern(staging.host(), n, r + 1, off / 8);
+      MakeFiniteBf16(staging.host(), n);
       KVTIER_CUDA_RETURN_IF_ERROR(
           cudaMemcpy(regions_[r].data() + off, staging.host(), n, cudaMemcpyHostToDevice),
           "filling engine region " + std::to_string(r));
@@ -360,8 +389,10 @@ Status GpuBench::Verify() {
 
   // Scatters: new bytes in the verified slots, then the engine's copy of
   // those blocks must gather back to them.
-  for (uint32_t i : indices)
+  for (uint32_t i : indices) {
     FillPattern(pinned_.host() + i * block_bytes(), block_bytes(), 1001, i * block_bytes() / 8);
+    MakeFiniteBf16(pinned_.host() + i * block_bytes(), block_bytes());
+  }
   KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(pieces, to_pinned_, stream_.get()),
                               "LaunchScatter H2D");
   KVTIER_RETURN_IF_ERROR(Sync());
@@ -371,6 +402,7 @@ Status GpuBench::Verify() {
   for (uint32_t i : indices) {
     uint8_t* host = pinned_.host() + i * block_bytes();
     FillPattern(host, block_bytes(), 1002, i * block_bytes() / 8);
+    MakeFiniteBf16(host, block_bytes());
     KVTIER_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(to_arena_[i].slot, host, block_bytes(), cudaMemcpyHostToDevice),
         "filling an HBM slot");
@@ -379,7 +411,61 @@ Status GpuBench::Verify() {
                               "LaunchScatter D2D");
   KVTIER_RETURN_IF_ERROR(Sync());
   KVTIER_RETURN_IF_ERROR(MirrorEngine());
-  return CompareWithReference(to_arena_, "scatter D2D");
+  KVTIER_RETURN_IF_ERROR(CompareWithReference(to_arena_, "scatter D2D"));
+  return VerifyCodec();
+}
+
+Status GpuBench::VerifyCodec() {
+  const cuda::DevicePieces pieces = device_plan_.pieces();
+  const std::vector<uint32_t> indices = VerifyIndices(o_.blocks);
+  KVTIER_ASSIGN_OR_RETURN(std::unique_ptr<BlockCodec> coder, BlockCodec::Create());
+  auto* flags = reinterpret_cast<uint32_t*>(flags_.host());
+  // Encode (a store): every verified slot must be the CPU codec's output for
+  // the engine block, byte for byte.
+  KVTIER_RETURN_IF_ERROR(MirrorEngine());
+  std::memset(flags, 0, uint64_t{o_.blocks} * sizeof(uint32_t));
+  KVTIER_CUDA_RETURN_IF_ERROR(
+      cuda::LaunchFp8Encode(pieces, shape_, to_coded_, reinterpret_cast<uint32_t*>(flags_.device()), stream_.get()),
+      "LaunchFp8Encode D2H");
+  KVTIER_RETURN_IF_ERROR(Sync());
+  std::vector<uint8_t> expected(BlockCodec::MaxEncodedBytes(fp8(), block_bytes())), scratch, raw(block_bytes()),
+      decoded(block_bytes());
+  for (uint32_t i : indices) {
+    if (flags[i] != 0) {
+      return Status(StatusCode::kCorruption, "fp8 encode D2H: slot " + std::to_string(i) +
+                                                 " flagged a NaN or an Inf in finite data");
+    }
+    const std::optional<size_t> n = GatherAndEncode(*coder, fp8(), mirror_plan_, to_coded_[i].engine_block,
+                                                    expected, scratch);
+    const uint8_t* actual = coded_.host() + i * coded_bytes_;
+    if (!n || *n != coded_bytes_ || std::memcmp(actual, expected.data(), coded_bytes_) != 0) {
+      return Status(StatusCode::kCorruption, "fp8 encode D2H: slot " + std::to_string(i) + " (engine block " +
+                                                 std::to_string(to_coded_[i].engine_block) +
+                                                 ") differs from the CPU codec's encoding");
+    }
+  }
+  // Decode (a load): the engine's blocks must then be what the CPU codec
+  // decodes from the same slots.
+  flags[0] = 0;
+  KVTIER_CUDA_RETURN_IF_ERROR(
+      cuda::LaunchFp8Decode(pieces, shape_, to_coded_, reinterpret_cast<uint32_t*>(flags_.device()), stream_.get()),
+      "LaunchFp8Decode H2D");
+  KVTIER_RETURN_IF_ERROR(Sync());
+  if (flags[0] != 0) return Status(StatusCode::kCorruption, "fp8 decode H2D: flagged good slots as corrupt");
+  KVTIER_RETURN_IF_ERROR(MirrorEngine());
+  for (uint32_t i : indices) {
+    const std::span<const uint8_t> stored(coded_.host() + i * coded_bytes_, coded_bytes_);
+    KVTIER_RETURN_IF_ERROR(coder->Decode(fp8(), stored, decoded));
+    GatherBlock(mirror_plan_, to_coded_[i].engine_block, raw.data());
+    if (raw != decoded) {
+      return Status(StatusCode::kCorruption, "fp8 decode H2D: engine block " +
+                                                 std::to_string(to_coded_[i].engine_block) +
+                                                 " differs from the CPU codec's decoding of slot " + std::to_string(i));
+    }
+  }
+  std::printf("verified %zu blocks: fp8 encode D2H and decode H2D byte-exact against the CPU codec (groups of %u)\n",
+              indices.size(), kFp8GroupElems);
+  return Status();
 }
 
 // Repetition r queues: gate, event 0, one op, event 1, the other op, event 2,
@@ -427,6 +513,7 @@ Result<std::vector<Comparison>> GpuBench::Measure() {
   uint8_t* host = pinned_.host();
   uint8_t* arena = arena_.data();
   uint8_t* scratch = scratch_.data();
+  auto* flags = reinterpret_cast<uint32_t*>(flags_.device());
   struct Row {
     const char* name;
     Op kvtier;
@@ -459,6 +546,20 @@ Result<std::vector<Comparison>> GpuBench::Measure() {
         [&] { return cudaMemcpyAsync(scratch, arena, n, cudaMemcpyDeviceToDevice, s); }},
        "one contiguous cudaMemcpyAsync HBM -> HBM",
        kTargetDeviceDevice},
+      // The codec rows count the block's raw bytes: what the engine stores
+      // or loads, against a plain copy of those raw bytes.
+      {"fp8 encode D2H (engine -> coded host)",
+       {"LaunchFp8Encode D2H", [&] { return cuda::LaunchFp8Encode(pieces, shape_, to_coded_, flags, s); }},
+       {"cudaMemcpyAsync D2H",
+        [&] { return cudaMemcpyAsync(host, scratch, n, cudaMemcpyDeviceToHost, s); }},
+       "one contiguous cudaMemcpyAsync of the raw bytes HBM -> pinned host",
+       kTargetHostDevice},
+      {"fp8 decode H2D (coded host -> engine)",
+       {"LaunchFp8Decode H2D", [&] { return cuda::LaunchFp8Decode(pieces, shape_, to_coded_, flags, s); }},
+       {"cudaMemcpyAsync H2D",
+        [&] { return cudaMemcpyAsync(scratch, host, n, cudaMemcpyHostToDevice, s); }},
+       "one contiguous cudaMemcpyAsync of the raw bytes pinned host -> HBM",
+       kTargetHostDevice},
   };
   std::vector<Comparison> cs;
   for (const Row& row : rows) {

@@ -7,12 +7,18 @@
 //   scatter H2D  slots in mapped pinned host memory -> engine
 //   gather D2D   engine -> slots in a cudaMalloc arena
 //   scatter D2D  slots in the arena -> engine
+//   fp8 encode   engine -> fp8-coded slots in pinned host memory (a coded
+//                store; kernels/cuda/codec_kernels.h), against a D2H copy of
+//                the raw bytes
+//   fp8 decode   coded slots in pinned host memory -> engine (a coded load),
+//                against an H2D copy of the raw bytes
 //
 // The model is Llama-3-8B-like (32 layers, separate K and V, 8 KV heads x 128,
 // bf16), so a 16-token block is 2 MiB; --block-bytes changes the tokens per
 // block. The copied blocks are scattered over the engine cache (a fixed-seed
 // permutation). Each direction is first checked byte for byte against the
-// CPU reference (kernels/copy_reference.h) on host copies of the engine.
+// CPU reference (kernels/copy_reference.h) on host copies of the engine, and
+// the codec against the CPU codec (kernels/codec.h), on finite bf16 data.
 //
 // Built with the CUDA toolkit (bench_gpu.cc); without it, Gpu() says so
 // (bench_gpu_stub.cc), so the command line is the same in both builds.

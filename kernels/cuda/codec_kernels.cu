@@ -12,16 +12,23 @@ struct CodedList {
   CodedBlock blocks[kBlocksPerLaunch];
 };
 
-template <bool kEncode>
 __global__ void __launch_bounds__(kCodecThreads)
-    Fp8Kernel(const CopyPiece* __restrict__ pieces, uint32_t num_pieces, const Fp8Shape shape,
-              const __grid_constant__ CodedList list, uint32_t* flags) {
+    Fp8EncodeKernel(const CopyPiece* __restrict__ pieces, uint32_t num_pieces, const Fp8Shape shape,
+                    const __grid_constant__ CodedList list, uint32_t* special) {
+  __shared__ uint32_t amax[detail::kEncodeMaxTileGroups];
   const CodedBlock& b = list.blocks[blockIdx.y];
-  if constexpr (kEncode) {
-    detail::Fp8EncodeThread(pieces, num_pieces, shape, b, flags + blockIdx.y, blockIdx.x, threadIdx.x);
-  } else {
-    detail::Fp8DecodeThread(pieces, num_pieces, shape, b, flags, blockIdx.x, threadIdx.x);
-  }
+  const uint32_t groups = detail::Fp8TileGroups(shape);
+  for (uint32_t i = threadIdx.x; i < groups; i += kCodecThreads) amax[i] = 0;
+  __syncthreads();
+  detail::Fp8EncodeAmax(pieces, num_pieces, shape, b, special + blockIdx.y, amax, blockIdx.x, threadIdx.x);
+  __syncthreads();
+  detail::Fp8EncodeWrite(pieces, num_pieces, shape, b, amax, blockIdx.x, threadIdx.x);
+}
+
+__global__ void __launch_bounds__(kCodecThreads)
+    Fp8DecodeKernel(const CopyPiece* __restrict__ pieces, uint32_t num_pieces, const Fp8Shape shape,
+                    const __grid_constant__ CodedList list, uint32_t* bad) {
+  detail::Fp8DecodeThread(pieces, num_pieces, shape, list.blocks[blockIdx.y], bad, blockIdx.x, threadIdx.x);
 }
 
 template <bool kEncode>
@@ -36,7 +43,11 @@ cudaError_t Launch(const DevicePieces& plan, const Fp8Shape& shape, std::span<co
     const dim3 grid(ctas, list.count);
     // Encode: a flag per block; decode: one for the launch.
     uint32_t* launch_flags = kEncode ? flags + first : flags;
-    Fp8Kernel<kEncode><<<grid, kCodecThreads, 0, stream>>>(plan.pieces, plan.count, shape, list, launch_flags);
+    if constexpr (kEncode) {
+      Fp8EncodeKernel<<<grid, kCodecThreads, 0, stream>>>(plan.pieces, plan.count, shape, list, launch_flags);
+    } else {
+      Fp8DecodeKernel<<<grid, kCodecThreads, 0, stream>>>(plan.pieces, plan.count, shape, list, launch_flags);
+    }
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -35,8 +35,14 @@ void EmulateEncode(const CopyPlan& plan, const Fp8Shape& shape, const std::vecto
   const auto n = static_cast<uint32_t>(plan.pieces().size());
   for (size_t b = 0; b < blocks.size(); ++b) {
     for (uint32_t cta = 0; cta < cuda::detail::Fp8EncodeCtas(shape); ++cta) {
+      // The CTA's shared words, zeroed; phase 2 starts once every thread
+      // did phase 1 (the kernel's barrier).
+      std::vector<uint32_t> amax(cuda::detail::Fp8TileGroups(shape), 0);
       for (uint32_t t = 0; t < cuda::detail::kCodecThreads; ++t) {
-        cuda::detail::Fp8EncodeThread(plan.pieces().data(), n, shape, blocks[b], &flags[b], cta, t);
+        cuda::detail::Fp8EncodeAmax(plan.pieces().data(), n, shape, blocks[b], &flags[b], amax.data(), cta, t);
+      }
+      for (uint32_t t = 0; t < cuda::detail::kCodecThreads; ++t) {
+        cuda::detail::Fp8EncodeWrite(plan.pieces().data(), n, shape, blocks[b], amax.data(), cta, t);
       }
     }
   }
