@@ -192,6 +192,13 @@ class DeviceBackend {
 
   // Live client mappings (for Stats: a dead client's must reach zero).
   virtual uint64_t live_mappings() const = 0;
+
+  // Ok while the backend can copy; otherwise why it never will again in
+  // this process (cuda: a sticky error lost a device's context, and only a
+  // new process gets a new one). Batches then fail with that status; the
+  // daemon stops, writing its host blocks to disk, and exits non-zero for
+  // its supervisor to start it again. Cheap: the event loop asks every turn.
+  virtual Status health() const { return Status::Ok(); }
 };
 
 }  // namespace kvtier

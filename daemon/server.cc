@@ -202,6 +202,10 @@ Status Server::SetupBackend() {
   // it (config/startup_rules.h), so that --check-config refuses them too.
   const std::vector<uint32_t>& hbm_devices = c.tiers.hbm.devices;
   hbm_device_ = hbm_devices.empty() ? 0 : static_cast<int>(hbm_devices.front());
+  if (options_.backend) {
+    backend_ = std::move(options_.backend);
+    return Status::Ok();
+  }
   if (c.device.backend != DeviceBackendKind::kHost) {
 #if KVTIER_HAVE_CUDA
     Result<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create({});
@@ -428,9 +432,21 @@ Status Server::Run() {
     ExpireHellos();
     ResumeAccepting();
     CloseMarkedSessions();
+    CheckBackend();
   }
   spdlog::info("stopped");
-  return Status::Ok();
+  return backend_lost_;
+}
+
+void Server::CheckBackend() {
+  if (!backend_lost_.ok()) return;
+  Status health = backend_->health();
+  if (health.ok()) return;
+  spdlog::critical("device backend: {}; stopping (host blocks are written to disk) and exiting non-zero for the "
+                   "supervisor to start kvtierd again",
+                   health.ToString());
+  backend_lost_ = std::move(health);
+  Stop();
 }
 
 void Server::AcceptAll() {

@@ -5,7 +5,10 @@
 // on that thread, so none of them needs a lock.
 //
 // Shutdown (SIGTERM, SIGINT, or Stop()): stop accepting, close every session,
-// wait for copies in flight to finish, then return from Run().
+// wait for copies in flight to finish, then return from Run(). A backend
+// that can copy no more (a lost GPU context: DeviceBackend::health) stops it
+// the same way, host blocks written to disk, and Run() returns the error, so
+// that kvtierd exits non-zero and its supervisor starts a new process.
 //
 // Run() on one thread; Stop() is thread-safe.
 #pragma once
@@ -48,6 +51,9 @@ class Server {
     std::optional<ConfigSource> source;
     // Called once the socket is listening (e.g. to signal readiness).
     std::function<void()> on_ready;
+    // The device backend (tests: a fake at the backend seam, STYLE.md);
+    // null: the one device.backend names.
+    std::unique_ptr<DeviceBackend> backend;
   };
 
   static Result<std::unique_ptr<Server>> Create(Options options);
@@ -67,6 +73,8 @@ class Server {
   Status SetupRemote();
   // KV events (events.enabled): binds the publisher's sockets.
   Status SetupEvents();
+  // Stops the loop once the backend says it can copy no more.
+  void CheckBackend();
   void AcceptAll();
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
@@ -126,6 +134,9 @@ class Server {
   // first, so it runs after every member that uses those files is gone.
   StartupUndo undo_;
   std::unique_ptr<DeviceBackend> backend_;
+  // Why the backend can copy no more (DeviceBackend::health), once it said
+  // so: the loop then stops, and Run() returns it.
+  Status backend_lost_;
   int hbm_device_ = 0;  // the GPU whose memory holds the hbm tier (cuda)
   // The disk tier's parts, destroyed after the cache (which uses them) and
   // in reverse order of use: tier, devices, engine.

@@ -1,5 +1,6 @@
 #include "tiers/cuda_backend.h"
 
+#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 
 #include <cstring>
@@ -11,6 +12,7 @@ namespace kvtier {
 
 using cuda::CudaStatus;
 using cuda::ScopedDevice;
+using cuda_internal::ContextHealth;
 using cuda_internal::Lane;
 using cuda_internal::Pending;
 using cuda_internal::RegisterMapped;
@@ -62,6 +64,30 @@ class PinnedArena final : public Arena {
 };
 
 }  // namespace
+
+namespace cuda_internal {
+
+void ContextHealth::Note(const Status& status) {
+  if (lost() || !cuda::IsContextLost(status)) return;
+  {
+    MutexLock lock(&mu_);
+    if (!status_.ok()) return;
+    status_ = Status(StatusCode::kUnavailable,
+                     "the GPU's CUDA context is lost (" + status.message() +
+                         "): no copy can run in this process; kvtierd must be restarted",
+                     ErrorSource::kCuda, status.raw_code());
+  }
+  lost_.store(true, std::memory_order_release);
+  spdlog::critical("cuda backend: {}", status.ToString());
+}
+
+Status ContextHealth::status() const {
+  if (!lost()) return Status::Ok();
+  MutexLock lock(&mu_);
+  return status_;
+}
+
+}  // namespace cuda_internal
 
 namespace {
 
@@ -131,7 +157,8 @@ void ReadCodecFlags(const Pending& p, CopyResult& result) {
 // go of the client's mapping (as the host backend does). `lane`: the lane's
 // completion thread (the only caller whose batches may still be copied, by
 // the CPU); null for a batch that failed before its lane.
-void Finish(Pending p, Status status, Lane* lane) {
+void Finish(Pending p, Status status, Lane* lane, ContextHealth& health) {
+  health.Note(status);
   CopyResult result{.status = std::move(status)};
   if (result.status.ok()) ReadCodecFlags(p, result);
   if (result.status.ok()) {
@@ -171,7 +198,7 @@ void CompleteLoop(Lane* lane) {
       }
       (void)cudaEventDestroy(p.event);
     }
-    Finish(std::move(p), std::move(status), lane);
+    Finish(std::move(p), std::move(status), lane, *lane->health);
   }
 }
 
@@ -229,6 +256,8 @@ bool Enqueue(CudaBackend::State& s, Pending p, int device) {
       return Status(StatusCode::kCancelled, "the client cancelled the op");
     }
     if (p.on_cpu) return Status::Ok();
+    // A lost context fails every call: fail the batch before any of them.
+    if (s.health.lost()) return s.health.status();
     ScopedDevice scope(device);
     KVTIER_RETURN_IF_ERROR(scope.status());
     // Errors left by earlier calls on this thread must not be taken for this
@@ -307,12 +336,12 @@ void WatchLoop(CudaBackend::State& s) {
         Enqueue(s, std::move(w.pending), w.device);
       } else if (q != cudaErrorNotReady) {
         (void)cudaGetLastError();
-        Finish(std::move(w.pending), CudaStatus(q, "waiting for the engine's event"), nullptr);
+        Finish(std::move(w.pending), CudaStatus(q, "waiting for the engine's event"), nullptr, s.health);
       } else if (now > w.deadline) {
         Finish(std::move(w.pending),
                Status(StatusCode::kDeadlineExceeded, "the engine's event was not reached within " +
                                                          std::to_string(CudaBackend::kStoreEventTimeout.count()) + " s"),
-               nullptr);
+               nullptr, s.health);
       } else {
         still.push_back(std::move(w));
       }
@@ -323,7 +352,8 @@ void WatchLoop(CudaBackend::State& s) {
     if (!watching.empty()) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   for (WaitingStore& w : watching) {
-    Finish(std::move(w.pending), Status(StatusCode::kCancelled, "the cuda backend is shutting down"), nullptr);
+    Finish(std::move(w.pending), Status(StatusCode::kCancelled, "the cuda backend is shutting down"), nullptr,
+           s.health);
   }
 }
 
@@ -406,6 +436,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options)
       // Loads get the greatest priority, background moves the least.
       const int priority = p == 0 ? greatest : p == kNumCopyPriorities - 1 ? least : (least + greatest) / 2;
       auto lane = std::make_unique<Lane>();
+      lane->health = &state->health;
       lane->device = d;
       KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&lane->stream, cudaStreamNonBlocking, priority),
                                   "cudaStreamCreateWithPriority");
@@ -467,6 +498,8 @@ CudaBackend::~CudaBackend() {
 
 std::string CudaBackend::Describe() const { return state_->description; }
 const std::vector<int>& CudaBackend::devices() const { return state_->devices; }
+Status CudaBackend::health() const { return state_->health.status(); }
+
 uint64_t CudaBackend::live_mappings() const { return state_->live_mappings.load(std::memory_order_relaxed); }
 
 Result<std::unique_ptr<Arena>> CudaBackend::AllocateDeviceArena(int device, uint64_t size_bytes) {
@@ -492,8 +525,12 @@ Result<std::unique_ptr<Arena>> CudaBackend::AllocateHostArena(uint64_t size_byte
 
 Result<std::shared_ptr<ClientMapping>> CudaBackend::MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                                     std::vector<IpcEventHandle> events) {
+  if (state_->health.lost()) return Err(state_->health.status());
   auto mapping = std::make_shared<CudaClientMapping>(state_);
-  KVTIER_RETURN_IF_ERROR(mapping->Open(std::move(regions), std::move(events)));
+  if (Status st = mapping->Open(std::move(regions), std::move(events)); !st.ok()) {
+    state_->health.Note(st);
+    return Err(std::move(st));
+  }
   return std::shared_ptr<ClientMapping>(std::move(mapping));
 }
 

@@ -43,7 +43,11 @@
 // completed and the mapping is released (a dead client's GPU memory is not
 // kept mapped). Their teardown (closing handles, unregistering memory), which
 // may wait for the device, runs on a reaper thread, never on the caller's.
-// Errors keep the cudaError_t (Status::raw_code, source kCuda).
+// Errors keep the cudaError_t (Status::raw_code, source kCuda). A sticky
+// error (a fault on the device: cuda::IsContextLost) leaves the process's
+// context unusable for good: the first is logged and kept, health() reports
+// it, and every later batch fails with it at once (the daemon then stops
+// and exits for its supervisor to start a new process).
 //
 // Thread-safe. Destruction waits for every queued batch.
 #pragma once
@@ -85,6 +89,9 @@ class CudaBackend final : public DeviceBackend {
   bool DecodesOnLoad(CodecKind kind) const override { return kind == CodecKind::kNone || kind == CodecKind::kFp8; }
   bool EncodesOnStore(CodecKind kind) const override { return kind == CodecKind::kFp8; }
   uint64_t live_mappings() const override;
+  // Not ok once an error lost the CUDA context (cuda::IsContextLost):
+  // batches and mappings fail with that error from then on.
+  Status health() const override;
 
   const std::vector<int>& devices() const;
 

@@ -126,6 +126,24 @@ class CodecFlags {
   std::vector<std::vector<uint32_t*>> free_ KVTIER_GUARDED_BY(mu_);  // by order: runs of 2^order
 };
 
+// Whether the backend's CUDA context is lost (cuda::IsContextLost): the
+// first such error is kept, logged once, and fails every batch after it.
+// Thread-safe: the lanes' and the watcher's threads note errors, the event
+// loop reads status().
+class ContextHealth {
+ public:
+  // Keeps `status` if it says the context is lost and none was kept yet.
+  void Note(const Status& status);
+  bool lost() const { return lost_.load(std::memory_order_acquire); }
+  // Ok, or the kept error.
+  Status status() const;
+
+ private:
+  std::atomic<bool> lost_{false};  // release by Note, after status_
+  mutable Mutex mu_;
+  Status status_ KVTIER_GUARDED_BY(mu_);
+};
+
 // A batch on its way through a lane.
 struct Pending {
   cudaEvent_t event = nullptr;  // recorded after the batch's work; null if nothing was queued
@@ -144,6 +162,7 @@ struct Pending {
 
 // One stream and the thread that completes its batches, in stream order.
 struct Lane {
+  ContextHealth* health = nullptr;  // the backend's (State::health)
   int device = 0;
   cudaStream_t stream = nullptr;
   Mutex mu;
@@ -225,6 +244,7 @@ struct CudaBackend::State {
   cuda_internal::CodecFlags codec_flags;  // before lanes: their batches return flags
   std::vector<std::unique_ptr<cuda_internal::Lane>> lanes;  // devices.size() x kNumCopyPriorities
   std::atomic<uint64_t> live_mappings{0};
+  cuda_internal::ContextHealth health;
 
   struct Range {
     uint64_t begin = 0;

@@ -9,8 +9,35 @@
 
 namespace kvtier::cuda {
 
+bool IsContextLost(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool IsContextLost(const Status& status) {
+  return status.source() == ErrorSource::kCuda && IsContextLost(static_cast<cudaError_t>(status.raw_code()));
+}
+
 Status CudaStatus(cudaError_t err, std::string_view what) {
-  StatusCode code = StatusCode::kInternal;
+  StatusCode code = IsContextLost(err) ? StatusCode::kUnavailable : StatusCode::kInternal;
   switch (err) {
     case cudaErrorMemoryAllocation:
       code = StatusCode::kResourceExhausted;

@@ -21,9 +21,20 @@ namespace kvtier::cuda {
 
 // "what: cudaErrorMemoryAllocation (out of memory)", source kCuda, raw code
 // the cudaError_t. Codes: kResourceExhausted for allocation failures,
-// kUnavailable for no device or driver, kInvalidArgument for invalid values
-// and handles, kInternal otherwise.
+// kUnavailable for no device or driver and for a lost context
+// (IsContextLost), kInvalidArgument for invalid values and handles,
+// kInternal otherwise.
 Status CudaStatus(cudaError_t err, std::string_view what);
+
+// Whether `err` is sticky: a fault on the device (an illegal address, a
+// kernel's trap or assert, an uncorrectable ECC error, ...) that leaves the
+// process's CUDA context unusable, so that every later call of the process
+// on that device fails with it. cudaGetLastError does not clear it; only a
+// new process gets a working context. (The CUDA runtime API's reference
+// says so of each of these codes.)
+bool IsContextLost(cudaError_t err);
+// The same for a Status made by CudaStatus (false for any other).
+bool IsContextLost(const Status& status);
 
 #define KVTIER_CUDA_RETURN_IF_ERROR(expr, what)                              \
   do {                                                                       \

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <random>
@@ -19,6 +21,7 @@
 #include "kernels/codec.h"
 #include "kernels/copy_reference.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/spin_kernel.h"
 #include "tests/tiers/coded_blocks.h"
 #include "tests/tiers/tiers_test_util.h"
 
@@ -224,6 +227,64 @@ TEST_F(CudaBackendGpuTest, RefusesEventsForHostMemoryAndUnknownDevices) {
   ASSERT_FALSE(m.has_value());
   EXPECT_EQ(m.error().code(), StatusCode::kInvalidArgument) << m.error();
   EXPECT_TRUE(MappingsReachZero(*backend_)) << backend_->live_mappings() << " live";
+}
+
+// What the death test's child checks once a kernel of its own process has
+// trapped: the backend reports the lost context and fails batches with it.
+// Exits 0 with "context lost and reported" on stderr, else 1 saying why.
+[[noreturn]] void LoseTheContextAndCheck() {
+  const auto fail = [](const std::string& why) {
+    std::fprintf(stderr, "FAILED: %s\n", why.c_str());
+    std::_Exit(1);
+  };
+  Result<std::unique_ptr<CudaBackend>> b = CudaBackend::Create({});
+  if (!b) fail("CudaBackend::Create: " + b.error().ToString());
+  CudaBackend& backend = **b;
+  Result<std::unique_ptr<Arena>> hbm = backend.AllocateDeviceArena(backend.devices().front(), 1 << 20);
+  Result<std::unique_ptr<Arena>> host = backend.AllocateHostArena(1 << 20);
+  if (!hbm || !host) fail("allocating the arenas");
+  const auto move = [&] {
+    return RunBatch(backend, CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                                       .slot_copies = {SlotCopy{(*host)->data(), (*hbm)->data(), 4096}}});
+  };
+  if (CopyResult r = move(); !r.status.ok()) fail("a move before the fault: " + r.status.ToString());
+  if (!backend.health().ok()) fail("unhealthy before the fault");
+
+  if (gpu_testing::LaunchTrap(nullptr) != cudaSuccess) fail("launching the trap kernel");
+  const cudaError_t sync = cudaDeviceSynchronize();
+  if (!cuda::IsContextLost(sync)) fail(std::string("the trap gave ") + cudaGetErrorName(sync));
+
+  // The first batch meets the sticky error, and the backend keeps it.
+  const CopyResult first = move();
+  if (first.status.ok() || !cuda::IsContextLost(first.status)) fail("the first batch: " + first.status.ToString());
+  const Status health = backend.health();
+  if (health.ok() || health.code() != StatusCode::kUnavailable || !cuda::IsContextLost(health)) {
+    fail("health after the fault: " + health.ToString());
+  }
+  // Later batches and mappings fail with it, without touching the device.
+  const CopyResult second = move();
+  if (second.status.code() != StatusCode::kUnavailable || second.status.message() != health.message()) {
+    fail("the second batch: " + second.status.ToString());
+  }
+  Result<UniqueFd> fd = tiers_test::MakeMemfd(4096, true, true);
+  if (!fd) fail("memfd");
+  std::vector<ClientRegionHandle> regions;
+  regions.push_back(tiers_test::MemfdHandle(std::move(*fd), 4096));
+  Result<std::shared_ptr<ClientMapping>> m = backend.MapClientMemory(std::move(regions), {});
+  if (m || m.error().code() != StatusCode::kUnavailable) fail("a mapping after the fault");
+  std::fprintf(stderr, "context lost and reported: %s\n", health.ToString().c_str());
+  std::_Exit(0);  // the lost context's teardown is the process's exit
+}
+
+// A sticky error (a kernel fault, such as an engine's memory unmapped under
+// a copy) loses the process's CUDA context for good: every later call fails.
+// The backend must say so (health(), which makes kvtierd stop and exit for
+// its supervisor) and fail batches at once, not look healthy while every
+// copy fails. In a child process: the context cannot be had back.
+TEST(CudaBackendContextLostGpuTest, AStickyErrorIsReportedAndFailsEveryLaterBatch) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(LoseTheContextAndCheck(), ::testing::ExitedWithCode(0), "context lost and reported");
 }
 
 }  // namespace

@@ -14,7 +14,14 @@ __global__ void Spin(uint64_t nanos) {
   while (GlobalNanos() - start < nanos) __nanosleep(1000);
 }
 
+__global__ void Trap() { __trap(); }
+
 }  // namespace
+
+cudaError_t LaunchTrap(cudaStream_t stream) {
+  Trap<<<1, 1, 0, stream>>>();
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchSpin(cudaStream_t stream, uint64_t nanos) {
   Spin<<<1, 1, 0, stream>>>(nanos);
