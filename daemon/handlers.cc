@@ -163,6 +163,10 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
 
 std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::RegisterKvCache& m,
                                             std::vector<UniqueFd> fds) {
+  if (s.registering) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition,
+                                        "a RegisterKvCache of this session is still in progress: wait for its reply"));
+  }
   if (s.namespaces.size() >= kMaxNamespacesPerSession) {
     return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted, "too many registered KV caches"));
   }
@@ -289,23 +293,56 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     if (!page) return ipc::ErrorMessage(id, page.error());
     if (*page) fences = std::make_shared<FencePage>(std::move(**page));
   }
-  Result<std::shared_ptr<ClientMapping>> mapping = backend_->MapClientMemory(std::move(handles), std::move(events));
-  if (!mapping) return ipc::ErrorMessage(id, mapping.error());
-  *mapping = std::move(*charge).Hold(std::move(*mapping));
+  // Mapping may take long (cuda: pinning a CPU engine's whole cache, opening
+  // IPC handles): it runs on the registrar thread, and the reply goes once
+  // it ends; the loop serves every other request meanwhile.
+  auto r = std::make_shared<PendingRegistration>(PendingRegistration{
+      .session = s.id,
+      .request = id,
+      .layout = std::move(*layout),
+      .kv = std::move(*kv),
+      .codec = *codec,
+      .handles = std::move(handles),
+      .events = std::move(events),
+      .charge = std::move(*charge),
+      .completions = std::move(completions),
+      .fences = std::move(fences),
+      .mapping = Err(Internal("not mapped yet"))});
+  s.registering = true;
+  ++registrations_inflight_;
+  registrar_->Run([this, r]() mutable {
+    r->mapping = backend_->MapClientMemory(std::move(r->handles), std::move(r->events));
+    // Finished (and destroyed) on the loop, which owns the session and the
+    // tenant's charge.
+    Post([this, r = std::move(r)] { FinishRegister(*r); });
+  });
+  return {};
+}
 
+void Server::FinishRegister(PendingRegistration& r) {
+  --registrations_inflight_;
+  auto it = sessions_.find(r.session);
+  if (it == sessions_.end()) return;  // closed meanwhile: the mapping and its charge go with `r`
+  Session& s = *it->second;
+  s.registering = false;
+  if (!r.mapping) {
+    Send(s, ipc::ErrorMessage(r.request, r.mapping.error()));
+    return;
+  }
+  std::shared_ptr<ClientMapping> mapping = std::move(r.charge).Hold(std::move(*r.mapping));
   const uint32_t ns_id = s.next_namespace_id++;
-  auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(*kv));
-  const LayoutFingerprint fingerprint = CodedFingerprint(layout->fingerprint(), *codec);
-  s.namespaces[ns_id] =
-      SessionNamespace{shared_layout, std::move(*mapping), std::move(completions), std::move(fences), *codec,
-                       fingerprint};
-  spdlog::info("session {}: registered KV cache {}: {} blocks, {}, codec {}", s.id, ns_id, m.num_blocks(),
-               layout->ToString(), CodecName(codec->kind));
+  const uint32_t num_blocks = r.kv.num_blocks();
+  auto shared_layout = std::make_shared<const KvCacheLayout>(std::move(r.kv));
+  const LayoutFingerprint fingerprint = CodedFingerprint(r.layout.fingerprint(), r.codec);
+  s.namespaces[ns_id] = SessionNamespace{shared_layout,      std::move(mapping), std::move(r.completions),
+                                         std::move(r.fences), r.codec,            fingerprint};
+  spdlog::info("session {}: registered KV cache {}: {} blocks, {}, codec {}", s.id, ns_id, num_blocks,
+               r.layout.ToString(), CodecName(r.codec.kind));
   FlatBufferBuilder b(128);
   const w::Key fp = ipc::ToWire(fingerprint);
-  const auto body = w::CreateRegistered(b, ns_id, &fp, layout->block_bytes(), static_cast<w::Codec>(codec->kind),
-                                        codec->group_elems);
-  return ipc::FinishMessage(b, id, body);
+  const auto body = w::CreateRegistered(b, ns_id, &fp, r.layout.block_bytes(), static_cast<w::Codec>(r.codec.kind),
+                                        r.codec.group_elems);
+  Send(s, ipc::FinishMessage(b, r.request, body));
 }
 
 Result<CodecParams> Server::CodecFor(const Tenant& tenant, const Layout& layout, const w::RegisterKvCache& m) {

@@ -105,7 +105,8 @@ int main(int argc, char** argv) {
                                       [[maybe_unused]] ssize_t n = ::write(ready_fd, &one, 1);
                                       ::close(ready_fd);
                                     }
-                                  }};
+                                  },
+                                  .backend = nullptr};
   kvtier::Result<std::unique_ptr<kvtier::Server>> server = kvtier::Server::Create(std::move(options));
   if (!server) {
     spdlog::critical("start-up failed: {}", server.error().ToString());

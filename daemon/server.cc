@@ -61,6 +61,13 @@ Server::Server(Options options) : options_(std::move(options)), next_session_id_
 Server::~Server() {
   // No scrape may ask the loop for figures from here on.
   metrics_.reset();
+  // A mapping still being made uses the backend; what it posted back is
+  // dropped with posted_.
+  registrar_.reset();
+  {
+    MutexLock lock(&posted_mu_);
+    posted_.clear();
+  }
   // Every copy must have finished before the cache (and its arenas) go.
   sessions_.clear();
   cache_.reset();
@@ -239,6 +246,7 @@ Status Server::Setup() {
   if (!signal_fd_) return Status::FromErrno(errno, "signalfd");
 
   KVTIER_RETURN_IF_ERROR(SetupBackend());
+  registrar_ = std::make_unique<SerialWorker>();
   spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
   if (c.tiers.remote.enabled) KVTIER_RETURN_IF_ERROR(SetupRemote());
@@ -410,7 +418,10 @@ Status Server::Run() {
       cache_->CancelFlush();
       stop_flush_until_.reset();
     }
-    if (stopping_ && cache_->inflight_copies() == 0 && (!disk_ || disk_->inflight() == 0)) break;
+    if (stopping_ && cache_->inflight_copies() == 0 && (!disk_ || disk_->inflight() == 0) &&
+        registrations_inflight_ == 0) {
+      break;
+    }
     const int n = ::epoll_wait(epoll_.get(), events, 64, NextTimeoutMs());
     if (n < 0 && errno != EINTR) return Status::FromErrno(errno, "epoll_wait");
     for (int i = 0; i < n; ++i) {

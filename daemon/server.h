@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/mutex.h"
+#include "common/serial_worker.h"
 #include "common/unique_fd.h"
 #include "config/config.h"
 #include "config/config_loader.h"
@@ -99,6 +100,23 @@ class Server {
   // The codec a registration asks for, if the tenant allows it and it fits
   // the layout. Errors: kPermissionDenied (not allowed), kInvalidArgument.
   static Result<CodecParams> CodecFor(const Tenant& tenant, const Layout& layout, const wire::RegisterKvCache& m);
+  // A RegisterKvCache checked and charged, its regions being mapped on the
+  // registrar thread.
+  struct PendingRegistration {
+    uint64_t session = 0;
+    uint64_t request = 0;
+    Layout layout;
+    KvCacheLayout kv;
+    CodecParams codec;
+    std::vector<ClientRegionHandle> handles;  // moved into the backend's mapping
+    std::vector<IpcEventHandle> events;
+    MappedCharge charge;
+    std::shared_ptr<CompletionPage> completions;
+    std::shared_ptr<FencePage> fences;
+    Result<std::shared_ptr<ClientMapping>> mapping;
+  };
+  // On the loop, once the regions are mapped: the namespace, and the reply.
+  void FinishRegister(PendingRegistration& r);
   std::vector<uint8_t> HandleRegister(Session& s, uint64_t id, const wire::RegisterKvCache& m,
                                       std::vector<UniqueFd> fds);
   std::vector<uint8_t> HandleLookup(Session& s, uint64_t id, const wire::Lookup& m);
@@ -134,6 +152,10 @@ class Server {
   // first, so it runs after every member that uses those files is gone.
   StartupUndo undo_;
   std::unique_ptr<DeviceBackend> backend_;
+  // Maps registered memory off the loop (HandleRegister); results come back
+  // through Post(). Reset before the backend.
+  std::unique_ptr<SerialWorker> registrar_;
+  uint32_t registrations_inflight_ = 0;  // being mapped; a stop waits for them
   // Why the backend can copy no more (DeviceBackend::health), once it said
   // so: the loop then stops, and Run() returns it.
   Status backend_lost_;

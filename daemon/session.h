@@ -69,6 +69,8 @@ struct Session {
   std::string client_name;
   std::map<uint32_t, SessionNamespace> namespaces;
   uint32_t next_namespace_id = 1;
+  // A RegisterKvCache is being mapped off the loop (one at a time).
+  bool registering = false;
   SessionOps ops;
   // Replies that did not fit in the socket buffer, sent on EPOLLOUT.
   std::deque<std::vector<uint8_t>> outbox;

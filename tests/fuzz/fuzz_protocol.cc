@@ -211,7 +211,9 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
           "tenants=[{name: victim, token: " + kVictimToken + "}, {name: mallory, token: " +
               kMalloryToken + ", quotas: {hbm: 256KiB, host: 2MiB}}]"}});
   KVTIER_CHECK(config.has_value());
-  Result<std::unique_ptr<Server>> server = Server::Create(Server::Options{.config = *config});
+  Server::Options options;
+  options.config = *config;
+  Result<std::unique_ptr<Server>> server = Server::Create(std::move(options));
   KVTIER_CHECK_MSG(server.has_value(), "cannot start the in-process daemon");
   g_server = std::move(*server);
   g_loop = std::thread([] { (void)g_server->Run(); });

@@ -1,11 +1,14 @@
-// A device backend that can copy no more (a GPU whose CUDA context a sticky
-// error lost, issue 31 item 8), seen from the daemon: the in-process Server
-// stops on its own, writes its host blocks to disk, and Run() returns the
-// backend's error (kvtierd then exits non-zero, and its supervisor starts a
-// new process, which finds the blocks on disk). The fake at the backend seam
-// (STYLE.md) is a HostBackend that loses its device when told, as
-// CudaBackend does on a sticky error (tests/gpu/cuda_backend_gpu_test.cc
-// makes a real one on a GPU).
+// The in-process daemon (Server) with fakes at the device-backend seam
+// (STYLE.md), for what a real backend does only on a GPU:
+//   - a backend that can copy no more (a GPU whose CUDA context a sticky
+//     error lost, issue 31 item 8): the daemon stops on its own, writes its
+//     host blocks to disk, and Run() returns the backend's error (kvtierd then
+//     exits non-zero, and its supervisor starts a new process, which finds
+//     the blocks on disk). CudaBackend's own detection runs on a GPU
+//     (tests/gpu/cuda_backend_gpu_test.cc);
+//   - a backend whose mappings take seconds (cuda: pinning a large CPU
+//     engine's cache, opening IPC handles; issue 31 item 10): the event loop
+//     serves every other session meanwhile.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -24,6 +27,8 @@
 #include "kvtier/shm_kv_cache.h"
 #include "config/config_loader.h"
 #include "daemon/server.h"
+#include "ipc/seqpacket.h"
+#include "ipc/wire.h"
 #include "tiers/host_backend.h"
 
 namespace kvtier {
@@ -66,6 +71,38 @@ class LosingBackend final : public DeviceBackend {
   std::shared_ptr<std::atomic<bool>> lost_;
 };
 
+// A HostBackend whose MapClientMemory takes `delay`; `mapping` is set while
+// one is in progress.
+class SlowMappingBackend final : public DeviceBackend {
+ public:
+  SlowMappingBackend(std::unique_ptr<DeviceBackend> inner, std::chrono::milliseconds delay,
+                     std::shared_ptr<std::atomic<bool>> mapping)
+      : inner_(std::move(inner)), delay_(delay), mapping_(std::move(mapping)) {}
+  std::string_view name() const override { return inner_->name(); }
+  std::string Describe() const override { return "slow " + inner_->Describe(); }
+  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
+    return inner_->AllocateDeviceArena(device, size_bytes);
+  }
+  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
+    return inner_->AllocateHostArena(size_bytes);
+  }
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override {
+    mapping_->store(true);
+    std::this_thread::sleep_for(delay_);
+    Result<std::shared_ptr<ClientMapping>> m = inner_->MapClientMemory(std::move(regions), std::move(events));
+    mapping_->store(false);
+    return m;
+  }
+  bool Submit(CopyBatch batch, CopyDone done) override { return inner_->Submit(std::move(batch), std::move(done)); }
+  uint64_t live_mappings() const override { return inner_->live_mappings(); }
+
+ private:
+  std::unique_ptr<DeviceBackend> inner_;
+  const std::chrono::milliseconds delay_;
+  std::shared_ptr<std::atomic<bool>> mapping_;
+};
+
 Layout SmallLayout() {
   return Layout::Create(LayoutSpec{.model_id = "test/backend-lost", .num_layers = 2, .kv_kind = KvKind::kSeparateKv,
                                    .num_kv_heads = 2, .head_dim = 16, .dtype = DType::kBf16, .block_tokens = 4})
@@ -78,7 +115,31 @@ std::vector<uint32_t> Tokens(uint32_t seed, uint32_t n) {
   return t;
 }
 
-class BackendLostTest : public ::testing::Test {
+// A session that says Hello and asks to register `cache`, over a raw socket
+// (the client library would wait for the reply): the socket, reply unread.
+UniqueFd SendRegistration(const std::string& socket, const ShmKvCache& cache) {
+  UniqueFd fd = ipc::Connect(socket).value();
+  flatbuffers::FlatBufferBuilder b;
+  KVTIER_CHECK(
+      ipc::SendMessage(fd.get(), ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion, nullptr)))
+          .ok());
+  KVTIER_CHECK(ipc::ReceiveMessage(fd.get(), ipc::kMaxReplyBytes).has_value());  // Welcome
+  b.Clear();
+  std::vector<flatbuffers::Offset<wire::MemoryRegion>> regions = {
+      wire::CreateMemoryRegion(b, wire::MemoryKind::HostMemfd, cache.size_bytes(), 0)};
+  std::vector<wire::Placement> placements;
+  for (const Placement& p : cache.placements()) placements.push_back(ipc::PlacementToWire(p));
+  const int memfd = cache.fd();
+  KVTIER_CHECK(ipc::SendMessage(fd.get(),
+                                ipc::FinishMessage(b, 2, wire::CreateRegisterKvCacheDirect(
+                                                             b, ipc::LayoutToWire(b, SmallLayout()),
+                                                             cache.num_blocks(), &regions, &placements)),
+                                std::span(&memfd, 1))
+                   .ok());
+  return fd;
+}
+
+class ServerBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
     char tmpl[] = "/tmp/kvtier-lost-XXXXXX";
@@ -120,7 +181,7 @@ class BackendLostTest : public ::testing::Test {
   std::thread loop_;
 };
 
-TEST_F(BackendLostTest, TheDaemonStopsWritesHostBlocksToDiskAndReportsTheError) {
+TEST_F(ServerBackendTest, TheDaemonStopsWritesHostBlocksToDiskAndReportsTheError) {
   auto lost = std::make_shared<std::atomic<bool>>(false);
   std::future<Status> ran;
   std::unique_ptr<Server> server = StartServer(std::make_unique<LosingBackend>(Host(), lost), &ran);
@@ -170,6 +231,60 @@ TEST_F(BackendLostTest, TheDaemonStopsWritesHostBlocksToDiskAndReportsTheError) 
   }
   server->Stop();
   EXPECT_TRUE(ran_again.get().ok());
+  loop_.join();
+}
+
+TEST_F(ServerBackendTest, ARegistrationBeingMappedHoldsUpNoOtherSession) {
+  constexpr auto kMapping = std::chrono::milliseconds(2000);
+  auto mapping = std::make_shared<std::atomic<bool>>(false);
+  std::future<Status> ran;
+  std::unique_ptr<Server> server = StartServer(std::make_unique<SlowMappingBackend>(Host(), kMapping, mapping), &ran);
+  std::unique_ptr<Client> other = Client::Connect({.socket_path = socket()}).value();
+
+  // A registers a cache; while the backend maps it, B's calls are answered.
+  std::future<std::chrono::steady_clock::duration> registered = std::async(std::launch::async, [&] {
+    std::unique_ptr<Client> a = Client::Connect({.socket_path = socket()}).value();
+    ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+    const auto start = std::chrono::steady_clock::now();
+    Result<CacheId> id = a->RegisterKvCache(cache);
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_TRUE(id.has_value()) << id.error();
+    return took;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!mapping->load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(mapping->load()) << "the registration never reached the backend";
+  int answered = 0;
+  std::chrono::steady_clock::duration slowest{};
+  while (mapping->load()) {
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_TRUE(other->Stats().has_value());
+    slowest = std::max(slowest, std::chrono::steady_clock::now() - start);
+    if (mapping->load()) ++answered;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_GE(answered, 5) << "Stats was not answered while a registration was being mapped";
+  EXPECT_LT(slowest, std::chrono::milliseconds(500)) << "a Stats round trip waited for the mapping";
+  EXPECT_GE(registered.get(), kMapping) << "the registration's reply came before its mapping was made";
+
+  // A session that leaves while its cache is being mapped leaves no mapping
+  // and no charge behind.
+  {
+    ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+    UniqueFd fd = SendRegistration(socket(), cache);
+    while (!mapping->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }  // the socket closes while the cache is being mapped
+  DaemonStats st = other->Stats().value();
+  for (int i = 0; i < 500 && (st.mappings != 0 || mapping->load()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    st = other->Stats().value();
+  }
+  EXPECT_FALSE(mapping->load());
+  EXPECT_EQ(st.mappings, 0u) << "a mapping made for a session that had gone is still live (A has gone too)";
+  server->Stop();
+  EXPECT_TRUE(ran.get().ok());
   loop_.join();
 }
 
