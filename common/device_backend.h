@@ -53,6 +53,9 @@ struct ClientRegionHandle {
   int device = 0;                                  // the client's ordinal
   std::array<uint8_t, 16> device_uuid{};          // names the device across processes
   bool has_device_uuid = false;
+  // kCudaIpc: the tenant registering it. One tenant's opened handle (and its
+  // events) is never shared with another tenant presenting the same bytes.
+  std::string owner;
 };
 
 // A CUDA IPC event handle (cudaIpcEventHandle_t) an engine exported: an

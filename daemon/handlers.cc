@@ -212,6 +212,7 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
                                                      ": a CUDA IPC handle is 64 bytes"));
       }
       h.kind = ClientMemoryKind::kCudaIpc;
+      h.owner = s.tenant->config.name;
       std::copy(r.cuda_ipc_handle()->begin(), r.cuda_ipc_handle()->end(), h.cuda_ipc_handle.begin());
       h.cuda_offset = r.cuda_offset();
       h.device = r.device();

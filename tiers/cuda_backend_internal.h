@@ -251,16 +251,22 @@ struct CudaBackend::State {
     uint64_t end = 0;
     int device = 0;
   };
+  // An IPC handle is opened once per process (CUDA allows no second open)
+  // and shared by the registrations of the tenant that opened it, never
+  // with another tenant's: knowing a handle's bytes is no right to the
+  // memory.
   struct OpenedMemory {
     uint8_t* base = nullptr;
     uint64_t size_bytes = 0;
     int device = 0;
     uint32_t refs = 0;
+    std::string owner;  // the tenant
   };
   struct OpenedEvent {
     cudaEvent_t event = nullptr;
     int device = 0;
     uint32_t refs = 0;
+    std::string owner;
   };
   Mutex mu;
   std::vector<Range> device_arenas KVTIER_GUARDED_BY(mu);
@@ -315,9 +321,11 @@ struct CudaBackend::State {
   // The IPC memory handles and events clients registered, opened once each
   // and shared by reference count (CUDA refuses a second open of one handle
   // in a process); cuda_client_mapping.cc.
-  Result<OpenedMemory> OpenMemory(const cuda_internal::IpcMemKey& key, int device);  // on `device`
+  // On `device`, for tenant `owner`. Errors: kPermissionDenied when
+  // another tenant has the handle open.
+  Result<OpenedMemory> OpenMemory(const cuda_internal::IpcMemKey& key, int device, const std::string& owner);
   void ReleaseMemory(const cuda_internal::IpcMemKey& key);
-  Result<cudaEvent_t> OpenEvent(const IpcEventHandle& key, int device);
+  Result<cudaEvent_t> OpenEvent(const IpcEventHandle& key, int device, const std::string& owner);
   void ReleaseEvent(const IpcEventHandle& key);
 };
 

@@ -33,9 +33,20 @@ Status cuda_internal::RegisterMapped(void* p, uint64_t size_bytes, const std::st
   return Status::Ok();
 }
 
-Result<CudaBackend::State::OpenedMemory> CudaBackend::State::OpenMemory(const IpcMemKey& key, int device) {
+namespace {
+
+Status OwnedByAnother(const char* what) {
+  return Status(StatusCode::kPermissionDenied,
+                std::string(what) + " is registered by another tenant: a tenant registers only its own memory");
+}
+
+}  // namespace
+
+Result<CudaBackend::State::OpenedMemory> CudaBackend::State::OpenMemory(const IpcMemKey& key, int device,
+                                                                        const std::string& owner) {
   MutexLock lock(&mu);
   if (auto it = opened_memory.find(key); it != opened_memory.end()) {
+    if (it->second.owner != owner) return Err(OwnedByAnother("this CUDA allocation"));
     if (it->second.device != device) {
       return Err(InvalidArgument("this allocation is already registered on device " +
                                  std::to_string(it->second.device)));
@@ -70,7 +81,7 @@ Result<CudaBackend::State::OpenedMemory> CudaBackend::State::OpenMemory(const Ip
   if (range->base != reinterpret_cast<uint64_t>(base)) {
     return fail(Internal("an opened IPC allocation does not start at its mapping"));
   }
-  OpenedMemory opened{static_cast<uint8_t*>(base), range->size_bytes, device, 1};
+  OpenedMemory opened{static_cast<uint8_t*>(base), range->size_bytes, device, 1, owner};
   opened_memory.emplace(key, opened);
   return opened;
 }
@@ -97,9 +108,10 @@ void CudaBackend::State::ReleaseMemory(const IpcMemKey& key) {
   ReleaseOpened(opened_memory, key, [](const OpenedMemory& m) { (void)cudaIpcCloseMemHandle(m.base); });
 }
 
-Result<cudaEvent_t> CudaBackend::State::OpenEvent(const IpcEventHandle& key, int device) {
+Result<cudaEvent_t> CudaBackend::State::OpenEvent(const IpcEventHandle& key, int device, const std::string& owner) {
   MutexLock lock(&mu);
   if (auto it = opened_events.find(key); it != opened_events.end()) {
+    if (it->second.owner != owner) return Err(OwnedByAnother("this CUDA event"));
     if (it->second.device != device) return Err(InvalidArgument("an event registered on another device"));
     ++it->second.refs;
     return it->second.event;
@@ -110,7 +122,7 @@ Result<cudaEvent_t> CudaBackend::State::OpenEvent(const IpcEventHandle& key, int
   std::memcpy(&handle, key.data(), sizeof(handle));
   cudaEvent_t event = nullptr;
   KVTIER_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&event, handle), "cudaIpcOpenEventHandle");
-  opened_events.emplace(key, OpenedEvent{event, device, 1});
+  opened_events.emplace(key, OpenedEvent{event, device, 1, owner});
   return event;
 }
 
@@ -178,7 +190,7 @@ Status CudaClientMapping::Open(std::vector<ClientRegionHandle> regions, std::vec
     on_device_ = true;
     device_ = r.device;
     KVTIER_ASSIGN_OR_RETURN(const CudaBackend::State::OpenedMemory opened,
-                            state_->OpenMemory(r.cuda_ipc_handle, r.device));
+                            state_->OpenMemory(r.cuda_ipc_handle, r.device, r.owner));
     memory_keys_.push_back(r.cuda_ipc_handle);
     uint64_t end = 0;
     if (__builtin_add_overflow(r.cuda_offset, r.size_bytes, &end) || end > opened.size_bytes) {
@@ -193,7 +205,7 @@ Status CudaClientMapping::Open(std::vector<ClientRegionHandle> regions, std::vec
     return InvalidArgument("CUDA IPC events need a cache in device memory, not memfds");
   }
   for (const IpcEventHandle& e : events) {
-    KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, state_->OpenEvent(e, device_));
+    KVTIER_ASSIGN_OR_RETURN(cudaEvent_t event, state_->OpenEvent(e, device_, regions.front().owner));
     event_keys_.push_back(e);
     events_.push_back(event);
   }

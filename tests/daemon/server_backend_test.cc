@@ -14,6 +14,7 @@
 
 #include <cstring>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -25,6 +26,7 @@
 
 #include "kvtier/client.h"
 #include "kvtier/shm_kv_cache.h"
+#include "common/mutex.h"
 #include "config/config_loader.h"
 #include "daemon/server.h"
 #include "ipc/seqpacket.h"
@@ -101,6 +103,71 @@ class SlowMappingBackend final : public DeviceBackend {
   std::unique_ptr<DeviceBackend> inner_;
   const std::chrono::milliseconds delay_;
   std::shared_ptr<std::atomic<bool>> mapping_;
+};
+
+// A HostBackend that holds loads (kSlotToEngine batches) until Release(),
+// and can stall the event loop: the next Submit after StallNextSubmit()
+// sleeps there, as a daemon that hangs for a moment would.
+class GatedBackend final : public DeviceBackend {
+ public:
+  struct Gate {
+    Mutex mu;
+    bool hold_loads KVTIER_GUARDED_BY(mu) = false;
+    std::vector<std::pair<CopyBatch, CopyDone>> held KVTIER_GUARDED_BY(mu);
+    std::atomic<int64_t> stall_ms{0};
+    std::atomic<bool> stalling{false};
+    std::atomic<int> loads_done{0};
+  };
+  GatedBackend(std::unique_ptr<DeviceBackend> inner, std::shared_ptr<Gate> gate)
+      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+  ~GatedBackend() override { Release(); }
+  std::string_view name() const override { return inner_->name(); }
+  std::string Describe() const override { return "gated " + inner_->Describe(); }
+  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
+    return inner_->AllocateDeviceArena(device, size_bytes);
+  }
+  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
+    return inner_->AllocateHostArena(size_bytes);
+  }
+  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
+                                                         std::vector<IpcEventHandle> events) override {
+    return inner_->MapClientMemory(std::move(regions), std::move(events));
+  }
+  bool Submit(CopyBatch batch, CopyDone done) override {
+    if (const int64_t ms = gate_->stall_ms.exchange(0); ms > 0) {
+      gate_->stalling = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      gate_->stalling = false;
+    }
+    if (batch.direction == CopyDirection::kSlotToEngine) {
+      done = [gate = gate_, done = std::move(done)](CopyResult r) {
+        done(std::move(r));
+        ++gate->loads_done;
+      };
+      MutexLock lock(&gate_->mu);
+      if (gate_->hold_loads) {
+        gate_->held.emplace_back(std::move(batch), std::move(done));
+        return true;
+      }
+    }
+    return inner_->Submit(std::move(batch), std::move(done));
+  }
+  uint64_t live_mappings() const override { return inner_->live_mappings(); }
+
+  // Submits the held loads (from the caller's thread) and stops holding.
+  void Release() {
+    std::vector<std::pair<CopyBatch, CopyDone>> held;
+    {
+      MutexLock lock(&gate_->mu);
+      gate_->hold_loads = false;
+      held.swap(gate_->held);
+    }
+    for (auto& [batch, done] : held) inner_->Submit(std::move(batch), std::move(done));
+  }
+
+ private:
+  std::unique_ptr<DeviceBackend> inner_;
+  std::shared_ptr<Gate> gate_;
 };
 
 Layout SmallLayout() {
@@ -283,6 +350,70 @@ TEST_F(ServerBackendTest, ARegistrationBeingMappedHoldsUpNoOtherSession) {
   }
   EXPECT_FALSE(mapping->load());
   EXPECT_EQ(st.mappings, 0u) << "a mapping made for a session that had gone is still live (A has gone too)";
+  server->Stop();
+  EXPECT_TRUE(ran.get().ok());
+  loop_.join();
+}
+
+// Issue 31, item 11: a client that drops its connection while a load of
+// its is queued (here: its call ran past call_timeout while the loop hung).
+// Its Wait reports the op lost only once no copy of it can touch the
+// engine's blocks: the load, started afterwards, writes none of them.
+TEST_F(ServerBackendTest, ALoadOfAClientThatDroppedItsConnectionNeverWritesItsBlocks) {
+  auto gate = std::make_shared<GatedBackend::Gate>();
+  auto backend = std::make_unique<GatedBackend>(Host(), gate);
+  GatedBackend* gated = backend.get();
+  std::future<Status> ran;
+  std::unique_ptr<Server> server = StartServer(std::move(backend), &ran);
+
+  std::unique_ptr<Client> a =
+      Client::Connect({.socket_path = socket(), .call_timeout = std::chrono::milliseconds(300)}).value();
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 16).value();
+  const CacheId id = a->RegisterKvCache(cache).value();
+  const std::vector<BlockKey> keys = a->ComputeKeys(id, Tokens(3, 32)).value();
+  std::vector<uint32_t> stored_ids, load_ids;
+  for (uint32_t i = 0; i < 8; ++i) {
+    std::memset(cache.block(i).data(), 0x11, cache.block(i).size());
+    std::memset(cache.block(8 + i).data(), 0xee, cache.block(8 + i).size());
+    stored_ids.push_back(i);
+    load_ids.push_back(8 + i);
+  }
+  ASSERT_EQ(a->Store(id, keys, stored_ids).value().blocks, 8u);
+
+  {
+    MutexLock lock(&gate->mu);
+    gate->hold_loads = true;
+  }
+  const OpHandle op = a->LoadAsync(id, keys, load_ids).value();
+
+  // The loop hangs for 1.5 s in the next Submit (another client's store);
+  // A's Lookup meanwhile runs past its call_timeout and A drops the
+  // connection.
+  gate->stall_ms = 1500;
+  std::unique_ptr<Client> b = Client::Connect({.socket_path = socket()}).value();
+  ShmKvCache b_cache = ShmKvCache::Create(SmallLayout(), 4).value();
+  const CacheId b_id = b->RegisterKvCache(b_cache).value();
+  std::future<Result<OpResult>> b_store = std::async(std::launch::async, [&] {
+    return b->Store(b_id, b->ComputeKeys(b_id, Tokens(4, 4)).value(), std::vector<uint32_t>{0});
+  });
+  while (!gate->stalling) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Result<LookupResult> timed_out = a->Lookup(id, keys);
+  ASSERT_FALSE(timed_out.has_value());
+  EXPECT_EQ(timed_out.error().code(), StatusCode::kDeadlineExceeded) << timed_out.error();
+  Result<OpResult> lost = a->Wait(op);
+  ASSERT_FALSE(lost.has_value());
+  EXPECT_EQ(lost.error().code(), StatusCode::kUnavailable) << lost.error();
+
+  // A may reuse blocks 8-15 now. The daemon's load starts only now.
+  std::memset(cache.block(8).data(), 0x77, cache.block(8).size());
+  gated->Release();
+  while (gate->loads_done.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const std::vector<uint8_t> reused(cache.block(8).size(), 0x77), untouched(cache.block(9).size(), 0xee);
+  EXPECT_TRUE(std::ranges::equal(cache.block(8), reused)) << "the load wrote a block the client had reused";
+  for (uint32_t i = 9; i < 16; ++i) {
+    EXPECT_TRUE(std::ranges::equal(cache.block(i), untouched)) << "the lost load wrote block " << i;
+  }
+  EXPECT_TRUE(b_store.get().has_value());
   server->Stop();
   EXPECT_TRUE(ran.get().ok());
   loop_.join();

@@ -27,20 +27,20 @@ using testing::DaemonProcess;
 
 constexpr uint32_t kBlocks = 128;  // 256 KiB each: 32 MiB per load, long enough to race
 
-pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t seed) {
+pid_t StartClient(const std::string& mode, const std::string& socket, uint64_t seed, const std::string& token = "") {
   const std::string binary = testing::ProgramPath("gpu_client");
   const std::string seed_arg = std::to_string(seed);
   const std::string blocks_arg = std::to_string(kBlocks);
   // exec at once: a forked child must not touch the parent's CUDA state.
   return testing::ForkChild([&] {
     ::execl(binary.c_str(), binary.c_str(), mode.c_str(), socket.c_str(), seed_arg.c_str(), blocks_arg.c_str(),
-            static_cast<char*>(nullptr));
+            token.empty() ? static_cast<char*>(nullptr) : token.c_str(), static_cast<char*>(nullptr));
     return 127;
   });
 }
 
-int RunClient(const std::string& mode, const std::string& socket, uint64_t seed) {
-  return testing::WaitChild(StartClient(mode, socket, seed));
+int RunClient(const std::string& mode, const std::string& socket, uint64_t seed, const std::string& token = "") {
+  return testing::WaitChild(StartClient(mode, socket, seed, token));
 }
 
 class CudaIpcGpuTest : public ::testing::TestWithParam<bool> {
@@ -121,6 +121,22 @@ TEST(CudaIpcFp8GpuTest, CodedHostBlocksDecodeOnTheGpuIntoAnotherProcess) {
   EXPECT_EQ(after.Counter("codec_decoded"), 0u) << "the CPU decoded what the GPU should have";
   EXPECT_EQ(after.Counter("codec_decode_failures"), 0u);
   EXPECT_EQ(after.mappings, 0u);
+}
+
+// Issue 31, item 13: an IPC handle's bytes are no right to its memory. A
+// second tenant presenting the handle of memory the first registered (the
+// same bytes) is refused, and the first tenant's registration still works.
+TEST(CudaIpcTenantsGpuTest, AnotherTenantCannotRegisterMemoryByItsHandle) {
+  KVTIER_SKIP_WITHOUT_GPU();
+  const std::string token(32, 'm');
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"device.backend=cuda", "tiers.hbm.enabled=false", "tiers.host.bytes=256MiB", "tiers.disk.enabled=false",
+       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true}, {name: mallory, token: " +
+           token + "}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  // gpu_client checks the refusal (kPermissionDenied) and the owner's store
+  // and load after it.
+  ASSERT_EQ(RunClient("steal", d->socket_path(), 4, token), 0) << d->Log();
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, CudaIpcGpuTest, ::testing::Values(true, false),

@@ -86,7 +86,7 @@ void FillNormal(uint64_t seed, uint32_t i, std::span<uint8_t> slot) {
   }
 }
 
-int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blocks) {
+int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blocks, const std::string& token) {
   const bool fp8 = mode.ends_with("-fp8");
   if (fp8) mode.resize(mode.size() - 4);
   const CodecParams fp8_params{.kind = CodecKind::kFp8, .dtype = DType::kBf16, .group_elems = 128};
@@ -206,6 +206,22 @@ int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blo
   if (mode == "store") return store(*keys);
   if (mode == "load") return load(*keys);
   if (fp8) return Fail(2, "no fp8 variant of " + mode);
+  if (mode == "steal") {
+    // Another tenant (`token`) presents the same allocation's IPC handle
+    // (the same bytes: the same memory): the daemon must refuse it, not
+    // share the first tenant's opened handle with it.
+    Result<std::unique_ptr<Client>> other =
+        Client::Connect({.socket_path = socket, .token = token, .client_name = "gpu_client-steal"});
+    if (!other) return Fail(11, "the other tenant's Connect: " + other.error().ToString());
+    Result<CacheId> stolen = (*other)->RegisterCudaKvCache(e.layout, e.num_blocks, e.placements, regions, codec);
+    if (stolen) return Fail(24, "another tenant registered the memory this tenant had registered");
+    if (stolen.error().code() != StatusCode::kPermissionDenied) {
+      return Fail(25, "the other tenant's registration: " + stolen.error().ToString());
+    }
+    // The owner's registration is untouched.
+    if (int rc = store(*keys); rc != 0) return rc;
+    return load(*keys);
+  }
   if (mode == "hold") {
     if (int rc = store(*keys); rc != 0) return rc;
     for (uint64_t round = 1;; ++round) {
@@ -225,10 +241,11 @@ int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blo
 }  // namespace kvtier
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: gpu_client store|load|hold|store-fp8|load-fp8 SOCKET SEED BLOCKS\n");
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr,
+                 "usage: gpu_client store|load|hold|store-fp8|load-fp8|steal SOCKET SEED BLOCKS [OTHER_TENANT_TOKEN]\n");
     return 2;
   }
   return kvtier::Run(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10),
-                     static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)));
+                     static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)), argc == 6 ? argv[5] : "");
 }
