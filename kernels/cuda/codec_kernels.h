@@ -10,7 +10,10 @@
 // are uint32, zeroed by the caller, that a kernel sets to 1: encode, one per
 // block, for a NaN or an Inf (store that block raw); decode, one for the
 // whole launch, for a NaN code or a bad scale in any block (the load is
-// corrupt: do not serve it).
+// corrupt: do not serve it). A decode that sets it has still written the
+// runs of 8 elements that decoded (a failed load's blocks are undefined:
+// the engine recomputes them, kvtier/client.h); checking every block first
+// would read the coded bytes over PCIe twice.
 //
 // Launchers are called from host code; they queue work on `stream` and
 // return the launch error (cudaSuccess when queued). Thread-safe.

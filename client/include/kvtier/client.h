@@ -245,6 +245,11 @@ class Client {
   // leading keys are cached.
   Result<uint32_t> Prefetch(CacheId cache, std::span<const BlockKey> keys);
 
+  // Copies the blocks of `keys` into the engine's blocks `block_ids`. A load
+  // that fails (its Wait's error, e.g. kCorruption for a coded block that
+  // does not decode) may have written some of its blocks and not others:
+  // the engine recomputes every block of a failed load, as it would have
+  // without kvtier, and never takes what is in them for its old contents.
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys,
                              std::span<const uint32_t> block_ids);
   // `events`: what KV events publish of these blocks (BlockEventInfo), or
