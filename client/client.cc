@@ -254,7 +254,7 @@ class Client::Impl {
     }
     // From here on, a failure cancels the op's copies (which the daemon
     // may have started) before returning: the caller may reuse the blocks.
-    const OpFences::Fence fence = fences_->Open();
+    const OpFences::Fence fence = fences_->Open(daemon_);
     FlatBufferBuilder b(128 + keys.size() * 20);
     const std::vector<w::Key> wk = KeysToWire(keys);
     const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
@@ -527,9 +527,10 @@ class Client::Impl {
   }
 
   // Cancels the copies of an op that failed or was lost with `error`, and
-  // returns `error` once none runs; kAborted when one is still in progress
-  // after call_timeout (10 s without one): kvtierd stopped or died in the
-  // middle of a copy, and the op's blocks are not safe to reuse.
+  // returns `error` once none runs (or the daemon process that ran them has
+  // exited); kAborted when one is still in progress after call_timeout (10 s
+  // without one): kvtierd hung in the middle of a copy, and the op's blocks
+  // are not safe to reuse.
   Status Abandon(std::optional<OpFences::Fence> fence, Status error) {
     if (!fence) return error;
     const auto wait = options_.call_timeout.count() > 0 ? options_.call_timeout
@@ -575,6 +576,7 @@ class Client::Impl {
     }
     fd_ = std::move(*fd);
     ++connection_;
+    daemon_ = OpFences::PeerProcess(fd_.get());
     // Large batches (thousands of keys) exceed the default socket buffer;
     // the kernel caps this at net.core.wmem_max, which is fine.
     const int sndbuf = 1 << 20;
@@ -707,6 +709,8 @@ class Client::Impl {
   mutable Mutex mu_;
   UniqueFd fd_ KVTIER_GUARDED_BY(mu_);
   uint64_t connection_ KVTIER_GUARDED_BY(mu_) = 0;
+  // The daemon process at the other end of fd_ (OpFences::PeerProcess).
+  std::shared_ptr<const UniqueFd> daemon_ KVTIER_GUARDED_BY(mu_);
   uint64_t next_id_ KVTIER_GUARDED_BY(mu_) = 1;
   std::chrono::steady_clock::time_point next_attempt_ KVTIER_GUARDED_BY(mu_);
   std::string tenant_ KVTIER_GUARDED_BY(mu_);

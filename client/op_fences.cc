@@ -1,6 +1,10 @@
 #include "client/op_fences.h"
 
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <thread>
@@ -22,7 +26,27 @@ Result<std::unique_ptr<OpFences>> OpFences::Create() {
 OpFences::OpFences(UniqueFd fd, MemoryMapping mapping)
     : fd_(std::move(fd)), page_(std::move(mapping)), open_(FencePage::kSlots, 0) {}
 
-OpFences::Fence OpFences::Open() {
+namespace {
+
+// Whether the process of `pidfd` has exited (its pidfd is readable then).
+bool Exited(const std::shared_ptr<const UniqueFd>& pidfd) {
+  if (pidfd == nullptr) return false;
+  pollfd p{pidfd->get(), POLLIN, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+}
+
+}  // namespace
+
+std::shared_ptr<const UniqueFd> OpFences::PeerProcess(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return nullptr;
+  const auto pidfd = static_cast<int>(::syscall(SYS_pidfd_open, cred.pid, 0));
+  if (pidfd < 0) return nullptr;
+  return std::make_shared<const UniqueFd>(pidfd);
+}
+
+OpFences::Fence OpFences::Open(std::shared_ptr<const UniqueFd> daemon) {
   MutexLock lock(&mu_);
   // The next free slot from the cursor; with none free, the one opened
   // longest ago (the smallest generation).
@@ -43,7 +67,7 @@ OpFences::Fence OpFences::Open() {
   next_slot_ = (slot + 1) % FencePage::kSlots;
   open_[slot] = generation;
   page_.Open(slot, generation);
-  return Fence{slot, generation};
+  return Fence{slot, generation, std::move(daemon)};
 }
 
 void OpFences::Close(const Fence& fence) {
@@ -83,7 +107,7 @@ bool OpFences::Cancel(const Fence& fence, std::chrono::steady_clock::time_point 
   // died) in the middle of it: poll, backing off to a millisecond.
   auto pause = std::chrono::microseconds(20);
   for (bool quiet = page_.Cancel(fence.slot, fence.generation); !quiet;
-       quiet = page_.Quiet(fence.slot, fence.generation)) {
+       quiet = page_.Quiet(fence.slot, fence.generation) || Exited(fence.daemon)) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));

@@ -32,6 +32,11 @@ class OpFences {
   struct Fence {
     uint32_t slot = 0;
     uint64_t generation = 0;
+    // A pidfd of the daemon process the op was sent to, or null when it
+    // could not be had (another PID namespace, an old kernel): once that
+    // process has exited, no copy of the op runs (its threads are gone, and
+    // its CUDA context with them), whatever its fence word says.
+    std::shared_ptr<const UniqueFd> daemon;
   };
   // An op, as the client names it: (connection, op id).
   using OpKey = std::pair<uint64_t, uint64_t>;
@@ -41,8 +46,9 @@ class OpFences {
   // The page's memfd, to send with RegisterKvCache (borrowed).
   int fd() const { return fd_.get(); }
 
-  // A slot for a new op, opened (no copies, not cancelled).
-  Fence Open();
+  // A slot for a new op to be sent to `daemon` (see Fence), opened (no
+  // copies, not cancelled).
+  Fence Open(std::shared_ptr<const UniqueFd> daemon);
   // Gives a slot back; no-op if it was reopened since.
   void Close(const Fence& fence);
 
@@ -55,9 +61,14 @@ class OpFences {
   // lost the connection: its ops' results never come).
   void CancelAll(uint64_t connection);
 
-  // Cancels `fence`'s op and waits until no copy of it is in progress, at
-  // most until `deadline`. True: none touches the op's memory from now on.
+  // Cancels `fence`'s op and waits until no copy of it is in progress (or
+  // its daemon process has exited, leaving the count of copies it was in),
+  // at most until `deadline`. True: none touches the op's memory from now on.
   bool Cancel(const Fence& fence, std::chrono::steady_clock::time_point deadline);
+
+  // A pidfd of the process at the other end of connected socket `fd`, for
+  // Open; null when there is none to be had.
+  static std::shared_ptr<const UniqueFd> PeerProcess(int fd);
 
  private:
   OpFences(UniqueFd fd, MemoryMapping mapping);
