@@ -57,4 +57,17 @@ inline void FillFinite(layout_cases::Cache& cache, const KvCacheLayout& kv, uint
   }
 }
 
+// Shifts every bf16 value's magnitude bits down by 8, making subnormals (and
+// zeros): groups whose 448/amax is past the largest float (issue 31, item 7).
+inline void MakeTiny(layout_cases::Cache& cache) {
+  for (std::vector<uint8_t>& r : cache.regions) {
+    for (size_t i = 0; i + 1 < r.size(); i += 2) {
+      uint16_t v;
+      std::memcpy(&v, r.data() + i, 2);
+      v = static_cast<uint16_t>((v & 0x8000) | ((v & 0x7fff) >> 8));
+      std::memcpy(r.data() + i, &v, 2);
+    }
+  }
+}
+
 }  // namespace kvtier::codec_cases

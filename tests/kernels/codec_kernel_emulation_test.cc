@@ -73,14 +73,7 @@ void CheckCase(const CopyCase& c, uint64_t seed, uint32_t group, bool tiny = fal
   codec_cases::FillFinite(engine, *kv, seed);
   if (tiny) {
     ASSERT_EQ(dtype, DType::kBf16);
-    for (std::vector<uint8_t>& r : engine.regions) {
-      for (size_t i = 0; i + 1 < r.size(); i += 2) {
-        uint16_t v;
-        std::memcpy(&v, r.data() + i, 2);
-        v = static_cast<uint16_t>((v & 0x8000) | ((v & 0x7fff) >> 8));
-        std::memcpy(r.data() + i, &v, 2);
-      }
-    }
+    codec_cases::MakeTiny(engine);
   }
   const CopyPlan plan = CopyPlan::Build(*kv, engine.Mapped());
   const uint64_t block_bytes = kv->layout().block_bytes();

@@ -396,14 +396,20 @@ def test_vllm_decodes_every_batch(encoding: str, hash_kind: str) -> None:
         n.client.store(cache, keys, list(range(8)), engine_hashes=digests, parent_hash=parent,
                        token_ids=tokens, block_size=BLOCK_TOKENS, lora_name="adapter-1")
         n.client.evict()
-        time.sleep(0.3)
-        batches = n.consumer.replay_from(0)
-        assert len(batches) >= 2
         decoder = msgspec.msgpack.Decoder(vllm_events.KVEventBatch if encoding == "map" else LegacyBatch)
-        decoded = [e for _, _, payload in batches for e in decoder.decode(payload).events]
-        stored = [e for e in decoded if type(e).__name__.endswith("BlockStored")]
-        removed = [e for e in decoded if type(e).__name__.endswith("BlockRemoved")]
-        cleared = [e for e in decoded if type(e).__name__.endswith("AllBlocksCleared")]
+        # The events go out at the publisher's cadence: replay until the
+        # evict's are there (a loaded machine may take a while).
+        deadline = time.monotonic() + 10
+        while True:
+            batches = n.consumer.replay_from(0)
+            decoded = [e for _, _, payload in batches for e in decoder.decode(payload).events]
+            stored = [e for e in decoded if type(e).__name__.endswith("BlockStored")]
+            removed = [e for e in decoded if type(e).__name__.endswith("BlockRemoved")]
+            cleared = [e for e in decoded if type(e).__name__.endswith("AllBlocksCleared")]
+            if len(removed) >= 8 and len(cleared) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(batches) >= 2
         assert len(stored) == 8 and len(removed) == 8 and len(cleared) == 2  # the start's, the evict's
         expect = [int.from_bytes(h[-8:], "big") for h in digests] if hash_kind == "u64" else digests
         expect_parent = int.from_bytes(parent[-8:], "big") if hash_kind == "u64" else parent
