@@ -53,6 +53,7 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
     spdlog::debug("session {}: ignoring {} descriptor(s) sent with a {}", s.id, fds.size(),
                   w::EnumNameBody(msg.body_type()));
   }
+  const auto start = std::chrono::steady_clock::now();
   std::vector<uint8_t> reply;
   switch (msg.body_type()) {
     case w::Body::Hello:
@@ -114,6 +115,7 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
       break;
   }
   Send(s, std::move(reply));
+  turn_.Add(w::EnumNameBody(msg.body_type()), std::chrono::steady_clock::now() - start);
 }
 
 std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello& m) {
@@ -311,7 +313,7 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
       .mapping = Err(Internal("not mapped yet"))});
   s.registering = true;
   ++registrations_inflight_;
-  registrar_->Run([this, r]() mutable {
+  registrar_->Post([this, r]() mutable {
     r->mapping = backend_->MapClientMemory(std::move(r->handles), std::move(r->events));
     // Finished (and destroyed) on the loop, which owns the session and the
     // tenant's charge.
@@ -1011,6 +1013,8 @@ MetricsSnapshot Server::Snapshot() const {
   m.messages_rejected = messages_rejected_;
   m.ops_cancelled = ops_cancelled_;
   m.lookup_latency = lookup_latency_;
+  m.loop_turns = loop_turns_;
+  m.loop_slow_turns = slow_turns_;
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
   for (const auto& t : tenants_->tenants()) {

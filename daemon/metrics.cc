@@ -126,6 +126,10 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   for (const auto& [direction, value] : bytes) {
     f.Counter("kvtier_bytes_moved_total", help_bytes, static_cast<double>(value), L({{"direction", direction}}));
   }
+  f.Histogram("kvtier_loop_turn_duration_seconds",
+              "Time the event loop spent on one turn (every event ready at once, then its upkeep): a request "
+              "arriving meanwhile waits for the rest of it.",
+              s.loop_turns);
   f.Histogram("kvtier_lookup_duration_seconds", "Time to answer a lookup, in the daemon.", s.lookup_latency);
   f.Histogram("kvtier_load_duration_seconds", "Time from a load's request to its completion.", s.load_latency);
   f.Histogram("kvtier_store_duration_seconds", "Time from a store's request to its completion.", s.store_latency);
@@ -272,6 +276,9 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.sessions_refused));
   f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
             static_cast<double>(s.messages_rejected));
+  f.Counter("kvtier_loop_slow_turns_total",
+            "Turns of the event loop that took 10 ms or more (kvtierd logs the largest parts of one a second).",
+            static_cast<double>(s.loop_slow_turns));
   f.Counter("kvtier_ops_cancelled_total", "Loads and stores whose copies their client cancelled (a fence).",
             static_cast<double>(s.ops_cancelled));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {

@@ -66,6 +66,8 @@ struct MetricsSnapshot {
   uint64_t sessions_refused = 0;
   uint64_t messages_rejected = 0;
   uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
+  LatencyHistogram loop_turns;       // the event loop's turns
+  uint64_t loop_slow_turns = 0;      // past Server::kSlowTurn
   LatencyHistogram lookup_latency;  // request handling
   LatencyHistogram load_latency;    // op start to completion
   LatencyHistogram store_latency;

@@ -246,7 +246,7 @@ Status Server::Setup() {
   if (!signal_fd_) return Status::FromErrno(errno, "signalfd");
 
   KVTIER_RETURN_IF_ERROR(SetupBackend());
-  registrar_ = std::make_unique<SerialWorker>();
+  registrar_ = std::make_unique<SerialExecutor>();
   spdlog::info("device backend: {}", backend_->Describe());
   if (c.tiers.disk.enabled) KVTIER_RETURN_IF_ERROR(SetupDisk());
   if (c.tiers.remote.enabled) KVTIER_RETURN_IF_ERROR(SetupRemote());
@@ -424,29 +424,48 @@ Status Server::Run() {
     }
     const int n = ::epoll_wait(epoll_.get(), events, 64, NextTimeoutMs());
     if (n < 0 && errno != EINTR) return Status::FromErrno(errno, "epoll_wait");
+    turn_.Begin(std::chrono::steady_clock::now());
     for (int i = 0; i < n; ++i) {
       const uint64_t tag = events[i].data.u64;
       if (tag == kListenTag) {
-        AcceptAll();
+        turn_.Time("accept", [&] { AcceptAll(); });
       } else if (tag == kSignalTag) {
-        OnSignal();
+        turn_.Time("signal", [&] { OnSignal(); });
       } else if (tag == kWakeTag) {
-        RunPosted();
+        turn_.Time("posted", [&] { RunPosted(); });
       } else if (auto it = sessions_.find(tag); it != sessions_.end()) {
         Session& s = *it->second;
-        if (events[i].events & EPOLLOUT) OnSessionWritable(s);
+        if (events[i].events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
+        // Each request is timed by its type, in Handle.
         if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) OnSessionReadable(s);
       }
-      CloseMarkedSessions();
+      turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
     }
-    ExpireWaits();
-    ExpireHellos();
-    ResumeAccepting();
-    CloseMarkedSessions();
-    CheckBackend();
+    turn_.Time("expire", [&] {
+      ExpireWaits();
+      ExpireHellos();
+      ResumeAccepting();
+      CloseMarkedSessions();
+      CheckBackend();
+    });
+    EndTurn();
   }
   spdlog::info("stopped");
   return backend_lost_;
+}
+
+void Server::EndTurn() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto length = turn_.Length(now);
+  loop_turns_.Record(length);
+  if (length < kSlowTurn) return;
+  ++slow_turns_;
+  // At most one line a second: a loop that is slow all the time says so
+  // once a second, not once a turn.
+  if (now < next_slow_turn_log_) return;
+  next_slow_turn_log_ = now + std::chrono::seconds(1);
+  spdlog::info("slow loop turn: {:.1f} ms ({} slow turn(s) so far): {}",
+               std::chrono::duration<double, std::milli>(length).count(), slow_turns_, turn_.Describe());
 }
 
 void Server::CheckBackend() {

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "common/mutex.h"
-#include "common/serial_worker.h"
+#include "common/serial_executor.h"
 #include "common/unique_fd.h"
 #include "config/config.h"
 #include "config/config_loader.h"
@@ -34,6 +34,7 @@
 #include "daemon/session.h"
 #include "daemon/startup_undo.h"
 #include "daemon/tenants.h"
+#include "daemon/turn_profile.h"
 #include "ipc/wire.h"
 #include "tiers/block_cache.h"
 #include "tiers/disk/disk_tier.h"
@@ -76,6 +77,8 @@ class Server {
   Status SetupEvents();
   // Stops the loop once the backend says it can copy no more.
   void CheckBackend();
+  // Records the turn's length; logs a slow one's profile.
+  void EndTurn();
   void AcceptAll();
   void OnSessionReadable(Session& s);
   void OnSessionWritable(Session& s);
@@ -154,11 +157,18 @@ class Server {
   std::unique_ptr<DeviceBackend> backend_;
   // Maps registered memory off the loop (HandleRegister); results come back
   // through Post(). Reset before the backend.
-  std::unique_ptr<SerialWorker> registrar_;
+  std::unique_ptr<SerialExecutor> registrar_;
   uint32_t registrations_inflight_ = 0;  // being mapped; a stop waits for them
   // Why the backend can copy no more (DeviceBackend::health), once it said
   // so: the loop then stops, and Run() returns it.
   Status backend_lost_;
+  // The loop's turns (issue 32): where each went, their lengths, and those
+  // past kSlowTurn (the longest a request should wait behind a turn).
+  static constexpr std::chrono::milliseconds kSlowTurn{10};
+  TurnProfile turn_;
+  LatencyHistogram loop_turns_;
+  uint64_t slow_turns_ = 0;
+  std::chrono::steady_clock::time_point next_slow_turn_log_{};
   int hbm_device_ = 0;  // the GPU whose memory holds the hbm tier (cuda)
   // The disk tier's parts, destroyed after the cache (which uses them) and
   // in reverse order of use: tier, devices, engine.

@@ -31,6 +31,7 @@
 #include "daemon/server.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
+#include "tests/tiers/forwarding_backend.h"
 #include "tiers/host_backend.h"
 
 namespace kvtier {
@@ -42,65 +43,44 @@ Status LostStatus() {
 
 // A HostBackend until `lost` is set; then health() says so and every batch
 // fails with it, copying nothing, on the inner backend's thread.
-class LosingBackend final : public DeviceBackend {
+class LosingBackend final : public tiers_test::ForwardingBackend {
  public:
   LosingBackend(std::unique_ptr<DeviceBackend> inner, std::shared_ptr<std::atomic<bool>> lost)
-      : inner_(std::move(inner)), lost_(std::move(lost)) {}
-  std::string_view name() const override { return inner_->name(); }
-  std::string Describe() const override { return "losing " + inner_->Describe(); }
-  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
-    return inner_->AllocateDeviceArena(device, size_bytes);
-  }
-  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
-    return inner_->AllocateHostArena(size_bytes);
-  }
+      : ForwardingBackend(std::move(inner)), lost_(std::move(lost)) {}
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override {
     if (lost_->load()) return Err(LostStatus());
-    return inner_->MapClientMemory(std::move(regions), std::move(events));
+    return inner().MapClientMemory(std::move(regions), std::move(events));
   }
   bool Submit(CopyBatch batch, CopyDone done) override {
-    if (!lost_->load()) return inner_->Submit(std::move(batch), std::move(done));
-    inner_->Submit(CopyBatch{.direction = CopyDirection::kSlotToSlot, .priority = batch.priority},
+    if (!lost_->load()) return inner().Submit(std::move(batch), std::move(done));
+    inner().Submit(CopyBatch{.direction = CopyDirection::kSlotToSlot, .priority = batch.priority},
                    [done = std::move(done)](CopyResult) { done(CopyResult{.status = LostStatus()}); });
     return false;
   }
-  uint64_t live_mappings() const override { return inner_->live_mappings(); }
   Status health() const override { return lost_->load() ? LostStatus() : Status::Ok(); }
 
  private:
-  std::unique_ptr<DeviceBackend> inner_;
   std::shared_ptr<std::atomic<bool>> lost_;
 };
 
 // A HostBackend whose MapClientMemory takes `delay`; `mapping` is set while
 // one is in progress.
-class SlowMappingBackend final : public DeviceBackend {
+class SlowMappingBackend final : public tiers_test::ForwardingBackend {
  public:
   SlowMappingBackend(std::unique_ptr<DeviceBackend> inner, std::chrono::milliseconds delay,
                      std::shared_ptr<std::atomic<bool>> mapping)
-      : inner_(std::move(inner)), delay_(delay), mapping_(std::move(mapping)) {}
-  std::string_view name() const override { return inner_->name(); }
-  std::string Describe() const override { return "slow " + inner_->Describe(); }
-  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
-    return inner_->AllocateDeviceArena(device, size_bytes);
-  }
-  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
-    return inner_->AllocateHostArena(size_bytes);
-  }
+      : ForwardingBackend(std::move(inner)), delay_(delay), mapping_(std::move(mapping)) {}
   Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
                                                          std::vector<IpcEventHandle> events) override {
     mapping_->store(true);
     std::this_thread::sleep_for(delay_);
-    Result<std::shared_ptr<ClientMapping>> m = inner_->MapClientMemory(std::move(regions), std::move(events));
+    Result<std::shared_ptr<ClientMapping>> m = inner().MapClientMemory(std::move(regions), std::move(events));
     mapping_->store(false);
     return m;
   }
-  bool Submit(CopyBatch batch, CopyDone done) override { return inner_->Submit(std::move(batch), std::move(done)); }
-  uint64_t live_mappings() const override { return inner_->live_mappings(); }
 
  private:
-  std::unique_ptr<DeviceBackend> inner_;
   const std::chrono::milliseconds delay_;
   std::shared_ptr<std::atomic<bool>> mapping_;
 };
@@ -108,7 +88,7 @@ class SlowMappingBackend final : public DeviceBackend {
 // A HostBackend that holds loads (kSlotToEngine batches) until Release(),
 // and can stall the event loop: the next Submit after StallNextSubmit()
 // sleeps there, as a daemon that hangs for a moment would.
-class GatedBackend final : public DeviceBackend {
+class GatedBackend final : public tiers_test::ForwardingBackend {
  public:
   struct Gate {
     Mutex mu;
@@ -119,20 +99,8 @@ class GatedBackend final : public DeviceBackend {
     std::atomic<int> loads_done{0};
   };
   GatedBackend(std::unique_ptr<DeviceBackend> inner, std::shared_ptr<Gate> gate)
-      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+      : ForwardingBackend(std::move(inner)), gate_(std::move(gate)) {}
   ~GatedBackend() override { Release(); }
-  std::string_view name() const override { return inner_->name(); }
-  std::string Describe() const override { return "gated " + inner_->Describe(); }
-  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
-    return inner_->AllocateDeviceArena(device, size_bytes);
-  }
-  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
-    return inner_->AllocateHostArena(size_bytes);
-  }
-  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
-                                                         std::vector<IpcEventHandle> events) override {
-    return inner_->MapClientMemory(std::move(regions), std::move(events));
-  }
   bool Submit(CopyBatch batch, CopyDone done) override {
     if (const int64_t ms = gate_->stall_ms.exchange(0); ms > 0) {
       gate_->stalling = true;
@@ -150,9 +118,8 @@ class GatedBackend final : public DeviceBackend {
         return true;
       }
     }
-    return inner_->Submit(std::move(batch), std::move(done));
+    return inner().Submit(std::move(batch), std::move(done));
   }
-  uint64_t live_mappings() const override { return inner_->live_mappings(); }
 
   // Submits the held loads (from the caller's thread) and stops holding.
   void Release() {
@@ -162,11 +129,10 @@ class GatedBackend final : public DeviceBackend {
       gate_->hold_loads = false;
       held.swap(gate_->held);
     }
-    for (auto& [batch, done] : held) inner_->Submit(std::move(batch), std::move(done));
+    for (auto& [batch, done] : held) inner().Submit(std::move(batch), std::move(done));
   }
 
  private:
-  std::unique_ptr<DeviceBackend> inner_;
   std::shared_ptr<Gate> gate_;
 };
 

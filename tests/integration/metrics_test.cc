@@ -171,6 +171,9 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(after.at("kvtier_disk_writes_given_up_total"), 0);
   EXPECT_GT(after.at("kvtier_tier_blocks{tier=\"host\"}"), 0);
   EXPECT_EQ(after.at("kvtier_lookup_duration_seconds_count"), 1);
+  // Every request is a turn of the loop at least.
+  EXPECT_GE(after.at("kvtier_loop_turn_duration_seconds_count"), 4);
+  EXPECT_GE(after.at("kvtier_loop_slow_turns_total"), 0);
   EXPECT_EQ(after.at("kvtier_store_duration_seconds_count"), 1);
   EXPECT_EQ(after.at("kvtier_load_duration_seconds_count"), 1);
   EXPECT_GT(after.at("kvtier_disk_write_duration_seconds_count"), 0);

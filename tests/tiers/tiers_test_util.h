@@ -39,6 +39,7 @@
 #include "common/unique_fd.h"
 #include "kernels/codec.h"
 #include "kernels/copy_reference.h"
+#include "tests/tiers/forwarding_backend.h"
 
 namespace kvtier::tiers_test {
 
@@ -91,26 +92,13 @@ struct HoldingBackendOptions {
 // worker timing alone does not. It may also say it decodes no codec on
 // load, as a backend without a decode kernel would, or code fp8 stores on
 // their way, as the cuda backend's kernels do (Options). Thread-safe.
-class HoldingBackend final : public DeviceBackend {
+class HoldingBackend final : public ForwardingBackend {
  public:
   using Options = HoldingBackendOptions;
-  explicit HoldingBackend(DeviceBackend* inner, Options options = {}) : inner_(inner), options_(options) {}
+  explicit HoldingBackend(DeviceBackend* inner, Options options = {}) : ForwardingBackend(inner), options_(options) {}
 
-  std::string_view name() const override { return inner_->name(); }
-  std::string Describe() const override { return inner_->Describe(); }
-  Result<std::unique_ptr<Arena>> AllocateDeviceArena(int device, uint64_t size_bytes) override {
-    return inner_->AllocateDeviceArena(device, size_bytes);
-  }
-  Result<std::unique_ptr<Arena>> AllocateHostArena(uint64_t size_bytes) override {
-    return inner_->AllocateHostArena(size_bytes);
-  }
-  Result<std::shared_ptr<ClientMapping>> MapClientMemory(std::vector<ClientRegionHandle> regions,
-                                                         std::vector<IpcEventHandle> events) override {
-    return inner_->MapClientMemory(std::move(regions), std::move(events));
-  }
-  uint64_t live_mappings() const override { return inner_->live_mappings(); }
   bool DecodesOnLoad(CodecKind kind) const override {
-    return options_.decodes_on_load ? inner_->DecodesOnLoad(kind) : kind == CodecKind::kNone;
+    return options_.decodes_on_load ? inner().DecodesOnLoad(kind) : kind == CodecKind::kNone;
   }
   bool EncodesOnStore(CodecKind kind) const override {
     return options_.encodes_on_store && kind == CodecKind::kFp8;
@@ -123,7 +111,7 @@ class HoldingBackend final : public DeviceBackend {
       return true;
     }
     const bool hold = batch.direction == CopyDirection::kSlotToEngine && hold_loads_.load();
-    return inner_->Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
+    return inner().Submit(std::move(batch), [this, hold, done = std::move(done)](CopyResult r) mutable {
       if (!hold) {
         done(std::move(r));
         return;
@@ -199,7 +187,6 @@ class HoldingBackend final : public DeviceBackend {
     return r;
   }
 
-  DeviceBackend* const inner_;
   const Options options_;
   std::unique_ptr<BlockCodec> coder_ KVTIER_GUARDED_BY(mu_);
   std::vector<uint8_t> scratch_ KVTIER_GUARDED_BY(mu_);

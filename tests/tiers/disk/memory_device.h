@@ -29,7 +29,7 @@
 
 #include "common/check.h"
 #include "common/mutex.h"
-#include "tests/tiers/disk/serial_executor.h"
+#include "common/serial_executor.h"
 #include "tiers/disk/block_device.h"
 
 namespace kvtier {

@@ -1,7 +1,8 @@
-// SerialExecutor: one thread that runs posted tasks in FIFO order. The test
-// block devices complete their operations on it, so that `done` never runs
-// inside the call that issued the operation (BlockDevice's contract) and tests
-// see the same re-entrancy a real device gives them.
+// SerialExecutor: one thread that runs posted tasks in FIFO order. kvtierd
+// maps registered memory on one (slow work the event loop must not wait
+// on); the test block devices complete their operations on one, so that
+// `done` never runs inside the call that issued the operation (BlockDevice's
+// contract) and tests see the same re-entrancy a real device gives them.
 //
 // Thread-safe. Tasks may post further tasks. Destruction runs everything still
 // queued (including what those tasks post), then joins the thread, so every
