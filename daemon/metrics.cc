@@ -99,6 +99,13 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_stores_discarded_total", "Stored blocks dropped because their client died first.",
             static_cast<double>(c.stores_discarded));
   f.Counter("kvtier_loads_total", "Blocks loaded into engines.", static_cast<double>(c.loads));
+  for (const auto& [reason, n] : {std::pair{"gone", c.loads_short_gone}, std::pair{"not_ready", c.loads_short_not_ready},
+                                  std::pair{"disk", c.loads_short_disk}}) {
+    f.Counter("kvtier_loads_short_total",
+              "Loads that came up short of the keys they named, by why: the first missing key gone (evicted "
+              "since the lookup), present but not servable yet, or on disk and not readable into host.",
+              static_cast<double>(n), L({{"reason", reason}}));
+  }
   for (size_t t = 0; t < 3; ++t) {
     f.Counter("kvtier_evictions_total", "Blocks dropped from a tier.", static_cast<double>(c.evictions[t]),
               L({{"tier", tiers[t]}}));

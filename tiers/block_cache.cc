@@ -496,7 +496,10 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     BlockEntry* e = index_.Find(keys[i]);
     if (e == nullptr) e = Materialize(keys[i]);
-    if (e == nullptr || !Servable(e)) break;
+    if (e == nullptr || !Servable(e)) {
+      ++(e == nullptr ? counters_.loads_short_gone : counters_.loads_short_not_ready);
+      break;
+    }
     Lease(e, tenant);
     if (e->hits < DiskOnlyBlock::kMaxHits) ++e->hits;
     leased.push_back(e);
@@ -529,6 +532,7 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       // Blocks still on disk failed their read; the prefix ends before the first.
       size_t good = 0;
       while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
+      if (good < p->leased.size()) ++counters_.loads_short_disk;
       for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i], tenant);
       p->leased.resize(good);
       p->ids.resize(good);

@@ -192,6 +192,15 @@ struct CacheCounters : RequestCounters {
   uint64_t disk_reads_waited_for_room = 0;
   uint64_t disk_reads_without_room = 0;
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
+  // Loads that came up short of the keys they named (issue 32: an engine
+  // loads what its lookup found, and recomputes the rest): the first key
+  // missing was gone (evicted since the lookup, a race with other clients'
+  // stores), or present but not servable (being stored, or dropped from
+  // disk), or a block on disk could not be read up to host (a failed read,
+  // or no host room).
+  uint64_t loads_short_gone = 0;
+  uint64_t loads_short_not_ready = 0;
+  uint64_t loads_short_disk = 0;
   // The engine's retention hints (issue 19): blocks hinted (by a store or
   // Hint), those of them hinted to be kept past the tier's hint_share (kept
   // as unhinted), and partial tail blocks stores marked (never admitted).

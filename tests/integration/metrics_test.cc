@@ -176,6 +176,8 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_GE(after.at("kvtier_loop_slow_turns_total"), 0);
   EXPECT_EQ(after.at("kvtier_store_duration_seconds_count"), 1);
   EXPECT_EQ(after.at("kvtier_load_duration_seconds_count"), 1);
+  EXPECT_EQ(after.at("kvtier_loads_short_total{reason=\"gone\"}"), 0);
+  EXPECT_EQ(after.at("kvtier_loads_short_total{reason=\"disk\"}"), 0);
   EXPECT_GT(after.at("kvtier_disk_write_duration_seconds_count"), 0);
   EXPECT_GT(after.at("kvtier_store_duration_seconds_sum"), 0);
   EXPECT_EQ(after.at("kvtier_tenant_hits_total{tenant=\"local\"}"), 96);

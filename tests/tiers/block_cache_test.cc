@@ -321,6 +321,12 @@ TEST_P(BlockCacheRoundTripTest, StoreThenLoadIsByteExact) {
 
   EXPECT_EQ(cache_->counters().stores, 6u);
   EXPECT_EQ(cache_->counters().loads, 8u);
+  // Both short loads are counted: a key that is not there (gone, to the
+  // cache: it cannot tell a key evicted since the lookup from one never
+  // stored).
+  EXPECT_EQ(cache_->counters().loads_short_gone, 2u);
+  EXPECT_EQ(cache_->counters().loads_short_not_ready, 0u);
+  EXPECT_EQ(cache_->counters().loads_short_disk, 0u);
   EXPECT_EQ(cache_->counters().bytes_engine_to_cache, 6 * BlockBytes());
   EXPECT_EQ(cache_->counters().bytes_cache_to_engine, 8 * BlockBytes());
   ASSERT_TRUE(Settle());
