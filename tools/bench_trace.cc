@@ -149,6 +149,12 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " already stored, %" PRIu64 " refused\n",
               sum.loaded, sum.loaded - sum.mismatches, sum.short_loads, sum.stored, sum.already,
               sum.rejected);
+  if (sum.short_loads > 0) {
+    std::printf("          short loads, as the daemon saw them: %" PRId64 " found a key gone (evicted since "
+                "the lookup), %" PRId64 " one not servable yet, %" PRId64 " a disk block not read up to host\n",
+                Delta(b, a, "loads_short_gone"), Delta(b, a, "loads_short_not_ready"),
+                Delta(b, a, "loads_short_disk"));
+  }
   auto mib = [&](std::string_view name) {
     return static_cast<double>(Delta(b, a, name)) / (1 << 20);
   };
