@@ -317,7 +317,7 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     r->mapping = backend_->MapClientMemory(std::move(r->handles), std::move(r->events));
     // Finished (and destroyed) on the loop, which owns the session and the
     // tenant's charge.
-    Post([this, r = std::move(r)] { FinishRegister(*r); });
+    Post([this, r = std::move(r)] { FinishRegister(*r); }, "registration");
   });
   return {};
 }
@@ -1033,7 +1033,7 @@ std::optional<MetricsSnapshot> Server::SnapshotFromLoop() {
   // promise that is gone.
   auto promise = std::make_shared<std::promise<MetricsSnapshot>>();
   std::future<MetricsSnapshot> result = promise->get_future();
-  Post([this, promise] { promise->set_value(Snapshot()); });
+  Post([this, promise] { promise->set_value(Snapshot()); }, "metrics snapshot");
   if (result.wait_for(std::chrono::seconds(2)) != std::future_status::ready) return std::nullopt;
   return result.get();
 }

@@ -88,7 +88,9 @@ class Server {
   // Marks `s` to be closed once the current handler has returned.
   void MarkClosing(Session& s, const char* why) { closing_.Mark(s, why); }
   void Send(Session& s, std::vector<uint8_t> bytes);
-  void Post(std::function<void()> fn);
+  // Runs `fn` on the loop; `what` (static storage) names it in the profile
+  // of a slow turn (TurnProfile).
+  void Post(std::function<void()> fn, const char* what = "posted");
   void RunPosted();
   void OnSignal();
   void Reload();
@@ -214,7 +216,7 @@ class Server {
   std::optional<std::chrono::steady_clock::time_point> accept_paused_until_;
 
   Mutex posted_mu_;
-  std::deque<std::function<void()>> posted_ KVTIER_GUARDED_BY(posted_mu_);
+  std::deque<std::pair<const char*, std::function<void()>>> posted_ KVTIER_GUARDED_BY(posted_mu_);
   std::atomic<bool> stop_requested_{false};  // relaxed: the eventfd write orders it
 };
 
