@@ -432,7 +432,7 @@ Status Server::Run() {
       } else if (tag == kSignalTag) {
         turn_.Time("signal", [&] { OnSignal(); });
       } else if (tag == kWakeTag) {
-        RunPosted();  // each closure timed as "posted"
+        RunPosted();  // each closure timed under the name it was posted with
       } else if (auto it = sessions_.find(tag); it != sessions_.end()) {
         Session& s = *it->second;
         if (events[i].events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
