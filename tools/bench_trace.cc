@@ -26,8 +26,12 @@ constexpr uint64_t kSlotAlignBytes = 4096;  // SlotPool::kSlotAlignBytes: memory
 constexpr double kLagTargetMs = 20;         // the loop lag's p99 under load, at most
 
 struct Capacity {
-  uint64_t hbm = 0, host = 0, disk = 0;  // blocks
+  uint64_t hbm = 0, host = 0, disk = 0;  // blocks: slots and records the tiers hold
+  // The tiers' bytes over the block size: what they would hold if every
+  // byte held a block (issue 32's comparison at equal bytes).
+  uint64_t hbm_bytes_blocks = 0, host_bytes_blocks = 0, disk_bytes_blocks = 0;
   uint64_t total() const { return hbm + host + disk; }
+  uint64_t total_at_bytes() const { return hbm_bytes_blocks + host_bytes_blocks + disk_bytes_blocks; }
   int tiers() const { return (hbm > 0) + (host > 0) + (disk > 0); }
 };
 
@@ -253,6 +257,7 @@ void PrintWatch(const Watch& w, const std::vector<double>& idle_ms, const Replay
 
 struct Simulated {
   SimResult ceiling, lru, belady;
+  SimResult lru_at_bytes;  // LRU holding Capacity::total_at_bytes() blocks
 };
 
 void PrintSimulations(const Simulated& sim, const Capacity& cap,
@@ -263,6 +268,16 @@ void PrintSimulations(const Simulated& sim, const Capacity& cap,
               100 * sim.ceiling.token_hit_rate());
   std::printf("  %-34s %7.2f%%   %.2f%%\n", ("LRU, " + std::to_string(cap.total()) + " blocks").c_str(),
               100 * sim.lru.hit_rate(), 100 * sim.lru.token_hit_rate());
+  std::printf("  %-34s %7.2f%%   %.2f%%   (the tiers' bytes / the block size)\n",
+              ("LRU, " + std::to_string(cap.total_at_bytes()) + " blocks").c_str(), 100 * sim.lru_at_bytes.hit_rate(),
+              100 * sim.lru_at_bytes.token_hit_rate());
+  // Where the bytes that hold no block go, as blocks' worth of bytes.
+  std::printf("  capacity at equal bytes: %" PRIu64 " blocks; kvtier's slots and records: %" PRIu64
+              " (disk record headers and padding %" PRId64 ", memory slot padding %" PRId64 ")\n",
+              cap.total_at_bytes(), cap.total(),
+              static_cast<int64_t>(cap.disk_bytes_blocks) - static_cast<int64_t>(cap.disk),
+              static_cast<int64_t>(cap.hbm_bytes_blocks + cap.host_bytes_blocks) -
+                  static_cast<int64_t>(cap.hbm + cap.host));
   std::printf("  %-34s %7.2f%%   %.2f%%   (any-position hits %.2f%%: the bound for every policy)\n",
               ("Belady, " + std::to_string(cap.total()) + " blocks").c_str(), 100 * sim.belady.hit_rate(),
               100 * sim.belady.token_hit_rate(), 100 * sim.belady.any_hit_rate());
@@ -329,6 +344,8 @@ std::vector<Comparison> Compare(double hit, const Simulated& sim, const Capacity
       {"hit rate vs Belady", hit, 100 * sim.belady.hit_rate(),
        "Belady's optimum, " + at + " (simulated)", "%"},
       {"hit rate vs reuse ceiling", hit, ceiling, "unbounded cache (simulated)", "%"},
+      {"hit rate vs LRU at equal bytes", hit, 100 * sim.lru_at_bytes.hit_rate(),
+       "LRU, " + std::to_string(cap.total_at_bytes()) + " blocks: the tiers' bytes / the block size (simulated)", "%"},
   };
   char buf[256] = {};
   if (cap.tiers() == 3) {
@@ -594,13 +611,16 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
     return 1;
   }
   // Capacities in blocks: memory tiers hold one 4 KiB-aligned slot per block,
-  // the disk one record (a 4 KiB header + the block, 4 KiB-aligned).
+  // the disk one record (a 4 KiB header + the block, 4 KiB-aligned); and
+  // what the same bytes would hold at the block's own size.
   Capacity cap;
   for (const TierStats& t : before->tiers) {
     const bool disk = t.tier == BlockTier::kDisk;
     uint64_t& blocks = t.tier == BlockTier::kHbm ? cap.hbm : disk ? cap.disk : cap.host;
     uint64_t& bytes = t.tier == BlockTier::kHbm ? o.hbm_bytes : disk ? o.disk_bytes : o.host_bytes;
     blocks = t.capacity_bytes / (disk ? RecordBytes(o.block_bytes) : stride);
+    (t.tier == BlockTier::kHbm ? cap.hbm_bytes_blocks : disk ? cap.disk_bytes_blocks : cap.host_bytes_blocks) =
+        t.capacity_bytes / o.block_bytes;
     if (!started) bytes = t.capacity_bytes;
   }
   std::printf("tiers:    hbm %s (%" PRIu64 " blocks), host %s (%" PRIu64
@@ -610,9 +630,9 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
   if (!started)
     std::printf("          (what other tenants hold there takes capacity from this replay)\n");
 
-  const Simulated sim{trace::SimulateUnbounded(plan.requests),
-                      trace::SimulateLru(plan.requests, cap.total()),
-                      trace::SimulateBelady(plan.requests, cap.total())};
+  const Simulated sim{trace::SimulateUnbounded(plan.requests), trace::SimulateLru(plan.requests, cap.total()),
+                      trace::SimulateBelady(plan.requests, cap.total()),
+                      trace::SimulateLru(plan.requests, cap.total_at_bytes())};
   // The idle loop's lag first: the baseline of the figure under load.
   std::vector<double> idle_ms;
   for (int i = 0; i < 200; ++i) {
