@@ -192,6 +192,10 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
       Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
       Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
       Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"));
+  std::printf("          reads: %" PRId64 " failed their checks or I/O, %" PRId64 " waited for host room, %" PRId64
+              " found none\n",
+              Delta(b, a, "disk_read_failures"), Delta(b, a, "disk_reads_waited_for_room"),
+              Delta(b, a, "disk_reads_without_room"));
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
