@@ -192,17 +192,28 @@ KVTIER_HOST_DEVICE Fp8Tile TileOf(const Fp8Shape& shape, uint32_t cta_x) {
   return {g0, g1, g0 * shape.group_elems, e1 < shape.elems ? e1 : shape.elems};
 }
 
+// Calls fn(first, n, elements) for each of thread `thread`'s runs of tile
+// `t`: kCodecElems elements each (fewer at the tile's end), kCodecThreads
+// runs apart, so that a warp reads and writes contiguous bytes.
+template <typename Fn>
+KVTIER_HOST_DEVICE void ForEachRun(const CopyPiece* pieces, uint32_t num_pieces, const CodedBlock& b,
+                                   const Fp8Tile& t, uint32_t thread, Fn&& fn) {
+  for (uint64_t first = t.e0 + uint64_t{thread} * kCodecElems; first < t.e1;
+       first += uint64_t{kCodecThreads} * kCodecElems) {
+    const auto n = static_cast<uint32_t>(t.e1 - first < kCodecElems ? t.e1 - first : kCodecElems);
+    uint16_t h[kCodecElems];
+    LoadRun(pieces, num_pieces, b.engine_block, first, n, h);
+    fn(first, n, static_cast<const uint16_t*>(h));
+  }
+}
+
 // Phase 1 of thread `thread`. `amax`: the tile's shared words, zeroed.
 KVTIER_HOST_DEVICE void Fp8EncodeAmax(const CopyPiece* pieces, uint32_t num_pieces, const Fp8Shape& shape,
                                       const CodedBlock& b, uint32_t* special, uint32_t* amax, uint32_t cta_x,
                                       uint32_t thread) {
   const Fp8Tile t = TileOf(shape, cta_x);
   const uint16_t exponent = shape.bf16 ? 0x7f80 : 0x7c00;
-  for (uint64_t first = t.e0 + uint64_t{thread} * kCodecElems; first < t.e1;
-       first += uint64_t{kCodecThreads} * kCodecElems) {
-    const auto n = static_cast<uint32_t>(t.e1 - first < kCodecElems ? t.e1 - first : kCodecElems);
-    uint16_t h[kCodecElems];
-    LoadRun(pieces, num_pieces, b.engine_block, first, n, h);
+  ForEachRun(pieces, num_pieces, b, t, thread, [&](uint64_t first, uint32_t n, const uint16_t* h) {
     // The largest magnitude as an integer maximum of the inputs' bits (finite
     // fp16 and bf16 order as their bits do), as the CPU codec takes it; one
     // shared update per group the run touches.
@@ -221,7 +232,7 @@ KVTIER_HOST_DEVICE void Fp8EncodeAmax(const CopyPiece* pieces, uint32_t num_piec
       m = v > m ? v : m;
     }
     SharedMax(&amax[g - t.g0], m);
-  }
+  });
 }
 
 // A group's coding, as the CPU codec does it: s = amax/448, and the factors
@@ -249,11 +260,7 @@ KVTIER_HOST_DEVICE void Fp8EncodeWrite(const CopyPiece* pieces, uint32_t num_pie
     for (uint32_t k = 0; k < 4; ++k) dst[k] = static_cast<uint8_t>(bits >> (8 * k));
   }
   uint8_t* q = b.slot + uint64_t{shape.groups} * 4;
-  for (uint64_t first = t.e0 + uint64_t{thread} * kCodecElems; first < t.e1;
-       first += uint64_t{kCodecThreads} * kCodecElems) {
-    const auto n = static_cast<uint32_t>(t.e1 - first < kCodecElems ? t.e1 - first : kCodecElems);
-    uint16_t h[kCodecElems];
-    LoadRun(pieces, num_pieces, b.engine_block, first, n, h);
+  ForEachRun(pieces, num_pieces, b, t, thread, [&](uint64_t first, uint32_t n, const uint16_t* h) {
     uint64_t g = first / shape.group_elems;
     uint64_t next = (g + 1) * shape.group_elems;
     Fp8Group c = GroupOf(shape, amax[g - t.g0]);
@@ -272,7 +279,7 @@ KVTIER_HOST_DEVICE void Fp8EncodeWrite(const CopyPiece* pieces, uint32_t num_pie
       codes[k] = fp8::FloatToE4m3Rounded((x * c.pre) * c.inv);
     }
     StoreBytes(q + first, codes, n);
-  }
+  });
 }
 
 // Group `g`'s scale in a coded slot; *ok: whether it is a finite,
