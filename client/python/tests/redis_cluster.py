@@ -26,13 +26,32 @@ def _port_free(port: int) -> bool:
     return True
 
 
+class _NodeDown(Exception):
+    """A node of a cluster being started did not come up."""
+
+
 class RedisCluster:
+    # Starts with fresh ports this many times when a node does not come up
+    # (its port taken between the check and its bind, say); the error names
+    # each attempt's node and the end of its log.
+    ATTEMPTS = 3
+
     def __init__(self, masters: int = 3, replicas: int = 1) -> None:
         for exe in (REDIS_SERVER, REDIS_CLI):
             if not os.access(exe, os.X_OK):
                 raise RuntimeError(f"{exe} is missing: tools/setup-deps.sh installs redis-server")
+        failures: list[str] = []
+        for attempt in range(self.ATTEMPTS):
+            try:
+                self._start(masters, replicas, attempt)
+                return
+            except _NodeDown as e:
+                failures.append(str(e))
+        raise RuntimeError("Redis Cluster: no cluster in %d attempts: %s" % (self.ATTEMPTS, "; ".join(failures)))
+
+    def _start(self, masters: int, replicas: int, attempt: int) -> None:
         self.directory = tempfile.mkdtemp(prefix="kvtier-py-redis-")
-        rng = random.Random(os.getpid() * 7919 + int(time.time()))
+        rng = random.Random(os.getpid() * 7919 + int(time.time()) + attempt)
         self.ports: list[int] = []
         while len(self.ports) < masters * (1 + replicas):
             port = rng.randrange(12000, 30000)
@@ -53,8 +72,8 @@ class RedisCluster:
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     )
                 )
-            for port in self.ports:
-                self._wait(lambda p=port: self._cli(p, "PING") == "PONG", f"redis-server :{port} answering PING")
+            for port, process in zip(self.ports, self.processes):
+                self._wait_for_node(port, process)
             subprocess.run(
                 [REDIS_CLI, "--cluster", "create", *self.seeds, "--cluster-replicas", str(replicas), "--cluster-yes"],
                 check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
@@ -72,6 +91,21 @@ class RedisCluster:
     def _cli(self, port: int, *args: str) -> str:
         r = subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True, timeout=10)
         return r.stdout.strip()
+
+    def _wait_for_node(self, port: int, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+        """Until redis-server on `port` answers PING; _NodeDown if it exits
+        or stays silent, with the end of its log."""
+        deadline = time.monotonic() + timeout_s
+        while self._cli(port, "PING") != "PONG":
+            if process.poll() is not None or time.monotonic() > deadline:
+                log = os.path.join(self.directory, str(port), "redis.log")
+                tail = ""
+                if os.path.exists(log):
+                    with open(log, errors="replace") as f:
+                        tail = " | ".join(f.read().splitlines()[-3:])
+                state = f"exited {process.returncode}" if process.poll() is not None else f"silent for {timeout_s} s"
+                raise _NodeDown(f"redis-server :{port} {state} (log: {tail or 'none'})")
+            time.sleep(0.05)
 
     @staticmethod
     def _wait(ready, what: str, timeout_s: float = 30) -> None:  # type: ignore[no-untyped-def]
