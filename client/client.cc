@@ -1,3 +1,6 @@
+// Client's implementation (its contract is in kvtier/client.h). Past 800 lines
+// on purpose: the connection, reconnection with re-registration, fences and
+// every call share one lock and one connection state, kept side by side.
 #include "kvtier/client.h"
 
 #include <fcntl.h>

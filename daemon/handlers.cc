@@ -1,9 +1,10 @@
 // Server's request handlers: one per message type. Each validates every count,
 // index and length it reads from the (already verified) message before use,
 // and answers with a reply or an Error; a handler that returns no bytes has
-// deferred its reply (Wait, Load/Store with wait=true, or a Lookup/Prefetch
-// waiting on the remote tier). Past 800 lines on purpose: every request's
-// validation sits with its handler, one per message type, in one place.
+// deferred its reply (Wait, Load/Store with wait=true, a Lookup/Prefetch
+// waiting on the remote tier, or a RegisterKvCache being mapped). Past 800
+// lines on purpose: every request's validation sits with its handler, one per
+// message type, in one place.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
