@@ -315,7 +315,7 @@ void BlockCache::RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old
 
 void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   if (forget) {
-    options_.disk->Forget(b->key, options_.disk->LocationOf(b->device, b->offset_bytes(), b->block_bytes, b->packed != 0));
+    options_.disk->Forget(b->key, options_.disk->LocationOf(RecordRefOf(*b)));
   }
   CountEviction(Tier::kDisk, b->owner);
   Charge(*b, -1);

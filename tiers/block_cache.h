@@ -638,7 +638,7 @@ class BlockCache {
   // the last one frees a retired slot.
   void Lease(BlockEntry* e, TenantId tenant);
   void Unlease(BlockEntry* e, TenantId tenant);
-  // A block only on disk is kept in disk_only_ (32 bytes), and becomes a
+  // A block only on disk is kept in disk_only_ (40 bytes), and becomes a
   // BlockEntry while it is read, leased or in memory.
   BlockEntry* Materialize(const StoredKey& key);
   void Dematerialize(BlockEntry* e);
@@ -713,8 +713,14 @@ class BlockCache {
   // `payload_bytes`: the record's (a codec's output when where->packed).
   void FinishDiskWrite(const StoredKey& key, uint64_t stride, bool keep_in_memory, uint64_t budgeted,
                        uint64_t payload_bytes, Result<DiskLocation> where);
-  // The header of `e`'s disk record, raw (payload: the block).
+  // The header of a disk record of what `e`'s slot holds.
   RecordHeader DiskHeader(const BlockEntry* e);
+  // The header of a disk record of `e` with this payload: its checksum, and
+  // whether it is coded by its namespace's codec (a coded host slot, or a
+  // packed record being carried forward).
+  RecordHeader RecordHeaderOf(const BlockEntry* e, uint64_t payload_bytes, uint64_t checksum, bool coded);
+  // Where the disk-only block's record is, for DiskTier::LocationOf.
+  static DiskTier::RecordRef RecordRefOf(const DiskOnlyBlock& b);
   // Encodes `e` on the codec pool and appends it packed, or raw when the
   // codec saves too little; `done` as Append's, with the payload's bytes.
   // False (nothing started) when the pool or staging is full.

@@ -212,7 +212,9 @@ bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskW
     post([this, self, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
           done = std::move(done)]() mutable {
       if (!self.lock()) return;
-      if (!n) {  // saved too little, or a NaN or Inf: the block itself goes
+      // Saved too little (or not a page of disk: records are whole pages),
+      // or a NaN or Inf: the block itself goes.
+      if (!n || AlignUpToPage(*n) >= AlignUpToPage(block.size())) {
         ++counters_.codec_not_worth_it;
         const uint64_t payload_bytes = block.size();
         options_.disk->Append(std::move(header), block.data(),

@@ -57,12 +57,21 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   e->disk_gate = copy.disk_gate;
   e->state = EntryState::kReady;
   e->on_disk = true;
-  e->disk = options_.disk->LocationOf(copy.device, copy.offset_bytes(), copy.block_bytes, copy.packed);
+  e->disk = options_.disk->LocationOf(RecordRefOf(copy));
   e->disk_payload_bytes = copy.block_bytes;
   // Written again (its record lost) as it was, or coded when its namespace
   // is fp8's (a block stored raw there had a NaN or met a busy pool).
   e->compress = copy.packed || format.codec.kind == CodecKind::kFp8;
   return e;  // its checksum comes with the read (has_checksum stays false until then)
+}
+
+DiskTier::RecordRef BlockCache::RecordRefOf(const DiskOnlyBlock& b) {
+  return {.device = b.device,
+          .offset = b.offset_bytes(),
+          .payload_bytes = b.block_bytes,
+          .packed = b.packed != 0,
+          .format = b.bare != 0 ? RecordFormat::kBare : LegacyFormat(b.packed != 0),
+          .checksum = b.checksum};
 }
 
 void BlockCache::Dematerialize(BlockEntry* e) {
@@ -85,6 +94,8 @@ void BlockCache::Dematerialize(BlockEntry* e) {
   b.set_offset_bytes(e->disk.offset);
   b.block_bytes = e->disk_payload_bytes;
   b.packed = e->disk.packed ? 1 : 0;
+  b.bare = e->disk.format == RecordFormat::kBare ? 1 : 0;
+  b.checksum = e->disk.checksum;
   b.owner = e->owner;
   b.ns = static_cast<uint16_t>(e->ns);
   b.hits = std::min(e->hits, DiskOnlyBlock::kMaxHits);
@@ -306,12 +317,17 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
 }
 
 RecordHeader BlockCache::DiskHeader(const BlockEntry* e) {
+  return RecordHeaderOf(e, SlotBytes(e), e->checksum, e->coded_bytes != 0);  // what its slot holds
+}
+
+RecordHeader BlockCache::RecordHeaderOf(const BlockEntry* e, uint64_t payload_bytes, uint64_t checksum,
+                                        bool coded) {
   RecordHeader h;
   h.key = e->key;
   h.ns = namespaces_.FingerprintOf(e->ns);
-  h.payload_bytes = SlotBytes(e);
-  h.payload_checksum = e->checksum;  // of what its slot holds
-  if (e->coded_bytes != 0) {
+  h.payload_bytes = payload_bytes;
+  h.payload_checksum = checksum;
+  if (coded) {
     const CodecParams& codec = namespaces_.FormatOf(e->ns).codec;
     h.codec = codec.kind;
     h.dtype = codec.dtype;
@@ -423,6 +439,8 @@ uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
     b.set_offset_bytes(r.location.offset);
     b.block_bytes = static_cast<uint32_t>(r.header.payload_bytes);
     b.packed = r.header.packed() ? 1 : 0;
+    b.bare = r.location.format == RecordFormat::kBare ? 1 : 0;
+    b.checksum = r.location.checksum;
     b.owner = static_cast<TenantId>(owner - tenant_names_.begin());
     Result<uint32_t> ns = namespaces_.IdFor(r.header.ns);
     // More layouts on disk than the node may hold now; or a packed record
@@ -492,18 +510,16 @@ ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocati
   // Hit since it was written: carried forward, while the region's carry
   // budget and the write budget last.
   if (e->hits > 0) {
-    const uint64_t record = RecordBytes(e->disk_payload_bytes, e->disk.packed);
+    // The budget is for the bare record it becomes.
+    const uint64_t record = RecordBytes(e->disk_payload_bytes);
     if (may_carry && TakeWriteBudget(record)) {
       e->moving = true;  // until FinishRelocation; loads wait for it there
       index_.Park(e);
       disk_waiters_.try_emplace(key);
       ++inflight_copies_;
-      ReclaimAnswer carry(ReclaimAction::kCarry, e->disk_payload_bytes);
-      if (e->disk.packed) {  // its trailer has neither
-        carry.packed = true;
-        if (e->owner < tenant_names_.size()) carry.owner = tenant_names_[e->owner];
-        if (options_.listener != nullptr) carry.annotation = options_.listener->DiskAnnotation(key, e->owner);
-      }
+      ReclaimAnswer carry(ReclaimAction::kCarry);
+      carry.header = RecordHeaderOf(e, e->disk_payload_bytes, e->disk.checksum, e->disk.packed);
+      carry.format = e->disk.format;
       return carry;
     }
     ++counters_.disk_reinsertions_dropped;
@@ -521,7 +537,7 @@ void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
   e->moving = false;
   index_.Unpark(e, /*hot=*/true);
-  if (!now) RefundWriteBudget(RecordBytes(e->disk_payload_bytes, e->disk.packed));
+  if (!now) RefundWriteBudget(RecordBytes(e->disk_payload_bytes));
   if (now) {
     e->disk = *now;
     SetOnDisk(e, true);
@@ -715,7 +731,7 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
   const bool reused = !gated || v->hits > 0 || returned || (options_.disk_admit_learned && gate_.Admits(v->disk_gate));
   const bool admitted = v->has_checksum && v->hits >= options_.disk_min_hits && reused &&
                         (!disk_quota || *disk_quota >= SlotBytes(v));
-  const uint64_t record = RecordBytes(SlotBytes(v), v->coded_bytes != 0);
+  const uint64_t record = RecordBytes(SlotBytes(v));
   if (admitted && TakeWriteBudget(record)) {
     counters_.disk_admitted_on_return += returned ? 1 : 0;
     StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 
 #include "common/check.h"
 #include "tiers/block_cache.h"
@@ -158,20 +159,21 @@ void BlockCache::PumpVerify() {
     const DiskTier::RegionRecord& item = *at;
     // Still that block's record? Records left behind by blocks that moved
     // or left are no records to check.
-    // Its record's payload: the block's bytes, or a codec's (packed).
     uint32_t block_bytes = 0;
-    bool packed = false;
+    // Its record, as its owner knows it (payload: the block's bytes, or a
+    // codec's when packed).
+    std::optional<DiskLocation> where;
     if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
       if (b->device == item.location.device && b->offset_bytes() == item.location.offset) {
+        where = options_.disk->LocationOf(RecordRefOf(*b));
         block_bytes = b->block_bytes;
-        packed = b->packed != 0;
       }
     } else if (const BlockEntry* e = index_.Find(item.key);
                e != nullptr && e->on_disk && !e->moving && SameRecord(e->disk, item.location)) {
       // (A moving block on disk is being read, or carried forward by a
       // reclaim, whose region may already hold other records.)
+      where = e->disk;
       block_bytes = e->disk_payload_bytes;
-      packed = e->disk.packed;
     }
     if (block_bytes == 0) {
       ++v.walk.next;
@@ -197,11 +199,9 @@ void BlockCache::PumpVerify() {
     v.free_buffers.pop_back();
     ++v.walk.next;
     ++inflight_copies_;
-    const DiskLocation where =
-        options_.disk->LocationOf(item.location.device, item.location.offset, block_bytes, packed);
     options_.disk->Read(
-        item.key, where, block_bytes, v.buffers[buffer].get(),
-        [this, held, buffer, key = item.key, where](Status st, uint64_t /*checksum*/) {
+        item.key, *where, block_bytes, v.buffers[buffer].get(),
+        [this, held, buffer, key = item.key, where = *where](Status st, uint64_t /*checksum*/) {
           FinishVerifyRead(held, buffer, key, where, std::move(st));
         });
   }

@@ -1,14 +1,14 @@
-// DiskOnlyIndex: the blocks that live only on disk, in 32 bytes each.
+// DiskOnlyIndex: the blocks that live only on disk, in 40 bytes each.
 //
 // A block in a memory tier, or one being read or leased, is a full
 // BlockEntry (block_index.h, ~170 bytes with its LRU and prefix links); a
 // block that only sits on disk needs just enough to find and account for it,
 // and a node may hold millions of those. Open addressing with linear probing
 // in one flat array (tiers/open_table.h), grown by half when 80% full, so the
-// table costs 40 to 60 bytes per block. A growth moves the blocks over a few
+// table costs 50 to 75 bytes per block. A growth moves the blocks over a few
 // at a time, in the Inserts and Erases that follow it, so no call stalls the
 // event loop for a rebuild; while it runs the old table is given back as it
-// empties, so the peak is about 100 bytes per block and falls from there.
+// empties, so the peak is about 125 bytes per block and falls from there.
 //
 // Thread-compatible: owned by BlockCache's thread.
 #pragma once
@@ -30,9 +30,16 @@ struct DiskOnlyBlock {
   static constexpr uint16_t kMaxHits = (1u << 9) - 1;
 
   StoredKey key;
+  // Its record's payload's XXH3-64, which a read must find (a bare record
+  // holds nothing else to check it by).
+  uint64_t checksum = 0;
   // Its record's payload: the block's bytes, or what a codec wrote when
-  // `packed` (the block's own size is its namespace's, NamespaceFormat).
-  uint32_t block_bytes = 0;
+  // `packed` (the block's own size is its namespace's, NamespaceFormat);
+  // at most Layout::kMaxBlockBytes (2^30).
+  uint32_t block_bytes : 31 = 0;
+  // Its record is bare (record.h); else of an older release, and `packed`
+  // says which.
+  uint32_t bare : 1 = 1;
   uint16_t owner = 0;
   uint16_t ns = 0;
   uint16_t hits : 9 = 0;  // saturating at kMaxHits
@@ -49,11 +56,11 @@ struct DiskOnlyBlock {
   void set_offset_bytes(uint64_t offset);
 
  private:
-  // The offset in 4 KiB pages, split so that the block stays 32 bytes.
+  // The offset in 4 KiB pages, split so that the block stays 40 bytes.
   uint8_t offset_pages_high_ : 7 = 0;
   uint32_t offset_pages_low_ = 0;
 };
-static_assert(sizeof(DiskOnlyBlock) == 32);
+static_assert(sizeof(DiskOnlyBlock) == 40);
 static_assert(DiskOnlyBlock::kOffsetLimitBytes >= kMaxDiskPathBytes,
               "every record offset of a disk path must fit a DiskOnlyBlock");
 

@@ -7,7 +7,9 @@
 //      them to a disk tier on a memory device (a RocksDB index in a
 //      temporary directory): an honest disk tier, closed cleanly. Tenant 1
 //      stores KV-like blocks with the lossless codec, so its records are
-//      packed (a trailer, index value version 3); tenant 0's are raw;
+//      packed; tenant 0's are raw. The input picks the records' format:
+//      bare (index value version 4), or an older release's (a header page,
+//      versions 1 and 2, or a trailer, version 3);
 //   2. damages it as the input says: bytes of the device flipped, pages
 //      zeroed or copied over others; index entries deleted, rewritten with
 //      fields or bytes the input chooses, copied under other keys, or added
@@ -68,7 +70,8 @@ const std::string& IndexDir() { return index_dir.path; }
 // them up, with the daemon's loop replaced by a queue this thread drains.
 class Rig {
  public:
-  Rig(DeviceBackend& backend, tiers_test::EngineMemory& engine, MemoryDevice& device)
+  // `legacy`: records as an older release wrote them (legacy_records).
+  Rig(DeviceBackend& backend, tiers_test::EngineMemory& engine, MemoryDevice& device, bool legacy = false)
       : backend_(backend), engine_(engine) {
     BlockCache::Post post = [this](std::function<void()> f) {
       MutexLock lock(&mu_);
@@ -86,7 +89,8 @@ class Rig {
          .relocated =
              [this](const StoredKey& key, Result<DiskLocation> now) {
                return cache_->FinishRelocation(key, std::move(now));
-             }});
+             },
+         .legacy_records = legacy});
     // A damaged index may fail to open (RocksDB's own checks); that is a
     // clean refusal, not a crash.
     if (!disk) return;
@@ -338,7 +342,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // 1. An honest tier.
   std::vector<std::pair<TenantId, StoredKey>> stored;
   {
-    Rig rig(*fixture->backend, *fixture->engine, device);
+    Rig rig(*fixture->backend, *fixture->engine, device, /*legacy=*/in.ConsumeBool());
     KVTIER_CHECK(rig.open());
     const int n = in.ConsumeIntegralInRange(1, 12);
     for (int i = 0; i < n; ++i) {

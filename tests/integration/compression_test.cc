@@ -30,6 +30,15 @@ std::vector<std::string> Sets(const std::string& codecs) {
   return sets;
 }
 
+// 64 KiB blocks: slots' and records' 4 KiB steps cost little, as with real
+// models' blocks (a 16 KiB block that codes 1.3x saves no page on disk, and
+// is written raw).
+Layout BigLayout() {
+  LayoutSpec spec = SmallLayout().spec();
+  spec.num_layers = 8;
+  return Layout::Create(spec).value();
+}
+
 struct CodedSession {
   std::unique_ptr<Client> client;
   std::unique_ptr<ShmKvCache> cache;
@@ -103,9 +112,9 @@ TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {
   std::vector<BlockKey> lossless_keys;
   std::vector<BlockKey> fp8_keys;
   {
-    Result<CodedSession> lossless = OpenCoded(*d, {.kind = CodecKind::kLossless});
+    Result<CodedSession> lossless = OpenCoded(*d, {.kind = CodecKind::kLossless}, BigLayout());
     ASSERT_TRUE(lossless.has_value()) << lossless.error();
-    Result<CodedSession> fp8 = OpenCoded(*d, {.kind = CodecKind::kFp8});
+    Result<CodedSession> fp8 = OpenCoded(*d, {.kind = CodecKind::kFp8}, BigLayout());
     ASSERT_TRUE(fp8.has_value()) << fp8.error();
     // The same prompt through both: the same chain keys, other blocks.
     lossless_keys = lossless->client->ComputeKeys(lossless->id, Prompt(1, 24)).value();
@@ -131,7 +140,7 @@ TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {
     }
     // A cache registered without a codec shares the lossless blocks (they
     // are bit-exact) and never sees the fp8 ones.
-    Result<CodedSession> plain = OpenCoded(*d, {});
+    Result<CodedSession> plain = OpenCoded(*d, {}, BigLayout());
     ASSERT_TRUE(plain.has_value()) << plain.error();
     std::optional<std::vector<uint8_t>> got = Load(*plain, lossless_keys[3]);
     ASSERT_TRUE(got.has_value());
@@ -140,14 +149,14 @@ TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {
   const int status = d->Stop();
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << d->Log();
   ASSERT_TRUE(d->Restart().ok()) << d->Log();
-  Result<CodedSession> lossless = OpenCoded(*d, {.kind = CodecKind::kLossless});
+  Result<CodedSession> lossless = OpenCoded(*d, {.kind = CodecKind::kLossless}, BigLayout());
   ASSERT_TRUE(lossless.has_value()) << lossless.error();
   for (const BlockKey& k : lossless_keys) {
     std::optional<std::vector<uint8_t>> got = Load(*lossless, k);
     ASSERT_TRUE(got.has_value()) << "a restart must be warm";
     EXPECT_EQ(*got, stored.at(k));
   }
-  Result<CodedSession> fp8 = OpenCoded(*d, {.kind = CodecKind::kFp8});
+  Result<CodedSession> fp8 = OpenCoded(*d, {.kind = CodecKind::kFp8}, BigLayout());
   ASSERT_TRUE(fp8.has_value()) << fp8.error();
   for (const BlockKey& k : fp8_keys) {
     std::optional<std::vector<uint8_t>> got = Load(*fp8, k);
@@ -155,13 +164,6 @@ TEST(CompressionTest, LosslessAndFp8BlocksComeBackFromDiskAndAfterARestart) {
     EXPECT_TRUE(WithinFp8Bound(fp8_stored.at(k), *got));
   }
   EXPECT_EQ(fp8->client->Stats().value().Counter("codec_decode_failures"), 0u);
-}
-
-// 64 KiB blocks: slots' 4 KiB steps cost little, as with real models' blocks.
-Layout BigLayout() {
-  LayoutSpec spec = SmallLayout().spec();
-  spec.num_layers = 8;
-  return Layout::Create(spec).value();
 }
 
 // Without a disk or remote tier, host memory holds the coded blocks: full

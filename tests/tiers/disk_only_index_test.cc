@@ -9,6 +9,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/layout.h"
 #include "tests/tiers/open_table_test_util.h"
 
 namespace kvtier {
@@ -254,7 +255,9 @@ TEST(DiskOnlyIndexTest, OffsetsPast16TiBRoundTrip) {
     DiskOnlyBlock b;
     b.key = RandomKey(rng);
     b.set_offset_bytes(offset);
-    b.block_bytes = UINT32_MAX;
+    b.block_bytes = Layout::kMaxBlockBytes;
+    b.checksum = UINT64_MAX - offset;
+    b.bare = 0;
     b.owner = b.ns = UINT16_MAX;
     b.hits = DiskOnlyBlock::kMaxHits;
     b.packed = 1;
@@ -268,7 +271,9 @@ TEST(DiskOnlyIndexTest, OffsetsPast16TiBRoundTrip) {
     const DiskOnlyBlock* b = index.Find(keys[i]);
     ASSERT_NE(b, nullptr) << "offset " << offsets[i];
     EXPECT_EQ(b->offset_bytes(), offsets[i]);
-    EXPECT_EQ(b->block_bytes, UINT32_MAX);
+    EXPECT_EQ(b->block_bytes, Layout::kMaxBlockBytes);
+    EXPECT_EQ(b->checksum, UINT64_MAX - offsets[i]);
+    EXPECT_EQ(b->bare, 0u);
     EXPECT_EQ(b->hits, DiskOnlyBlock::kMaxHits);
     EXPECT_EQ(b->packed, 1u);
     EXPECT_EQ(b->device, UINT8_MAX);
@@ -286,7 +291,7 @@ TEST(DiskOnlyIndexDeathTest, AnOffsetPastTheLimitIsABrokenInvariant) {
                "must be 4 KiB aligned and below 2 PiB");
 }
 
-TEST(DiskOnlyIndexTest, CostsAtMostSixtyFourBytesPerBlock) {
+TEST(DiskOnlyIndexTest, CostsAtMostEightyBytesPerBlock) {
   std::mt19937_64 rng(2);
   DiskOnlyIndex index;
   for (size_t n = 1; n <= 300000; ++n) {
@@ -295,11 +300,11 @@ TEST(DiskOnlyIndexTest, CostsAtMostSixtyFourBytesPerBlock) {
     index.Insert(b);
     if (n >= 1000 && n % 997 == 0) {
       const double per_block = static_cast<double>(index.capacity() * sizeof(DiskOnlyBlock)) / index.size();
-      ASSERT_LE(per_block, 64.0) << "at " << n << " blocks";
+      ASSERT_LE(per_block, 80.0) << "at " << n << " blocks";
       // While a growth migrates, both tables are mapped, the old one given
-      // back as it empties: about 100 bytes per block at the start.
+      // back as it empties: about 125 bytes per block at the start.
       const double mapped = static_cast<double>(index.table_stats().bytes) / index.size();
-      ASSERT_LE(mapped, 104.0) << "at " << n << " blocks";
+      ASSERT_LE(mapped, 130.0) << "at " << n << " blocks";
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +33,18 @@ constexpr uint8_t kAnnotatedIndexValueVersion = 2;  // with the record's annotat
 // A packed record's: codec, dtype, group and raw bytes after the owner, then
 // the annotation's length (0: none) and the annotation.
 constexpr uint8_t kPackedIndexValueVersion = 3;
+// A bare record's (record.h), raw or coded: version 3's fields, the codec
+// kNone (0, with dtype, group and raw bytes 0) for a raw payload, and the
+// payload checksum bound to the key (KeyedChecksum).
+constexpr uint8_t kBareIndexValueVersion = 4;
+
+// A bare record names no key, so its entry binds its checksum to one: the
+// payload's XXH3-64 XOR the key's. An entry copied under another key (a
+// damaged index) then names a checksum that no payload matches, as an older
+// record's header named its key. Its own inverse.
+uint64_t KeyedChecksum(const StoredKey& key, uint64_t checksum) {
+  return checksum ^ XXH3_64bits(key.bytes.data(), key.bytes.size());
+}
 constexpr uint64_t kRecoveryProgressEvery = 200000;
 // Forgotten blocks' index deletes are handed to the writer in batches of
 // this many (or sooner, ahead of any other index write).
@@ -90,12 +103,14 @@ rocksdb::Slice KeySlice(const StoredKey& key) {
 // Index value: version u8, device u32, region u32, offset u64, record_bytes
 // u64, sequence u64, payload_bytes u64, payload_checksum u64, ns 16 bytes,
 // owner_len u8, owner; version 2 then annotation_len u32 and the record's
-// annotation. Little-endian (common/le_bytes.h); docs/disk-format.md.
+// annotation; versions 3 and 4 the codec u8, dtype u8, group u32, raw_bytes
+// u64, annotation_len u32 (0: none) and the annotation. Little-endian
+// (common/le_bytes.h); docs/disk-format.md.
 bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   if (in.empty()) return false;
   const uint8_t version = static_cast<uint8_t>(in[0]);
   if (version != kIndexValueVersion && version != kAnnotatedIndexValueVersion &&
-      version != kPackedIndexValueVersion) {
+      version != kPackedIndexValueVersion && version != kBareIndexValueVersion) {
     return false;
   }
   in.remove_prefix(1);
@@ -108,6 +123,11 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
     return false;
   }
   h.sequence = l.sequence;
+  if (version == kBareIndexValueVersion) h.payload_checksum = KeyedChecksum(key, h.payload_checksum);
+  l.checksum = h.payload_checksum;
+  l.format = version == kBareIndexValueVersion ? RecordFormat::kBare
+             : version == kPackedIndexValueVersion ? RecordFormat::kTrailer
+                                                   : RecordFormat::kHeaderPage;
   std::memcpy(h.ns.bytes.data(), in.data(), 16);
   in.remove_prefix(16);
   const size_t owner_len = static_cast<uint8_t>(in[0]);
@@ -116,23 +136,29 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   h.owner.assign(in.data(), owner_len);
   in.remove_prefix(owner_len);
   if (version == kIndexValueVersion) return in.empty();
-  if (version == kPackedIndexValueVersion) {
+  const bool coded_fields = version == kPackedIndexValueVersion || version == kBareIndexValueVersion;
+  if (coded_fields) {
     uint8_t codec = 0;
     uint8_t dtype = 0;
     if (!le::Get(in, &codec) || !le::Get(in, &dtype) || !le::Get(in, &h.group_elems) ||
         !le::Get(in, &h.raw_bytes)) {
       return false;
     }
-    if (codec != static_cast<uint8_t>(CodecKind::kLossless) && codec != static_cast<uint8_t>(CodecKind::kFp8)) {
-      return false;
+    const bool raw = version == kBareIndexValueVersion && codec == static_cast<uint8_t>(CodecKind::kNone);
+    if (raw) {
+      if (dtype != 0 || h.group_elems != 0 || h.raw_bytes != 0) return false;
+    } else {
+      if (codec != static_cast<uint8_t>(CodecKind::kLossless) && codec != static_cast<uint8_t>(CodecKind::kFp8)) {
+        return false;
+      }
+      h.codec = static_cast<CodecKind>(codec);
+      h.dtype = static_cast<DType>(dtype);
+      if (!CheckCodec(CodecParams{h.codec, h.dtype, h.group_elems}).ok()) return false;
+      l.packed = true;
     }
-    h.codec = static_cast<CodecKind>(codec);
-    h.dtype = static_cast<DType>(dtype);
-    if (!CheckCodec(CodecParams{h.codec, h.dtype, h.group_elems}).ok()) return false;
-    l.packed = true;
   }
   uint32_t annotation_len = 0;
-  const bool may_be_empty = version == kPackedIndexValueVersion;
+  const bool may_be_empty = coded_fields;
   if (!le::Get(in, &annotation_len) || (annotation_len == 0 && !may_be_empty) ||
       annotation_len > RecordHeader::kMaxAnnotationBytes || in.size() != annotation_len) {
     return false;
@@ -141,10 +167,10 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   return true;
 }
 
-// A record's I/O is one or two requests: a raw record's header page and
-// payload, a packed record's whole payload pages (none for a payload under
-// 4 KiB) and tail pages. The last one to finish carries on with the first
-// error, if any. Thread-safe.
+// A record's I/O is one or two requests: an old raw record's header page and
+// payload; any other record's whole payload pages (none for a payload under
+// 4 KiB) and tail page (none for a bare record of whole pages). The last one
+// to finish carries on with the first error, if any. Thread-safe.
 struct RecordIo {
   RecordIo(int parts, uint64_t page_bytes) : page(NewPages(page_bytes)), pending(parts) {}
   AlignedPage page;        // a raw record's header, or a packed one's tail
@@ -180,10 +206,30 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
   return v;
 }
 
+// Checks a record read back: an older record's header (its header page, or
+// the record's tail ending with its trailer: `header`) must decode and name
+// `key` and this payload, and the payload's XXH3-64 must be `checksum` (the
+// index's, which an older header holds too). kCorruption says what failed.
+Status CheckRecord(const StoredKey& key, RecordFormat format, std::span<const uint8_t> header,
+                   std::span<const uint8_t> payload, uint64_t checksum) {
+  if (format != RecordFormat::kBare) {
+    Result<RecordHeader> h =
+        format == RecordFormat::kTrailer ? DecodeRecordTrailer(header) : DecodeRecordHeader(header);
+    if (!h) return h.error();
+    if (h->key != key || h->payload_bytes != payload.size() || h->payload_checksum != checksum) {
+      return Status(StatusCode::kCorruption, "the record at this location is another block's");
+    }
+  }
+  if (PayloadChecksum(payload) != checksum) return Status(StatusCode::kCorruption, "payload checksum mismatch");
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l) const {
-  const uint8_t version = h.packed()             ? kPackedIndexValueVersion
+  const bool bare = l.format == RecordFormat::kBare;
+  const uint8_t version = bare                   ? kBareIndexValueVersion
+                          : h.packed()           ? kPackedIndexValueVersion
                           : h.annotation.empty() ? kIndexValueVersion
                                                  : kAnnotatedIndexValueVersion;
   std::string v(1, static_cast<char>(version));
@@ -193,17 +239,17 @@ std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l
   le::Put<uint64_t>(v, l.record_bytes);
   le::Put<uint64_t>(v, l.sequence);
   le::Put<uint64_t>(v, h.payload_bytes);
-  le::Put<uint64_t>(v, h.payload_checksum);
+  le::Put<uint64_t>(v, bare ? KeyedChecksum(h.key, h.payload_checksum) : h.payload_checksum);
   v.append(reinterpret_cast<const char*>(h.ns.bytes.data()), 16);
   v.push_back(static_cast<char>(h.owner.size()));
   v.append(h.owner);
-  if (h.packed()) {
+  if (h.packed() || bare) {
     le::Put<uint8_t>(v, static_cast<uint8_t>(h.codec));
-    le::Put<uint8_t>(v, static_cast<uint8_t>(h.dtype));
-    le::Put<uint32_t>(v, h.group_elems);
-    le::Put<uint64_t>(v, h.raw_bytes);
+    le::Put<uint8_t>(v, h.packed() ? static_cast<uint8_t>(h.dtype) : uint8_t{0});
+    le::Put<uint32_t>(v, h.packed() ? h.group_elems : 0);
+    le::Put<uint64_t>(v, h.packed() ? h.raw_bytes : 0);
   }
-  if (h.packed() || !h.annotation.empty()) {
+  if (h.packed() || bare || !h.annotation.empty()) {
     le::Put<uint32_t>(v, static_cast<uint32_t>(h.annotation.size()));
     v.append(h.annotation);
   }
@@ -360,7 +406,9 @@ bool DiskTier::PlausibleLocation(const DiskRecord& r) const {
       (r.header.raw_bytes > Layout::kMaxBlockBytes || r.header.payload_bytes >= r.header.raw_bytes)) {
     return false;
   }
-  if (l.record_bytes != RecordBytes(r.header) || l.record_bytes > options_.region_bytes) return false;
+  if (l.record_bytes != RecordBytes(r.header.payload_bytes, l.format) || l.record_bytes > options_.region_bytes) {
+    return false;
+  }
   const uint64_t region_start = uint64_t{l.region} * options_.region_bytes;
   return l.offset % kRecordAlignBytes == 0 && l.offset >= region_start &&
          l.offset - region_start <= options_.region_bytes - l.record_bytes;
@@ -459,14 +507,14 @@ void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
 }
 
 void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer) {
-  const uint64_t payload_bytes = answer.payload_bytes;
-  const bool packed = answer.packed;
-  const uint64_t record_bytes = RecordBytes(payload_bytes, packed);
+  const RecordFormat format = answer.format;
+  const uint64_t payload_bytes = answer.header.payload_bytes;
+  const uint64_t record_bytes = RecordBytes(payload_bytes, format);
   ++counters_.records_carried;
   ++devices_[where.device].regions[where.region].reads;
   ++inflight_;
-  // The whole record (header page and payload, or payload and trailer) in
-  // one read, into a buffer of its own: it is written again from there.
+  // The whole record in one read, into a buffer of its own: it is written
+  // again from there.
   auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, record_bytes));
   KVTIER_CHECK(raw != nullptr);
   carry_staging_bytes_ += record_bytes;
@@ -476,29 +524,23 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, Recla
         std::free(p);
         if (self.lock()) carry_staging_bytes_ -= record_bytes;
       });
-  auto finish = [this, key, where, record_bytes, staging, packed, owner = std::move(answer.owner),
-                 annotation = std::move(answer.annotation),
-                 self = std::weak_ptr<DiskTier*>(self_)](Result<RecordHeader> header) mutable {
+  const uint64_t payload_offset = format == RecordFormat::kHeaderPage ? RecordHeader::kBytes : 0;
+  auto finish = [this, key, where, record_bytes, staging, payload_offset, header = std::move(answer.header),
+                 self = std::weak_ptr<DiskTier*>(self_)](Status st) mutable {
     auto tier = self.lock();
     if (!tier) return;
     Region& region = devices_[where.device].regions[where.region];
     --region.reads;
     --inflight_;
-    if (!header) {
-      ++(header.error().code() == StatusCode::kCorruption ? counters_.checksum_failures
-                                                          : counters_.io_errors);
-      spdlog::warn("disk tier: record at {}:{} not carried forward: {}",
-                   devices_[where.device].device->name(), where.offset, header.error().message());
-      options_.relocated(key, Err(header.error()));
+    if (!st.ok()) {
+      ++(st.code() == StatusCode::kCorruption ? counters_.checksum_failures : counters_.io_errors);
+      spdlog::warn("disk tier: record at {}:{} not carried forward: {}", devices_[where.device].device->name(),
+                   where.offset, st.message());
+      options_.relocated(key, Err(std::move(st)));
     } else {
       ++counters_.reads;
       counters_.read_bytes += record_bytes;
-      const uint8_t* payload = staging.get() + (packed ? 0 : RecordHeader::kBytes);
-      if (packed) {
-        header->owner = std::move(owner);
-        header->annotation = std::move(annotation);
-      }
-      Append(std::move(*header), payload, [this, key, staging](Result<DiskLocation> now) {
+      Append(std::move(header), staging.get() + payload_offset, [this, key, staging](Result<DiskLocation> now) {
         options_.relocated(key, std::move(now));
       });
     }
@@ -506,21 +548,15 @@ void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, Recla
   };
   devices_[where.device].device->Read(
       where.offset, std::span<uint8_t>(raw, record_bytes),
-      [raw, key, payload_bytes, packed, record_bytes, finish = std::move(finish),
-       post = options_.post](Result<uint64_t> got) mutable {
-        const uint8_t* payload = raw + (packed ? 0 : RecordHeader::kBytes);
-        Result<RecordHeader> h =
-            !got    ? Result<RecordHeader>(Err(got.error()))
-            : packed ? DecodeRecordTrailer(std::span<const uint8_t>(raw, record_bytes))
-                     : DecodeRecordHeader(std::span<const uint8_t>(raw, RecordHeader::kBytes));
-        if (h && (h->key != key || h->payload_bytes != payload_bytes)) {
-          h = Err(
-              Status(StatusCode::kCorruption, "the record at this location is another block's"));
-        } else if (h && PayloadChecksum(std::span<const uint8_t>(payload, payload_bytes)) !=
-                            h->payload_checksum) {
-          h = Err(Status(StatusCode::kCorruption, "payload checksum mismatch"));
-        }
-        post([finish = std::move(finish), h = std::move(h)]() mutable { finish(std::move(h)); });
+      [raw, key, format, payload_bytes, payload_offset, record_bytes, checksum = answer.header.payload_checksum,
+       finish = std::move(finish), post = options_.post](Result<uint64_t> got) mutable {
+        const std::span<const uint8_t> header = format == RecordFormat::kHeaderPage
+                                                    ? std::span<const uint8_t>(raw, RecordHeader::kBytes)
+                                                    : std::span<const uint8_t>(raw, record_bytes);
+        Status st = got ? CheckRecord(key, format, header,
+                                      std::span<const uint8_t>(raw + payload_offset, payload_bytes), checksum)
+                        : got.error();
+        post([finish = std::move(finish), st = std::move(st)]() mutable { finish(std::move(st)); });
       });
 }
 
@@ -597,7 +633,7 @@ void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
 void DiskTier::ServeWaiting(const Status* error) {
   while (!waiting_.empty()) {
     if (error == nullptr) {
-      const uint64_t bytes = RecordBytes(waiting_.front().header);
+      const uint64_t bytes = NewRecordBytes(waiting_.front().header);
       const std::optional<std::pair<uint32_t, uint32_t>> where = RegionFor(bytes);
       if (!where) return;
       WaitingAppend w = std::move(waiting_.front());
@@ -645,9 +681,17 @@ std::optional<std::pair<uint32_t, uint32_t>> DiskTier::RegionFor(uint64_t bytes)
   return std::nullopt;
 }
 
+RecordFormat DiskTier::WriteFormat(const RecordHeader& header) const {
+  return options_.legacy_records ? LegacyFormat(header.packed()) : RecordFormat::kBare;
+}
+
+uint64_t DiskTier::NewRecordBytes(const RecordHeader& header) const {
+  return RecordBytes(header.payload_bytes, WriteFormat(header));
+}
+
 void DiskTier::Append(RecordHeader header, const uint8_t* payload,
                       std::function<void(Result<DiskLocation>)> done) {
-  const uint64_t record_bytes = RecordBytes(header);
+  const uint64_t record_bytes = NewRecordBytes(header);
   if (record_bytes > options_.region_bytes) {
     options_.post([done = std::move(done), record_bytes, region = options_.region_bytes] {
       done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) +
@@ -678,11 +722,13 @@ void DiskTier::Append(RecordHeader header, const uint8_t* payload,
 
 void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const uint8_t* payload,
                            std::function<void(Result<DiskLocation>)> done) {
-  const uint64_t record_bytes = RecordBytes(header);
+  const RecordFormat format = WriteFormat(header);
+  const uint64_t record_bytes = RecordBytes(header.payload_bytes, format);
   Region& r = devices_[di].regions[ri];
   header.sequence = next_sequence_++;
   const uint64_t region_start = uint64_t{ri} * options_.region_bytes;
-  const DiskLocation loc{di, ri, region_start + r.write_offset, record_bytes, header.sequence, header.packed()};
+  const DiskLocation loc{di,        ri,     region_start + r.write_offset,
+                         record_bytes, header.sequence, header.packed(), format, header.payload_checksum};
   r.members.push_back(
       Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
   r.write_offset += record_bytes;
@@ -690,16 +736,20 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
   ++r.writes;
   ++inflight_;
 
-  // Raw: the header page, then the payload. Packed: the payload's whole
-  // pages (if any), then the tail: its last bytes, zeros and the trailer.
-  const uint64_t head_bytes = header.packed() ? PackedHeadBytes(header.payload_bytes) : 0;
-  const uint64_t page_bytes = header.packed() ? record_bytes - head_bytes : RecordHeader::kBytes;
-  auto op = std::make_shared<RecordIo>(header.packed() && head_bytes == 0 ? 1 : 2, page_bytes);
-  if (header.packed()) {
-    std::memcpy(op->page.get(), payload + head_bytes, header.payload_bytes - head_bytes);
-    EncodeRecordTrailer(header, std::span(op->page.get() + page_bytes - kRecordTrailerBytes, kRecordTrailerBytes));
-  } else {
+  // Bare: the payload's whole pages (if any), then its tail: its last bytes
+  // and zeros (if any). Trailer: the same, the tail ending with the
+  // trailer. Header page: the header page, then the payload.
+  const bool header_page = format == RecordFormat::kHeaderPage;
+  const uint64_t head_bytes = header_page ? 0 : PackedHeadBytes(header.payload_bytes);
+  const uint64_t page_bytes = header_page ? RecordHeader::kBytes : record_bytes - head_bytes;
+  auto op = std::make_shared<RecordIo>(header_page || (head_bytes > 0 && page_bytes > 0) ? 2 : 1, page_bytes);
+  if (header_page) {
     EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
+  } else {
+    std::memcpy(op->page.get(), payload + head_bytes, header.payload_bytes - head_bytes);
+    if (format == RecordFormat::kTrailer) {
+      EncodeRecordTrailer(header, std::span(op->page.get() + page_bytes - kRecordTrailerBytes, kRecordTrailerBytes));
+    }
   }
   auto pending = std::make_shared<PendingAppend>(
       PendingAppend{header.key, loc, LocationValue(header, loc), std::move(done)});
@@ -722,9 +772,11 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
     });
   };
   BlockDevice* device = devices_[di].device;
-  if (header.packed()) {
+  if (!header_page) {
     if (head_bytes > 0) device->Write(loc.offset, std::span<const uint8_t>(payload, head_bytes), written);
-    device->Write(loc.offset + head_bytes, std::span<const uint8_t>(op->page.get(), page_bytes), written);
+    if (page_bytes > 0) {
+      device->Write(loc.offset + head_bytes, std::span<const uint8_t>(op->page.get(), page_bytes), written);
+    }
     return;
   }
   device->Write(loc.offset, std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes), written);
@@ -841,9 +893,10 @@ void DiskTier::FinishAppend(PendingAppend& p, Status st) {
   ScheduleReclaim();  // the oldest region may have been waiting for this write
 }
 
-DiskLocation DiskTier::LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes, bool packed) const {
-  return DiskLocation{device, static_cast<uint32_t>(offset / options_.region_bytes), offset,
-                      RecordBytes(payload_bytes, packed), 0, packed};
+DiskLocation DiskTier::LocationOf(const RecordRef& ref) const {
+  return DiskLocation{ref.device, static_cast<uint32_t>(ref.offset / options_.region_bytes),
+                      ref.offset, RecordBytes(ref.payload_bytes, ref.format),
+                      0, ref.packed, ref.format, ref.checksum};
 }
 
 void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payload_bytes, uint8_t* dst,
@@ -851,12 +904,14 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   KVTIER_CHECK(loc.device < devices_.size() && loc.region < devices_[loc.device].regions.size());
   ++devices_[loc.device].regions[loc.region].reads;
   ++inflight_;
-  const uint64_t record_bytes = RecordBytes(payload_bytes, loc.packed);
-  // As StartAppend wrote it: a packed record's tail comes into the op's
-  // pages, and its last payload bytes are copied out of them.
-  const uint64_t head_bytes = loc.packed ? PackedHeadBytes(payload_bytes) : 0;
-  const uint64_t page_bytes = loc.packed ? record_bytes - head_bytes : RecordHeader::kBytes;
-  auto op = std::make_shared<RecordIo>(loc.packed && head_bytes == 0 ? 1 : 2, page_bytes);
+  const RecordFormat format = loc.format;
+  const uint64_t record_bytes = RecordBytes(payload_bytes, format);
+  // As StartAppend wrote it: the tail of a bare or trailer record comes
+  // into the op's page, and its last payload bytes are copied out of it.
+  const bool header_page = format == RecordFormat::kHeaderPage;
+  const uint64_t head_bytes = header_page ? 0 : PackedHeadBytes(payload_bytes);
+  const uint64_t page_bytes = header_page ? RecordHeader::kBytes : record_bytes - head_bytes;
+  auto op = std::make_shared<RecordIo>(header_page || (head_bytes > 0 && page_bytes > 0) ? 2 : 1, page_bytes);
   auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc, record_bytes,
                  done = std::move(done)](Status st, uint64_t checksum) mutable {
     post([self, loc, record_bytes, st = std::move(st), checksum, done = std::move(done)]() mutable {
@@ -880,35 +935,24 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
       if (region.state == RegionState::kReclaiming) t.MaybeFree(loc.device, loc.region);
     });
   };
-  auto read = [op, key, payload_bytes, dst, finish, packed = loc.packed, head_bytes,
+  auto read = [op, key, payload_bytes, dst, finish, format, expected = loc.checksum, head_bytes,
                page_bytes](Result<uint64_t> got) mutable {
     Status st;
     if (!op->Arrive(got, &st)) return;
-    uint64_t checksum = 0;
     if (st.ok()) {
       // Checked here, on the I/O thread, while the bytes are fresh.
-      Result<RecordHeader> h =
-          packed ? DecodeRecordTrailer(std::span<const uint8_t>(op->page.get(), page_bytes))
-                 : DecodeRecordHeader(std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes));
-      if (h && packed && h->payload_bytes == payload_bytes) {
-        std::memcpy(dst + head_bytes, op->page.get(), payload_bytes - head_bytes);
+      const std::span<const uint8_t> page(op->page.get(), page_bytes);
+      if (format != RecordFormat::kHeaderPage) {
+        std::memcpy(dst + head_bytes, page.data(), payload_bytes - head_bytes);
       }
-      if (!h) {
-        st = h.error();
-      } else if (h->key != key || h->payload_bytes != payload_bytes) {
-        st = Status(StatusCode::kCorruption, "the record at this location is another block's");
-      } else if (PayloadChecksum(std::span<const uint8_t>(dst, payload_bytes)) != h->payload_checksum) {
-        st = Status(StatusCode::kCorruption, "payload checksum mismatch");
-      } else {
-        checksum = h->payload_checksum;
-      }
+      st = CheckRecord(key, format, page, std::span<const uint8_t>(dst, payload_bytes), expected);
     }
-    finish(std::move(st), checksum);
+    finish(std::move(st), st.ok() ? expected : 0);
   };
   BlockDevice* device = devices_[loc.device].device;
-  if (loc.packed) {
+  if (!header_page) {
     if (head_bytes > 0) device->Read(loc.offset, std::span<uint8_t>(dst, head_bytes), read);
-    device->Read(loc.offset + head_bytes, std::span<uint8_t>(op->page.get(), page_bytes), read);
+    if (page_bytes > 0) device->Read(loc.offset + head_bytes, std::span<uint8_t>(op->page.get(), page_bytes), read);
     return;
   }
   device->Read(loc.offset, std::span<uint8_t>(op->page.get(), RecordHeader::kBytes), read);

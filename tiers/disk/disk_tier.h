@@ -4,7 +4,7 @@
 // to records so that the tier survives restarts warm.
 //
 // Durability order (docs/disk-format.md):
-//   append:  header and payload written, device synced, THEN the index entry
+//   append:  the record written, device synced, THEN the index entry
 //            written (WriteBatch, WAL synced), THEN the block counts as stored.
 //            Records written while a commit runs share the next one: one
 //            fdatasync and one index sync for many records (group commit);
@@ -60,10 +60,16 @@ namespace kvtier {
 struct DiskLocation {
   uint32_t device = 0;
   uint32_t region = 0;
-  uint64_t offset = 0;        // of the record's header, in the device
+  uint64_t offset = 0;        // of the record's first byte, in the device
   uint64_t record_bytes = 0;
   uint64_t sequence = 0;
-  bool packed = false;        // a packed record (record.h): its header is a trailer
+  // Its payload is a codec's output (its record is packed), and its format
+  // (record.h): bare, or one of an older release.
+  bool packed = false;
+  RecordFormat format = RecordFormat::kBare;
+  // The payload's XXH3-64, from the index: what a read must find there (a
+  // bare record has nothing else to be checked against).
+  uint64_t checksum = 0;
 };
 
 // An indexed record, as recovered at start-up.
@@ -79,16 +85,15 @@ enum class ReclaimAction : uint8_t {
   kCarry,    // hot: the tier is to write it again, and report through Options::relocated
 };
 struct ReclaimAnswer {
-  explicit(false) ReclaimAnswer(ReclaimAction a = ReclaimAction::kStale, uint64_t payload = 0)
-      : action(a), payload_bytes(payload) {}
+  explicit(false) ReclaimAnswer(ReclaimAction a = ReclaimAction::kStale) : action(a) {}
 
   ReclaimAction action = ReclaimAction::kStale;
-  uint64_t payload_bytes = 0;  // kCarry: the record's payload size
-  // kCarry of a packed record: its owner and annotation, which its trailer
-  // does not hold (the index does).
-  bool packed = false;
-  std::string owner;
-  std::string annotation;
+  // kCarry: the record as the owner knows it (from the index at recovery, or
+  // from the block's own append): key, namespace, payload size and checksum,
+  // codec, owner and annotation. Written again as a bare record; the bytes
+  // read out must match its checksum (and, for an older format, its header).
+  RecordHeader header;
+  RecordFormat format = RecordFormat::kBare;  // of the record being carried
 };
 
 struct DiskCounters {
@@ -151,6 +156,11 @@ class DiskTier {
     uint64_t max_carry_staging_bytes = 256ull << 20;
     // For the retry delay after a failed reclaim; steady_clock if unset.
     Clock clock = nullptr;
+    // Writes records as releases before version 4 did (a header page before
+    // a raw payload, a trailer after a coded one), for the tests that an
+    // older disk is still read and the bench's before-and-after. Never set
+    // by the daemon.
+    bool legacy_records = false;
   };
 
   // Opens (or creates) the index and recovers the regions' state from it.
@@ -163,10 +173,10 @@ class DiskTier {
   // The records the index held at Open, for the owner to rebuild its index.
   std::vector<DiskRecord> TakeRecovered();
 
-  // Appends a record, raw or packed (header.codec). `payload` must be 4 KiB
-  // aligned and stay untouched until `done`; it must be readable for
-  // RecordBytes(payload_bytes) - 4096 bytes (raw), or for payload_bytes
-  // (packed: the tail page is the tier's).
+  // Appends a bare record of a raw or coded payload (header.codec).
+  // `payload` must be 4 KiB aligned, readable for payload_bytes, and stay
+  // untouched until `done` (a partial last page is copied into the tier's
+  // own zero-padded page). Its checksum must be header.payload_checksum.
   // The header's sequence is assigned here. `done` gets the location once the
   // record is durable and indexed. Errors: kInvalidArgument for a record
   // larger than a region (max_record_bytes); kResourceExhausted when no
@@ -175,19 +185,27 @@ class DiskTier {
   void Append(RecordHeader header, const uint8_t* payload,
               std::function<void(Result<DiskLocation>)> done);
 
-  // Reads a record's payload into `dst` (4 KiB aligned, room for the padded
-  // payload of a raw record, or for exactly payload_bytes of a packed one:
-  // location.packed) and checks it: the header must decode and name `key`,
-  // and the payload's XXH3-64 must match. Errors: kCorruption (counted) or
-  // the I/O error (counted); either way the caller must not serve `dst`.
-  // `done` also gets the payload's checksum (from its verified header).
+  // Reads a record's payload into `dst` (4 KiB aligned, room for
+  // payload_bytes; the padded payload for kHeaderPage) and checks it: the
+  // payload's XXH3-64 must be location.checksum, and an older record's
+  // header must decode, name `key` and hold that checksum. Errors:
+  // kCorruption (counted) or the I/O error (counted); either way the caller
+  // must not serve `dst`. `done` also gets the payload's checksum.
   void Read(const StoredKey& key, const DiskLocation& location, uint64_t payload_bytes, uint8_t* dst,
             std::function<void(Status, uint64_t checksum)> done);
 
-  // The full location of the record at `offset` of `device` with a payload
-  // of `payload_bytes`, raw or packed (sequence 0: it is not needed to read
+  // What the owner keeps of a record to find and check it again.
+  struct RecordRef {
+    uint32_t device = 0;
+    uint64_t offset = 0;
+    uint64_t payload_bytes = 0;
+    bool packed = false;
+    RecordFormat format = RecordFormat::kBare;
+    uint64_t checksum = 0;
+  };
+  // The full location of that record (sequence 0: it is not needed to read
   // or forget it).
-  DiskLocation LocationOf(uint32_t device, uint64_t offset, uint64_t payload_bytes, bool packed = false) const;
+  DiskLocation LocationOf(const RecordRef& ref) const;
 
   // The block left the disk tier (promoted, evicted): drops its index entry.
   // The delete need not be synced: a record that comes back after a crash
@@ -279,6 +297,10 @@ class DiskTier {
   // The open region of some device with room for `bytes`, opening a free
   // one when needed; nullopt when no region is free.
   std::optional<std::pair<uint32_t, uint32_t>> RegionFor(uint64_t bytes);
+  // The format a new record is written in (bare, unless legacy_records),
+  // and the bytes it takes.
+  RecordFormat WriteFormat(const RecordHeader& header) const;
+  uint64_t NewRecordBytes(const RecordHeader& header) const;
   void StartAppend(uint32_t device, uint32_t region, RecordHeader header, const uint8_t* payload,
                    std::function<void(Result<DiskLocation>)> done);
   // Starts reclaiming the oldest sealed region while the watermarks ask for

@@ -1,25 +1,36 @@
 // The disk tier's record: what one block looks like in a segment file
-// (docs/disk-format.md describes it byte for byte). Two layouts:
+// (docs/disk-format.md describes it byte for byte). New records are bare
+// (version 4):
 //
-//   raw (codec kNone; versions 1 and 2):
+//   bare (kBare; raw or coded payload):
+//     [ payload: payload_bytes, zero-padded to 4096 ]
+//
+// and every fact about the record (key, namespace, sequence, payload size
+// and XXH3-64, owner, codec, annotation) lives in its index entry, which
+// the tier writes only once the record is durable. A read is served only
+// if the payload's XXH3-64 matches the one its owner got from the index:
+// torn writes, stale regions and bit flips are misses, never data. A
+// region reused by another block's record fails that check too (its bytes
+// are another payload's), unless they are the very same bytes.
+//
+// Records of older releases are still read (and carried forward as bare
+// ones):
+//
+//   header page (kHeaderPage; raw; versions 1 and 2):
 //     [ header: 4096 bytes ][ payload: payload_bytes, zero-padded to 4096 ]
-//   packed (a codec's output; version 3):
+//   trailer (kTrailer; a codec's output; version 3):
 //     [ payload: payload_bytes ][ zeros ][ trailer: 96 bytes ]
 //     the whole zero-padded to 4096; the trailer ends the record.
 //
-// A raw record's header holds the fields below, little-endian, ending with
-// an XXH3-64 of everything before it; the rest of its 4 KiB is zero. A
-// compressed payload has any length, so a page for its header would cost
-// up to 4 KiB a block: its header is a fixed-size trailer in the payload's
-// last page instead (two pages when the payload leaves less than 96 bytes
-// of its last one), without owner and annotation, which only the index
-// keeps. Payloads start 4 KiB aligned either way, so records are written
-// and read with O_DIRECT straight from the host pool's slots.
-//
-// A record is served only if its header (or trailer) decodes (magic,
-// version, checksum), names the expected key, and its payload's XXH3-64
-// matches: torn writes, stale regions and bit flips are misses, never data.
-// The checksum covers the stored (encoded) bytes.
+// Their header holds the fields below, little-endian, ending with an
+// XXH3-64 of everything before it; such a record is served only if its
+// header (or trailer) decodes (magic, version, checksum), names the
+// expected key, and its payload's XXH3-64 matches. The header page cost a
+// raw 4 KiB block as much disk again (and a raw 16 KiB one a quarter);
+// a bare record costs its payload rounded up to a page. Payloads start
+// 4 KiB aligned in every format, so records are written and read with
+// O_DIRECT straight from the host pool's slots. The checksum covers the
+// stored (encoded) bytes.
 //
 // Pure functions over caller buffers; thread-safe.
 #pragma once
@@ -41,6 +52,8 @@ struct RecordHeader {
   static constexpr uint32_t kVersion = 1;
   static constexpr uint32_t kAnnotatedVersion = 2;
   static constexpr uint32_t kPackedVersion = 3;  // the trailer of a packed record
+  // A bare record has no header on disk: its index entry says so.
+  static constexpr uint32_t kBareVersion = 4;
   static constexpr uint64_t kBytes = 4096;
   static constexpr size_t kMaxOwnerBytes = 64;
   static constexpr size_t kMaxAnnotationBytes = 3072;
@@ -73,18 +86,37 @@ inline constexpr uint64_t kRecordAlignBytes = 4096;
 // A packed record's trailer.
 inline constexpr uint64_t kRecordTrailerBytes = 96;
 
+// How a record lies on disk (the comment at the top).
+enum class RecordFormat : uint8_t {
+  kBare = 0,        // version 4: the payload alone; what the tier writes
+  kHeaderPage = 1,  // versions 1 and 2: a raw payload behind a header page
+  kTrailer = 2,     // version 3: a coded payload with a trailer
+};
+// The format a record of an older release has: a header page for a raw
+// payload, a trailer for a codec's.
+inline constexpr RecordFormat LegacyFormat(bool packed) {
+  return packed ? RecordFormat::kTrailer : RecordFormat::kHeaderPage;
+}
+
 inline constexpr uint64_t AlignUpToPage(uint64_t bytes) {
   return (bytes + kRecordAlignBytes - 1) / kRecordAlignBytes * kRecordAlignBytes;
 }
-// Bytes a record with this payload takes on disk: raw, or packed.
-inline constexpr uint64_t RecordBytes(uint64_t payload_bytes, bool packed = false) {
-  return packed ? AlignUpToPage(payload_bytes + kRecordTrailerBytes)
-                : RecordHeader::kBytes + AlignUpToPage(payload_bytes);
+// Bytes a record with this payload takes on disk.
+inline constexpr uint64_t RecordBytes(uint64_t payload_bytes, RecordFormat format = RecordFormat::kBare) {
+  switch (format) {
+    case RecordFormat::kHeaderPage:
+      return RecordHeader::kBytes + AlignUpToPage(payload_bytes);
+    case RecordFormat::kTrailer:
+      return AlignUpToPage(payload_bytes + kRecordTrailerBytes);
+    case RecordFormat::kBare:
+      break;
+  }
+  return AlignUpToPage(payload_bytes);
 }
-inline uint64_t RecordBytes(const RecordHeader& h) { return RecordBytes(h.payload_bytes, h.packed()); }
-// A packed record's whole pages of payload, written and read straight from
-// and into the caller's buffer; the rest of the record (its tail: the last
-// bytes of payload, zeros, the trailer) goes through a buffer of the tier's.
+// A record's whole pages of payload, written and read straight from and
+// into the caller's buffer; the rest of a bare or trailer record (its tail:
+// the last bytes of payload, zeros, and the trailer if any) goes through a
+// buffer of the tier's.
 inline constexpr uint64_t PackedHeadBytes(uint64_t payload_bytes) {
   return payload_bytes / kRecordAlignBytes * kRecordAlignBytes;
 }

@@ -403,7 +403,9 @@ TEST_F(CompressedDiskTest, WithoutACodecPoolAtRestartPackedRecordsAreForgottenNo
 }
 
 // The point of it: at equal disk bytes, wrapping many times, the disk holds
-// more lossless blocks than raw ones (N(0,1) bf16: about 1.4x).
+// more lossless blocks than raw ones. N(0,1) bf16 codes about 1.4x, but
+// records are whole pages: a 24 KiB block takes 6 pages raw and 5 coded,
+// 1.2x.
 TEST_F(CompressedDiskTest, AFullDiskHoldsMoreLosslessBlocksThanRawOnes) {
   uint64_t held[2] = {};
   for (int run = 0; run < 2; ++run) {
@@ -423,7 +425,7 @@ TEST_F(CompressedDiskTest, AFullDiskHoldsMoreLosslessBlocksThanRawOnes) {
     }
     Close();
   }
-  EXPECT_GT(held[1] * 100, held[0] * 125) << "raw " << held[0] << " blocks, lossless " << held[1];
+  EXPECT_GT(held[1] * 100, held[0] * 115) << "raw " << held[0] << " blocks, lossless " << held[1];
   std::printf("disk of %llu bytes holds %llu raw blocks, %llu lossless ones\n",
               static_cast<unsigned long long>(regions_ * kRegionBytes), static_cast<unsigned long long>(held[0]),
               static_cast<unsigned long long>(held[1]));

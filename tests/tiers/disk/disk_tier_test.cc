@@ -33,7 +33,9 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr uint64_t kRegionBytes = 64 << 10;
+// Five records of SmallSpec's 6 KiB blocks (bare records of two pages) a
+// region: the tests below count on it.
+constexpr uint64_t kRegionBytes = 5 * 8192;
 constexpr TenantId kTenant = 0;
 
 // What a KV-event consumer learns: every test of this file runs with it, so
@@ -94,6 +96,7 @@ class DiskTierTest : public ::testing::Test {
     Result<std::unique_ptr<EngineMemory>> engine = EngineMemory::Create(*backend_, SmallSpec(), 64);
     ASSERT_TRUE(engine.has_value()) << engine.error();
     engine_ = std::move(*engine);
+    ASSERT_EQ(kRegionBytes, 5 * RecordBytes(engine_->block_bytes()));
     memory_ = std::make_unique<MemoryDevice>(16 * kRegionBytes);
     faulty_ = std::make_unique<FaultyDevice>(memory_.get());
   }
@@ -619,7 +622,7 @@ TEST_F(DiskTierTest, CorruptRecordIsAMissCountedAndNeverServed) {
   // Flip one payload bit of the first disk block's record, behind the tier's back.
   auto info = cache_->Lookup(kTenant, std::span(&disk[0], 1));
   ASSERT_EQ(info.hits, 1u);
-  faulty_->BitFlipOnRead(0 + RecordHeader::kBytes + 100, 3);  // the first record of region 0
+  faulty_->BitFlipOnRead(100, 3);  // the payload of the first record of region 0
   uint32_t failures_before = static_cast<uint32_t>(cache_->counters().disk_read_failures);
   uint32_t served = 0;
   for (const StoredKey& k : disk) served += LoadExact(k);  // LoadExact fails the test on wrong bytes
@@ -689,7 +692,9 @@ TEST_F(DiskTierTest, WriteErrorsKeepTheBlockOutOfTheDiskIndex) {
 
 TEST_F(DiskTierTest, TornWriteIsCaughtOnRead) {
   Open();
-  faulty_->TornWriteNth(2, 4096);  // the payload of the first record: only its first page lands
+  // The first record is two writes: its first page, then its last 2 KiB in
+  // a page of their own. Of the second, nothing lands.
+  faulty_->TornWriteNth(2, 0);
   const std::vector<StoredKey> keys = NewKeys(12);
   StoreAll(keys);
   uint32_t served = 0;
@@ -749,7 +754,7 @@ TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
     }
     rewrite(disk[0], {{9, offset + 1}});         // unaligned
     rewrite(disk[1], {{9, UINT64_MAX - 4095}});  // offset + record_bytes wraps
-    const uint64_t huge = UINT64_MAX - 100;      // RecordBytes(huge) wraps to 4096
+    const uint64_t huge = UINT64_MAX - 100;      // RecordBytes(huge) wraps to 0
     rewrite(disk[2], {{33, huge}, {17, RecordBytes(huge)}});
     rewrite(disk[3], {{33, uint64_t{1} << 40},
                       {17, RecordBytes(uint64_t{1} << 40)}});  // larger than any block
@@ -1034,7 +1039,7 @@ TEST_F(DiskTierTest, ADeviceThatFailsEveryWriteCostsNoCpuAndGivesBlocksUp) {
 }
 
 TEST_F(DiskTierTest, ABlockLargerThanARegionIsGivenUpAtOnce) {
-  // 40 layers of 2 KiB: 80 KiB blocks, larger than a 64 KiB region.
+  // 40 layers of 2 KiB: 80 KiB blocks, larger than a 40 KiB region.
   Result<std::unique_ptr<EngineMemory>> big = EngineMemory::Create(*backend_, SmallSpec(40), 64);
   ASSERT_TRUE(big.has_value()) << big.error();
   engine_ = std::move(*big);

@@ -1,6 +1,9 @@
-// DiskTier with packed records (a codec's output, record.h): their size on
-// disk, reads, damage, restarts and carries, against the tier alone (the
-// cache's side is tested where it stores compressed blocks).
+// DiskTier's record formats (record.h), against the tier alone (the
+// cache's side is tested where it stores compressed blocks): the bare
+// records it writes, raw and coded, and the header-page and trailer records
+// of older releases (written with Options::legacy_records): their size on
+// disk, reads, damage, restarts and carries, and an older disk opened by
+// this release.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -34,13 +37,21 @@ Buffer Aligned(uint64_t bytes) {
   return Buffer(p);
 }
 
-class PackedRecordTest : public ::testing::Test {
+// A tier over a memory device, writing as it does now (bare records) or as
+// an older release did (`legacy`: Options::legacy_records).
+class RecordTierTest : public ::testing::Test {
  protected:
+  explicit RecordTierTest(bool legacy) : legacy_(legacy) {}
   void SetUp() override {
-    char tmpl[] = "/tmp/kvtier-packed-XXXXXX";
+    char tmpl[] = "/tmp/kvtier-records-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     device_ = std::make_unique<MemoryDevice>(8 * kRegionBytes);
+    Open();
+  }
+  void Reopen(bool legacy) {
+    Close();
+    legacy_ = legacy;
     Open();
   }
   void TearDown() override {
@@ -62,7 +73,8 @@ class PackedRecordTest : public ::testing::Test {
            }
            where_[key] = *now;
            ++relocated_;
-         }});
+         },
+         .legacy_records = legacy_});
     ASSERT_TRUE(disk.has_value()) << disk.error();
     disk_ = std::move(*disk);
   }
@@ -72,50 +84,55 @@ class PackedRecordTest : public ::testing::Test {
     }
     disk_.reset();
   }
+  RecordFormat Format(bool packed) const { return legacy_ ? LegacyFormat(packed) : RecordFormat::kBare; }
 
   // The owner's side of a reclaim: current records are carried when asked
-  // to (packed, with their owner and annotation), else dropped.
+  // to (with all the owner knows of them: the index's fields), else dropped.
   ReclaimAnswer Reclaim(const StoredKey& key, const DiskLocation& where, bool may_carry) {
     auto it = where_.find(key);
     if (it == where_.end() || it->second.offset != where.offset) return {};
-    const RecordHeader& h = written_.at(key);
     if (carry_ && may_carry) {
-      ReclaimAnswer carry(ReclaimAction::kCarry, h.payload_bytes);
-      carry.packed = true;
-      carry.owner = h.owner;
-      carry.annotation = h.annotation;
+      ReclaimAnswer carry(ReclaimAction::kCarry);
+      carry.header = written_.at(key);
+      carry.format = it->second.format;
       return carry;
     }
     where_.erase(it);
     return {ReclaimAction::kDropped};
   }
 
-  RecordHeader Header(const StoredKey& key, uint64_t stored, std::span<const uint8_t> payload) {
+  RecordHeader Header(const StoredKey& key, uint64_t stored, std::span<const uint8_t> payload, bool packed,
+                      bool annotated) {
     RecordHeader h;
     h.key = key;
     h.ns.bytes[0] = 7;
     h.payload_bytes = stored;
     h.payload_checksum = PayloadChecksum(payload);
     h.owner = "tenant-a";
-    h.annotation = "meta " + key.ToHex();
-    h.codec = CodecKind::kLossless;
-    h.dtype = DType::kBf16;
-    h.raw_bytes = stored * 2 + 2;
+    if (annotated) h.annotation = "meta " + key.ToHex();
+    if (packed) {
+      h.codec = CodecKind::kLossless;
+      h.dtype = DType::kBf16;
+      h.raw_bytes = stored * 2 + 2;
+    }
     return h;
   }
 
-  // Appends a packed record of `stored` random bytes under a new key.
-  StoredKey Append(uint64_t stored) {
+  // Appends a record of `stored` random bytes under a new key: a codec's
+  // output (packed), or a raw block; with an annotation or none.
+  StoredKey Append(uint64_t stored, bool packed = true, bool annotated = true) {
     StoredKey key;
     for (auto& b : key.bytes) b = static_cast<uint8_t>(rng_());
     std::vector<uint8_t>& bytes = payloads_[key];
     bytes.resize(stored);
     for (auto& b : bytes) b = static_cast<uint8_t>(rng_());
     // The caller's buffer is readable for exactly the payload (rounded to
-    // whole pages here only because aligned_alloc wants it).
+    // whole pages here only because aligned_alloc wants it; the padding is
+    // garbage that must not reach the disk).
     Buffer buffer = Aligned(stored);
+    std::fill(buffer.get(), buffer.get() + AlignUpToPage(stored), uint8_t{0xa5});
     std::copy(bytes.begin(), bytes.end(), buffer.get());
-    const RecordHeader h = Header(key, stored, bytes);
+    const RecordHeader h = Header(key, stored, bytes, packed, annotated);
     written_[key] = h;
     bool done = false;
     disk_->Append(h, buffer.get(), [&](Result<DiskLocation> where) {
@@ -151,6 +168,7 @@ class PackedRecordTest : public ::testing::Test {
   std::string dir_;
   std::unique_ptr<MemoryDevice> device_;
   std::unique_ptr<DiskTier> disk_;
+  bool legacy_ = false;
   std::mt19937_64 rng_{18};
   std::map<StoredKey, std::vector<uint8_t>> payloads_;
   std::map<StoredKey, RecordHeader> written_;
@@ -159,56 +177,89 @@ class PackedRecordTest : public ::testing::Test {
   uint64_t relocated_ = 0;
 };
 
-TEST_F(PackedRecordTest, RecordsTakeTheirPayloadAndTrailerRoundedToPagesAndReadBackExactly) {
+// The tests that run over both (GetParam(): legacy).
+class RecordFormatTest : public RecordTierTest, public ::testing::WithParamInterface<bool> {
+ protected:
+  RecordFormatTest() : RecordTierTest(GetParam()) {}
+};
+
+INSTANTIATE_TEST_SUITE_P(Formats, RecordFormatTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& param_info) { return param_info.param ? "Legacy" : "Bare"; });
+
+TEST_P(RecordFormatTest, RecordsTakeWhatTheirFormatSaysAndReadBackExactly) {
   uint64_t used = 0;
-  for (uint64_t stored : {uint64_t{1}, uint64_t{100}, uint64_t{4000}, uint64_t{4001}, uint64_t{4096},
-                          uint64_t{5000}, uint64_t{12288}, uint64_t{40000}}) {
-    const StoredKey key = Append(stored);
-    const DiskLocation& where = where_.at(key);
-    EXPECT_TRUE(where.packed);
-    EXPECT_EQ(where.record_bytes, AlignUpToPage(stored + 96)) << stored;
-    used += where.record_bytes;
-    EXPECT_EQ(disk_->used_bytes(), used);
-    std::vector<uint8_t> back;
-    ASSERT_TRUE(Read(key, where, &back).ok()) << stored;
-    EXPECT_EQ(back, payloads_.at(key)) << stored;
-    // The location the owner rebuilds from its compact index reads the same.
-    const DiskLocation rebuilt = disk_->LocationOf(where.device, where.offset, stored, /*packed=*/true);
-    EXPECT_EQ(rebuilt.record_bytes, where.record_bytes);
-    EXPECT_TRUE(Read(key, rebuilt).ok());
+  for (bool packed : {true, false}) {
+    for (uint64_t stored : {uint64_t{1}, uint64_t{100}, uint64_t{4000}, uint64_t{4001}, uint64_t{4096},
+                            uint64_t{5000}, uint64_t{12288}, uint64_t{16384}, uint64_t{40000}}) {
+      const StoredKey key = Append(stored, packed);
+      const DiskLocation& where = where_.at(key);
+      EXPECT_EQ(where.packed, packed);
+      EXPECT_EQ(where.format, Format(packed));
+      EXPECT_EQ(where.checksum, written_.at(key).payload_checksum);
+      // A bare record is its payload in whole pages: nothing else.
+      const uint64_t expected = !legacy_ ? AlignUpToPage(stored)
+                                : packed ? AlignUpToPage(stored + 96)
+                                         : 4096 + AlignUpToPage(stored);
+      EXPECT_EQ(where.record_bytes, expected) << stored;
+      used += where.record_bytes;
+      EXPECT_EQ(disk_->used_bytes(), used);
+      std::vector<uint8_t> back;
+      ASSERT_TRUE(Read(key, where, &back).ok()) << stored;
+      EXPECT_EQ(back, payloads_.at(key)) << stored;
+      // The location the owner rebuilds from its compact index reads the same.
+      const DiskLocation rebuilt = disk_->LocationOf({.device = where.device,
+                                                      .offset = where.offset,
+                                                      .payload_bytes = stored,
+                                                      .packed = packed,
+                                                      .format = where.format,
+                                                      .checksum = where.checksum});
+      EXPECT_EQ(rebuilt.record_bytes, where.record_bytes);
+      EXPECT_TRUE(Read(key, rebuilt).ok());
+      if (!legacy_ && stored % 4096 != 0) {
+        // The padding on disk is zeros, never what the caller's buffer held.
+        for (uint64_t at = stored; at < where.record_bytes; ++at) {
+          ASSERT_EQ(device_->raw()[where.offset + at], 0) << stored << " at " << at;
+        }
+      }
+    }
   }
-  // Packed and raw records side by side in one region: each reads its own.
   EXPECT_EQ(disk_->counters().checksum_failures, 0u);
 }
 
-TEST_F(PackedRecordTest, ARestartGivesBackTheCodecOwnerAndAnnotationAndTheRecordsStillRead) {
+TEST_P(RecordFormatTest, ARestartGivesBackTheCodecOwnerAndAnnotationAndTheRecordsStillRead) {
   const StoredKey small = Append(300);
   const StoredKey large = Append(9000);
+  const StoredKey raw = Append(8192, /*packed=*/false);
   Close();
   Open();
   std::vector<DiskRecord> recovered = disk_->TakeRecovered();
-  ASSERT_EQ(recovered.size(), 2u);
+  ASSERT_EQ(recovered.size(), 3u);
   for (const DiskRecord& r : recovered) {
     RecordHeader expected = written_.at(r.header.key);
     expected.sequence = r.header.sequence;
     EXPECT_EQ(r.header, expected);
-    EXPECT_TRUE(r.location.packed);
-    EXPECT_EQ(r.location.record_bytes, where_.at(r.header.key).record_bytes);
+    const DiskLocation& before = where_.at(r.header.key);
+    EXPECT_EQ(r.location.packed, r.header.key != raw);
+    EXPECT_EQ(r.location.format, before.format);
+    EXPECT_EQ(r.location.checksum, before.checksum);
+    EXPECT_EQ(r.location.record_bytes, before.record_bytes);
   }
-  std::vector<uint8_t> back;
-  ASSERT_TRUE(Read(small, where_.at(small), &back).ok());
-  EXPECT_EQ(back, payloads_.at(small));
-  ASSERT_TRUE(Read(large, where_.at(large), &back).ok());
-  EXPECT_EQ(back, payloads_.at(large));
+  for (const StoredKey& key : {small, large, raw}) {
+    std::vector<uint8_t> back;
+    ASSERT_TRUE(Read(key, where_.at(key), &back).ok());
+    EXPECT_EQ(back, payloads_.at(key));
+  }
 }
 
-TEST_F(PackedRecordTest, DamageAnywhereInAPackedRecordIsCorruptionNeverData) {
-  const StoredKey key = Append(9000);  // two whole pages, then tail and trailer
+TEST_P(RecordFormatTest, DamageAnywhereInARecordIsCorruptionNeverData) {
+  const StoredKey key = Append(9000);  // two whole pages, then the tail
   const DiskLocation where = where_.at(key);
   ASSERT_TRUE(loop_.Drain([&] { return disk_->inflight() == 0; }, 30s));
-  // A byte of the whole pages, of the tail's payload, of the trailer's key
-  // and of its checksum.
-  for (uint64_t at : {uint64_t{10}, uint64_t{8192 + 100}, where.record_bytes - 96 + 20, where.record_bytes - 1}) {
+  // A byte of the whole pages and of the tail's payload; of an older
+  // record's trailer, its key and its checksum.
+  std::vector<uint64_t> bytes = {10, 8192 + 100, 9000 - 1};
+  if (legacy_) bytes.insert(bytes.end(), {where.record_bytes - 96 + 20, where.record_bytes - 1});
+  for (uint64_t at : bytes) {
     uint8_t& b = device_->raw()[where.offset + at];
     b ^= 0x40;
     const Status st = Read(key, where);
@@ -216,23 +267,45 @@ TEST_F(PackedRecordTest, DamageAnywhereInAPackedRecordIsCorruptionNeverData) {
     b ^= 0x40;
   }
   EXPECT_TRUE(Read(key, where).ok());
-  // Another key's read of this location, or a read for another size.
+  uint64_t failures = bytes.size();
+  // The index naming another block here (a stale entry, a reused region):
+  // that block's checksum is not what the bytes have.
   StoredKey other = key;
   other.bytes[0] ^= 1;
   written_[other] = written_.at(key);
-  EXPECT_EQ(Read(other, where).code(), StatusCode::kCorruption);
+  written_[other].payload_checksum ^= 1;
+  DiskLocation stale = where;
+  stale.checksum = written_[other].payload_checksum;
+  EXPECT_EQ(Read(other, stale).code(), StatusCode::kCorruption);
+  ++failures;
+  if (legacy_) {
+    // An older record names its key: another key's read fails even with
+    // the right checksum.
+    written_[other].payload_checksum = written_.at(key).payload_checksum;
+    EXPECT_EQ(Read(other, where).code(), StatusCode::kCorruption);
+    ++failures;
+  }
+  // A read for another size.
   written_[key].payload_bytes = 8999;
-  EXPECT_EQ(Read(key, disk_->LocationOf(where.device, where.offset, 8999, true)).code(), StatusCode::kCorruption);
+  EXPECT_EQ(Read(key, disk_->LocationOf({.device = where.device,
+                                         .offset = where.offset,
+                                         .payload_bytes = 8999,
+                                         .packed = true,
+                                         .format = where.format,
+                                         .checksum = where.checksum}))
+                .code(),
+            StatusCode::kCorruption);
+  ++failures;
   written_[key].payload_bytes = 9000;
-  EXPECT_EQ(disk_->counters().checksum_failures, 6u);
+  EXPECT_EQ(disk_->counters().checksum_failures, failures);
 }
 
-TEST_F(PackedRecordTest, AReclaimCarriesPackedRecordsForwardWithTheirOwnerAndAnnotation) {
+TEST_P(RecordFormatTest, AReclaimCarriesRecordsForwardAsBareOnesWithTheirOwnerAndAnnotation) {
   carry_ = true;
   // Eight regions of 64 KiB; records of 2 to 4 pages wrap the disk several
   // times, and every reclaim carries what it may.
   std::vector<StoredKey> keys;
-  for (int i = 0; i < 120; ++i) keys.push_back(Append(5000 + 37 * static_cast<uint64_t>(i)));
+  for (int i = 0; i < 120; ++i) keys.push_back(Append(5000 + 37 * static_cast<uint64_t>(i), i % 3 != 0));
   ASSERT_TRUE(loop_.Drain([&] { return disk_->inflight() == 0; }, 30s));
   EXPECT_GT(disk_->counters().records_carried, 0u);
   EXPECT_GT(relocated_, 0u);
@@ -252,9 +325,76 @@ TEST_F(PackedRecordTest, AReclaimCarriesPackedRecordsForwardWithTheirOwnerAndAnn
     if (where_.count(r.header.key) == 0) continue;
     EXPECT_EQ(r.header.owner, "tenant-a");
     EXPECT_EQ(r.header.annotation, "meta " + r.header.key.ToHex());
-    EXPECT_EQ(r.header.codec, CodecKind::kLossless);
+    EXPECT_EQ(r.header.codec, written_.at(r.header.key).codec);
     EXPECT_EQ(r.location.offset, where_.at(r.header.key).offset);
+    EXPECT_EQ(r.location.format, where_.at(r.header.key).format);
   }
+  EXPECT_EQ(disk_->counters().checksum_failures, 0u);
+}
+
+// A disk written by an older release (header-page and trailer records, with
+// and without annotations), opened by this one: every record is recovered
+// and read, a reclaim carries them forward as bare records, and a second
+// restart finds the mix.
+class OlderDiskTest : public RecordTierTest {
+ protected:
+  OlderDiskTest() : RecordTierTest(/*legacy=*/true) {}
+};
+
+TEST_F(OlderDiskTest, ItsRecordsAreReadAndCarriedForwardAsBareOnes) {
+  // Written by the older release: raw records with a header page (version 2
+  // with an annotation, version 1 without) and coded ones with a trailer.
+  std::vector<StoredKey> old_keys;
+  for (int i = 0; i < 14; ++i) {
+    old_keys.push_back(Append(4096 * (1 + i % 4) + (i % 2 == 0 ? 0 : 700), /*packed=*/i % 3 == 0,
+                              /*annotated=*/i % 4 != 1));
+  }
+  Reopen(/*legacy=*/false);
+  std::vector<DiskRecord> recovered = disk_->TakeRecovered();
+  ASSERT_EQ(recovered.size(), old_keys.size());
+  for (const DiskRecord& r : recovered) {
+    EXPECT_EQ(r.location.format, LegacyFormat(r.header.packed()));
+    EXPECT_EQ(r.location.checksum, written_.at(r.header.key).payload_checksum);
+    RecordHeader expected = written_.at(r.header.key);
+    expected.sequence = r.header.sequence;
+    EXPECT_EQ(r.header, expected);
+    where_[r.header.key] = r.location;
+  }
+  for (const StoredKey& key : old_keys) {
+    std::vector<uint8_t> back;
+    ASSERT_TRUE(Read(key, where_.at(key), &back).ok());
+    EXPECT_EQ(back, payloads_.at(key));
+  }
+  // New records beside the old ones, enough to wrap the disk; each reclaim
+  // carries what it may.
+  carry_ = true;
+  for (int i = 0; i < 80; ++i) Append(4096 * (1 + i % 3), /*packed=*/i % 2 == 0);
+  ASSERT_TRUE(loop_.Drain([&] { return disk_->inflight() == 0; }, 30s));
+  EXPECT_GT(disk_->counters().records_carried, 0u);
+  size_t carried_old = 0;
+  for (const StoredKey& key : old_keys) {
+    auto it = where_.find(key);
+    if (it == where_.end()) continue;
+    if (it->second.format == RecordFormat::kBare) ++carried_old;
+    std::vector<uint8_t> back;
+    ASSERT_TRUE(Read(key, it->second, &back).ok());
+    EXPECT_EQ(back, payloads_.at(key));
+  }
+  EXPECT_GT(carried_old, 0u) << "no record of the older release was carried forward";
+  Reopen(/*legacy=*/false);
+  size_t found = 0;
+  for (const DiskRecord& r : disk_->TakeRecovered()) {
+    auto it = where_.find(r.header.key);
+    if (it == where_.end()) continue;
+    ++found;
+    EXPECT_EQ(r.location.format, it->second.format);
+    EXPECT_EQ(r.header.owner, "tenant-a");
+    EXPECT_EQ(r.header.annotation, written_.at(r.header.key).annotation);
+    std::vector<uint8_t> back;
+    ASSERT_TRUE(Read(r.header.key, r.location, &back).ok());
+    EXPECT_EQ(back, payloads_.at(r.header.key));
+  }
+  EXPECT_EQ(found, where_.size());
   EXPECT_EQ(disk_->counters().checksum_failures, 0u);
 }
 

@@ -275,26 +275,35 @@ TEST(RecordTest, PayloadChecksumIsXxh3_64) {
   }
 }
 
-TEST(RecordTest, RecordBytesPadsThePayload) {
-  EXPECT_EQ(RecordBytes(0), 4096u);
-  EXPECT_EQ(RecordBytes(1), 8192u);
-  EXPECT_EQ(RecordBytes(4096), 8192u);
-  EXPECT_EQ(RecordBytes(4097), 12288u);
+TEST(RecordTest, ABareRecordIsItsPayloadInWholePages) {
+  EXPECT_EQ(RecordBytes(1), 4096u);
+  EXPECT_EQ(RecordBytes(4096), 4096u);
+  EXPECT_EQ(RecordBytes(4097), 8192u);
+  EXPECT_EQ(RecordBytes(16384), 16384u);
+  EXPECT_EQ(RecordBytes(2u << 20), 2u << 20);
+  EXPECT_EQ(RecordBytes(2806, RecordFormat::kBare), 4096u);
 }
 
-TEST(RecordTest, APackedRecordHoldsItsPayloadAndTrailerInWholePages) {
+TEST(RecordTest, AnOlderRawRecordHasAHeaderPage) {
+  constexpr RecordFormat kOld = LegacyFormat(/*packed=*/false);
+  static_assert(kOld == RecordFormat::kHeaderPage);
+  EXPECT_EQ(RecordBytes(0, kOld), 4096u);
+  EXPECT_EQ(RecordBytes(1, kOld), 8192u);
+  EXPECT_EQ(RecordBytes(4096, kOld), 8192u);
+  EXPECT_EQ(RecordBytes(4097, kOld), 12288u);
+}
+
+TEST(RecordTest, AnOlderPackedRecordHoldsItsPayloadAndTrailerInWholePages) {
+  constexpr RecordFormat kOld = LegacyFormat(/*packed=*/true);
+  static_assert(kOld == RecordFormat::kTrailer);
   // The trailer shares the payload's last page when 96 bytes are left.
-  EXPECT_EQ(RecordBytes(1, /*packed=*/true), 4096u);
-  EXPECT_EQ(RecordBytes(4000, true), 4096u);
-  EXPECT_EQ(RecordBytes(4001, true), 8192u);
-  EXPECT_EQ(RecordBytes(4096, true), 8192u);
-  EXPECT_EQ(RecordBytes(12000, true), 12288u);
+  EXPECT_EQ(RecordBytes(1, kOld), 4096u);
+  EXPECT_EQ(RecordBytes(4000, kOld), 4096u);
+  EXPECT_EQ(RecordBytes(4001, kOld), 8192u);
+  EXPECT_EQ(RecordBytes(4096, kOld), 8192u);
+  EXPECT_EQ(RecordBytes(12000, kOld), 12288u);
   EXPECT_EQ(PackedHeadBytes(4000), 0u);
   EXPECT_EQ(PackedHeadBytes(12000), 8192u);
-  // 1 M blocks of 4 KiB compressed 1.46x: 2,806 bytes each, one page
-  // each, where a raw record takes two.
-  EXPECT_EQ(RecordBytes(2806, true), 4096u);
-  EXPECT_EQ(RecordBytes(4096), 8192u);
 }
 
 // Trailer offsets as docs/disk-format.md states them.
