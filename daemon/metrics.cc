@@ -161,6 +161,13 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             "Blocks hit since they were written that a reclaim dropped (carry budget or write "
             "budget spent).",
             static_cast<double>(c.disk_reinsertions_dropped));
+  f.Counter("kvtier_disk_writes_missed_total",
+            "Dirty host blocks let go of unwritten, coldest first, because write-back had not reached them "
+            "(the disk fell behind).",
+            static_cast<double>(c.disk_writes_missed));
+  f.Counter("kvtier_disk_reads_record_gone_total",
+            "Disk reads whose record a reclaim took while they waited for host room (their loads come up short).",
+            static_cast<double>(c.disk_reads_record_gone));
   f.Counter("kvtier_disk_reclaim_failures_total", "Reclaims whose index deletes failed (retried).",
             static_cast<double>(s.disk.reclaim_failures));
   f.Counter("kvtier_disk_index_errors_total", "Disk index writes that failed.",

@@ -464,8 +464,9 @@ void Server::EndTurn() {
   // once a second, not once a turn.
   if (now < next_slow_turn_log_) return;
   next_slow_turn_log_ = now + std::chrono::seconds(1);
-  spdlog::info("slow loop turn: {:.1f} ms ({} slow turn(s) so far): {}",
-               std::chrono::duration<double, std::milli>(length).count(), slow_turns_, turn_.Describe());
+  spdlog::info("slow loop turn: {:.1f} ms, {:.1f} ms of it on a core ({} slow turn(s) so far): {}",
+               std::chrono::duration<double, std::milli>(length).count(),
+               std::chrono::duration<double, std::milli>(turn_.Cpu()).count(), slow_turns_, turn_.Describe());
 }
 
 void Server::CheckBackend() {

@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <string>
 
+#include <time.h>
+
 namespace kvtier {
 
 class TurnProfile {
@@ -23,6 +25,7 @@ class TurnProfile {
 
   void Begin(Clock::time_point now) {
     start_ = now;
+    cpu_start_ = ThreadCpu();
     n_ = 0;
     other_ = {};
   }
@@ -49,6 +52,10 @@ class TurnProfile {
     Add(what, Clock::now() - t0);
   }
   Clock::duration Length(Clock::time_point now) const { return now - start_; }
+  // The loop thread's CPU time in this turn so far: a turn much longer than
+  // its CPU time waited for a core (other threads, other processes), not
+  // for its own work.
+  Clock::duration Cpu() const { return ThreadCpu() - cpu_start_; }
 
   // "Store x4 12.1 ms, posted x180 9.5 ms, ...": the largest parts first,
   // at most six, and what the rest took.
@@ -80,6 +87,11 @@ class TurnProfile {
   }
 
  private:
+  static Clock::duration ThreadCpu() {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+  }
   static constexpr size_t kParts = 16;
   struct Part {
     const char* what = nullptr;
@@ -87,6 +99,7 @@ class TurnProfile {
     Clock::duration time{};
   };
   Clock::time_point start_{};
+  Clock::duration cpu_start_{};
   std::array<Part, kParts> parts_{};
   size_t n_ = 0;
   Part other_{"other", 0, {}};  // parts past kParts

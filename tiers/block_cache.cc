@@ -324,7 +324,28 @@ void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
   disk_only_.Erase(b);
 }
 
-BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only) {
+namespace {
+
+// Children of a block looked at, at most, to see whether they all leave.
+constexpr int kLeavingChildrenChecked = 8;
+
+// Whether every child of `e` in tier `t` or above is on its way below `t`
+// (a demotion in flight): then `e` is as good as a leaf of `t` for another
+// demotion (PickVictim's moves_down). False past kLeavingChildrenChecked
+// children.
+bool ChildrenLeaving(const BlockEntry* e, Tier t) {
+  int seen = 0;
+  for (const BlockEntry* c = e->first_child; c != nullptr; c = c->next_sibling) {
+    if (c->tier > t) continue;  // below t: no child of t's
+    if (c->tier != t || !c->leaving || ++seen > kLeavingChildrenChecked) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only,
+                                   bool moves_down) {
   bool last_resort = false;
   index_.order(t).Expire(NowMs());
   BlockEntry* victim = index_.order(t).PickVictim(
@@ -336,7 +357,9 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
         }
         if (owner && e->owner != *owner) return Candidate::kSkip;
         if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
-        if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t)) return Candidate::kLastResort;
+        if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t) && !(moves_down && ChildrenLeaving(e, t))) {
+          return Candidate::kLastResort;
+        }
         return Candidate::kEvict;
       },
       &last_resort);
@@ -391,7 +414,9 @@ uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
       }
       return nullptr;
     }
-    if (!BackToDisk(victim)) Drop(victim);
+    if (BackToDisk(victim)) continue;
+    if (t == Tier::kHost && options_.disk != nullptr && !victim->on_disk) ++counters_.disk_writes_missed;
+    Drop(victim);
   }
 }
 
@@ -532,6 +557,9 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       // Blocks still on disk failed their read; the prefix ends before the first.
       size_t good = 0;
       while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
+      // The reads landed in host in the order they finished: deepest first
+      // again, so the chain's tail is the first of it host lets go of.
+      for (size_t i = good; i-- > 0;) Touch(p->leased[i]);
       if (good < p->leased.size()) ++counters_.loads_short_disk;
       for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i], tenant);
       p->leased.resize(good);
@@ -592,6 +620,9 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       mine.loads += leased.size();
       mine.bytes_cache_to_engine += bytes;
       // Promote what was read from host, if hbm has room without evicting.
+      // Root first: hbm takes a chain's head while it has room, so the
+      // blocks left in host have no children above them (a parent in host
+      // with children in hbm is evicted last, and scans walk past it).
       for (BlockEntry* e : promote) MaybePromote(e);
       done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
     } else {
@@ -715,7 +746,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
   Counted(tenant).already_stored += job->already;
-  if (options_.policy != PolicyKind::kLru) ArrivedTogether(job->filling, parent_depth, request_blocks);
+  ArrivedTogether(job->filling, parent_depth, request_blocks);
   if (job->filling.empty()) {
     options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;
@@ -883,6 +914,7 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
 void BlockCache::StartMove(BlockEntry* e, Tier to, uint8_t* dst) {
   KVTIER_CHECK(e->coded_bytes == 0);  // hbm and its moves hold blocks as they are
   e->moving = true;
+  e->leaving = to > e->tier;
   index_.Park(e);
   const uint64_t stride = SlotPool::StrideFor(e->block_bytes);
   tier(e->tier)->moving_out_bytes += stride;
@@ -902,6 +934,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   BlockEntry* e = index_.Find(key);
   KVTIER_CHECK(e != nullptr && e->moving);
   e->moving = false;
+  e->leaving = false;
   if (!result.status.ok()) {
     index_.Unpark(e, /*hot=*/true);
     tier(to)->pool->Free(dst, e->block_bytes);
@@ -936,7 +969,7 @@ void BlockCache::MaybeDemote() {
   // is below the low one.
   if (tier(Tier::kHbm)->pool && AboveHigh(Tier::kHbm)) {
     while (AboveLow(Tier::kHbm)) {
-      BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt);
+      BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt, /*clean_only=*/false, /*moves_down=*/true);
       if (v == nullptr) break;
       // The owner's host quota is full: with a disk tier its host coldest
       // make room there; else (or when nothing of it can go) this block goes.

@@ -191,6 +191,14 @@ struct CacheCounters : RequestCounters {
   // they waited for host's blocks leaving, or (none leaving) missed.
   uint64_t disk_reads_waited_for_room = 0;
   uint64_t disk_reads_without_room = 0;
+  // Reads that found their block's record gone before they could start: a
+  // region's reclaim took it while the read waited for host room (a load
+  // holding a block does not keep its record).
+  uint64_t disk_reads_record_gone = 0;
+  // Dirty host blocks let go of unwritten because write-back had not reached
+  // them (the disk fell behind: a slow or contended device), the coldest
+  // first: room for a store, or a demotion that could not wait.
+  uint64_t disk_writes_missed = 0;
   uint64_t prefix_fallbacks = 0;  // evictions that had to take a block with cached children
   // Loads that came up short of the keys they named (issue 32: an engine
   // loads what its lookup found, and recomputes the rest): the first key
@@ -547,8 +555,16 @@ class BlockCache {
   uint8_t* AllocateSlot(Tier t, uint64_t bytes, Room room);
   // The eviction victim in tier `t` with the given block size (0 = any).
   // With clean_only, only blocks the tier below host holds: their disk
-  // record, or without a disk tier, their remote copy.
-  BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false);
+  // record, or without a disk tier, their remote copy. `moves_down`: the
+  // victim is demoted from hbm to host, not dropped, so a parent whose
+  // children in hbm are all moving down already goes as a leaf would
+  // (ChildrenLeaving): nothing is orphaned, and the scan need not walk past
+  // the parents of the blocks being demoted (issue 32: those scans held the
+  // event loop for milliseconds a turn). Host's write-back keeps strict
+  // prefix order: written back early, a parent's record is reclaimed
+  // before its children's, and the replay hit 2 points less.
+  BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false,
+                         bool moves_down = false);
   void Drop(BlockEntry* e);
   // Drops a block that lives only on disk (counted as a disk eviction); its
   // record is forgotten unless `forget` is false (a reclaim deletes it).

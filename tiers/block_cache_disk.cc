@@ -160,7 +160,7 @@ void BlockCache::RetryReadsWaitingForRoom() {
 void BlockCache::FailDiskRead(BlockEntry* e) {
   // The block stays on disk, or is gone with its record; its loads miss it
   // (their Unlease lets go of the entry) and a prefetch's goes now.
-  counters_.disk_reads_without_room += e->on_disk ? 1 : 0;
+  ++(e->on_disk ? counters_.disk_reads_without_room : counters_.disk_reads_record_gone);
   auto it = disk_waiters_.find(e->key);
   std::vector<std::function<void(bool)>> waiters;
   if (it != disk_waiters_.end()) {
@@ -289,6 +289,7 @@ void BlockCache::StartDiskWrite(BlockEntry* e, bool keep_in_memory, uint64_t bud
   // until its compaction ended). Nothing moves it while it is written.
   keep_in_memory = keep_in_memory || e->retired_slot != nullptr;
   e->moving = true;
+  e->leaving = !keep_in_memory;
   index_.Park(e);  // out of the eviction path while it is written
   // A write-through copy leaves nothing in host: no space is on its way out.
   const uint64_t stride = keep_in_memory ? 0 : SlotPool::StrideFor(SlotBytes(e));
@@ -353,6 +354,7 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   BlockEntry* e = index_.Find(key);
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kHost);
   e->moving = false;
+  e->leaving = false;
   if (stride != 0) QuotaStateOf(e->owner).host_bytes_leaving -= SlotBytes(e);
   if (!where) {
     ++counters_.disk_write_failures;
@@ -394,7 +396,12 @@ void BlockCache::FinishDiskWrite(const StoredKey& key, uint64_t stride, bool kee
   counters_.bytes_host_to_disk += e->block_bytes;
   const TenantId owner = e->owner;
   LogDiskRecord(owner, key, *where);
-  if (keep_in_memory) {  // write-through: now clean, still served from memory
+  // Write-through: now clean, still served from memory. So is a block a load
+  // holds (it may have leased it while the write ran): moved to disk, its
+  // slot retired, it would end that load's prefix there if the load is
+  // still reading another block up from disk (Load counts a block on disk
+  // as not read). Clean, it goes back to disk at its next demotion, no write.
+  if (keep_in_memory || e->leases > 0) {
     e->disk = *where;
     e->disk_payload_bytes = static_cast<uint32_t>(payload_bytes);
     SetOnDisk(e, true);
@@ -714,7 +721,10 @@ void BlockCache::DemoteFromHost(BlockEntry* v, bool may_drop) {
     return;
   }
   if (!DiskWriteMayStart()) {
-    if (may_drop) Drop(v);
+    if (may_drop) {
+      ++counters_.disk_writes_missed;
+      Drop(v);
+    }
     return;
   }
   // A disk quota evicts the tenant's own oldest records as it writes

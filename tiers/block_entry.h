@@ -36,6 +36,9 @@ struct BlockEntry {
   Tier tier = Tier::kHost;
   EntryState state = EntryState::kFilling;
   bool moving = false;       // a copy to another tier is in flight
+  // Its move is down, out of its tier (hbm to host, host to disk): once it
+  // lands it no longer makes its parent a parent in this tier.
+  bool leaving = false;
   // Out of its tier's eviction order (BlockIndex::Park), while it moves: eviction
   // never looks at a block that cannot go anyway.
   bool parked = false;

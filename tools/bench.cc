@@ -551,6 +551,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"lru", "s3fifo", "classes"}));
   trace->add_flag("--sweep", trace_options.sweep,
                   "replay --policy and lru through daemons of 1k-20k blocks, one tier and all three");
+  trace->add_flag("--contend", trace_options.contend,
+                  "fio writes to --dir's file system while the clients replay (a contended disk)");
   trace->add_flag("--partial-tail", trace_options.partial_tail,
                   "also look up and store each request's partial last block (engines store full blocks only)");
   trace

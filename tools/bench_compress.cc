@@ -7,6 +7,7 @@
 
 #include "kernels/codec.h"
 #include "kernels/fp8_e4m3.h"
+#include "tiers/disk/record.h"
 #include "tools/bench_report.h"
 
 namespace kvtier::bench {
@@ -41,6 +42,11 @@ int Compress(const CompressOptions& o) {
   std::printf("config:   %u blocks of %u KiB per rep, %u reps (+1 warm-up), one thread\n", o.blocks, o.block_kib,
               o.reps);
   std::vector<Comparison> cs;
+  // A raw block's disk record (record.h), against the header-page record of
+  // releases before version 4.
+  const auto per_byte = [&](uint64_t record) { return static_cast<double>(record) / static_cast<double>(block); };
+  cs.push_back({"raw: disk bytes per block byte", per_byte(RecordBytes(block)),
+                per_byte(RecordBytes(block, RecordFormat::kHeaderPage)), "a header-page record (before v4)", "x"});
   int rc = 0;
   for (const bool outliers : {false, true}) {
     const char* data_name = outliers ? "outlier K" : "N(0,1)";
@@ -54,6 +60,7 @@ int Compress(const CompressOptions& o) {
       std::vector<uint8_t> back(raw.size());
       std::vector<double> enc, dec, mem;
       size_t stored_total = 0;
+      uint64_t disk_total = 0;
       for (uint32_t rep = 0; rep <= o.reps; ++rep) {
         const auto t0 = Clock::now();
         for (uint32_t b = 0; b < o.blocks; ++b) {
@@ -79,7 +86,12 @@ int Compress(const CompressOptions& o) {
         dec.push_back(bytes / Seconds(t2 - t1) / 1e9);
         mem.push_back(bytes / Seconds(t3 - t2) / 1e9);
         stored_total = 0;
-        for (size_t s : sizes) stored_total += s == 0 ? block : s;
+        disk_total = 0;
+        for (size_t s : sizes) {
+          stored_total += s == 0 ? block : s;
+          // The disk writes a payload that saves no page raw (BlockCache).
+          disk_total += s == 0 || AlignUpToPage(s) >= AlignUpToPage(block) ? RecordBytes(block) : RecordBytes(s);
+        }
       }
       if (kind == CodecKind::kLossless && back != raw) {
         std::fprintf(stderr, "kvtier-bench: lossless round trip is not bit-exact\n");
@@ -88,6 +100,9 @@ int Compress(const CompressOptions& o) {
       const std::string name = std::string(CodecName(kind)) + " " + data_name + " bf16";
       const double ratio = static_cast<double>(raw.size()) / static_cast<double>(stored_total);
       cs.push_back({name + ": raw / stored", ratio, 1.0, "none", "x"});
+      cs.push_back({name + ": disk bytes per block byte",
+                    static_cast<double>(disk_total) / static_cast<double>(raw.size()), per_byte(RecordBytes(block)),
+                    "a raw record", "x"});
       cs.push_back({name + ": encode, one core", Median(enc), Median(mem), "memcpy, one core", "GB/s"});
       cs.push_back({name + ": decode, one core", Median(dec), Median(mem), "memcpy, one core", "GB/s"});
     }

@@ -1,11 +1,16 @@
 #include "tools/bench_trace.h"
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <optional>
 #include <span>
 
@@ -44,6 +49,55 @@ std::string Mib(uint64_t bytes) {
 double Pct(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
 }
+
+// fio writing to a file of its own beside the disk tier, from construction
+// until Stop (or destruction): the contended disk of --contend.
+class BackgroundFio {
+ public:
+  explicit BackgroundFio(const std::string& dir) : file_(dir + "/contend.fio"), output_(dir + "/contend.json") {
+    std::filesystem::create_directories(dir);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string filename = "--filename=" + file_;
+      const std::string output = "--output=" + output_;
+      ::execlp("fio", "fio", "--name=kvtier-contend", filename.c_str(), "--rw=write", "--bs=1M", "--size=1G",
+               "--iodepth=8", "--ioengine=io_uring", "--direct=1", "--time_based", "--runtime=3600",
+               "--output-format=json", output.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+  }
+  ~BackgroundFio() { Stop(); }
+  BackgroundFio(const BackgroundFio&) = delete;
+  BackgroundFio& operator=(const BackgroundFio&) = delete;
+
+  bool running() const { return pid_ > 0; }
+  // Stops fio (SIGINT: it ends its jobs and reports) and returns what it
+  // wrote, in MB/s (1e6 bytes); 0 when it did not run or report.
+  double Stop() {
+    if (pid_ <= 0) return mbps_;
+    ::kill(pid_, SIGINT);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    std::ifstream in(output_);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string out = text.str();
+    const size_t at = out.find("\"write\" : {");
+    const size_t bw = at == std::string::npos ? std::string::npos : out.find("\"bw_bytes\"", at);
+    if (bw != std::string::npos) mbps_ = std::strtod(out.c_str() + out.find(':', bw) + 1, nullptr) / 1e6;
+    std::error_code ec;
+    std::filesystem::remove(file_, ec);
+    std::filesystem::remove(output_, ec);
+    return mbps_;
+  }
+
+ private:
+  std::string file_;
+  std::string output_;
+  pid_t pid_ = -1;
+  double mbps_ = 0;
+};
 
 // The sets of a started daemon for these tier sizes.
 std::vector<std::string> DaemonSets(const TraceOptions& o, const std::string& segments) {
@@ -188,14 +242,14 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
   std::printf(
       "disk:     %" PRId64 " regions reclaimed, %" PRId64 " blocks carried forward, %" PRId64
       " hot blocks dropped past the carry budget, %" PRId64 " appends waited for a region; %" PRId64
-      " write failures, %" PRId64 " writes given up\n",
+      " write failures, %" PRId64 " writes given up, %" PRId64 " dirty blocks let go unwritten (write-back behind)\n",
       Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
       Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
-      Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"));
+      Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"), Delta(b, a, "disk_writes_missed"));
   std::printf("          reads: %" PRId64 " failed their checks or I/O, %" PRId64 " waited for host room, %" PRId64
-              " found none\n",
+              " found none, %" PRId64 " found their record reclaimed meanwhile\n",
               Delta(b, a, "disk_read_failures"), Delta(b, a, "disk_reads_waited_for_room"),
-              Delta(b, a, "disk_reads_without_room"));
+              Delta(b, a, "disk_reads_without_room"), Delta(b, a, "disk_reads_record_gone"));
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
@@ -293,6 +347,48 @@ void PrintSimulations(const Simulated& sim, const Capacity& cap,
                 (std::string(name) + " alone, " + std::to_string(c) + " blocks").c_str(),
                 100 * trace::SimulateLru(requests, c).hit_rate(),
                 100 * trace::SimulateBelady(requests, c).hit_rate());
+  }
+}
+
+// Where the tiers' bytes went at the end of the replay, in blocks' worth of
+// bytes (issue 32): what LRU at equal bytes holds that kvtier's tiers did
+// not. Memory tiers: blocks held, slot padding, room kept free (the
+// watermarks, and what was never filled). Disk: blocks only there, record
+// padding, records of blocks also in memory (held twice), records no block
+// needs any more (dead, until their region's reclaim), regions' unwritten
+// tails, and free regions (the reclaim's watermarks keep some).
+void PrintBytes(const DaemonStats& a, const Capacity& cap, uint64_t block_bytes, uint64_t stride) {
+  const auto blocks = [&](double bytes) { return bytes / static_cast<double>(block_bytes); };
+  double mem_held = 0, mem_padding = 0, mem_free = 0;
+  double disk_held = 0, disk_padding = 0, twice = 0, dead = 0, tails = 0, free_regions = 0;
+  for (const TierStats& t : a.tiers) {
+    const auto cap_bytes = static_cast<double>(t.capacity_bytes);
+    const auto n = static_cast<double>(t.blocks);
+    if (t.tier != BlockTier::kDisk) {
+      mem_held += n;
+      mem_padding += blocks(n * static_cast<double>(stride - block_bytes));
+      mem_free += blocks(cap_bytes - n * static_cast<double>(stride));
+      continue;
+    }
+    const auto record = static_cast<double>(RecordBytes(block_bytes));
+    const auto filled = static_cast<double>(a.Counter("disk_filled_bytes"));
+    const auto live = static_cast<double>(a.Counter("disk_record_bytes"));
+    const auto free_bytes =
+        static_cast<double>(a.Counter("disk_free_regions")) * static_cast<double>(a.Counter("disk_region_bytes"));
+    disk_held = n;
+    disk_padding = blocks(n * (record - static_cast<double>(block_bytes)));
+    twice = blocks(std::max(0.0, live - n * record));
+    dead = blocks(filled - live);
+    tails = blocks(cap_bytes - free_bytes - filled);
+    free_regions = blocks(free_bytes);
+  }
+  std::printf("  where the bytes went, in blocks (of %" PRIu64 " at equal bytes):\n", cap.total_at_bytes());
+  std::printf("    memory: %.0f held, %.0f slot padding, %.0f free (watermarks, never filled)\n", mem_held, mem_padding,
+              mem_free);
+  if (cap.disk > 0) {
+    std::printf("    disk:   %.0f held, %.0f record padding, %.0f held twice (also in memory), %.0f dead records, "
+                "%.0f region tails, %.0f free regions\n",
+                disk_held, disk_padding, twice, dead, tails, free_regions);
   }
 }
 
@@ -615,7 +711,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
     return 1;
   }
   // Capacities in blocks: memory tiers hold one 4 KiB-aligned slot per block,
-  // the disk one record (a 4 KiB header + the block, 4 KiB-aligned); and
+  // the disk one record (the block, 4 KiB-aligned: record.h); and
   // what the same bytes would hold at the block's own size.
   Capacity cap;
   for (const TierStats& t : before->tiers) {
@@ -659,7 +755,21 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
       watch.requests_at_fill = requests_started;
     }
   };
+  std::optional<BackgroundFio> fio;
+  if (o.contend) {
+    fio.emplace(o.dir);
+    if (!fio->running()) {
+      std::fprintf(stderr, "kvtier-bench trace: --contend: fio did not start\n");
+      return 1;
+    }
+    std::printf("contend:  fio writes 1 MiB O_DIRECT blocks to %s/contend.fio while the clients replay\n",
+                o.dir.c_str());
+  }
   auto replay = Replay(plan, o.clients, tick);
+  if (fio) {
+    const double mbps = fio->Stop();
+    std::printf("contend:  fio wrote %.0f MB/s beside the replay\n", mbps);
+  }
   if (!replay) {
     std::fprintf(stderr, "kvtier-bench trace: %s%s\n", replay.error().ToString().c_str(),
                  replay.error().code() == StatusCode::kUnavailable && started
@@ -686,6 +796,7 @@ int Trace(TraceOptions o, const StartDaemonFn& start_daemon) {
   bool lag_met = true;
   PrintWatch(watch, idle_ms, sum, replay->wall_s, cap.disk > 0, lag_met);
   PrintSimulations(sim, cap, plan.requests);
+  PrintBytes(*after, cap, o.block_bytes, stride);
   if (!o.policy.empty()) PrintPolicySweep(plan.requests, *ParsePolicy(o.policy), cap.total());
   std::string target_line;
   const double hit = Pct(sum.hits, sum.accesses);

@@ -55,6 +55,10 @@ struct TraceOptions {
   // With `policy`: replays it and LRU through daemons of their own at
   // 1k-20k blocks, one tier and all three, instead of the one replay.
   bool sweep = false;
+  // Another process writes to the disk tier's file system while the clients
+  // replay (issue 32's contended disk): fio, sequential 1 MiB O_DIRECT
+  // writes at queue depth 8 over a 1 GiB file in `dir`, as fast as it can.
+  bool contend = false;
 };
 
 // Runs the replay and the simulations and prints (and writes) the report.

@@ -688,10 +688,13 @@ TEST_F(BlockCacheTest, PrefixAwareEvictionTakesLeavesBeforeTheirParents) {
 TEST_F(BlockCacheTest, PrefixUnawareEvictionIsPlainLru) {
   Start({.host_slots = 4, .prefix_aware = false});
   const std::vector<StoredKey> k = NewKeys(5);
+  // A chain stored together arrives tail first (its tail coldest); a hit on
+  // the tail alone leaves k[1], a parent, the coldest.
   ASSERT_TRUE(Store({k[0], k[1], k[2]}, 0).status.ok());
+  ASSERT_EQ(cache_->Lookup(kTenant, std::span(&k[2], 1)).hits, 1u);
   ASSERT_TRUE(Store({k[3]}, 3).status.ok());
   ASSERT_TRUE(Store({k[4]}, 4).status.ok());
-  EXPECT_FALSE(Present(k[0])) << "the coldest, children or not";
+  EXPECT_FALSE(Present(k[1])) << "the coldest, children or not";
 }
 
 TEST_F(BlockCacheTest, EvictionFallsBackToAParentWhenEveryLeafIsLeased) {
@@ -701,7 +704,8 @@ TEST_F(BlockCacheTest, EvictionFallsBackToAParentWhenEveryLeafIsLeased) {
   std::shared_ptr<Op> load = LoadAsync({k[2]}, 10);  // leases the leaf only
   ASSERT_TRUE(Store({k[3]}, 3).status.ok());
   EXPECT_EQ(cache_->counters().prefix_fallbacks, 1u);
-  EXPECT_FALSE(Present(k[0])) << "the coldest block with cached children";
+  // The chain arrived tail first: k[2] (leased), then k[1], then k[0].
+  EXPECT_FALSE(Present(k[1])) << "the coldest block with cached children";
   ASSERT_TRUE(DrainUntil([&] { return load->done; }));
   EXPECT_EQ(load->outcome.blocks, 1u);
   EXPECT_TRUE(engine_->Holds(10, k[2]));

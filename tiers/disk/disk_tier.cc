@@ -379,6 +379,7 @@ Status DiskTier::Recover() {
     Device& d = devices_[di];
     for (uint32_t ri = static_cast<uint32_t>(d.regions.size()); ri-- > 0;) {
       if (d.regions[ri].state == RegionState::kSealed) {
+        filled_bytes_ += d.regions[ri].write_offset;
         sealed.emplace_back(d.regions[ri].sequence, di, ri);
       } else {
         d.free.push_back(ri);  // lowest region on top
@@ -618,6 +619,7 @@ void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
   if (r.state != RegionState::kReclaiming || r.deletes_pending || r.reads > 0 || r.writes > 0)
     return;
   used_bytes_ -= std::min(used_bytes_, r.live_bytes);
+  filled_bytes_ -= std::min(filled_bytes_, r.write_offset);
   std::vector<Member> members = std::move(r.members);
   members.clear();  // keeps its capacity for the region's next fill
   r = Region{};
@@ -732,6 +734,7 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
   r.members.push_back(
       Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
   r.write_offset += record_bytes;
+  filled_bytes_ += record_bytes;
   r.sequence = header.sequence;
   ++r.writes;
   ++inflight_;

@@ -231,6 +231,11 @@ class DiskTier {
   uint64_t capacity_bytes() const;
   uint64_t max_record_bytes() const { return options_.region_bytes; }
   uint64_t used_bytes() const { return used_bytes_; }
+  // Bytes written into regions not free: live records, records no block
+  // needs any more (waiting for their region's reclaim), and nothing else;
+  // what regions not free hold beyond it is their unwritten tails.
+  uint64_t filled_bytes() const { return filled_bytes_; }
+  uint64_t region_bytes() const { return options_.region_bytes; }
   // Records the owner holds (appended, not forgotten or reclaimed).
   uint64_t live_records() const { return live_records_; }
   // I/O, index writes and appends in flight or waiting: the tier is idle
@@ -342,6 +347,7 @@ class DiskTier {
   uint64_t next_sequence_ = 1;
   uint32_t next_device_ = 0;
   uint64_t used_bytes_ = 0;
+  uint64_t filled_bytes_ = 0;  // filled_bytes()
   uint64_t live_records_ = 0;
   uint64_t inflight_ = 0;    // device reads and appends
   uint64_t index_jobs_ = 0;  // index writes whose done has not run
