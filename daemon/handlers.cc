@@ -697,6 +697,16 @@ std::vector<std::pair<const char*, uint64_t>> RequestCounterList(const RequestCo
   };
 }
 
+// Samples of `h` above `bound_s`, one of its bucket bounds.
+uint64_t TurnsOver(const LatencyHistogram& h, double bound_s) {
+  uint64_t n = 0;
+  for (size_t i = LatencyHistogram::kBoundsSeconds.size() + 1; i-- > 0;) {
+    if (i < LatencyHistogram::kBoundsSeconds.size() && LatencyHistogram::kBoundsSeconds[i] <= bound_s) break;
+    n += h.bucket(i);
+  }
+  return n;
+}
+
 }  // namespace
 
 std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
@@ -781,6 +791,11 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_index_recoveries", disk_ ? disk_->counters().index_recoveries : 0},
                         {"disk_index_stopped", disk_ && disk_->index_stopped() ? 1u : 0u},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
+                        {"loop_turns", loop_turns_.count()},
+                        {"loop_turns_over_1ms", TurnsOver(loop_turns_, 1e-3)},
+                        {"loop_turns_over_5ms", TurnsOver(loop_turns_, 5e-3)},
+                        {"loop_turns_over_10ms", TurnsOver(loop_turns_, 1e-2)},
+                        {"loop_turns_over_25ms", TurnsOver(loop_turns_, 2.5e-2)},
                         {"disk_region_bytes", disk_ ? disk_->region_bytes() : 0},
                         {"disk_record_bytes", disk_ ? disk_->used_bytes() : 0},
                         {"disk_filled_bytes", disk_ ? disk_->filled_bytes() : 0},

@@ -557,9 +557,6 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       // Blocks still on disk failed their read; the prefix ends before the first.
       size_t good = 0;
       while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
-      // The reads landed in host in the order they finished: deepest first
-      // again, so the chain's tail is the first of it host lets go of.
-      for (size_t i = good; i-- > 0;) Touch(p->leased[i]);
       if (good < p->leased.size()) ++counters_.loads_short_disk;
       for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i], tenant);
       p->leased.resize(good);
@@ -620,9 +617,6 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       mine.loads += leased.size();
       mine.bytes_cache_to_engine += bytes;
       // Promote what was read from host, if hbm has room without evicting.
-      // Root first: hbm takes a chain's head while it has room, so the
-      // blocks left in host have no children above them (a parent in host
-      // with children in hbm is evicted last, and scans walk past it).
       for (BlockEntry* e : promote) MaybePromote(e);
       done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
     } else {

@@ -22,16 +22,6 @@ void BlockCache::ArrivedTogether(std::span<BlockEntry* const> filling, uint32_t 
     }
     if (!in_tier.empty()) index_.order(t).ArrivedTogether(in_tier, arrival);
   }
-  // The prefix the request found (the new blocks' ancestors, touched by its
-  // lookup) goes hotter than the new blocks, deepest first: the request
-  // used them all at once, and a chain's tail must be the first of it a
-  // scan meets. Older ancestors colder than newer children made the cold
-  // end of host a run of parents that every victim scan walked.
-  if (!filling.empty()) {
-    std::vector<BlockEntry*> ancestors;
-    for (BlockEntry* a = filling.front()->parent; a != nullptr; a = a->parent) ancestors.push_back(a);
-    for (BlockEntry* a : ancestors) index_.Touch(a);
-  }
 }
 
 bool BlockCache::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms) {

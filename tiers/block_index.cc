@@ -101,12 +101,7 @@ void BlockIndex::Unpark(BlockEntry* e, bool hot) {
   if (!e->parked) return;
   e->parked = false;
   if (std::exchange(e->arrives, false)) {
-    BlockEntry* parent = e->parent;
-    if (hot && parent != nullptr && parent->tier == e->tier && !parent->parked) {
-      order(e->tier).InsertBelow(e, parent);
-    } else {
-      order(e->tier).Insert(e, hot);
-    }
+    order(e->tier).Insert(e, hot);
   } else {
     order(e->tier).Return(e, hot);
   }

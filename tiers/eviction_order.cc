@@ -94,13 +94,6 @@ void EvictionOrder::Insert(BlockEntry* e, bool hot) {
   Link(e, hot);
 }
 
-void EvictionOrder::InsertBelow(BlockEntry* e, BlockEntry* parent) {
-  Insert(e, /*hot=*/true);
-  if (QueueOf(parent) != QueueOf(e)) return;
-  Unlink(e);
-  LinkColderThan(e, parent);
-}
-
 void EvictionOrder::ArrivedTogether(std::span<BlockEntry* const> chain, const Arrival& arrival) {
   if (kind_ == PolicyKind::kS3Fifo || kind_ == PolicyKind::kLru) {
     // Deepest first: the chain's head ends up hottest, as a lookup's
@@ -222,24 +215,6 @@ void EvictionOrder::Link(BlockEntry* e, bool hot) {
   if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = id;
   end = e;
   if (other == nullptr) other = e;
-  ++count_[q];
-  ++total_;
-  if (Protects(q)) CountProtected(e, true);
-}
-
-void EvictionOrder::LinkColderThan(BlockEntry* e, BlockEntry* anchor) {
-  const int q = QueueOf(e);
-  Queue& l = queues_[q];
-  const uint32_t id = pool_->IdOf(e);
-  BlockEntry* colder = Colder(anchor);
-  e->lru_next = pool_->IdOf(anchor);
-  e->lru_prev = anchor->lru_prev;
-  anchor->lru_prev = id;
-  if (colder != nullptr) {
-    colder->lru_next = id;
-  } else {
-    l.coldest = e;
-  }
   ++count_[q];
   ++total_;
   if (Protects(q)) CountProtected(e, true);

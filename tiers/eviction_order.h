@@ -90,12 +90,6 @@ class EvictionOrder {
   // hot end of its queue, or the cold end (a move that ended with the block
   // parked, BlockIndex::Unpark).
   void Insert(BlockEntry* e, bool hot = true);
-  // `e` arrives hot, and its parent `parent` is in this order: `e` goes
-  // right on the cold side of it (where its queue is the parent's; else at
-  // the hot end), so that a chain that arrives root first (moves between
-  // tiers, a block at a time) still has its tail coldest and a scan meets
-  // it before the parents it would leave without children.
-  void InsertBelow(BlockEntry* e, BlockEntry* parent);
   // What the store of a chain of blocks knew of its request.
   struct Arrival {
     uint32_t prefix_hits = 0;    // leading blocks of the request held, or let go of lately (Remembers)
@@ -230,7 +224,6 @@ class EvictionOrder {
   static bool Protects(int queue) { return queue == kHigh || queue >= kKept; }
   // Moves a block into, or out of, its queue; keeps the protected bytes.
   void Link(BlockEntry* e, bool hot);
-  void LinkColderThan(BlockEntry* e, BlockEntry* anchor);
   void Unlink(BlockEntry* e);
   void CountProtected(const BlockEntry* e, bool in);
   // s3fifo: whether the scan keeps willing block `e` (hit since it entered

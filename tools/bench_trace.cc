@@ -250,6 +250,10 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " found none, %" PRId64 " found their record reclaimed meanwhile\n",
               Delta(b, a, "disk_read_failures"), Delta(b, a, "disk_reads_waited_for_room"),
               Delta(b, a, "disk_reads_without_room"), Delta(b, a, "disk_reads_record_gone"));
+  std::printf("loop:     %" PRId64 " turns; over 1 ms %" PRId64 ", 5 ms %" PRId64 ", 10 ms %" PRId64 ", 25 ms %" PRId64
+              " (kvtier_loop_turn_duration_seconds)\n",
+              Delta(b, a, "loop_turns"), Delta(b, a, "loop_turns_over_1ms"), Delta(b, a, "loop_turns_over_5ms"),
+              Delta(b, a, "loop_turns_over_10ms"), Delta(b, a, "loop_turns_over_25ms"));
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
