@@ -212,9 +212,11 @@ bool BlockCache::StartPackedWrite(BlockEntry* e, const CodecParams& codec, DiskW
     post([this, self, n, checksum, codec, block, staging = std::move(staging), header = std::move(header),
           done = std::move(done)]() mutable {
       if (!self.lock()) return;
-      // Saved too little (or not a page of disk: records are whole pages),
-      // or a NaN or Inf: the block itself goes.
-      if (!n || AlignUpToPage(*n) >= AlignUpToPage(block.size())) {
+      // Saved too little, or a NaN or Inf: the block itself goes. So does
+      // a lossless block that saves no page of disk (records are whole
+      // pages): its reads would decode for nothing. An fp8 block stays
+      // coded, as its namespace's blocks are in host.
+      if (!n || (codec.kind == CodecKind::kLossless && AlignUpToPage(*n) >= AlignUpToPage(block.size()))) {
         ++counters_.codec_not_worth_it;
         const uint64_t payload_bytes = block.size();
         options_.disk->Append(std::move(header), block.data(),

@@ -89,8 +89,9 @@ int Compress(const CompressOptions& o) {
         disk_total = 0;
         for (size_t s : sizes) {
           stored_total += s == 0 ? block : s;
-          // The disk writes a payload that saves no page raw (BlockCache).
-          disk_total += s == 0 || AlignUpToPage(s) >= AlignUpToPage(block) ? RecordBytes(block) : RecordBytes(s);
+          // The disk writes a lossless payload that saves no page raw (BlockCache).
+          const bool stays_raw = s == 0 || (kind == CodecKind::kLossless && AlignUpToPage(s) >= AlignUpToPage(block));
+          disk_total += stays_raw ? RecordBytes(block) : RecordBytes(s);
         }
       }
       if (kind == CodecKind::kLossless && back != raw) {

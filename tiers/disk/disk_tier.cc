@@ -206,6 +206,25 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
   return v;
 }
 
+// How a record's I/O splits (StartAppend writes it so, Read reads it so):
+// a header-page record is its header page, then its padded payload; any
+// other is its payload's whole pages straight from or into the caller's
+// buffer (head_bytes, maybe 0), then the rest through the tier's own page
+// (page_bytes, maybe 0: a bare record of whole pages): the payload's last
+// bytes, zeros and, for a trailer record, the trailer.
+struct RecordSplit {
+  bool header_page = false;
+  uint64_t head_bytes = 0;
+  uint64_t page_bytes = 0;
+  int parts = 1;  // I/O requests
+};
+RecordSplit SplitRecord(uint64_t payload_bytes, RecordFormat format) {
+  if (format == RecordFormat::kHeaderPage) return {true, 0, RecordHeader::kBytes, 2};
+  const uint64_t head = PackedHeadBytes(payload_bytes);
+  const uint64_t page = RecordBytes(payload_bytes, format) - head;
+  return {false, head, page, head > 0 && page > 0 ? 2 : 1};
+}
+
 // Checks a record read back: an older record's header (its header page, or
 // the record's tail ending with its trailer: `header`) must decode and name
 // `key` and this payload, and the payload's XXH3-64 must be `checksum` (the
@@ -742,10 +761,11 @@ void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const 
   // Bare: the payload's whole pages (if any), then its tail: its last bytes
   // and zeros (if any). Trailer: the same, the tail ending with the
   // trailer. Header page: the header page, then the payload.
-  const bool header_page = format == RecordFormat::kHeaderPage;
-  const uint64_t head_bytes = header_page ? 0 : PackedHeadBytes(header.payload_bytes);
-  const uint64_t page_bytes = header_page ? RecordHeader::kBytes : record_bytes - head_bytes;
-  auto op = std::make_shared<RecordIo>(header_page || (head_bytes > 0 && page_bytes > 0) ? 2 : 1, page_bytes);
+  const RecordSplit split = SplitRecord(header.payload_bytes, format);
+  const bool header_page = split.header_page;
+  const uint64_t head_bytes = split.head_bytes;
+  const uint64_t page_bytes = split.page_bytes;
+  auto op = std::make_shared<RecordIo>(split.parts, page_bytes);
   if (header_page) {
     EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
   } else {
@@ -911,10 +931,11 @@ void DiskTier::Read(const StoredKey& key, const DiskLocation& loc, uint64_t payl
   const uint64_t record_bytes = RecordBytes(payload_bytes, format);
   // As StartAppend wrote it: the tail of a bare or trailer record comes
   // into the op's page, and its last payload bytes are copied out of it.
-  const bool header_page = format == RecordFormat::kHeaderPage;
-  const uint64_t head_bytes = header_page ? 0 : PackedHeadBytes(payload_bytes);
-  const uint64_t page_bytes = header_page ? RecordHeader::kBytes : record_bytes - head_bytes;
-  auto op = std::make_shared<RecordIo>(header_page || (head_bytes > 0 && page_bytes > 0) ? 2 : 1, page_bytes);
+  const RecordSplit split = SplitRecord(payload_bytes, format);
+  const bool header_page = split.header_page;
+  const uint64_t head_bytes = split.head_bytes;
+  const uint64_t page_bytes = split.page_bytes;
+  auto op = std::make_shared<RecordIo>(split.parts, page_bytes);
   auto finish = [post = options_.post, self = std::weak_ptr<DiskTier*>(self_), loc, record_bytes,
                  done = std::move(done)](Status st, uint64_t checksum) mutable {
     post([self, loc, record_bytes, st = std::move(st), checksum, done = std::move(done)]() mutable {
