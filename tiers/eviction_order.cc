@@ -98,8 +98,7 @@ void EvictionOrder::ArrivedTogether(std::span<BlockEntry* const> chain, const Ar
   if (kind_ == PolicyKind::kS3Fifo || kind_ == PolicyKind::kLru) {
     // Deepest first: the chain's head ends up hottest, as a lookup's
     // touches leave it, and a scan from the cold end meets the tail (a
-    // leaf) before the blocks whose children it would orphan. Root first,
-    // the scan walked whole chains of parents (kLastResort) to its limit.
+    // leaf) before the blocks whose children it would orphan.
     for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
       Unlink(*it);
       Link(*it, /*hot=*/true);
