@@ -15,39 +15,11 @@
 #include "common/block_pattern.h"
 #include "tiers/disk/record.h"
 #include "tools/bench_engine.h"
+#include "tools/bench_fio.h"
 #include "tools/bench_report.h"
 
 namespace kvtier::bench {
 namespace {
-
-// fio's bandwidth in MB/s (1e6 bytes), all jobs together; 0 if fio fails.
-// `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread, each with
-// its own ring of that depth), over disjoint parts of one file, and for
-// writes an fsync at the end inside the timed run, since a demotion counts
-// only once it is durable.
-double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes,
-           uint64_t block_bytes, uint32_t queue_depth, uint32_t jobs) {
-  const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;
-  const std::string cmd =
-      "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
-      " --size=" + std::to_string(per_job) + " --offset_increment=" + std::to_string(per_job) +
-      " --numjobs=" + std::to_string(jobs) +
-      " --group_reporting --bs=" + std::to_string(block_bytes) +
-      " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
-      " --ioengine=io_uring --direct=1 --output-format=json 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return 0;
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
-  ::pclose(p);
-  // "read": {... "bw_bytes" : N ...}, "write": {...}: the section of this job's direction.
-  const std::string section = rw == "write" ? "\"write\" : {" : "\"read\" : {";
-  const size_t at = out.find(section);
-  const size_t bw = at == std::string::npos ? std::string::npos : out.find("\"bw_bytes\"", at);
-  if (bw == std::string::npos) return 0;
-  return std::strtod(out.c_str() + out.find(':', bw) + 1, nullptr) / 1e6;
-}
 
 // One file per block, each fsynced before it counts as stored; read back
 // after dropping those files from the page cache. Returns MB/s.

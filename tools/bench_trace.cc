@@ -1,21 +1,17 @@
 #include "tools/bench_trace.h"
 
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <optional>
 #include <span>
 
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
+#include "tools/bench_fio.h"
 #include "tools/bench_report.h"
 #include "tools/policy_sim.h"
 #include "tools/trace_replay.h"
@@ -49,55 +45,6 @@ std::string Mib(uint64_t bytes) {
 double Pct(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
 }
-
-// fio writing to a file of its own beside the disk tier, from construction
-// until Stop (or destruction): the contended disk of --contend.
-class BackgroundFio {
- public:
-  explicit BackgroundFio(const std::string& dir) : file_(dir + "/contend.fio"), output_(dir + "/contend.json") {
-    std::filesystem::create_directories(dir);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      const std::string filename = "--filename=" + file_;
-      const std::string output = "--output=" + output_;
-      ::execlp("fio", "fio", "--name=kvtier-contend", filename.c_str(), "--rw=write", "--bs=1M", "--size=1G",
-               "--iodepth=8", "--ioengine=io_uring", "--direct=1", "--time_based", "--runtime=3600",
-               "--output-format=json", output.c_str(), static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
-  }
-  ~BackgroundFio() { Stop(); }
-  BackgroundFio(const BackgroundFio&) = delete;
-  BackgroundFio& operator=(const BackgroundFio&) = delete;
-
-  bool running() const { return pid_ > 0; }
-  // Stops fio (SIGINT: it ends its jobs and reports) and returns what it
-  // wrote, in MB/s (1e6 bytes); 0 when it did not run or report.
-  double Stop() {
-    if (pid_ <= 0) return mbps_;
-    ::kill(pid_, SIGINT);
-    int status = 0;
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    std::ifstream in(output_);
-    std::stringstream text;
-    text << in.rdbuf();
-    const std::string out = text.str();
-    const size_t at = out.find("\"write\" : {");
-    const size_t bw = at == std::string::npos ? std::string::npos : out.find("\"bw_bytes\"", at);
-    if (bw != std::string::npos) mbps_ = std::strtod(out.c_str() + out.find(':', bw) + 1, nullptr) / 1e6;
-    std::error_code ec;
-    std::filesystem::remove(file_, ec);
-    std::filesystem::remove(output_, ec);
-    return mbps_;
-  }
-
- private:
-  std::string file_;
-  std::string output_;
-  pid_t pid_ = -1;
-  double mbps_ = 0;
-};
 
 // The sets of a started daemon for these tier sizes.
 std::vector<std::string> DaemonSets(const TraceOptions& o, const std::string& segments) {

@@ -1,0 +1,48 @@
+// fio, the baseline and the neighbour of kvtier-bench's disk workloads: a
+// run timed against kvtierd's disk tier (`disk`), and a writer beside a
+// trace replay (`trace --contend`). Called from the bench's main thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace kvtier::bench {
+
+// The bandwidth of direction `rw` ("read" or "write") in fio's JSON output,
+// in MB/s (1e6 bytes), all jobs together; 0 when it is not there.
+double FioMbps(std::string_view json, std::string_view rw);
+
+// fio's bandwidth in MB/s, all jobs together; 0 if fio fails.
+// `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread, each with
+// its own ring of that depth), over disjoint parts of one file, and for
+// writes an fsync at the end inside the timed run, since a demotion counts
+// only once it is durable.
+double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
+           uint32_t queue_depth, uint32_t jobs);
+
+// fio writing to a file of its own in `dir`, from construction until Stop
+// (or destruction): sequential 1 MiB O_DIRECT writes at queue depth 8 over
+// 1 GiB, as fast as it can (a contended disk).
+class BackgroundFio {
+ public:
+  explicit BackgroundFio(const std::string& dir);
+  ~BackgroundFio() { Stop(); }
+  BackgroundFio(const BackgroundFio&) = delete;
+  BackgroundFio& operator=(const BackgroundFio&) = delete;
+
+  bool running() const { return pid_ > 0; }
+  // Stops fio (SIGINT: it ends its jobs and reports) and returns what it
+  // wrote, in MB/s; 0 when it did not run or report.
+  double Stop();
+
+ private:
+  std::string file_;
+  std::string output_;
+  pid_t pid_ = -1;
+  double mbps_ = 0;
+};
+
+}  // namespace kvtier::bench
