@@ -751,6 +751,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"promotions", c.promotions},
                         {"demotions", c.demotions},
                         {"prefix_fallbacks", c.prefix_fallbacks},
+                        {"victim_scan_blocks", c.victim_scan_blocks},
+                        {"scan_budget_deferrals", c.scan_budget_deferrals},
                         {"extents_reclaimed", c.extents_reclaimed},
                         {"extent_slots_examined", c.extent_slots_examined},
                         {"disk_quota_evictions", c.disk_quota_evictions},
@@ -796,6 +798,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"loop_turns_over_5ms", TurnsOver(loop_turns_, 5e-3)},
                         {"loop_turns_over_10ms", TurnsOver(loop_turns_, 1e-2)},
                         {"loop_turns_over_25ms", TurnsOver(loop_turns_, 2.5e-2)},
+                        {"loop_posted_deferred", posted_deferred_},
                         {"disk_region_bytes", disk_ ? disk_->region_bytes() : 0},
                         {"disk_record_bytes", disk_ ? disk_->used_bytes() : 0},
                         {"disk_filled_bytes", disk_ ? disk_->filled_bytes() : 0},
@@ -1039,6 +1042,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.lookup_latency = lookup_latency_;
   m.loop_turns = loop_turns_;
   m.loop_slow_turns = slow_turns_;
+  m.loop_posted_deferred = posted_deferred_;
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
   for (const auto& t : tenants_->tenants()) {

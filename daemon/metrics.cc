@@ -161,6 +161,14 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             "Blocks hit since they were written that a reclaim dropped (carry budget or write "
             "budget spent).",
             static_cast<double>(c.disk_reinsertions_dropped));
+  f.Counter("kvtier_victim_scan_blocks_total",
+            "Blocks the eviction and write-back scans looked at (a rate far above evictions' means scans walk "
+            "past blocks that cannot go).",
+            static_cast<double>(c.victim_scan_blocks));
+  f.Counter("kvtier_scan_budget_deferrals_total",
+            "Times the background scans (hbm demotion, host write-back) used their budget and went on at a "
+            "later turn of the event loop.",
+            static_cast<double>(c.scan_budget_deferrals));
   f.Counter("kvtier_disk_writes_missed_total",
             "Dirty host blocks let go of unwritten, coldest first, because write-back had not reached them "
             "(the disk fell behind).",
@@ -293,6 +301,10 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_loop_slow_turns_total",
             "Turns of the event loop that took 10 ms or more (kvtierd logs the largest parts of one a second).",
             static_cast<double>(s.loop_slow_turns));
+  f.Counter("kvtier_loop_posted_deferred_total",
+            "Turns of the event loop whose background work (completions, write-back) ran past its 2 ms slice and "
+            "went on after the requests waiting.",
+            static_cast<double>(s.loop_posted_deferred));
   f.Counter("kvtier_ops_cancelled_total", "Loads and stores whose copies their client cancelled (a fence).",
             static_cast<double>(s.ops_cancelled));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {

@@ -68,6 +68,7 @@ struct MetricsSnapshot {
   uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
   LatencyHistogram loop_turns;       // the event loop's turns
   uint64_t loop_slow_turns = 0;      // past Server::kSlowTurn
+  uint64_t loop_posted_deferred = 0;  // posted work past its slice (Server::RunPosted)
   LatencyHistogram lookup_latency;  // request handling
   LatencyHistogram load_latency;    // op start to completion
   LatencyHistogram store_latency;

@@ -171,6 +171,9 @@ class Server {
   LatencyHistogram loop_turns_;
   uint64_t slow_turns_ = 0;
   std::chrono::steady_clock::time_point next_slow_turn_log_{};
+  // Turns whose posted work ran past kPostedSlice and left the rest for the
+  // next turn.
+  uint64_t posted_deferred_ = 0;
   int hbm_device_ = 0;  // the GPU whose memory holds the hbm tier (cuda)
   // The disk tier's parts, destroyed after the cache (which uses them) and
   // in reverse order of use: tier, devices, engine.

@@ -6,6 +6,7 @@
 #include "tiers/block_cache.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "common/check.h"
 
@@ -351,6 +352,7 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
   BlockEntry* victim = index_.order(t).PickVictim(
       options_.eviction_scan_limit,
       [&](const BlockEntry* e) {
+        ++counters_.victim_scan_blocks;
         if (e->leases != 0 || e->state != EntryState::kReady || e->moving) return Candidate::kSkip;
         if (block_bytes != 0 && SlotPool::StrideFor(SlotBytes(e)) != SlotPool::StrideFor(block_bytes)) {
           return Candidate::kSkip;
@@ -358,7 +360,9 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
         if (owner && e->owner != *owner) return Candidate::kSkip;
         if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
         if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t) && !(moves_down && ChildrenLeaving(e, t))) {
-          return Candidate::kLastResort;
+          // In host, a parent stays one until its children have left
+          // (BlockIndex releases it then): held, no scan walks past it again.
+          return t == Tier::kHost ? Candidate::kHeld : Candidate::kLastResort;
         }
         return Candidate::kEvict;
       },
@@ -960,9 +964,14 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
 
 void BlockCache::MaybeDemote() {
   // hbm above its high watermark: demote its coldest blocks to host until it
-  // is below the low one.
-  if (tier(Tier::kHbm)->pool && AboveHigh(Tier::kHbm)) {
+  // is below the low one (also when a demotion that used its scan budget
+  // goes on).
+  if (tier(Tier::kHbm)->pool && (AboveHigh(Tier::kHbm) || std::exchange(hbm_demotion_deferred_, false))) {
     while (AboveLow(Tier::kHbm)) {
+      if (!ScanBudgetLeft()) {
+        hbm_demotion_deferred_ = true;  // the rest on a later turn
+        break;
+      }
       BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt, /*clean_only=*/false, /*moves_down=*/true);
       if (v == nullptr) break;
       // The owner's host quota is full: with a disk tier its host coldest

@@ -527,8 +527,8 @@ void BlockCache::PumpDiskWrites() {
   // clean block is not handed back to an old region that the flush's own
   // appends then reclaim.
   if (AboveHigh(Tier::kHost)) host_demoting_ = true;
-  while (host_demoting_ && !flushing_ && disk_writes_in_flight_ < cap &&
-         steps < kPumpStepsPerCall) {
+  while (host_demoting_ && !flushing_ && disk_writes_in_flight_ < cap && steps < kPumpStepsPerCall) {
+    if (!ScanBudgetLeft()) break;  // the rest on a later turn
     ++steps;
     if (!AboveLow(Tier::kHost)) {
       host_demoting_ = false;
@@ -648,6 +648,13 @@ void BlockCache::EnforceDiskQuota(TenantId owner, uint32_t max_steps, const Stor
   }
 }
 
+bool BlockCache::ScanBudgetLeft() {
+  if (counters_.victim_scan_blocks - scan_base_ < std::max<uint32_t>(1, options_.background_scan_budget)) return true;
+  if (!pump_posted_) ++counters_.scan_budget_deferrals;
+  SchedulePump();
+  return false;
+}
+
 void BlockCache::SchedulePump() {
   if (pump_posted_) return;
   pump_posted_ = true;
@@ -655,8 +662,8 @@ void BlockCache::SchedulePump() {
     auto cache = self.lock();
     if (!cache) return;
     (*cache)->pump_posted_ = false;
-    (*cache)->PumpDiskWrites();
-    (*cache)->FlushRemotePuts();  // what the write-back queued
+    (*cache)->scan_base_ = (*cache)->counters_.victim_scan_blocks;  // a new budget
+    (*cache)->MaybeDemote();  // hbm's demotion, write-back, and what they queued
   });
 }
 

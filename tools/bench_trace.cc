@@ -24,7 +24,8 @@ using trace::SimResult;
 using trace::TraceRequest;
 
 constexpr uint64_t kSlotAlignBytes = 4096;  // SlotPool::kSlotAlignBytes: memory tiers' slot stride
-constexpr double kLagTargetMs = 20;         // the loop lag's p99 under load, at most
+constexpr double kLagTargetMs = 10;         // the loop lag's p99 under load, at most
+constexpr double kLagMaxTargetMs = 20;      // and its largest
 
 struct Capacity {
   uint64_t hbm = 0, host = 0, disk = 0;  // blocks: slots and records the tiers hold
@@ -201,6 +202,10 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " (kvtier_loop_turn_duration_seconds)\n",
               Delta(b, a, "loop_turns"), Delta(b, a, "loop_turns_over_1ms"), Delta(b, a, "loop_turns_over_5ms"),
               Delta(b, a, "loop_turns_over_10ms"), Delta(b, a, "loop_turns_over_25ms"));
+  std::printf("          victim scans looked at %" PRId64 " blocks; background scans deferred %" PRId64
+              " times; posted work past its slice %" PRId64 " times\n",
+              Delta(b, a, "victim_scan_blocks"), Delta(b, a, "scan_budget_deferrals"),
+              Delta(b, a, "loop_posted_deferred"));
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
@@ -259,9 +264,9 @@ void PrintWatch(const Watch& w, const std::vector<double>& idle_ms, const Replay
       Percentile(idle_ms, 0.5), idle99);
   // The event loop's work per request is bounded whatever the cache holds:
   // under load its lag stays within a few milliseconds.
-  lag_met = p99 <= kLagTargetMs;
-  std::printf("target:   loop lag p99 <= %.0f ms under load: %s\n", kLagTargetMs,
-              lag_met ? "met" : "NOT met");
+  lag_met = p99 <= kLagTargetMs && Percentile(w.lag_ms, 1.0) <= kLagMaxTargetMs;
+  std::printf("target:   loop lag p99 <= %.0f ms and max <= %.0f ms under load: %s\n", kLagTargetMs,
+              kLagMaxTargetMs, lag_met ? "met" : "NOT met");
 }
 
 struct Simulated {

@@ -37,7 +37,7 @@ constexpr size_t kHost = static_cast<size_t>(Tier::kHost);
 // Every member listed, so that -Wmissing-field-initializers stays quiet.
 BlockCache::Options CacheOptions(DeviceBackend* backend, BlockCache::Post post, uint64_t hbm_bytes,
                                  uint64_t host_bytes, bool prefix_aware = true,
-                                 TierWatermarks host_watermarks = {}) {
+                                 TierWatermarks host_watermarks = {}, uint32_t background_scan_budget = 8192) {
   return BlockCache::Options{.backend = backend,
                              .post = std::move(post),
                              .hbm_bytes = hbm_bytes,
@@ -45,7 +45,8 @@ BlockCache::Options CacheOptions(DeviceBackend* backend, BlockCache::Post post, 
                              .hbm_watermarks = TierWatermarks{},
                              .host_watermarks = host_watermarks,
                              .prefix_aware = prefix_aware,
-                             .eviction_scan_limit = 1024};
+                             .eviction_scan_limit = 1024,
+                             .background_scan_budget = background_scan_budget};
 }
 
 struct CacheConfig {
@@ -58,6 +59,7 @@ struct CacheConfig {
   // By default the host tier fills up and evicts only when a slot is needed;
   // the watermark tests set real ones.
   TierWatermarks host_watermarks = {.high = 1.0, .low = 1.0};
+  uint32_t background_scan_budget = 8192;
 };
 
 // The cache under test runs on the test thread: `post` queues closures that
@@ -92,7 +94,7 @@ class BlockCacheTest : public ::testing::Test {
     Result<std::unique_ptr<BlockCache>> cache =
         BlockCache::Create(CacheOptions(backend_, std::move(post), config.hbm_slots * kStride,
                                         config.host_slots * kStride, config.prefix_aware,
-                                        config.host_watermarks));
+                                        config.host_watermarks, config.background_scan_budget));
     ASSERT_TRUE(cache.has_value()) << cache.error();
     cache_ = std::move(*cache);
   }
@@ -469,6 +471,30 @@ TEST_F(BlockCacheTest, StoresLandInHbmFirstAndAreDemotedBetweenWatermarks) {
   const OpOutcome loaded = Load(keys, 20);
   EXPECT_EQ(loaded.blocks, 12u);
   EXPECT_TRUE(Loaded(keys, 20, 12));
+  ASSERT_TRUE(Settle());
+}
+
+// A burst of background work (here: a demotion of 5 blocks) looks at no
+// more blocks between two pumps than its budget allows, and the rest comes
+// at later turns, with the same outcome as without a budget.
+TEST_F(BlockCacheTest, DemotionPastItsScanBudgetGoesOnAtLaterTurnsAndEndsTheSame) {
+  Start({.hbm_slots = 40, .host_slots = 40, .background_scan_budget = 2});
+  const std::vector<StoredKey> keys = NewKeys(40);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(Store({keys[i]}, static_cast<uint32_t>(i)).status.ok());
+    ASSERT_TRUE(Settle());
+  }
+  // The 37th block took hbm past 90%: down to 80% (32), the 5 coldest to
+  // host, 2 looked at a pump.
+  EXPECT_EQ(cache_->counters().demotions, 5u);
+  EXPECT_GE(cache_->counters().scan_budget_deferrals, 2u);
+  EXPECT_EQ(cache_->Usage(Tier::kHbm).blocks, 35u);
+  EXPECT_EQ(cache_->Usage(Tier::kHost).blocks, 5u);
+  const std::vector<StoredKey> coldest(keys.begin(), keys.begin() + 5);
+  EXPECT_EQ(Tiers(coldest), std::vector<Tier>(5, Tier::kHost));
+  engine_->ZeroAll();
+  EXPECT_EQ(Load(keys, 0).blocks, 40u);
+  EXPECT_TRUE(Loaded(keys, 0, 40));
   ASSERT_TRUE(Settle());
 }
 
