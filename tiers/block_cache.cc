@@ -360,9 +360,7 @@ BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<T
         if (owner && e->owner != *owner) return Candidate::kSkip;
         if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
         if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t) && !(moves_down && ChildrenLeaving(e, t))) {
-          // In host, a parent stays one until its children have left
-          // (BlockIndex releases it then): held, no scan walks past it again.
-          return t == Tier::kHost ? Candidate::kHeld : Candidate::kLastResort;
+          return Candidate::kLastResort;
         }
         return Candidate::kEvict;
       },
@@ -972,7 +970,7 @@ void BlockCache::MaybeDemote() {
         hbm_demotion_deferred_ = true;  // the rest on a later turn
         break;
       }
-      BlockEntry* v = PickVictim(Tier::kHbm, 0, std::nullopt, /*clean_only=*/false, /*moves_down=*/true);
+      BlockEntry* v = PickBackgroundVictim(Tier::kHbm);
       if (v == nullptr) break;
       // The owner's host quota is full: with a disk tier its host coldest
       // make room there; else (or when nothing of it can go) this block goes.

@@ -534,7 +534,7 @@ void BlockCache::PumpDiskWrites() {
       host_demoting_ = false;
       break;
     }
-    BlockEntry* v = PickVictim(Tier::kHost, 0, std::nullopt);
+    BlockEntry* v = PickBackgroundVictim(Tier::kHost);
     if (v == nullptr) break;
     if (PutsToRemote(v, Options::RemoteWrite::kOnDemote)) {
       QueueRemotePut(v, /*leaving=*/true);  // it leaves once the put has ended
@@ -648,8 +648,15 @@ void BlockCache::EnforceDiskQuota(TenantId owner, uint32_t max_steps, const Stor
   }
 }
 
+BlockEntry* BlockCache::PickBackgroundVictim(Tier t) {
+  const uint64_t before = counters_.victim_scan_blocks;
+  BlockEntry* v = PickVictim(t, 0, std::nullopt, /*clean_only=*/false, /*moves_down=*/t == Tier::kHbm);
+  background_scanned_ += counters_.victim_scan_blocks - before;
+  return v;
+}
+
 bool BlockCache::ScanBudgetLeft() {
-  if (counters_.victim_scan_blocks - scan_base_ < std::max<uint32_t>(1, options_.background_scan_budget)) return true;
+  if (background_scanned_ - scan_base_ < std::max<uint32_t>(1, options_.background_scan_budget)) return true;
   if (!pump_posted_) ++counters_.scan_budget_deferrals;
   SchedulePump();
   return false;
@@ -662,7 +669,7 @@ void BlockCache::SchedulePump() {
     auto cache = self.lock();
     if (!cache) return;
     (*cache)->pump_posted_ = false;
-    (*cache)->scan_base_ = (*cache)->counters_.victim_scan_blocks;  // a new budget
+    (*cache)->scan_base_ = (*cache)->background_scanned_;  // a new budget
     (*cache)->MaybeDemote();  // hbm's demotion, write-back, and what they queued
   });
 }

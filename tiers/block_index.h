@@ -118,9 +118,6 @@ class BlockIndex {
   // its removal from both.
   BlockEntry* NewEntry(const StoredKey& key);
   void DeleteEntry(BlockEntry* e);
-  // `p`, held in its tier's order (a parent of blocks cached at or above
-  // it), goes back to its queue once it is a parent there no more.
-  void MaybeRelease(BlockEntry* p);
   Table table_;
   ChunkedPool<BlockEntry> entries_;
 

@@ -166,34 +166,15 @@ void EvictionOrder::Touch(BlockEntry* e) {
   }
   if (kind_ != PolicyKind::kS3Fifo) {
     Unlink(e);
-    e->hint_bits &= ~kHeldBit;
     Link(e, /*hot=*/true);
     return;
   }
-  // s3fifo counts the hit; a held block stays held, and its hits keep it
-  // (Keep) once released.
   const uint8_t hits = HitsOf(e);
-  if (hits < kMaxHits) Set(e, PlaceOf(e), static_cast<uint8_t>(hits + 1));
-}
-
-bool EvictionOrder::Hold(BlockEntry* e) {
-  if (Protects(QueueOf(e))) return false;
-  Unlink(e);
-  e->hint_bits |= kHeldBit;
-  Link(e, /*hot=*/true);
-  return true;
-}
-
-void EvictionOrder::Release(BlockEntry* e) {
-  if (!Held(e)) return;
-  Unlink(e);
-  e->hint_bits &= ~kHeldBit;
-  Link(e, /*hot=*/false);
+  if (hits < kMaxHits) Set(e, QueueOf(e), static_cast<uint8_t>(hits + 1));
 }
 
 void EvictionOrder::Remove(BlockEntry* e, bool gone) {
   Unlink(e);
-  e->hint_bits &= ~kHeldBit;  // held in this tier only
   if (gone && kind_ == PolicyKind::kClasses) {
     Learn(e);
     ghost_small_.SetRemember(size() + 1);

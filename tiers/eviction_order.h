@@ -75,9 +75,6 @@ enum class Candidate : uint8_t {
   kSkip,        // cannot go now
   kEvict,       // may go
   kLastResort,  // may go, but only when no kEvict one is found (a parent of cached blocks)
-  // As kLastResort, and stays so until the caller says otherwise (Release):
-  // the order sets it aside, out of later scans' way, until then.
-  kHeld,
 };
 
 class EvictionOrder {
@@ -114,18 +111,6 @@ class EvictionOrder {
   // `e` comes back after Remove(e, false): its queue and hits as they were,
   // at its queue's hot or cold end.
   void Return(BlockEntry* e, bool hot);
-  // Held blocks (a scan's judge said kHeld: in a tier's write-back, a
-  // parent whose children are cached at or above it) wait out of the
-  // policy's queues, in the order they were held, so that scans do not walk
-  // past them again and again (issue 32: host's write-back looked at 600
-  // held parents for each victim it found). Release puts one back, at the
-  // cold end of its queue, where it was when it was held (a hit meanwhile
-  // takes it back hot). Blocks of the protected queues are never held
-  // (their bytes stay counted); a held block the scan would evict anyway
-  // is evicted.
-  bool Held(const BlockEntry* e) const { return (e->hint_bits & kHeldBit) != 0; }
-  void Release(BlockEntry* e);
-  uint64_t held_size() const { return count_[kHeld]; }
 
   // The first candidate, in the policy's order, that `judge` (Candidate
   // (const BlockEntry*)) says may go, or else the first it says may go as a
@@ -191,17 +176,14 @@ class EvictionOrder {
   static constexpr int kHigh = 3;
   static constexpr int kKept = 4;  // kKept + class, class < kKeptClasses
   static constexpr int kKeptClasses = 13;
-  static constexpr int kHeld = kKept + kKeptClasses;
-  static constexpr int kQueues = kHeld + 1;
-  // hint_bits: the level (2 bits), whether it is kept, and the kept class;
-  // and whether it is held (the order's, not the hint's).
+  static constexpr int kQueues = kKept + kKeptClasses;
+  // hint_bits: the level (2 bits), whether it is kept, and the kept class.
   static constexpr uint8_t kLevelMask = 0x3;
   static constexpr uint8_t kLevelNone = 0, kLevelLow = 1, kLevelHigh = 2, kLevelOver = 3;
   static constexpr uint8_t kKeptBit = 0x4;
   static constexpr uint8_t kKeptClassShift = 3;
-  static constexpr uint8_t kHeldBit = 0x80;
   static uint8_t LevelOf(const BlockEntry* e) { return e->hint_bits & kLevelMask; }
-  static bool Hinted(const BlockEntry* e) { return (e->hint_bits & ~kHeldBit) != 0; }
+  static bool Hinted(const BlockEntry* e) { return e->hint_bits != 0; }
   static int KeptClass(uint32_t next_use_ms);
   // The policy's own blocks (s3fifo's share is of these).
   uint64_t policy_size() const { return count_[kSmall] + count_[kMain]; }
@@ -213,10 +195,8 @@ class EvictionOrder {
     BlockEntry* coldest = nullptr;
     BlockEntry* hottest = nullptr;
   };
-  int QueueOf(const BlockEntry* e) const { return Held(e) ? kHeld : PlaceOf(e); }
-  // Its queue were it not held.
-  int PlaceOf(const BlockEntry* e) const {
-    if ((e->hint_bits & kKeptBit) != 0) return kKept + ((e->hint_bits & ~kHeldBit) >> kKeptClassShift);
+  int QueueOf(const BlockEntry* e) const {
+    if ((e->hint_bits & kKeptBit) != 0) return kKept + (e->hint_bits >> kKeptClassShift);
     switch (LevelOf(e)) {
       case kLevelLow:
       case kLevelOver: return kLow;
@@ -224,9 +204,6 @@ class EvictionOrder {
       default: return kind_ == PolicyKind::kS3Fifo ? e->policy_bits & kQueueBit : 0;
     }
   }
-  // Takes `e` out of its queue into kHeld (false: it is protected, and
-  // stays).
-  bool Hold(BlockEntry* e);
   // classes: policy_bits holds the class (5 bits), whether the block is a
   // sample (inserted hot whatever its class: what the class's reuse is
   // learned from) and whether a sample was hit.
@@ -283,33 +260,20 @@ BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_reso
        count_[kSmall] == 0)) {
     first = kMain;
   }
-  int order[kQueues - 1] = {kLow, first, 1 - first, kHigh};
+  int order[kQueues] = {kLow, first, 1 - first, kHigh};
   for (int c = 0; c < kKeptClasses; ++c) order[4 + c] = kKept + kKeptClasses - 1 - c;
   for (int q : order) {
     if (queues_[q].coldest == nullptr) continue;
     for (BlockEntry* e = queues_[q].coldest; e != nullptr && scanned < limit; ++scanned) {
-      BlockEntry* next = Hotter(e);  // before Keep or Hold moves it
+      BlockEntry* next = Hotter(e);  // before Keep moves it
       const Candidate c = judge(static_cast<const BlockEntry*>(e));
       if (c == Candidate::kEvict && !Keep(e)) {
         if (last_resort != nullptr) *last_resort = false;
         return e;
       }
-      if (c == Candidate::kHeld && Hold(e)) {
-        e = next;
-        continue;
-      }
-      if (c != Candidate::kSkip && c != Candidate::kEvict && fallback == nullptr) fallback = e;
+      if (c == Candidate::kLastResort && fallback == nullptr) fallback = e;
       e = next;
     }
-  }
-  // Nothing may go but last resorts: the coldest held one the judge takes,
-  // before any other.
-  scanned = 0;
-  for (BlockEntry* e = queues_[kHeld].coldest; e != nullptr && scanned < limit; e = Hotter(e), ++scanned) {
-    const Candidate c = judge(static_cast<const BlockEntry*>(e));
-    if (c == Candidate::kSkip) continue;
-    if (last_resort != nullptr) *last_resort = c != Candidate::kEvict;
-    return e;
   }
   if (last_resort != nullptr) *last_resort = fallback != nullptr;
   return fallback;

@@ -37,7 +37,7 @@ constexpr size_t kHost = static_cast<size_t>(Tier::kHost);
 // Every member listed, so that -Wmissing-field-initializers stays quiet.
 BlockCache::Options CacheOptions(DeviceBackend* backend, BlockCache::Post post, uint64_t hbm_bytes,
                                  uint64_t host_bytes, bool prefix_aware = true,
-                                 TierWatermarks host_watermarks = {}, uint32_t background_scan_budget = 8192) {
+                                 TierWatermarks host_watermarks = {}, uint32_t background_scan_budget = 65536) {
   return BlockCache::Options{.backend = backend,
                              .post = std::move(post),
                              .hbm_bytes = hbm_bytes,
@@ -59,7 +59,7 @@ struct CacheConfig {
   // By default the host tier fills up and evicts only when a slot is needed;
   // the watermark tests set real ones.
   TierWatermarks host_watermarks = {.high = 1.0, .low = 1.0};
-  uint32_t background_scan_budget = 8192;
+  uint32_t background_scan_budget = 65536;
 };
 
 // The cache under test runs on the test thread: `post` queues closures that

@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "tiers/block_index.h"
@@ -81,130 +80,6 @@ TEST(EvictionOrderTest, AScanSkipsWhatCannotGoFallsBackToALastResortAndStopsAtIt
                 &last_resort),
             nullptr);
   EXPECT_EQ(looked, 4);
-}
-
-// A parent held by a write-back scan (Candidate::kHeld) is out of later
-// scans' way until the index releases it, and then the first to go.
-class HeldTest : public ::testing::TestWithParam<PolicyKind> {
- protected:
-  // Judges as host's write-back does: a block with cached children in its
-  // tier is held; `looked` counts the blocks looked at.
-  auto WriteBack() {
-    return [this](const BlockEntry* e) {
-      ++looked;
-      return BlockIndex::HasChildrenAtOrAbove(e, e->tier) ? Candidate::kHeld : Candidate::kEvict;
-    };
-  }
-  // A chain 0 -> 1 -> 2 in host, the root coldest (as a lookup's hits
-  // leave it), then unrelated blocks 10.. 10+n-1, hotter.
-  void Fill(uint32_t unrelated) {
-    for (uint32_t i = 0; i < 3; ++i) {
-      const StoredKey parent = K(i - 1);
-      index.Insert(K(i), Tier::kHost, i == 0 ? nullptr : &parent);
-    }
-    for (uint32_t i = 0; i < unrelated; ++i) index.Insert(K(10 + i), Tier::kHost, nullptr);
-  }
-  BlockEntry* Pick(bool* last_resort = nullptr) {
-    return index.order(Tier::kHost).PickVictim(1024, WriteBack(), last_resort);
-  }
-  BlockIndex index{GetParam()};
-  int looked = 0;
-};
-
-TEST_P(HeldTest, AHeldParentIsLookedAtOnceAndGoesFirstOnceItsChildrenHaveLeft) {
-  Fill(2);
-  EvictionOrder& order = index.order(Tier::kHost);
-  BlockEntry* root = index.Find(K(0));
-  BlockEntry* mid = index.Find(K(1));
-  BlockEntry* leaf = index.Find(K(2));
-  // The scan meets root and mid (held) before the leaf.
-  EXPECT_EQ(Pick(), leaf);
-  EXPECT_EQ(looked, 3);
-  EXPECT_TRUE(order.Held(root));
-  EXPECT_TRUE(order.Held(mid));
-  EXPECT_EQ(order.held_size(), 2u);
-  EXPECT_EQ(order.size(), 5u) << "held blocks are still the tier's";
-  // The leaf leaves host (written to disk): mid is a parent in host no more,
-  // and is first; root stays held until mid leaves too.
-  looked = 0;
-  index.ChangeTier(leaf, Tier::kDisk);
-  EXPECT_FALSE(order.Held(mid));
-  EXPECT_TRUE(order.Held(root));
-  EXPECT_EQ(Pick(), mid);
-  EXPECT_EQ(looked, 1) << "the held root is not looked at again";
-  index.Erase(mid);
-  EXPECT_FALSE(order.Held(root));
-  EXPECT_EQ(Pick(), root);
-}
-
-TEST_P(HeldTest, WhenOnlyHeldBlocksAreLeftTheColdestIsTheLastResort) {
-  Fill(0);
-  EvictionOrder& order = index.order(Tier::kHost);
-  BlockEntry* leaf = index.Find(K(2));
-  index.AddLease(leaf);  // the leaf cannot go: skipped
-  auto judge = [&](const BlockEntry* e) {
-    if (e->leases != 0) return Candidate::kSkip;
-    return BlockIndex::HasChildrenAtOrAbove(e, e->tier) ? Candidate::kHeld : Candidate::kEvict;
-  };
-  bool last_resort = false;
-  EXPECT_EQ(order.PickVictim(1024, judge, &last_resort), index.Find(K(0)));
-  EXPECT_TRUE(last_resort);
-  EXPECT_EQ(order.held_size(), 2u);
-  // Again: the same answer, and the held blocks are looked at only as last
-  // resorts.
-  EXPECT_EQ(order.PickVictim(1024, judge, &last_resort), index.Find(K(0)));
-  EXPECT_TRUE(last_resort);
-  index.ReleaseLease(leaf);
-}
-
-TEST_P(HeldTest, AHitAHintOrAMoveTakesABlockOutOfHeld) {
-  Fill(2);
-  EvictionOrder& order = index.order(Tier::kHost);
-  BlockEntry* root = index.Find(K(0));
-  BlockEntry* mid = index.Find(K(1));
-  ASSERT_EQ(Pick(), index.Find(K(2)));
-  ASSERT_TRUE(order.Held(root) && order.Held(mid));
-  // lru and classes: a hit takes it back, hot; s3fifo counts the hit (it
-  // keeps the block once released) and moves nothing.
-  index.Touch(mid);
-  EXPECT_EQ(order.Held(mid), GetParam() == PolicyKind::kS3Fifo);
-  // A hint queues it by the hint.
-  EXPECT_TRUE(index.Hint(root, {.priority = -1}, 0));
-  EXPECT_FALSE(order.Held(root));
-  EXPECT_EQ(order.low_size(), 1u);
-  // A move out and back (parked) returns it to its queue.
-  index.Park(mid);
-  EXPECT_FALSE(order.Held(mid));
-  index.Unpark(mid, /*hot=*/true);
-  EXPECT_FALSE(order.Held(mid));
-  EXPECT_EQ(order.held_size(), 0u);
-  EXPECT_EQ(order.size(), 5u);
-  // Low is looked at first: the root is held again, and a hit on a hinted
-  // block takes it out whatever the policy.
-  EXPECT_EQ(Pick(), index.Find(K(2)));
-  EXPECT_TRUE(order.Held(root));
-  index.Touch(root);
-  EXPECT_FALSE(order.Held(root));
-  EXPECT_EQ(order.low_size(), 1u);
-  EXPECT_EQ(order.size(), 5u);
-}
-
-INSTANTIATE_TEST_SUITE_P(Policies, HeldTest,
-                         ::testing::Values(PolicyKind::kLru, PolicyKind::kS3Fifo, PolicyKind::kClasses),
-                         [](const auto& p) { return std::string(PolicyName(p.param)); });
-
-TEST(EvictionOrderTest, AProtectedBlockIsNeverHeld) {
-  BlockIndex index(PolicyKind::kLru);
-  index.Insert(K(0), Tier::kHost, nullptr);
-  EvictionOrder& order = index.order(Tier::kHost);
-  BlockEntry* e = index.Find(K(0));
-  EXPECT_TRUE(index.Hint(e, {.priority = 1}, 0));
-  const uint64_t protected_bytes = order.protected_bytes();
-  bool last_resort = false;
-  EXPECT_EQ(order.PickVictim(1024, [](const BlockEntry*) { return Candidate::kHeld; }, &last_resort), e);
-  EXPECT_TRUE(last_resort);
-  EXPECT_FALSE(order.Held(e));
-  EXPECT_EQ(order.protected_bytes(), protected_bytes);
 }
 
 TEST(EvictionOrderTest, S3FifoKeepsWhatWasHitAndLetsOneHitWondersGo) {

@@ -175,13 +175,11 @@ class DiskTierTest : public ::testing::Test {
     return keys;
   }
 
-  // Stores `key` from engine block `block`, the child of `parent` if given.
-  OpOutcome Store(const StoredKey& key, uint32_t block, const StoredKey* parent = nullptr) {
+  OpOutcome Store(const StoredKey& key, uint32_t block) {
     engine_->Fill(block, key);
     OpOutcome out;
     bool done = false;
-    cache_->Store(kTenant, std::span(&key, 1), std::span(&block, 1),
-                  parent != nullptr ? std::optional<StoredKey>(*parent) : std::nullopt, Target(), owner_,
+    cache_->Store(kTenant, std::span(&key, 1), std::span(&block, 1), std::nullopt, Target(), owner_,
                   [&](OpOutcome o) {
                     out = std::move(o);
                     done = true;
@@ -854,42 +852,6 @@ TEST_F(DiskTierTest, ADiskThatFallsBehindLetsTheColdestDirtyBlocksGoAndSaysSo) {
   // The two being written, and the newest six, are there; the four coldest
   // of the rest are not.
   for (uint32_t i = 0; i < 12; ++i) EXPECT_EQ(LoadExact(keys[i]), i < 2 || i >= 6) << "block " << i;
-}
-
-// Issue 32: host's write-back takes leaves before their parents, and a
-// lookup leaves a chain's root coldest. Each scan used to walk past every
-// such parent again (600 a victim in the trace replay, milliseconds of the
-// event loop a turn); now a parent is held out of the scans' way until its
-// children have left, so each block is looked at a few times at most.
-TEST_F(DiskTierTest, WriteBackLooksAtEachParentOnlyAFewTimes) {
-  max_writes_in_flight_ = 1;  // a parent's turn comes once its child has landed
-  Open(/*hbm_slots=*/0, /*host_slots=*/48, {.high = 0.9, .low = 0.2});
-  // Three chains of 14, each stored a block a request, root first: the
-  // root is the coldest of its chain (as when a prompt grows turn by turn).
-  std::vector<std::vector<StoredKey>> chains;
-  for (int c = 0; c < 3; ++c) {
-    chains.push_back(NewKeys(14));
-    for (uint32_t i = 0; i < chains.back().size(); ++i) {
-      ASSERT_TRUE(Store(chains.back()[i], i, i == 0 ? nullptr : &chains.back()[i - 1]).status.ok());
-    }
-  }
-  ASSERT_EQ(cache_->counters().disk_demotions, 0u);
-  const uint64_t looked_before = cache_->counters().victim_scan_blocks;
-  StoreRequest(NewKeys(2));  // past the high watermark: write-back starts
-  ASSERT_TRUE(Drain([&] {
-    return cache_->Usage(Tier::kHost).blocks <= 10 && cache_->inflight_copies() == 0 && disk_->inflight() == 0;
-  }));
-  const uint64_t written = cache_->counters().disk_demotions;
-  const uint64_t looked = cache_->counters().victim_scan_blocks - looked_before;
-  EXPECT_GE(written, 34u);
-  // Each chain's parents are looked at once on the way to its leaf, and
-  // once more when their turn comes: about 2 a block. Walking past them
-  // for every victim took about 7.5 a block here (n(n+1)/2 for a chain of
-  // n), and the hundreds of times more in a full cache.
-  EXPECT_LE(looked, 3 * written) << "write-back walked past parents again and again";
-  EXPECT_EQ(cache_->counters().prefix_fallbacks, 0u) << "leaves first";
-  // Nothing was lost: every chain is whole, wherever it is.
-  for (const auto& chain : chains) EXPECT_EQ(cache_->Lookup(kTenant, chain).hits, chain.size());
 }
 
 TEST_F(DiskTierTest, ALoadWhoseBlockIsWrittenMeanwhileFinishesCleanly) {
