@@ -17,6 +17,7 @@
 #include "client/cuda_export.h"
 #include "client/op_fences.h"
 #include "common/mutex.h"
+#include "common/version.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 
@@ -105,6 +106,10 @@ class Client::Impl {
   std::string tenant() const {
     MutexLock lock(&mu_);
     return tenant_;
+  }
+  std::string daemon_release() const {
+    MutexLock lock(&mu_);
+    return daemon_release_;
   }
   bool connected() const {
     MutexLock lock(&mu_);
@@ -401,6 +406,7 @@ class Client::Impl {
     if (s->backend() != nullptr) out.backend = s->backend()->str();
     if (s->metrics() != nullptr) out.metrics = s->metrics()->str();
     if (s->scope() != nullptr) out.scope = s->scope()->str();
+    if (s->release() != nullptr) out.release = s->release()->str();
     if (s->tiers() != nullptr) {
       for (const w::TierStats* t : *s->tiers()) {
         out.tiers.push_back(TierStats{TierFromWire(t->tier()), t->capacity_bytes(), t->used_bytes(), t->blocks()});
@@ -604,6 +610,7 @@ class Client::Impl {
     }
     hash_secret_ = std::move(*s);
     tenant_ = welcome->tenant() != nullptr ? welcome->tenant()->str() : "";
+    daemon_release_ = welcome->release() != nullptr ? welcome->release()->str() : "";
     for (auto& cache : caches_) {
       if (Status st = RegisterOne(*cache); !st.ok()) {
         Disconnect();
@@ -717,6 +724,7 @@ class Client::Impl {
   uint64_t next_id_ KVTIER_GUARDED_BY(mu_) = 1;
   std::chrono::steady_clock::time_point next_attempt_ KVTIER_GUARDED_BY(mu_);
   std::string tenant_ KVTIER_GUARDED_BY(mu_);
+  std::string daemon_release_ KVTIER_GUARDED_BY(mu_);
   std::optional<Secret> hash_secret_ KVTIER_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Cache>> caches_ KVTIER_GUARDED_BY(mu_);
   // Ops holding an event slot of a GPU cache, until Wait returns their result.
@@ -741,6 +749,8 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
 std::string Client::tenant() const { return impl_->tenant(); }
+std::string Client::daemon_release() const { return impl_->daemon_release(); }
+const char* Client::release() { return kVersion; }
 bool Client::connected() const { return impl_->connected(); }
 
 Result<CacheId> Client::RegisterKvCache(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,

@@ -11,6 +11,7 @@
 #include <future>
 
 #include "common/chain_hash.h"
+#include "common/version.h"
 #include "daemon/server.h"
 #include "tiers/disk/record.h"
 #include "tiers/host_backend.h"
@@ -126,7 +127,8 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
     return ipc::ErrorMessage(id, Status(StatusCode::kFailedPrecondition,
                                         "protocol version " + std::to_string(m.version()) +
                                             " is not supported; kvtierd speaks " +
-                                            std::to_string(ipc::kProtocolVersion)));
+                                            std::to_string(ipc::kProtocolVersion) + " (release " + kVersion +
+                                            ")"));
   }
   if ((m.token() != nullptr && m.token()->size() > kMaxTokenBytes) ||
       (m.client_name() != nullptr && m.client_name()->size() > kMaxClientNameBytes)) {
@@ -160,7 +162,8 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
   const auto secret = b.CreateVector(t.hash_secret.bytes().data(), t.hash_secret.bytes().size());
   const auto body = w::CreateWelcome(b, ipc::kProtocolVersion, b.CreateString(t.config.name), s.id,
                                      secret, l.max_message_bytes, l.max_keys_per_request,
-                                     l.max_inflight_ops_per_session, b.CreateString(backend_->name()));
+                                     l.max_inflight_ops_per_session, b.CreateString(backend_->name()),
+                                     b.CreateString(kVersion));
   return ipc::FinishMessage(b, id, body);
 }
 
@@ -884,7 +887,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
   const std::string metrics = metrics_ ? metrics_->address() : "";
   const std::string scope = only != nullptr ? "tenant " + only->config.name : "node";
   const auto body = w::CreateStatsReplyDirect(b, &tiers, sessions, leases, mappings, inflight, &cs,
-                                              backend.c_str(), metrics.c_str(), scope.c_str());
+                                              backend.c_str(), metrics.c_str(), scope.c_str(), kVersion);
   return ipc::FinishMessage(b, id, body);
 }
 

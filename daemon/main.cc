@@ -18,10 +18,13 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
+#include "common/version.h"
 #include "config/config_loader.h"
 #include "daemon/config_summary.h"
 #include "daemon/logging.h"
 #include "daemon/server.h"
+#include "ipc/wire.h"
+#include "tiers/disk/disk_tier.h"
 
 namespace {
 
@@ -67,6 +70,9 @@ int main(int argc, char** argv) {
   app.add_flag("--check-config", check_config, "validate the config, print it, and exit");
   app.add_flag("-f,--foreground", foreground, "stay in the foreground (for systemd and containers)");
   app.add_option("--pid-file", pid_file, "write the daemon's pid here once it listens; removed at exit");
+  app.set_version_flag("--version", std::string("kvtierd ") + kvtier::kVersion + " (protocol " +
+                                        std::to_string(kvtier::ipc::kProtocolVersion) + ", disk format " +
+                                        std::to_string(kvtier::DiskTier::kFormatVersion) + ")");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

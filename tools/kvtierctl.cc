@@ -7,6 +7,7 @@
 //   kvtierctl --socket PATH [--token T] evict [--tenant NAME|*] [--namespace FP] [--tier hbm|host|disk] [--json]
 //   kvtierctl --socket PATH [--token T] flush   [--json]     (admin: host -> disk)
 //   kvtierctl --socket PATH [--token T] verify  [--json]     (admin: read back every disk record, with progress)
+//   kvtierctl --socket PATH [--token T] version [--json]     this kvtierctl's version and the daemon's
 //
 // Exit codes: 0 success; 1 the daemon refused or failed; 2 usage; 3 the
 // daemon is unavailable.
@@ -215,6 +216,7 @@ int main(int argc, char** argv) {
   CLI::App* tenants = app.add_subcommand("tenants", "per-tenant usage (admin)");
   CLI::App* evict = app.add_subcommand("evict", "drop unleased blocks");
   CLI::App* flush = app.add_subcommand("flush", "write every host block to the disk tier (admin)");
+  CLI::App* version = app.add_subcommand("version", "this kvtierctl's version, and the daemon's");
   std::string evict_tenant;
   std::string evict_tier;
   evict->add_option("--tenant", evict_tenant, "tenant whose blocks to drop (admin; * = all; default: yours)");
@@ -229,6 +231,19 @@ int main(int argc, char** argv) {
 
   kvtier::Result<std::unique_ptr<kvtier::Client>> client =
       kvtier::Client::Connect({.socket_path = socket, .token = token, .client_name = "kvtierctl"});
+  if (version->parsed()) {
+    // Its own version first: a daemon that cannot be reached is an error
+    // after it.
+    if (json) {
+      std::printf("{\"kvtierctl\": \"%s\", \"kvtierd\": \"%s\"}\n", kvtier::Client::release(),
+                  client ? (*client)->daemon_release().c_str() : "");
+    } else {
+      std::printf("kvtierctl %s\n", kvtier::Client::release());
+      if (client) std::printf("kvtierd   %s (%s)\n", (*client)->daemon_release().c_str(), socket.c_str());
+    }
+    std::fflush(stdout);
+    return client ? 0 : Fail(client.error());
+  }
   if (!client) return Fail(client.error());
 
   if (status->parsed() || stats->parsed()) {

@@ -12,7 +12,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/version.h"
+#include "ipc/wire.h"
 #include "tests/programs.h"
+#include "tiers/disk/disk_tier.h"
 
 namespace {
 
@@ -138,6 +141,16 @@ TEST(KvtierdCliTest, TwoHbmDevicesAreRefusedAtTheirLine) {
   EXPECT_EQ(Kvtierd("--set tiers.hbm.enabled=false --set 'tiers.hbm.devices=[0, 1]' --check-config")
                 .exit_code,
             0);
+}
+
+// One version string (issue 33): CMake's project(VERSION), with the
+// protocol and the disk format this kvtierd speaks and reads.
+TEST(KvtierdCliTest, VersionSaysTheReleaseTheProtocolAndTheDiskFormat) {
+  const CmdResult r = Kvtierd("--version");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_EQ(r.output, std::string("kvtierd ") + kvtier::kVersion + " (protocol " +
+                          std::to_string(kvtier::ipc::kProtocolVersion) + ", disk format " +
+                          std::to_string(kvtier::DiskTier::kFormatVersion) + ")\n");
 }
 
 TEST(KvtierdCliTest, BadCommandLineExitsTwo) {

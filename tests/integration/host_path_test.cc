@@ -17,6 +17,7 @@
 
 #include "common/block_pattern.h"
 #include "common/memory_mapping.h"
+#include "common/version.h"
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 #include "kvtier/client.h"
@@ -370,7 +371,10 @@ TEST(HostPathTest, MalformedAndOutOfRangeMessagesAreRefusedAndOthersUnaffected) 
     RawSession raw(d->socket_path());
     flatbuffers::FlatBufferBuilder b;
     ASSERT_TRUE(raw.Send(ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, 99))).ok());
-    EXPECT_EQ(raw.Receive().code, StatusCode::kFailedPrecondition);
+    const RawSession::Reply refused = raw.Receive();
+    EXPECT_EQ(refused.code, StatusCode::kFailedPrecondition);
+    EXPECT_EQ(refused.message, "protocol version 99 is not supported; kvtierd speaks " +
+                                   std::to_string(ipc::kProtocolVersion) + " (release " + kVersion + ")");
     EXPECT_TRUE(raw.Receive().eof);
   }
   {  // Bad requests on a good session get errors and the session goes on.

@@ -64,6 +64,34 @@ int CorruptSegments(const std::string& dir) {
   return files;
 }
 
+// One version string (issue 33): kvtierctl's own, and the daemon's from its
+// Welcome; a daemon that cannot be reached still leaves kvtierctl's.
+TEST(KvtierctlTest, VersionSaysItsOwnAndTheDaemons) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  const std::string release = Client::release();
+  EXPECT_FALSE(release.empty());
+  CtlRun v = Ctl(*d, "version");
+  EXPECT_EQ(v.exit_code, 0);
+  EXPECT_EQ(v.out, "kvtierctl " + release + "\nkvtierd   " + release + " (" + d->socket_path() + ")\n");
+  v = Ctl(*d, "version --json");
+  EXPECT_EQ(v.out, "{\"kvtierctl\": \"" + release + "\", \"kvtierd\": \"" + release + "\"}\n");
+  Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path()});
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ((*c)->daemon_release(), release);
+  EXPECT_EQ((*c)->Stats().value().release, release);
+  const std::string socket = d->socket_path();
+  d->Stop();
+  FILE* p = ::popen((testing::ProgramPath("kvtierctl") + " --socket " + socket + " version 2>/dev/null").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[256] = {};
+  std::string out;
+  while (::fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+  const int status = ::pclose(p);
+  EXPECT_EQ(WEXITSTATUS(status), 3) << "no daemon: unavailable";
+  EXPECT_EQ(out, "kvtierctl " + release + "\n");
+}
+
 TEST(KvtierctlTest, InspectsEvictsFlushesAndVerifies) {
   std::vector<std::string> sets = DiskSets("io_uring");
   sets.push_back("metrics.enabled=true");

@@ -24,6 +24,7 @@
 #include "common/disk_limits.h"
 #include "common/layout.h"
 #include "common/mutex.h"
+#include "common/version.h"
 
 namespace kvtier {
 namespace {
@@ -55,6 +56,44 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what) {
                 : s.IsCorruption() ? StatusCode::kCorruption
                                    : StatusCode::kIoError,
                 what + ": " + s.ToString(), ErrorSource::kRocksDb, static_cast<int>(s.code()));
+}
+
+// The index's format marker: in the default column family, key "format",
+// value the disk format (u32, little-endian) of the release that wrote it.
+constexpr char kFormatKey[] = "format";
+
+// Refuses an index of a newer disk format than this release reads, and marks
+// any other (a new one, or one of a release before the marker) as of this
+// release's format, which reads them all.
+Status CheckFormat(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::string& path) {
+  std::string value;
+  const rocksdb::Status s = db->Get(rocksdb::ReadOptions(), cf, kFormatKey, &value);
+  if (!s.ok() && !s.IsNotFound()) return FromRocks(s, "reading the disk format of " + path);
+  if (s.ok()) {
+    if (value.size() != sizeof(uint32_t)) {
+      return Status(StatusCode::kCorruption, "the disk index " + path + " has a format marker of " +
+                                                 std::to_string(value.size()) + " bytes; 4 were expected");
+    }
+    uint32_t format = 0;
+    for (size_t i = 0; i < sizeof(format); ++i) format |= uint32_t{static_cast<uint8_t>(value[i])} << (8 * i);
+    if (format > DiskTier::kFormatVersion) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "the disk index " + path + " is in disk format " + std::to_string(format) +
+                        ", written by a newer kvtier; this kvtierd (" + kVersion + ") reads disk formats 1 to " +
+                        std::to_string(DiskTier::kFormatVersion) +
+                        ". Run the newer kvtierd, or start the disk tier cold: remove " + path +
+                        " and the segment files of tiers.disk.paths");
+    }
+    if (format == DiskTier::kFormatVersion) return Status::Ok();
+  }
+  std::string mark(sizeof(uint32_t), '\0');
+  for (size_t i = 0; i < sizeof(uint32_t); ++i) mark[i] = static_cast<char>(DiskTier::kFormatVersion >> (8 * i));
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  if (const rocksdb::Status w = db->Put(sync, cf, kFormatKey, mark); !w.ok()) {
+    return FromRocks(w, "writing the disk format of " + path);
+  }
+  return Status::Ok();
 }
 
 struct FreeDeleter {
@@ -330,9 +369,12 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   const rocksdb::Status s = rocksdb::DB::Open(db_options, tier->options_.index_path, cfs, &handles, &db);
   if (!s.ok()) return Err(FromRocks(s, "opening the disk index " + tier->options_.index_path));
   tier->db_.reset(db);
-  db->DestroyColumnFamilyHandle(handles[0]);  // the default family is unused
   tier->blocks_cf_ = handles[1];
   tier->regions_cf_ = handles[2];
+  // The default family holds only the format marker.
+  const Status format = CheckFormat(db, handles[0], tier->options_.index_path);
+  db->DestroyColumnFamilyHandle(handles[0]);
+  KVTIER_RETURN_IF_ERROR(format);
   KVTIER_RETURN_IF_ERROR(tier->Recover());
   tier->writer_ = std::make_unique<IndexWriter>(db);
   return tier;

@@ -163,6 +163,12 @@ class DiskTier {
     bool legacy_records = false;
   };
 
+  // The disk format this release writes, and the newest it reads (it reads
+  // every older one): the index's "format" marker (docs/disk-format.md).
+  // An index of a newer format is refused whole (kFailedPrecondition), and
+  // left as it is: its entries would look damaged to this release, and be
+  // dropped.
+  static constexpr uint32_t kFormatVersion = 4;
   // Opens (or creates) the index and recovers the regions' state from it.
   // Errors keep the RocksDB status code.
   static Result<std::unique_ptr<DiskTier>> Open(Options options);

@@ -170,6 +170,7 @@ struct TierStats {
 // Stats as the caller may see them: the node's for an admin tenant, else
 // only the caller's own tenant's share (scope says which).
 struct DaemonStats {
+  std::string release;  // kvtierd's version, e.g. "0.1.0" (empty from a daemon before 0.1.0)
   std::string scope;    // "node", or "tenant <name>"
   std::string backend;  // the device backend, its devices and driver
   std::string metrics;  // where /metrics is served ("host:port"), or empty
@@ -217,6 +218,11 @@ class Client {
 
   // The tenant the daemon identified this process as.
   std::string tenant() const;
+  // kvtierd's version as its Welcome said (e.g. "0.1.0"), and this
+  // library's (kvtier::kVersion in common/version.h, the same string when
+  // both come from one release).
+  std::string daemon_release() const;
+  static const char* release();
   bool connected() const;
 
   // Registers engine memory described by `placements` over `regions`.

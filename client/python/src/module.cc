@@ -348,6 +348,7 @@ py::dict StatsDict(const DaemonStats& s) {
   py::dict d;
   d["scope"] = s.scope;
   d["backend"] = s.backend;
+  d["release"] = s.release;
   d["metrics"] = s.metrics;
   py::list tiers;
   for (const TierStats& t : s.tiers) {
@@ -454,6 +455,7 @@ using namespace kvtier::python;  // NOLINT
 
 PYBIND11_MODULE(_kvtier, m) {
   m.doc() = "The binding of libkvtier; use the kvtier package.";
+  m.attr("__version__") = kvtier::Client::release();
 
   py::class_<Layout>(m, "Layout",
                      "The shape of one engine's KV cache block; its fingerprint names a namespace.")
@@ -596,6 +598,8 @@ PYBIND11_MODULE(_kvtier, m) {
            "Closes the connection; later calls raise FailedPreconditionError.")
       .def_property_readonly("closed", &PyClient::closed)
       .def_property_readonly("tenant", [](const PyClient& c) { return c.Get()->tenant(); })
+      .def_property_readonly("daemon_release", [](const PyClient& c) { return c.Get()->daemon_release(); },
+                             "kvtierd's version, as its Welcome said (\"0.1.0\").")
       .def_property_readonly("connected", [](const PyClient& c) { return c.Get()->connected(); })
       .def(
           "register_cpu_cache",

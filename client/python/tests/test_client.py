@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import threading
 import time
@@ -313,6 +314,10 @@ def test_stats_and_engine_hashes(client: kvtier.Client) -> None:
     stats = client.stats()
     assert {t["tier"] for t in stats["tiers"]} >= {"host"}
     assert "counters" in stats and stats["sessions"] >= 1
+    # One version string: the package's, libkvtier's and the daemon's.
+    assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", kvtier.__version__)
+    assert client.daemon_release == kvtier.__version__
+    assert stats["release"] == kvtier.__version__
 
     sha = bytes(range(32))
     key = client.key_from_engine_hash(cache, sha)

@@ -723,6 +723,66 @@ TEST_F(DiskTierTest, RestartIsWarm) {
 // Index entries that cannot name a real record (a damaged or hostile state
 // directory) are dropped at recovery, however their fields overflow; the
 // others recover and load exactly.
+// The index's format marker (issue 33): a disk written by a newer release is
+// refused with a clear error and left as it was (not read as damaged and
+// dropped); one without a marker (an older release's) is read and marked.
+TEST_F(DiskTierTest, ADiskOfANewerFormatIsRefusedAndLeftAsItWas) {
+  Open();
+  const std::vector<StoredKey> keys = NewKeys(20);
+  StoreAll(keys);
+  const std::vector<StoredKey> disk = OnDisk(keys);
+  ASSERT_GE(disk.size(), 6u);
+  Close();
+  // Reads, rewrites or deletes the marker ("format", u32 little-endian, in
+  // the default column family); returns what it held (nullopt: none).
+  auto marker = [&](std::optional<uint32_t> write, bool erase = false) {
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    EXPECT_TRUE(rocksdb::DB::Open(rocksdb::Options(), index_path_, cfs, &handles, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::string v;
+    std::optional<uint32_t> held;
+    if (db->Get({}, handles[0], "format", &v).ok() && v.size() == 4) {
+      uint32_t f = 0;
+      std::memcpy(&f, v.data(), 4);
+      held = f;
+    }
+    if (write) {
+      EXPECT_TRUE(db->Put({}, handles[0], "format", std::string(reinterpret_cast<const char*>(&*write), 4)).ok());
+    }
+    if (erase) {
+      EXPECT_TRUE(db->Delete({}, handles[0], "format").ok());
+    }
+    for (rocksdb::ColumnFamilyHandle* h : handles) EXPECT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+    EXPECT_TRUE(db->Close().ok());
+    return held;
+  };
+  EXPECT_EQ(marker(std::nullopt), DiskTier::kFormatVersion) << "the tier marks its index";
+  EXPECT_EQ(marker(DiskTier::kFormatVersion + 1), DiskTier::kFormatVersion);
+  Result<std::unique_ptr<DiskTier>> newer =
+      tiers_test::OpenDiskUnder(&cache_, {faulty_.get()}, index_path_, kRegionBytes, loop_.post());
+  ASSERT_FALSE(newer.has_value());
+  EXPECT_EQ(newer.error().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(newer.error().message().find("disk format " + std::to_string(DiskTier::kFormatVersion + 1) +
+                                         ", written by a newer kvtier"),
+            std::string::npos)
+      << newer.error();
+  EXPECT_NE(newer.error().message().find("reads disk formats 1 to " + std::to_string(DiskTier::kFormatVersion)),
+            std::string::npos)
+      << newer.error();
+  EXPECT_EQ(marker(std::nullopt), DiskTier::kFormatVersion + 1) << "the refusal changed nothing";
+  // An older release's index (no marker) is read whole, and marked.
+  marker(std::nullopt, /*erase=*/true);
+  Open();
+  EXPECT_EQ(adopted_, disk.size());
+  EXPECT_EQ(disk_->counters().recovery_dropped, 0u);
+  for (const StoredKey& k : disk) EXPECT_TRUE(LoadExact(k));
+  Close();
+  EXPECT_EQ(marker(std::nullopt), DiskTier::kFormatVersion);
+}
+
 TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(20);

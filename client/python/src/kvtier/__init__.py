@@ -46,6 +46,7 @@ from ._errors import (
     UnavailableError,
     UnimplementedError,
 )
+from ._kvtier import __version__  # CMake's project(VERSION): one string for the wheel, kvtierd and libkvtier
 from ._kvtier import (
     Client,
     CpuKvCache,
@@ -59,6 +60,7 @@ from ._kvtier import (
 )
 
 __all__ = [
+    "__version__",
     "AbortedError",
     "AlreadyExistsError",
     "CancelledError",

@@ -10,6 +10,8 @@ Tokens = Sequence[int] | npt.NDArray[Any]
 BlockIds = Sequence[int] | npt.NDArray[Any]
 PlacementsArg = str | Sequence[Placement]
 
+__version__: str
+
 class Layout:
     """The shape of one engine's KV cache block; its fingerprint names a namespace."""
 
@@ -134,6 +136,8 @@ class Client:
     def closed(self) -> bool: ...
     @property
     def tenant(self) -> str: ...
+    @property
+    def daemon_release(self) -> str: ...
     @property
     def connected(self) -> bool: ...
     def register_cpu_cache(self, cache: CpuKvCache) -> KvCache: ...
