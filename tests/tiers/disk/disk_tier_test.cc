@@ -255,6 +255,25 @@ class DiskTierTest : public ::testing::Test {
     return out;
   }
 
+  // The tier's RocksDB index opened directly (the tier closed), to inspect
+  // or damage it; closed when this goes.
+  struct RawIndex {
+    explicit RawIndex(const std::string& path) {
+      const std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+          {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
+      rocksdb::DB* raw = nullptr;
+      EXPECT_TRUE(rocksdb::DB::Open(rocksdb::Options(), path, cfs, &handles, &raw).ok());
+      db.reset(raw);
+    }
+    ~RawIndex() {
+      if (!db) return;
+      for (rocksdb::ColumnFamilyHandle* h : handles) EXPECT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+      EXPECT_TRUE(db->Close().ok());
+    }
+    std::unique_ptr<rocksdb::DB> db;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;  // default (the format marker), blocks, regions
+  };
+
   PresenceTracker presence_;    // outlives the cache
   tiers_test::CacheLoop loop_;  // first: the tier and the cache post to it until they are gone
   std::string dir_;
@@ -720,9 +739,6 @@ TEST_F(DiskTierTest, RestartIsWarm) {
   for (const StoredKey& k : disk) EXPECT_TRUE(LoadExact(k)) << "written before the restart: a hit";
 }
 
-// Index entries that cannot name a real record (a damaged or hostile state
-// directory) are dropped at recovery, however their fields overflow; the
-// others recover and load exactly.
 // The index's format marker (issue 33): a disk written by a newer release is
 // refused with a clear error and left as it was (not read as damaged and
 // dropped); one without a marker (an older release's) is read and marked.
@@ -736,27 +752,22 @@ TEST_F(DiskTierTest, ADiskOfANewerFormatIsRefusedAndLeftAsItWas) {
   // Reads, rewrites or deletes the marker ("format", u32 little-endian, in
   // the default column family); returns what it held (nullopt: none).
   auto marker = [&](std::optional<uint32_t> write, bool erase = false) {
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
-        {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    rocksdb::DB* raw = nullptr;
-    EXPECT_TRUE(rocksdb::DB::Open(rocksdb::Options(), index_path_, cfs, &handles, &raw).ok());
-    std::unique_ptr<rocksdb::DB> db(raw);
-    std::string v;
+    RawIndex index(index_path_);
     std::optional<uint32_t> held;
-    if (db->Get({}, handles[0], "format", &v).ok() && v.size() == 4) {
+    if (!index.db) return held;
+    std::string v;
+    if (index.db->Get({}, index.handles[0], "format", &v).ok() && v.size() == 4) {
       uint32_t f = 0;
       std::memcpy(&f, v.data(), 4);
       held = f;
     }
     if (write) {
-      EXPECT_TRUE(db->Put({}, handles[0], "format", std::string(reinterpret_cast<const char*>(&*write), 4)).ok());
+      EXPECT_TRUE(
+          index.db->Put({}, index.handles[0], "format", std::string(reinterpret_cast<const char*>(&*write), 4)).ok());
     }
     if (erase) {
-      EXPECT_TRUE(db->Delete({}, handles[0], "format").ok());
+      EXPECT_TRUE(index.db->Delete({}, index.handles[0], "format").ok());
     }
-    for (rocksdb::ColumnFamilyHandle* h : handles) EXPECT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
-    EXPECT_TRUE(db->Close().ok());
     return held;
   };
   EXPECT_EQ(marker(std::nullopt), DiskTier::kFormatVersion) << "the tier marks its index";
@@ -783,6 +794,9 @@ TEST_F(DiskTierTest, ADiskOfANewerFormatIsRefusedAndLeftAsItWas) {
   EXPECT_EQ(marker(std::nullopt), DiskTier::kFormatVersion);
 }
 
+// Index entries that cannot name a real record (a damaged or hostile state
+// directory) are dropped at recovery, however their fields overflow; the
+// others recover and load exactly.
 TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
   Open();
   const std::vector<StoredKey> keys = NewKeys(20);
@@ -791,12 +805,10 @@ TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
   ASSERT_GE(disk.size(), 6u);
   Close();
   {
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
-        {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"regions", {}}};
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), dir_ + "/index", cfs, &handles, &raw).ok());
-    std::unique_ptr<rocksdb::DB> db(raw);
+    RawIndex index(index_path_);
+    rocksdb::DB* db = index.db.get();
+    ASSERT_NE(db, nullptr);
+    const std::vector<rocksdb::ColumnFamilyHandle*>& handles = index.handles;
     // Value: version u8, device u32, region u32, offset u64 (at 9),
     // record_bytes u64 (at 17), sequence u64, payload_bytes u64 (at 33), ...
     auto rewrite = [&](const StoredKey& k, std::vector<std::pair<size_t, uint64_t>> fields) {
@@ -821,9 +833,6 @@ TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
     rewrite(disk[2], {{33, huge}, {17, RecordBytes(huge)}});
     rewrite(disk[3], {{33, uint64_t{1} << 40},
                       {17, RecordBytes(uint64_t{1} << 40)}});  // larger than any block
-    for (rocksdb::ColumnFamilyHandle* h : handles)
-      ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
-    ASSERT_TRUE(db->Close().ok());
   }
   Open();
   EXPECT_EQ(disk_->counters().recovery_dropped, 4u);
