@@ -246,6 +246,15 @@ class DiskTierTest : public ::testing::Test {
     EXPECT_TRUE(Drain([&] { return cache_->inflight_copies() == 0; }));
     return OnDisk(keys);
   }
+  // Opens, stores 20 new blocks and closes; returns those on disk.
+  std::vector<StoredKey> FillDiskAndClose() {
+    Open();
+    const std::vector<StoredKey> keys = NewKeys(20);
+    StoreAll(keys);
+    std::vector<StoredKey> disk = OnDisk(keys);
+    Close();
+    return disk;
+  }
   std::vector<StoredKey> OnDisk(const std::vector<StoredKey>& keys) {
     std::vector<StoredKey> out;
     const std::vector<Tier> t = TiersOf(keys);
@@ -727,12 +736,8 @@ TEST_F(DiskTierTest, TornWriteIsCaughtOnRead) {
 }
 
 TEST_F(DiskTierTest, RestartIsWarm) {
-  Open();
-  const std::vector<StoredKey> keys = NewKeys(20);
-  StoreAll(keys);
-  const std::vector<StoredKey> disk = OnDisk(keys);
+  const std::vector<StoredKey> disk = FillDiskAndClose();
   ASSERT_GT(disk.size(), 5u);
-  Close();
   Open();
   EXPECT_EQ(adopted_, disk.size());
   EXPECT_EQ(cache_->Usage(Tier::kDisk).blocks, disk.size());
@@ -743,12 +748,8 @@ TEST_F(DiskTierTest, RestartIsWarm) {
 // refused with a clear error and left as it was (not read as damaged and
 // dropped); one without a marker (an older release's) is read and marked.
 TEST_F(DiskTierTest, ADiskOfANewerFormatIsRefusedAndLeftAsItWas) {
-  Open();
-  const std::vector<StoredKey> keys = NewKeys(20);
-  StoreAll(keys);
-  const std::vector<StoredKey> disk = OnDisk(keys);
+  const std::vector<StoredKey> disk = FillDiskAndClose();
   ASSERT_GE(disk.size(), 6u);
-  Close();
   // Reads, rewrites or deletes the marker ("format", u32 little-endian, in
   // the default column family); returns what it held (nullopt: none).
   auto marker = [&](std::optional<uint32_t> write, bool erase = false) {
@@ -798,12 +799,8 @@ TEST_F(DiskTierTest, ADiskOfANewerFormatIsRefusedAndLeftAsItWas) {
 // directory) are dropped at recovery, however their fields overflow; the
 // others recover and load exactly.
 TEST_F(DiskTierTest, ImplausibleIndexEntriesAreDroppedAtRecovery) {
-  Open();
-  const std::vector<StoredKey> keys = NewKeys(20);
-  StoreAll(keys);
-  const std::vector<StoredKey> disk = OnDisk(keys);
+  const std::vector<StoredKey> disk = FillDiskAndClose();
   ASSERT_GE(disk.size(), 6u);
-  Close();
   {
     RawIndex index(index_path_);
     rocksdb::DB* db = index.db.get();
