@@ -23,7 +23,9 @@ set(KVTIER_SYSTEMD_UNIT_DIR "lib/systemd/system" CACHE STRING
 set(KVTIER_SYSUSERS_DIR "lib/sysusers.d" CACHE STRING
     "Where the sysusers.d file (the kvtier user) is installed, relative to the prefix (or absolute)")
 
-install(TARGETS kvtierd kvtierctl kvtier-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS kvtierd kvtierctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# The benchmark is installed too, but is no part of the Debian package.
+install(TARGETS kvtier-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT bench)
 
 install(TARGETS kvtier_shared EXPORT kvtierTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

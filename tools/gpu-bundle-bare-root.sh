@@ -9,11 +9,9 @@
 # tests must pass from the bundle, the gpu tests must each report that no GPU
 # is usable, and nothing else may fail. tools/test.sh runs it.
 #
-# Usage: tools/gpu-bundle-bare-root.sh   (as root, with debootstrap from
-# tools/setup-deps.sh; fetches the root from Debian's mirror, about 40 MB,
-# once per build/bare-root). Environment: KVTIER_BARE_ROOT (default build/bare-root),
-# KVTIER_DEBIAN_MIRROR (default: the first deb.debian.org-style URI of apt's
-# sources, else http://deb.debian.org/debian). The check's log lands in
+# Usage: tools/gpu-bundle-bare-root.sh   (as root; the root comes from
+# tools/bare-root.sh, once per build/bare-root). Environment: KVTIER_BARE_ROOT
+# (default build/bare-root), and tools/bare-root.sh's. The check's log lands in
 # build/bare-root-results. Exit status: 0 proven, 1 failed, 0 with "not run"
 # when not root (no chroot or namespaces).
 set -euo pipefail
@@ -34,18 +32,7 @@ fi
 
 tools/gpu-bundle.sh gpu-bundle
 
-if [[ ! -f "$root/etc/debian_version" || ! -x "$root/bin/bash" ]]; then
-  command -v debootstrap >/dev/null 2>&1 || fail "no debootstrap: run tools/setup-deps.sh"
-  suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
-  mirror=${KVTIER_DEBIAN_MIRROR:-$(sed -n 's/^URIs: *\(http[^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/*.sources \
-    2>/dev/null | head -1)}
-  mirror=${mirror:-http://deb.debian.org/debian}
-  say "debootstrap --variant=minbase $suite $root $mirror"
-  rm -rf "$root"
-  mkdir -p "$(dirname "$root")"
-  debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$root.debootstrap.log" 2>&1 ||
-    { tail -20 "$root.debootstrap.log"; fail "debootstrap (log: $root.debootstrap.log)"; }
-fi
+tools/bare-root.sh "$root"
 say "root: $(du -sh "$root" | cut -f1), $(chroot "$root" dpkg-query -W | wc -l) packages"
 for lib in liburing.so.2 librocksdb.so.7.8 libyaml-cpp.so.0.7 libspdlog.so.1.10; do
   if [[ -n "$(find "$root/usr" "$root/lib" -name "$lib*" 2>/dev/null | head -1)" ]]; then

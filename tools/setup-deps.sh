@@ -27,9 +27,10 @@ PACKAGES=(
   # the Python package (client/python/): pybind11 and Python's headers; the test
   # virtual environment (tools/setup-python.sh) is made with venv
   pybind11-dev python3-dev python3-venv
-  # tools/gpu-bundle-bare-root.sh: a minimal Debian root to run the GPU bundle in
-  # (binutils' objdump and strip come with build-essential)
-  debootstrap
+  # tools/bare-root.sh: a minimal Debian root to run the GPU bundle and the
+  # Debian package in (binutils' objdump and strip come with build-essential);
+  # tools/deb.sh: dpkg-shlibdeps computes the package's Depends
+  debootstrap dpkg-dev
 )
 
 missing=()

@@ -79,6 +79,10 @@ sanitized asan-ubsan 'unit|integration|crash|fuzz'
 sanitized tsan 'unit|integration|crash'
 
 step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
+# The Debian package (Release, for /usr), installed with apt in a bare Debian
+# root, started as its user, reached through its socket's group, purged.
+step "Debian package in a bare root (tools/deb.sh, tools/deb-bare-root.sh)"
+tools/deb-bare-root.sh
 
 # The GPU check's bundle (Release, CUDA, sm_90) run in a bare Debian root with
 # no network: everything but the GPU itself is proven here.

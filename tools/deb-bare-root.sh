@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# deb-bare-root.sh: proves the Debian package (tools/deb.sh) on a bare Debian
+# root (tools/bare-root.sh: no compiler, no -dev packages, none of this
+# machine's libraries), in a copy of it:
+#   - `apt-get install ./kvtier_*.deb` pulls its Depends from Debian's mirror;
+#   - kvtierd --version and kvtierctl version say the release;
+#   - the package made the kvtier user and group, the state directory, and
+#     /etc/kvtier/kvtier.yaml root:kvtier 0640;
+#   - kvtierd starts as the kvtier user with the package's unit's arguments
+#     (no systemd in a chroot: started directly, as the unit would);
+#   - a user in group kvtier reaches it through the socket and is served
+#     (kvtierctl status, as a tenant by uid); a user outside the group is
+#     refused by the socket's mode;
+#   - `apt-get purge kvtier` removes the binaries, the config and the state.
+#
+# Usage: tools/deb-bare-root.sh [DEB]   (as root; DEB defaults to a fresh
+# tools/deb.sh). Exit status: 0 proven, 1 failed, 0 with "not run" when not
+# root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "deb-bare-root: $*"; }
+fail() {
+  echo "deb-bare-root: FAILED: $*" >&2
+  exit 1
+}
+if [[ $(id -u) -ne 0 ]]; then
+  say "not run: a chroot needs root"
+  exit 0
+fi
+deb=${1:-$(tools/deb.sh)}
+[[ -f "$deb" ]] || fail "no package at $deb"
+base=$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")
+root=$(realpath -m build/bare-root-deb)
+tools/bare-root.sh "$base"
+rm -rf "$root"
+cp -a "$base" "$root"
+cp /etc/resolv.conf "$root/etc/resolv.conf"
+cp "$deb" "$root/tmp/"
+name=$(basename "$deb")
+version=$(dpkg-deb -f "$deb" Version)
+
+# Everything below runs in a new mount namespace (its mounts vanish with it)
+# on this machine's network (apt needs the mirror).
+unshare --mount --fork bash -s "$root" "$name" "$version" <<'INSIDE' || fail "see above"
+set -euo pipefail
+root=$1 name=$2 version=$3
+say() { echo "deb-bare-root: $*"; }
+fail() {
+  echo "deb-bare-root: FAILED: $*" >&2
+  exit 1
+}
+mount --make-rprivate /
+mount --rbind /dev "$root/dev"
+mount -t proc proc "$root/proc"
+mount -t tmpfs tmpfs "$root/run"
+in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
+as_user() {
+  local user=$1
+  shift
+  in_root setpriv --reuid="$user" --regid="$user" --init-groups "$@"
+}
+
+in_root apt-get update -q >/tmp/deb-bare-root.apt.log 2>&1 || { tail -20 /tmp/deb-bare-root.apt.log; fail "apt-get update"; }
+in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "/tmp/$name" >>/tmp/deb-bare-root.apt.log 2>&1 ||
+  { tail -30 /tmp/deb-bare-root.apt.log; fail "apt-get install ./$name"; }
+say "installed $name: $(in_root dpkg-query -W -f '${Installed-Size}' kvtier) KiB, with $(grep -c '^Setting up' /tmp/deb-bare-root.apt.log) packages set up"
+
+[[ "$(in_root kvtierd --version)" == "kvtierd $version "* ]] || fail "kvtierd --version: $(in_root kvtierd --version)"
+in_root getent passwd kvtier >/dev/null || fail "no kvtier user"
+in_root getent group kvtier >/dev/null || fail "no kvtier group"
+[[ "$(in_root stat -c '%U:%G %a' /etc/kvtier/kvtier.yaml)" == "root:kvtier 640" ]] ||
+  fail "/etc/kvtier/kvtier.yaml is $(in_root stat -c '%U:%G %a' /etc/kvtier/kvtier.yaml)"
+[[ "$(in_root stat -c '%U:%G' /var/lib/kvtier)" == "kvtier:kvtier" ]] || fail "/var/lib/kvtier is not kvtier's"
+[[ -f "$root/usr/lib/systemd/system/kvtierd.service" ]] || fail "no systemd unit"
+[[ -f "$root/usr/lib/sysusers.d/kvtier.conf" ]] || fail "no sysusers file"
+[[ -n "$(find "$root/usr/lib" -name kvtier.pc | head -1)" ]] || fail "no kvtier.pc"
+[[ -f "$root/usr/include/kvtier/client.h" ]] || fail "no headers"
+
+in_root kvtierd --config /etc/kvtier/kvtier.yaml --check-config >/dev/null || fail "the shipped config does not check"
+# An engine user in group kvtier, named as a tenant; another user outside it.
+in_root useradd --create-home --user-group engine
+in_root usermod -a -G kvtier engine
+in_root useradd --create-home --user-group stranger
+uid=$(in_root id -u engine)
+cat >"$root/etc/kvtier/kvtier.yaml.test" <<CONFIG
+socket:
+  path: /run/kvtier/kvtierd.sock
+  mode: 0660
+state_dir: /var/lib/kvtier
+tiers:
+  host:
+    bytes: 64MiB
+  disk:
+    enabled: true
+    paths: [/var/lib/kvtier/disk]
+    bytes: 128MiB
+    region_bytes: 16MiB
+metrics:
+  enabled: false
+tenants:
+  - name: engine
+    uid: $uid
+CONFIG
+in_root install -o root -g kvtier -m 0640 /etc/kvtier/kvtier.yaml.test /etc/kvtier/kvtier.yaml
+in_root rm /etc/kvtier/kvtier.yaml.test
+# What kvtierd.service does: RuntimeDirectory=kvtier, User=kvtier, its ExecStart.
+in_root install -d -o kvtier -g kvtier -m 0755 /run/kvtier
+exec_start=$(sed -n 's/^ExecStart=//p' "$root/usr/lib/systemd/system/kvtierd.service")
+# A simple command in the background: $! is chroot's pid, and chroot, env
+# and setpriv each exec the next, so it is kvtierd's.
+chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/ \
+  setpriv --reuid=kvtier --regid=kvtier --init-groups $exec_start >/tmp/deb-bare-root.kvtierd.log 2>&1 &
+daemon=$!
+trap 'kill -KILL "$daemon" 2>/dev/null || true' EXIT
+for _ in $(seq 100); do
+  [[ -S "$root/run/kvtier/kvtierd.sock" ]] && break
+  kill -0 "$daemon" 2>/dev/null || { cat /tmp/deb-bare-root.kvtierd.log; fail "kvtierd exited"; }
+  sleep 0.1
+done
+[[ -S "$root/run/kvtier/kvtierd.sock" ]] || { cat /tmp/deb-bare-root.kvtierd.log; fail "no socket after 10 s"; }
+[[ "$(in_root stat -c '%U:%G %a' /run/kvtier/kvtierd.sock)" == "kvtier:kvtier 660" ]] ||
+  fail "the socket is $(in_root stat -c '%U:%G %a' /run/kvtier/kvtierd.sock)"
+status=$(as_user engine kvtierctl --socket /run/kvtier/kvtierd.sock status) || fail "kvtierctl status as engine"
+grep -q "scope     tenant engine" <<<"$status" || { echo "$status"; fail "not served as tenant engine"; }
+[[ "$(as_user engine kvtierctl --socket /run/kvtier/kvtierd.sock version)" == *"kvtierd   $version"* ]] ||
+  fail "kvtierctl version"
+if as_user stranger kvtierctl --socket /run/kvtier/kvtierd.sock status >/dev/null 2>&1; then
+  fail "a user outside group kvtier reached the socket"
+fi
+kill -TERM "$daemon"
+rc=0
+wait "$daemon" || rc=$?
+trap - EXIT
+((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 /tmp/deb-bare-root.kvtierd.log)"
+say "kvtierd ran as kvtier; served a tenant in group kvtier through the socket and refused a user outside it"
+
+in_root env DEBIAN_FRONTEND=noninteractive apt-get purge -y -q kvtier >>/tmp/deb-bare-root.apt.log 2>&1 || fail "apt-get purge"
+for gone in /usr/bin/kvtierd /usr/bin/kvtierctl /usr/include/kvtier /etc/kvtier /var/lib/kvtier \
+  /usr/lib/systemd/system/kvtierd.service; do
+  [[ ! -e "$root$gone" ]] || fail "$gone is still there after purge"
+done
+in_root dpkg-query -W kvtier >/dev/null 2>&1 && fail "kvtier is still known to dpkg"
+say "purged: nothing of the package is left"
+INSIDE
+rm -rf "$root"
+say "proven: apt install, start as kvtier, reached through the socket's group, purged"
