@@ -352,6 +352,11 @@ Status Server::Setup() {
 
 void Server::Stop() {
   stop_requested_.store(true, std::memory_order_relaxed);
+  Wake();
+}
+
+void Server::Wake() {
+  // A full eventfd counter (never in practice) still leaves it readable.
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
 }
@@ -361,9 +366,7 @@ void Server::Post(std::function<void()> fn, const char* what) {
     MutexLock lock(&posted_mu_);
     posted_.emplace_back(what, std::move(fn));
   }
-  const uint64_t one = 1;
-  // A full eventfd counter (never in practice) still leaves it readable.
-  [[maybe_unused]] ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+  Wake();
 }
 
 void Server::RunPosted() {
@@ -388,8 +391,7 @@ void Server::RunPosted() {
                      std::make_move_iterator(batch.end()));
     }
     ++posted_deferred_;
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t w = ::write(wake_fd_.get(), &one, sizeof(one));
+    Wake();
     break;
   }
 }

@@ -91,6 +91,8 @@ class Server {
   // Runs `fn` on the loop; `what` (static storage) names it in the profile
   // of a slow turn (TurnProfile).
   void Post(std::function<void()> fn, const char* what = "posted");
+  // Makes the loop's wake descriptor readable: Run() turns and RunPosted.
+  void Wake();
   void RunPosted();
   void OnSignal();
   void Reload();

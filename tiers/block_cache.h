@@ -3,7 +3,10 @@
 // them between tiers (demotion hbm -> host -> disk between watermarks,
 // promotion disk -> host -> hbm on load and prefetch) and evicts by
 // prefix-aware LRU. A block on disk is read into a host slot before it is
-// loaded; two loads of it share that one read.
+// loaded; two loads of it share that one read. Past 800 lines: the class's
+// contract and the state of all its sides (disk, remote, codec, policy,
+// verify) are declared here, until issue 34 gives each side an object of its
+// own.
 //
 // Rules (DESIGN.md, "Rules learned from the peers' bug trackers"):
 //   - Lookup never pins; Load and Store hold leases until their copy is done.

@@ -235,8 +235,8 @@ int main(int argc, char** argv) {
     // Its own version first: a daemon that cannot be reached is an error
     // after it.
     if (json) {
-      std::printf("{\"kvtierctl\": \"%s\", \"kvtierd\": \"%s\"}\n", kvtier::Client::release(),
-                  client ? (*client)->daemon_release().c_str() : "");
+      std::printf("{\"kvtierctl\": %s, \"kvtierd\": %s}\n", JsonString(kvtier::Client::release()).c_str(),
+                  JsonString(client ? (*client)->daemon_release() : "").c_str());
     } else {
       std::printf("kvtierctl %s\n", kvtier::Client::release());
       if (client) std::printf("kvtierd   %s (%s)\n", (*client)->daemon_release().c_str(), socket.c_str());

@@ -75,7 +75,8 @@ Status CheckFormat(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::
                                                  std::to_string(value.size()) + " bytes; 4 were expected");
     }
     uint32_t format = 0;
-    for (size_t i = 0; i < sizeof(format); ++i) format |= uint32_t{static_cast<uint8_t>(value[i])} << (8 * i);
+    std::string_view in = value;
+    le::Get(in, &format);
     if (format > DiskTier::kFormatVersion) {
       return Status(StatusCode::kFailedPrecondition,
                     "the disk index " + path + " is in disk format " + std::to_string(format) +
@@ -86,8 +87,8 @@ Status CheckFormat(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::
     }
     if (format == DiskTier::kFormatVersion) return Status::Ok();
   }
-  std::string mark(sizeof(uint32_t), '\0');
-  for (size_t i = 0; i < sizeof(uint32_t); ++i) mark[i] = static_cast<char>(DiskTier::kFormatVersion >> (8 * i));
+  std::string mark;
+  le::Put<uint32_t>(mark, DiskTier::kFormatVersion);
   rocksdb::WriteOptions sync;
   sync.sync = true;
   if (const rocksdb::Status w = db->Put(sync, cf, kFormatKey, mark); !w.ok()) {
