@@ -10,7 +10,9 @@
 #     python -m kvtier.daemon --version;
 #   - kvtierd --foreground started by its console script with the built-in
 #     defaults (its socket in ./var/kvtier, a disk tier there), smaller tiers
-#     set on the command line; kvtierctl status through its socket;
+#     set on the command line; with no GPU and no CUDA library in the root,
+#     a kvtierd built with CUDA serves on the host backend; kvtierctl status
+#     through its socket;
 #   - store and load through the Python client: blocks of a CpuKvCache stored,
 #     found by lookup, loaded into other blocks and compared byte for byte;
 #   - the vLLM connector: kvtier.vllm from the wheel loaded by vLLM's own
@@ -109,6 +111,10 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 [[ -S "$socket" ]] || { cat /tmp/wheel-bare-root.kvtierd.log; fail "no socket after 10 s"; }
+# No GPU and no CUDA library here: a kvtierd built with CUDA says so and
+# serves on the host backend.
+grep -q "device backend: host" /tmp/wheel-bare-root.kvtierd.log || fail "kvtierd did not start its host backend"
+say "kvtierd: $(grep -o 'device backend: no usable GPU.*' /tmp/wheel-bare-root.kvtierd.log | cut -c1-120 || echo 'built without CUDA; host backend')"
 [[ "$(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version)" == *"kvtierd   $version"* ]] ||
   fail "kvtierctl version: $(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version 2>&1)"
 as_engine kvtierctl --socket var/kvtier/kvtierd.sock status >/dev/null || fail "kvtierctl status"
