@@ -29,8 +29,9 @@ PACKAGES=(
   pybind11-dev python3-dev python3-venv
   # tools/bare-root.sh: a minimal Debian root to run the GPU bundle and the
   # Debian package in (binutils' objdump and strip come with build-essential);
-  # tools/deb.sh: dpkg-shlibdeps computes the package's Depends
-  debootstrap dpkg-dev
+  # tools/deb.sh: dpkg-shlibdeps computes the package's Depends; tools/wheel.sh:
+  # unzip looks into the wheel (file modes included)
+  debootstrap dpkg-dev unzip
 )
 
 missing=()
