@@ -45,7 +45,7 @@ await_socket() {
 }
 stop_daemon() {
   local pid=$1 log=$2 rc=0
-  kill -TERM "$pid"
+  kill -TERM "$pid" 2>/dev/null || { cat "$log"; fail "kvtierd had exited before SIGTERM"; }
   wait "$pid" || rc=$?
   ((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 "$log")"
 }

@@ -48,7 +48,11 @@ ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600
 # installed in both venvs; then the Python package's tests against the Debug
 # build's kvtierd.
 step "the wheel (tools/wheel.sh), installed in both venvs, and the Python package's tests (pytest)"
-wheel=$(tools/wheel.sh build/wheel)
+have_nvcc() { [[ -x "${CUDACXX:-/usr/local/cuda/bin/nvcc}" ]] || command -v nvcc >/dev/null 2>&1; }
+# Where the toolkit is, the wheel must carry CUDA kernels.
+wheel_cuda=AUTO
+if have_nvcc; then wheel_cuda=ON; fi
+wheel=$(KVTIER_CUDA=$wheel_cuda tools/wheel.sh build/wheel)
 for python in "$venv_python" "$engine_python"; do
   "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 done
@@ -93,7 +97,7 @@ tools/wheel-bare-root.sh "$wheel"
 # The GPU check's bundle (Release, CUDA, sm_90) run in a bare Debian root with
 # no network: everything but the GPU itself is proven here.
 step "GPU bundle in a bare root (tools/gpu-bundle-bare-root.sh)"
-if [[ -x "${CUDACXX:-/usr/local/cuda/bin/nvcc}" ]] || command -v nvcc >/dev/null 2>&1; then
+if have_nvcc; then
   tools/gpu-bundle-bare-root.sh
 else
   echo "not run: no CUDA toolkit here (nvcc), so no bundle can be built"

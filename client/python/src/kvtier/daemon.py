@@ -17,6 +17,7 @@ programs that start kvtierd themselves (``program("kvtierd")`` is its path).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -56,6 +57,12 @@ def _exec(name: str, args: Sequence[str] | None) -> NoReturn:
     argv = list(sys.argv[1:] if args is None else args)
     sys.stdout.flush()
     sys.stderr.flush()
+    # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored
+    # across exec: the program gets the defaults, as when run directly
+    # (`kvtierctl stats | head` ends quietly).
+    for sig in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, sig):
+            signal.signal(getattr(signal, sig), signal.SIG_DFL)
     os.execv(path, [name, *argv])
 
 
