@@ -1,6 +1,6 @@
 // DeviceBackend: the seam between kvtier's logic and the memory it moves.
 //
-// Two implementations: `host` (tiers/host_backend.h: arenas in process
+// Two implementations: `host` (devices/host_backend.h: arenas in process
 // memory, engine caches in memfd shared memory, copies on worker threads) and
 // `cuda` (device arenas, pinned host memory, CUDA IPC, batched kernels).
 // Everything above this interface is tested on `host`.

@@ -14,7 +14,7 @@
 #include "common/version.h"
 #include "daemon/server.h"
 #include "tiers/disk/record.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 

@@ -18,9 +18,9 @@
 #include "daemon/logging.h"
 #include "tiers/codec_pool.h"
 #include "tiers/disk/file_device.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 #if KVTIER_HAVE_CUDA
-#include "tiers/cuda_backend.h"
+#include "devices/cuda_backend.h"
 #endif
 
 namespace kvtier {

@@ -41,7 +41,7 @@ nvcc=${CUDACXX:-/usr/local/cuda/bin/nvcc}
 # saying why, without one); host tests run anywhere and prove that the
 # bundle's libraries and paths are complete.
 gpu_tests=(copy_kernels_gpu_test codec_kernels_gpu_test cuda_backend_gpu_test cuda_ipc_gpu_test)
-host_tests=(tiers_test copy_kernel_emulation_test codec_kernel_emulation_test host_path_test disk_integration_test)
+host_tests=(tiers_test devices_test copy_kernel_emulation_test codec_kernel_emulation_test host_path_test disk_integration_test)
 programs=(kvtierd kvtierctl kvtier-bench gpu_client c_api_example)
 
 say() { echo "gpu-bundle: $*"; }

@@ -32,7 +32,7 @@
 #include "ipc/seqpacket.h"
 #include "ipc/wire.h"
 #include "tests/tiers/forwarding_backend.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

@@ -44,7 +44,7 @@
 #include "tiers/block_cache.h"
 #include "tiers/codec_pool.h"
 #include "tiers/disk/disk_tier.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

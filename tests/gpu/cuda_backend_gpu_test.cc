@@ -2,7 +2,7 @@
 // between the hbm and host tiers with host checksums, and a CPU engine's
 // memfd cache copied to and from both tiers (a kernel for hbm, the CPU
 // reference for host), with mappings counted up and down.
-#include "tiers/cuda_backend.h"
+#include "devices/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>

@@ -27,7 +27,7 @@
 #include "tiers/block_cache.h"
 #include "tiers/disk/disk_tier.h"
 #include "tiers/disk_write_log.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

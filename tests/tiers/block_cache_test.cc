@@ -18,7 +18,7 @@
 
 #include "common/mutex.h"
 #include "tests/tiers/tiers_test_util.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

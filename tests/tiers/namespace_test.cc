@@ -19,7 +19,7 @@
 #include "tests/tiers/disk/memory_device.h"
 #include "tests/tiers/tiers_test_util.h"
 #include "tiers/block_cache.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

@@ -24,7 +24,7 @@
 #include "tests/tiers/tiers_test_util.h"
 #include "tiers/block_cache.h"
 #include "tiers/disk/disk_tier.h"
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 namespace {

@@ -1,4 +1,4 @@
-#include "tiers/cuda_backend.h"
+#include "devices/cuda_backend.h"
 
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "kernels/copy_reference.h"
-#include "tiers/cuda_backend_internal.h"
+#include "devices/cuda_backend_internal.h"
 
 namespace kvtier {
 

@@ -1,4 +1,4 @@
-// Internals of the cuda backend (tiers/cuda_backend.h), shared by its two
+// Internals of the cuda backend (devices/cuda_backend.h), shared by its two
 // source files: cuda_backend.cc (arenas, copy lanes, Submit, the watcher and
 // reaper threads) and cuda_client_mapping.cc (what clients register: IPC
 // memory and event handles, memfds, copy plans). Nothing else includes it.
@@ -30,7 +30,7 @@
 #include "kernels/cuda/codec_kernels.h"
 #include "kernels/cuda/copy_kernels.h"
 #include "kernels/cuda/cuda_util.h"
-#include "tiers/cuda_backend.h"
+#include "devices/cuda_backend.h"
 
 namespace kvtier {
 namespace cuda_internal {

@@ -1,4 +1,4 @@
-#include "tiers/host_backend.h"
+#include "devices/host_backend.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>

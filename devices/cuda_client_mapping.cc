@@ -3,8 +3,8 @@
 // plans uploaded for their layouts. See cuda_backend_internal.h.
 #include <cstring>
 
-#include "tiers/cuda_backend_internal.h"
-#include "tiers/host_backend.h"
+#include "devices/cuda_backend_internal.h"
+#include "devices/host_backend.h"
 
 namespace kvtier {
 
