@@ -101,7 +101,7 @@ class Server {
   void ResumeAccepting();
   int NextTimeoutMs() const;
 
-  // --- requests (handlers.cc)
+  // --- requests (handlers.cc dispatches; handlers_session.cc, handlers_data.cc, handlers_admin.cc)
   void Handle(Session& s, const wire::Message& msg, std::vector<UniqueFd> fds);
   std::vector<uint8_t> HandleHello(Session& s, uint64_t id, const wire::Hello& m);
   // The codec a registration asks for, if the tenant allows it and it fits
@@ -145,7 +145,7 @@ class Server {
   // another tenant's or everyone's ("*" -> nullopt). `what` words errors.
   Result<std::optional<TenantId>> TargetTenant(const Session& s, const flatbuffers::String* name,
                                                std::string_view what);
-  // --- metrics (handlers.cc): a copy of the figures, made on the loop; and
+  // --- metrics (handlers_admin.cc): a copy of the figures, made on the loop; and
   // the exporter's way to get one from its own thread (nullopt after 2 s).
   MetricsSnapshot Snapshot() const;
   std::optional<MetricsSnapshot> SnapshotFromLoop();

@@ -49,7 +49,7 @@ struct SessionOp {
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   bool done = false;
   OpOutcome outcome;
-  std::vector<OpWaiter> waiters;  // at most kMaxWaitersPerOp (handlers.cc)
+  std::vector<OpWaiter> waiters;  // at most kMaxWaitersPerOp (handlers_data.cc)
   // A store's completion write, made when it is over.
   std::shared_ptr<CompletionPage> completions = nullptr;
   uint32_t completion_slot = 0;

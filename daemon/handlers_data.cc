@@ -1,0 +1,323 @@
+// The data path's requests: Hint, Lookup and Prefetch (answered from the
+// index, the remote tier asked for what missed locally), Load and Store (ops
+// queued to the cache and the device backend, answered when started or when
+// done), and Wait, Poll and Cancel of those ops.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "common/chain_hash.h"
+#include "daemon/server.h"
+#include "daemon/wire_tier.h"
+
+namespace kvtier {
+
+namespace w = wire;
+using flatbuffers::FlatBufferBuilder;
+
+namespace {
+
+constexpr size_t kMaxWaitersPerOp = 8;
+
+}  // namespace
+
+Result<std::vector<StoredKey>> Server::StoredKeys(const Session& s, const SessionNamespace& ns,
+                                                  const flatbuffers::Vector<const w::Key*>* keys) {
+  const size_t n = keys == nullptr ? 0 : keys->size();
+  if (n > options_.config.limits.max_keys_per_request) {
+    return Err(InvalidArgument(std::to_string(n) + " keys exceed limits.max_keys_per_request (" +
+                               std::to_string(options_.config.limits.max_keys_per_request) + ")"));
+  }
+  std::vector<StoredKey> out;
+  out.reserve(n);
+  const LayoutFingerprint& fp = ns.fingerprint;
+  for (size_t i = 0; i < n; ++i) {
+    out.push_back(DeriveStoredKey(s.tenant->salt, fp,
+                                  ipc::FromWire<BlockKey>(*keys->Get(static_cast<flatbuffers::uoffset_t>(i)))));
+  }
+  return out;
+}
+
+namespace {
+Result<const SessionNamespace*> FindNamespace(const Session& s, uint32_t ns_id) {
+  auto it = s.namespaces.find(ns_id);
+  if (it == s.namespaces.end()) {
+    return Err(Status(StatusCode::kNotFound, "namespace " + std::to_string(ns_id) + " is not registered"));
+  }
+  return &it->second;
+}
+}  // namespace
+
+std::vector<uint8_t> Server::HandleHint(Session& s, uint64_t id, const w::Hint& m) {
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  if (Status bad = ipc::CheckRetentionHint(m.priority(), m.next_use_ms()); !bad.ok()) {
+    return ipc::ErrorMessage(id, bad);
+  }
+  const RetentionHint hint{.priority = m.priority(), .next_use_ms = m.next_use_ms(), .session_over = m.session_over()};
+  uint32_t refused = 0;
+  const uint32_t hinted = cache_->Hint(*keys, hint, &refused);
+  FlatBufferBuilder b(64);
+  return ipc::FinishMessage(b, id, w::CreateHintReply(b, hinted, refused));
+}
+
+std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Lookup& m) {
+  const auto start = std::chrono::steady_clock::now();
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const CacheLookup r = cache_->Lookup(s.tenant->id, *keys);
+  auto reply = [id, local = r](uint32_t remote_hits) {
+    std::vector<w::Tier> tiers;
+    for (Tier t : local.tiers) tiers.push_back(TierToWire(t));
+    tiers.insert(tiers.end(), remote_hits, w::Tier::Remote);
+    FlatBufferBuilder b(64 + tiers.size());
+    const auto body = w::CreateLookupReplyDirect(b, local.hits + remote_hits, &tiers);
+    return ipc::FinishMessage(b, id, body);
+  };
+  if (remote_ == nullptr || r.hits == keys->size()) {
+    lookup_latency_.RecordSince(start);
+    return reply(0);
+  }
+  // The tail that missed locally goes to the remote tier (one pipelined
+  // batch, a round trip per node); the reply follows its answer. A remote
+  // tier that is slow or down only makes this a local answer: timeouts and
+  // its breaker end the wait.
+  std::vector<StoredKey> tail(keys->begin() + r.hits, keys->end());
+  remote_->Exists(std::move(tail), [this, session = s.id, start, reply](Result<uint32_t> remote) {
+    auto it = sessions_.find(session);
+    if (it == sessions_.end()) return;  // the client is gone
+    lookup_latency_.RecordSince(start);
+    Send(*it->second, reply(remote ? *remote : 0));
+  });
+  return {};
+}
+
+std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Prefetch& m) {
+  Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const std::pair<uint32_t, uint32_t> prefetched = cache_->Prefetch(s.tenant->id, *keys);
+  const uint32_t resident = prefetched.first;
+  auto reply = [id, queued = prefetched.second](uint32_t present) {
+    FlatBufferBuilder b(64);
+    return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, present, queued));
+  };
+  if (remote_ == nullptr || resident == keys->size()) return reply(resident);
+  // The tail no local tier holds is fetched from the remote tier into host
+  // (a later load then finds it local); the reply counts it once it is there.
+  std::optional<uint32_t> local =
+      cache_->FetchFromRemote(s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys, [this, session = s.id, reply](uint32_t n) {
+        auto it = sessions_.find(session);
+        if (it != sessions_.end()) Send(*it->second, reply(n));
+      });
+  return local ? reply(*local) : std::vector<uint8_t>{};
+}
+
+std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool load, const w::Load* l,
+                                               const w::Store* st) {
+  const uint32_t ns_id = load ? l->namespace_id() : st->namespace_id();
+  const auto* wire_keys = load ? l->keys() : st->keys();
+  const auto* block_ids = load ? l->block_ids() : st->block_ids();
+  const bool wait = load ? l->wait() : st->wait();
+  Result<const SessionNamespace*> ns = FindNamespace(s, ns_id);
+  if (!ns) return ipc::ErrorMessage(id, ns.error());
+  Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, wire_keys);
+  if (!keys) return ipc::ErrorMessage(id, keys.error());
+  const size_t n_ids = block_ids == nullptr ? 0 : block_ids->size();
+  if (n_ids != keys->size()) {
+    return ipc::ErrorMessage(id, InvalidArgument(std::to_string(keys->size()) + " keys but " +
+                                                 std::to_string(n_ids) + " block ids"));
+  }
+  std::vector<uint32_t> ids(n_ids);
+  const uint32_t num_blocks = (*ns)->layout->num_blocks();
+  for (size_t i = 0; i < n_ids; ++i) {
+    ids[i] = block_ids->Get(static_cast<flatbuffers::uoffset_t>(i));
+    if (ids[i] >= num_blocks) {
+      return ipc::ErrorMessage(id, Status(StatusCode::kOutOfRange,
+                                          "block id " + std::to_string(ids[i]) + " at " + std::to_string(i) +
+                                              " is not below num_blocks " + std::to_string(num_blocks)));
+    }
+  }
+  if (load) {
+    // Two keys loaded into one engine block would race on its bytes.
+    std::vector<uint32_t> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+      return ipc::ErrorMessage(id, InvalidArgument("a Load names the same engine block twice"));
+    }
+  }
+  if (s.ops.full()) {
+    return ipc::ErrorMessage(
+        id, Status(StatusCode::kResourceExhausted,
+                   "limits.max_inflight_ops_per_session ops are running: wait for one first"));
+  }
+  const int32_t event = load ? l->event() : st->event();
+  if (event < -1 || (event >= 0 && static_cast<uint32_t>(event) >= (*ns)->mapping->num_events())) {
+    return ipc::ErrorMessage(id, InvalidArgument("event " + std::to_string(event) + " is not one of the " +
+                                                 std::to_string((*ns)->mapping->num_events()) +
+                                                 " CUDA events this cache registered"));
+  }
+  const int32_t completion_slot = load ? -1 : st->completion_slot();
+  if (completion_slot != -1 && ((*ns)->completions == nullptr || completion_slot < 0 ||
+                                static_cast<uint32_t>(completion_slot) >= CompletionPage::kSlots)) {
+    return ipc::ErrorMessage(id, InvalidArgument("completion_slot " + std::to_string(completion_slot) +
+                                                 " needs a completion page and a slot below " +
+                                                 std::to_string(CompletionPage::kSlots)));
+  }
+  const int32_t fence_slot = load ? l->fence_slot() : st->fence_slot();
+  const uint64_t fence_generation = load ? l->fence_generation() : st->fence_generation();
+  if (fence_slot != -1 && ((*ns)->fences == nullptr || fence_slot < 0 ||
+                           static_cast<uint32_t>(fence_slot) >= FencePage::kSlots || fence_generation == 0 ||
+                           fence_generation > FencePage::kGenerationMask)) {
+    return ipc::ErrorMessage(id, InvalidArgument("fence_slot " + std::to_string(fence_slot) +
+                                                 " needs a fence page, a slot below " +
+                                                 std::to_string(FencePage::kSlots) +
+                                                 " and a generation of 1 to 2^48 - 1"));
+  }
+  StoreHint hint;
+  if (!load) {
+    hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
+                     .last_partial = st->last_partial()};
+    if (Status bad = ipc::CheckRetentionHint(st->priority(), st->next_use_ms()); !bad.ok()) {
+      return ipc::ErrorMessage(id, bad);
+    }
+  }
+  // A store's KV-event metadata: checked whatever is done with it, kept
+  // when this tenant's blocks are published.
+  std::optional<StoreEventFields> event_fields;
+  if (!load && st->engine_hashes() != nullptr) {
+    const auto* hashes = st->engine_hashes();
+    const auto* parent = st->parent_engine_hash();
+    const auto* tokens = st->token_ids();
+    const std::string_view lora = st->lora_name() != nullptr ? st->lora_name()->string_view() : "";
+    if (Status bad = ipc::CheckBlockEventSizes({.keys = keys->size(),
+                                                 .hash_bytes = st->hash_bytes(),
+                                                 .hashes = hashes->size(),
+                                                 .parent = parent != nullptr ? parent->size() : 0,
+                                                 .tokens = tokens != nullptr ? tokens->size() : 0,
+                                                 .block_size = st->block_size(),
+                                                 .lora_name = lora.size()});
+        !bad.ok()) {
+      return ipc::ErrorMessage(id, bad);
+    }
+    if (events_ != nullptr && events_->Publishes(s.tenant->id)) {
+      event_fields = StoreEventFields{
+          .hash_bytes = st->hash_bytes(),
+          .engine_hashes = {hashes->data(), hashes->size()},
+          .parent_hash = parent != nullptr ? std::span<const uint8_t>(parent->data(), parent->size())
+                                           : std::span<const uint8_t>(),
+          .token_ids = tokens != nullptr ? std::span<const uint32_t>(tokens->data(), tokens->size())
+                                         : std::span<const uint32_t>(),
+          .block_size = st->block_size(),
+          .lora_name = lora};
+    }
+  }
+  const std::pair<uint64_t, SessionOp*> started = s.ops.Start();
+  const uint64_t op = started.first;
+  SessionOp& o = *started.second;
+  o.load = load;
+  if (wait) o.waiters.push_back(OpWaiter{.request = id, .deadline = std::nullopt});
+  if (completion_slot >= 0) {
+    o.completions = (*ns)->completions;
+    o.completion_slot = static_cast<uint32_t>(completion_slot);
+    o.completion_value = st->completion_value();
+  }
+  EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec,
+                      fence_slot < 0 ? OpFence()
+                                     : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation)};
+  OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
+  uint32_t queued = 0;  // blocks whose copies were queued just now
+  if (load) {
+    // Blocks after the local prefix that the remote tier holds are fetched
+    // into host first (a remote hit is promoted); the load starts then.
+    std::optional<uint32_t> local;
+    if (remote_ != nullptr) {
+      local = cache_->FetchFromRemote(
+          s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
+          [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done](uint32_t) {
+            cache_->Load(tenant, keys, ids, target, alive, done);
+          });
+    }
+    if (remote_ == nullptr || local.has_value()) {
+      queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+    }
+  } else {
+    std::optional<StoredKey> parent;
+    if (st->parent() != nullptr) {
+      parent = DeriveStoredKey(s.tenant->salt, (*ns)->fingerprint,
+                               ipc::FromWire<BlockKey>(*st->parent()));
+    }
+    if (event_fields) {
+      // Kept until the blocks are gone; a store that placed none lets go.
+      events_->Remember(*keys, *event_fields);
+      done = [this, keys = *keys, done = std::move(done)](OpOutcome outcome) {
+        events_->Release(keys);
+        done(std::move(outcome));
+      };
+    }
+    queued = cache_->Store(s.tenant->id, *keys, ids, parent, std::move(target), s.alive, std::move(done), hint);
+  }
+  if (wait) return {};
+  FlatBufferBuilder b(64);
+  // Only a load records its event (a store waits for the engine's record).
+  const bool recorded = load && event >= 0 && queued > 0;
+  return ipc::FinishMessage(b, id, w::CreateOpStarted(b, op, recorded, recorded ? queued : 0));
+}
+
+void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
+  if (outcome.status.code() == StatusCode::kCancelled) ++ops_cancelled_;
+  auto sit = sessions_.find(session_id);
+  if (sit == sessions_.end()) return;  // the client is gone; nothing to tell
+  Session& s = *sit->second;
+  SessionOp* o = s.ops.Finish(op_id, std::move(outcome));
+  if (o == nullptr) return;
+  (o->load ? load_latency_ : store_latency_).RecordSince(o->started);
+  // Over, whether it succeeded or not: an engine stream waiting for the value
+  // must never hang on a failed store.
+  if (o->completions) o->completions->Write(o->completion_slot, o->completion_value);
+  if (o->waiters.empty()) return;  // kept for a later Wait or Poll (SessionOps bounds how many)
+  for (const OpWaiter& w : o->waiters) {
+    if (w.deadline) wait_deadlines_.erase(*w.deadline);
+    Send(s, OpResultMessage(w.request, op_id, *o));
+  }
+  s.ops.Take(op_id);
+}
+
+std::vector<uint8_t> Server::OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o) {
+  FlatBufferBuilder b(128);
+  const auto message = b.CreateString(o.outcome.status.message());
+  const auto body = w::CreateOpResult(b, op, o.done, ipc::CodeToWire(o.outcome.status.code()), message,
+                                      o.outcome.blocks, o.outcome.already);
+  return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,
+                                              std::optional<uint32_t> timeout_ms) {
+  Result<SessionOp*> found = s.ops.Find(op);
+  if (!found) return ipc::ErrorMessage(id, found.error());
+  SessionOp& o = **found;
+  if (o.done) {
+    std::vector<uint8_t> reply = OpResultMessage(id, op, o);
+    s.ops.Take(op);
+    return reply;
+  }
+  if (!timeout_ms) return OpResultMessage(id, op, o);  // Poll: not done yet
+  if (o.waiters.size() >= kMaxWaitersPerOp) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
+                                        "too many Waits on op " + std::to_string(op)));
+  }
+  OpWaiter& w = o.waiters.emplace_back(OpWaiter{.request = id, .deadline = std::nullopt});
+  if (*timeout_ms > 0) {
+    w.deadline = wait_deadlines_.emplace(
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(*timeout_ms),
+        PendingWait{s.id, op, id});
+  }
+  return {};
+}
+
+}  // namespace kvtier
