@@ -1,7 +1,7 @@
-// DiskTier's implementation (its contract is in disk_tier.h). Past 800 lines
-// on purpose: appends, group commits, reclaim with carry-forward and recovery
-// all change the same Region states and their invariants, so they stay side
-// by side; the index writer and the record format already live apart.
+// DiskTier's implementation (its contract is in disk_tier.h): opening and
+// recovering the tier, reads, forgets, and the index's values. Appends and
+// group commits are in disk_tier_append.cc, reclaim in disk_tier_reclaim.cc;
+// what the three share is in disk_tier_internal.h.
 #include "tiers/disk/disk_tier.h"
 
 #include <rocksdb/db.h>
@@ -25,6 +25,7 @@
 #include "common/layout.h"
 #include "common/mutex.h"
 #include "common/version.h"
+#include "tiers/disk/disk_tier_internal.h"
 
 namespace kvtier {
 namespace {
@@ -97,19 +98,6 @@ Status CheckFormat(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::
   return Status::Ok();
 }
 
-struct FreeDeleter {
-  void operator()(uint8_t* p) const { std::free(p); }
-};
-using AlignedPage = std::unique_ptr<uint8_t, FreeDeleter>;
-
-// Zeroed, 4 KiB aligned; `bytes` a multiple of 4 KiB.
-AlignedPage NewPages(uint64_t bytes) {
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, bytes));
-  KVTIER_CHECK(p != nullptr);
-  std::memset(p, 0, bytes);
-  return AlignedPage(p);
-}
-
 // RocksDB's own log goes to the daemon's log, not to a LOG file beside the
 // index: one log for operators, and nothing written to the index volume
 // that could fail (RocksDB 7.8 asserts when its LOG file keeps failing).
@@ -136,8 +124,16 @@ class SpdlogLogger : public rocksdb::Logger {
   }
 };
 
-rocksdb::Slice KeySlice(const StoredKey& key) {
-  return rocksdb::Slice(reinterpret_cast<const char*>(key.bytes.data()), key.bytes.size());
+}  // namespace
+
+namespace disk_tier_detail {
+
+// Zeroed, 4 KiB aligned; `bytes` a multiple of 4 KiB.
+AlignedPage NewPages(uint64_t bytes) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, bytes));
+  KVTIER_CHECK(p != nullptr);
+  std::memset(p, 0, bytes);
+  return AlignedPage(p);
 }
 
 // Index value: version u8, device u32, region u32, offset u64, record_bytes
@@ -207,31 +203,6 @@ bool ParseValue(const StoredKey& key, std::string_view in, DiskRecord* out) {
   return true;
 }
 
-// A record's I/O is one or two requests: an old raw record's header page and
-// payload; any other record's whole payload pages (none for a payload under
-// 4 KiB) and tail page (none for a bare record of whole pages). The last one
-// to finish carries on with the first error, if any. Thread-safe.
-struct RecordIo {
-  RecordIo(int parts, uint64_t page_bytes) : page(NewPages(page_bytes)), pending(parts) {}
-  AlignedPage page;        // a raw record's header, or a packed one's tail
-  std::atomic<int> pending;  // acq_rel: the last arrival sees every part's effects
-  Mutex mu;
-  Status status KVTIER_GUARDED_BY(mu);
-
-  // Records one part's result; returns true (and the combined status) for
-  // the last, false for the others.
-  bool Arrive(const Result<uint64_t>& part, Status* combined) {
-    if (!part) {
-      MutexLock lock(&mu);
-      if (status.ok()) status = part.error();
-    }
-    if (pending.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
-    MutexLock lock(&mu);
-    *combined = status;
-    return true;
-  }
-};
-
 std::string RegionKey(uint32_t device, uint32_t region) {
   std::string k;
   // Big-endian, so that the regions sort by device, then region.
@@ -246,18 +217,6 @@ std::string RegionValue(uint8_t state, uint64_t sequence) {
   return v;
 }
 
-// How a record's I/O splits (StartAppend writes it so, Read reads it so):
-// a header-page record is its header page, then its padded payload; any
-// other is its payload's whole pages straight from or into the caller's
-// buffer (head_bytes, maybe 0), then the rest through the tier's own page
-// (page_bytes, maybe 0: a bare record of whole pages): the payload's last
-// bytes, zeros and, for a trailer record, the trailer.
-struct RecordSplit {
-  bool header_page = false;
-  uint64_t head_bytes = 0;
-  uint64_t page_bytes = 0;
-  int parts = 1;  // I/O requests
-};
 RecordSplit SplitRecord(uint64_t payload_bytes, RecordFormat format) {
   if (format == RecordFormat::kHeaderPage) return {true, 0, RecordHeader::kBytes, 2};
   const uint64_t head = PackedHeadBytes(payload_bytes);
@@ -283,7 +242,14 @@ Status CheckRecord(const StoredKey& key, RecordFormat format, std::span<const ui
   return Status::Ok();
 }
 
-}  // namespace
+}  // namespace disk_tier_detail
+
+using disk_tier_detail::CheckRecord;
+using disk_tier_detail::KeySlice;
+using disk_tier_detail::ParseValue;
+using disk_tier_detail::RecordIo;
+using disk_tier_detail::RecordSplit;
+using disk_tier_detail::SplitRecord;
 
 std::string DiskTier::LocationValue(const RecordHeader& h, const DiskLocation& l) const {
   const bool bare = l.format == RecordFormat::kBare;
@@ -503,460 +469,6 @@ std::vector<DiskTier::RegionRecord> DiskTier::RecordsIn(uint32_t device, uint32_
         {m.key, DiskLocation{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0}});
   }
   return out;
-}
-
-void DiskTier::MaybeReclaim() {
-  const auto now = options_.clock();
-  if (!failed_reclaims_.empty() && now >= retry_reclaims_at_) {
-    std::vector<FailedReclaim> retry = std::exchange(failed_reclaims_, {});
-    for (FailedReclaim& f : retry) SubmitReclaimDeletes(f.device, f.region, std::move(f.keys));
-  }
-  if (!failed_reclaims_.empty()) return;  // the index cannot be written: wait
-  // Regions free or on their way: a reclaim under way counts, or appends
-  // waiting for its index write would start one reclaim after another.
-  const uint64_t available = free_regions_ + reclaiming_;
-  if (available < FreeTarget(options_.high_watermark)) reclaim_burst_ = true;
-  if (available >= FreeTarget(options_.low_watermark)) reclaim_burst_ = false;
-  if (!reclaim_burst_ || sealed_.empty()) return;
-  const auto [di, ri] = sealed_.front();
-  // Oldest first; its last appends finish before it can go (FinishAppend
-  // calls back here).
-  if (devices_[di].regions[ri].writes > 0) return;
-  sealed_.pop_front();
-  StartReclaim(di, ri);
-  ScheduleReclaim();  // the next region, if the watermarks want it, on a later turn
-}
-
-void DiskTier::ScheduleReclaim() {
-  if (reclaim_scheduled_) return;
-  reclaim_scheduled_ = true;
-  // Posted, not called: a reclaim asks the owner about many blocks, which
-  // must not happen inside the owner's own call into the tier (Append).
-  options_.post([self = std::weak_ptr<DiskTier*>(self_)] {
-    auto tier = self.lock();
-    if (!tier) return;
-    (*tier)->reclaim_scheduled_ = false;
-    (*tier)->MaybeReclaim();
-  });
-}
-
-void DiskTier::StartReclaim(uint32_t device, uint32_t region) {
-  Region& r = devices_[device].regions[region];
-  KVTIER_CHECK(r.state == RegionState::kSealed);
-  r.state = RegionState::kReclaiming;
-  ++reclaiming_;
-  // The owner decides for every record it still has here; nothing can keep
-  // the region. Carried records are read out before the region is reused.
-  std::vector<StoredKey> deleted;
-  const size_t carry_budget =
-      static_cast<size_t>(options_.carry_fraction * static_cast<double>(r.members.size()));
-  size_t carried = 0;
-  const uint64_t start = uint64_t{region} * options_.region_bytes;
-  for (const Member& m : r.members) {
-    const DiskLocation where{device, region, start + uint64_t{m.page} * kRecordAlignBytes, 0, 0};
-    const bool may_carry =
-        carried < carry_budget && carry_staging_bytes_ < options_.max_carry_staging_bytes;
-    ReclaimAnswer answer = options_.reclaim(m.key, where, may_carry);
-    if (answer.action == ReclaimAction::kStale) continue;
-    deleted.push_back(m.key);
-    ++counters_.records_reclaimed;
-    if (live_records_ > 0) --live_records_;
-    if (answer.action == ReclaimAction::kCarry) {
-      ++carried;
-      StartCarry(m.key, where, std::move(answer));
-    }
-  }
-  SubmitReclaimDeletes(device, region, std::move(deleted));
-}
-
-void DiskTier::StartCarry(const StoredKey& key, const DiskLocation& where, ReclaimAnswer answer) {
-  const RecordFormat format = answer.format;
-  const uint64_t payload_bytes = answer.header.payload_bytes;
-  const uint64_t record_bytes = RecordBytes(payload_bytes, format);
-  ++counters_.records_carried;
-  ++devices_[where.device].regions[where.region].reads;
-  ++inflight_;
-  // The whole record in one read, into a buffer of its own: it is written
-  // again from there.
-  auto* raw = static_cast<uint8_t*>(std::aligned_alloc(kRecordAlignBytes, record_bytes));
-  KVTIER_CHECK(raw != nullptr);
-  carry_staging_bytes_ += record_bytes;
-  // Freed, and counted off, once the record is written again (or failed).
-  std::shared_ptr<uint8_t> staging(
-      raw, [this, record_bytes, self = std::weak_ptr<DiskTier*>(self_)](uint8_t* p) {
-        std::free(p);
-        if (self.lock()) carry_staging_bytes_ -= record_bytes;
-      });
-  const uint64_t payload_offset = format == RecordFormat::kHeaderPage ? RecordHeader::kBytes : 0;
-  auto finish = [this, key, where, record_bytes, staging, payload_offset, header = std::move(answer.header),
-                 self = std::weak_ptr<DiskTier*>(self_)](Status st) mutable {
-    auto tier = self.lock();
-    if (!tier) return;
-    Region& region = devices_[where.device].regions[where.region];
-    --region.reads;
-    --inflight_;
-    if (!st.ok()) {
-      ++(st.code() == StatusCode::kCorruption ? counters_.checksum_failures : counters_.io_errors);
-      spdlog::warn("disk tier: record at {}:{} not carried forward: {}", devices_[where.device].device->name(),
-                   where.offset, st.message());
-      options_.relocated(key, Err(std::move(st)));
-    } else {
-      ++counters_.reads;
-      counters_.read_bytes += record_bytes;
-      Append(std::move(header), staging.get() + payload_offset, [this, key, staging](Result<DiskLocation> now) {
-        options_.relocated(key, std::move(now));
-      });
-    }
-    if (region.state == RegionState::kReclaiming) MaybeFree(where.device, where.region);
-  };
-  devices_[where.device].device->Read(
-      where.offset, std::span<uint8_t>(raw, record_bytes),
-      [raw, key, format, payload_bytes, payload_offset, record_bytes, checksum = answer.header.payload_checksum,
-       finish = std::move(finish), post = options_.post](Result<uint64_t> got) mutable {
-        const std::span<const uint8_t> header = format == RecordFormat::kHeaderPage
-                                                    ? std::span<const uint8_t>(raw, RecordHeader::kBytes)
-                                                    : std::span<const uint8_t>(raw, record_bytes);
-        Status st = got ? CheckRecord(key, format, header,
-                                      std::span<const uint8_t>(raw + payload_offset, payload_bytes), checksum)
-                        : got.error();
-        post([finish = std::move(finish), st = std::move(st)]() mutable { finish(std::move(st)); });
-      });
-}
-
-void DiskTier::SubmitReclaimDeletes(uint32_t device, uint32_t region, std::vector<StoredKey> keys) {
-  devices_[device].regions[region].deletes_pending = true;
-  // Each entry is deleted only while it still names this region, read on
-  // the writer thread after every earlier index write: a retry (after the
-  // index failed) must not delete the entry of a key appended again
-  // elsewhere since, which is durable. The keys are kept for that retry: a
-  // failed write leaves the region unusable until its deletes are durable.
-  auto kept = std::make_shared<std::vector<StoredKey>>(std::move(keys));
-  IndexWriter::Build build = [db = db_.get(), blocks = blocks_cf_, regions = regions_cf_, device, region,
-                              kept](rocksdb::WriteBatch* batch) {
-    std::string value;
-    for (const StoredKey& key : *kept) {
-      const rocksdb::Status s = db->Get(rocksdb::ReadOptions(), blocks, KeySlice(key), &value);
-      if (s.IsNotFound()) continue;
-      DiskRecord now;
-      // An entry that does not parse goes too, as recovery would drop it.
-      if (s.ok() && ParseValue(key, value, &now) &&
-          (now.location.device != device || now.location.region != region)) {
-        continue;
-      }
-      batch->Delete(blocks, KeySlice(key));
-    }
-    batch->Put(regions, RegionKey(device, region), RegionValue(static_cast<uint8_t>(RegionState::kFree), 0));
-  };
-  SubmitIndex(rocksdb::WriteBatch(), /*sync=*/true, [this, device, region, kept](Status st) {
-    Region& r = devices_[device].regions[region];
-    if (!st.ok()) {
-      ++counters_.reclaim_failures;
-      ++reclaim_failures_in_a_row_;
-      // 100 ms, doubling, at most 10 s between tries.
-      const auto delay = std::chrono::milliseconds(100) *
-                         (int64_t{1} << std::min<uint32_t>(reclaim_failures_in_a_row_ - 1, 7));
-      retry_reclaims_at_ =
-          options_.clock() + std::min<std::chrono::milliseconds>(delay, std::chrono::seconds(10));
-      if (reclaim_failures_in_a_row_ == 1 || reclaim_failures_in_a_row_ % 100 == 0) {
-        spdlog::error("disk tier: reclaiming region {}/{}: {} ({} failures in a row; retrying)",
-                      device, region, st.ToString(), reclaim_failures_in_a_row_);
-      }
-      failed_reclaims_.push_back(FailedReclaim{device, region, std::move(*kept)});
-      // Nothing frees a region until the index can be written: appends
-      // waiting for one fail now instead of waiting without end.
-      const Status error(
-          StatusCode::kResourceExhausted,
-          "disk tier: no free region (reclaim cannot write the index: " + st.message() + ")");
-      ServeWaiting(&error);
-      return;
-    }
-    reclaim_failures_in_a_row_ = 0;
-    r.deletes_pending = false;
-    MaybeFree(device, region);
-  }, std::move(build));
-}
-
-void DiskTier::MaybeFree(uint32_t device, uint32_t region) {
-  Region& r = devices_[device].regions[region];
-  if (r.state != RegionState::kReclaiming || r.deletes_pending || r.reads > 0 || r.writes > 0)
-    return;
-  used_bytes_ -= std::min(used_bytes_, r.live_bytes);
-  filled_bytes_ -= std::min(filled_bytes_, r.write_offset);
-  std::vector<Member> members = std::move(r.members);
-  members.clear();  // keeps its capacity for the region's next fill
-  r = Region{};
-  r.members = std::move(members);
-  devices_[device].free.push_back(region);
-  ++free_regions_;
-  --reclaiming_;
-  ++counters_.regions_reclaimed;
-  ServeWaiting();
-  ScheduleReclaim();
-}
-
-void DiskTier::ServeWaiting(const Status* error) {
-  while (!waiting_.empty()) {
-    if (error == nullptr) {
-      const uint64_t bytes = NewRecordBytes(waiting_.front().header);
-      const std::optional<std::pair<uint32_t, uint32_t>> where = RegionFor(bytes);
-      if (!where) return;
-      WaitingAppend w = std::move(waiting_.front());
-      waiting_.pop_front();
-      StartAppend(where->first, where->second, std::move(w.header), w.payload, std::move(w.done));
-    } else {
-      WaitingAppend w = std::move(waiting_.front());
-      waiting_.pop_front();
-      options_.post([done = std::move(w.done), e = *error] { done(Err(e)); });
-    }
-  }
-}
-
-std::optional<std::pair<uint32_t, uint32_t>> DiskTier::RegionFor(uint64_t bytes) {
-  for (size_t attempt = 0; attempt < devices_.size(); ++attempt) {
-    const uint32_t di = static_cast<uint32_t>((next_device_ + attempt) % devices_.size());
-    Device& d = devices_[di];
-    if (d.open_region >= 0) {
-      const auto open_index = static_cast<uint32_t>(d.open_region);
-      Region& open = d.regions[open_index];
-      if (open.write_offset + bytes <= options_.region_bytes) {
-        next_device_ = static_cast<uint32_t>((di + 1) % devices_.size());
-        return std::pair(di, open_index);
-      }
-      // Full: sealed, and in line for reclaim. Its state row is diagnostics
-      // only (the block index is authoritative), written with the next job.
-      open.state = RegionState::kSealed;
-      sealed_.emplace_back(di, open_index);
-      forgotten_.Put(regions_cf_, RegionKey(di, open_index),
-                     RegionValue(static_cast<uint8_t>(RegionState::kSealed), open.sequence));
-      ++forgotten_count_;
-      d.open_region = -1;
-    }
-    if (!d.free.empty()) {
-      const uint32_t ri = d.free.back();
-      d.free.pop_back();
-      --free_regions_;
-      d.regions[ri].state = RegionState::kOpen;
-      d.open_region = static_cast<int32_t>(ri);
-      next_device_ = static_cast<uint32_t>((di + 1) % devices_.size());
-      ScheduleReclaim();  // a free region was taken: keep the reserve
-      return std::pair(di, ri);
-    }
-  }
-  return std::nullopt;
-}
-
-RecordFormat DiskTier::WriteFormat(const RecordHeader& header) const {
-  return options_.legacy_records ? LegacyFormat(header.packed()) : RecordFormat::kBare;
-}
-
-uint64_t DiskTier::NewRecordBytes(const RecordHeader& header) const {
-  return RecordBytes(header.payload_bytes, WriteFormat(header));
-}
-
-void DiskTier::Append(RecordHeader header, const uint8_t* payload,
-                      std::function<void(Result<DiskLocation>)> done) {
-  const uint64_t record_bytes = NewRecordBytes(header);
-  if (record_bytes > options_.region_bytes) {
-    options_.post([done = std::move(done), record_bytes, region = options_.region_bytes] {
-      done(Err(InvalidArgument("a record of " + std::to_string(record_bytes) +
-                               " bytes is larger than a region (" + std::to_string(region) +
-                               " bytes, tiers.disk.region_bytes)")));
-    });
-    return;
-  }
-  // Behind appends already waiting, so that they keep their order.
-  const std::optional<std::pair<uint32_t, uint32_t>> where =
-      waiting_.empty() ? RegionFor(record_bytes) : std::nullopt;
-  if (!where) {
-    if (!failed_reclaims_.empty()) {
-      ScheduleReclaim();  // retries them once their delay has passed
-      options_.post([done = std::move(done)] {
-        done(Err(Status(StatusCode::kResourceExhausted,
-                        "disk tier: no free region (reclaims are failing to write the index)")));
-      });
-      return;
-    }
-    ++counters_.appends_waited;
-    waiting_.push_back(WaitingAppend{std::move(header), payload, std::move(done)});
-    ScheduleReclaim();
-    return;
-  }
-  StartAppend(where->first, where->second, std::move(header), payload, std::move(done));
-}
-
-void DiskTier::StartAppend(uint32_t di, uint32_t ri, RecordHeader header, const uint8_t* payload,
-                           std::function<void(Result<DiskLocation>)> done) {
-  const RecordFormat format = WriteFormat(header);
-  const uint64_t record_bytes = RecordBytes(header.payload_bytes, format);
-  Region& r = devices_[di].regions[ri];
-  header.sequence = next_sequence_++;
-  const uint64_t region_start = uint64_t{ri} * options_.region_bytes;
-  const DiskLocation loc{di,        ri,     region_start + r.write_offset,
-                         record_bytes, header.sequence, header.packed(), format, header.payload_checksum};
-  r.members.push_back(
-      Member{header.key, static_cast<uint32_t>(r.write_offset / kRecordAlignBytes)});
-  r.write_offset += record_bytes;
-  filled_bytes_ += record_bytes;
-  r.sequence = header.sequence;
-  ++r.writes;
-  ++inflight_;
-
-  // Bare: the payload's whole pages (if any), then its tail: its last bytes
-  // and zeros (if any). Trailer: the same, the tail ending with the
-  // trailer. Header page: the header page, then the payload.
-  const RecordSplit split = SplitRecord(header.payload_bytes, format);
-  const bool header_page = split.header_page;
-  const uint64_t head_bytes = split.head_bytes;
-  const uint64_t page_bytes = split.page_bytes;
-  auto op = std::make_shared<RecordIo>(split.parts, page_bytes);
-  if (header_page) {
-    EncodeRecordHeader(header, std::span(op->page.get(), RecordHeader::kBytes));
-  } else {
-    std::memcpy(op->page.get(), payload + head_bytes, header.payload_bytes - head_bytes);
-    if (format == RecordFormat::kTrailer) {
-      EncodeRecordTrailer(header, std::span(op->page.get() + page_bytes - kRecordTrailerBytes, kRecordTrailerBytes));
-    }
-  }
-  auto pending = std::make_shared<PendingAppend>(
-      PendingAppend{header.key, loc, LocationValue(header, loc), std::move(done)});
-  // Both writes done: on the owner thread, join the device's next group
-  // commit (or fail now).
-  auto written = [op, post = options_.post, self = std::weak_ptr<DiskTier*>(self_),
-                  pending](Result<uint64_t> w) mutable {
-    Status st;
-    if (!op->Arrive(w, &st)) return;
-    post([self, pending, st = std::move(st)]() mutable {
-      auto tier = self.lock();
-      if (!tier) return;
-      const uint32_t device = pending->location.device;
-      if (!st.ok()) {
-        (*tier)->FinishAppend(*pending, std::move(st));
-        return;
-      }
-      (*tier)->devices_[pending->location.device].awaiting_sync.push_back(std::move(pending));
-      (*tier)->MaybeCommit(device);
-    });
-  };
-  BlockDevice* device = devices_[di].device;
-  if (!header_page) {
-    if (head_bytes > 0) device->Write(loc.offset, std::span<const uint8_t>(payload, head_bytes), written);
-    if (page_bytes > 0) {
-      device->Write(loc.offset + head_bytes, std::span<const uint8_t>(op->page.get(), page_bytes), written);
-    }
-    return;
-  }
-  device->Write(loc.offset, std::span<const uint8_t>(op->page.get(), RecordHeader::kBytes), written);
-  device->Write(loc.offset + RecordHeader::kBytes,
-                std::span<const uint8_t>(payload, record_bytes - RecordHeader::kBytes), written);
-}
-
-void DiskTier::MaybeCommit(uint32_t device_index) {
-  Device& d = devices_[device_index];
-  if (d.commit_in_flight || d.awaiting_sync.empty()) return;
-  // One fdatasync and one synced index write for every record written since
-  // the last commit started: a group commit.
-  // The next commit's sync may start once this one's is done, while this
-  // one's index entries are written: the index writer keeps their order.
-  d.commit_in_flight = true;
-  auto batch = std::make_shared<std::vector<std::shared_ptr<PendingAppend>>>(std::move(d.awaiting_sync));
-  d.awaiting_sync.clear();
-  auto finish = [this, batch](Status st) {
-    ++counters_.group_commits;
-    for (const auto& p : *batch) FinishAppend(*p, st);
-  };
-  d.device->Sync([batch, finish, device_index, post = options_.post,
-                  self = std::weak_ptr<DiskTier*>(self_)](Result<uint64_t> synced) mutable {
-    post([self, batch, finish, device_index, synced = std::move(synced)]() mutable {
-      auto tier = self.lock();
-      if (!tier) return;
-      DiskTier& t = **tier;
-      t.devices_[device_index].commit_in_flight = false;
-      if (!synced) {
-        finish(synced.error().WithContext("syncing disk records"));
-      } else {
-        // The records are durable: now their index entries, off this thread.
-        rocksdb::WriteBatch wb;
-        for (const auto& p : *batch) wb.Put(t.blocks_cf_, KeySlice(p->key), p->value);
-        t.SubmitIndex(std::move(wb), /*sync=*/true, std::move(finish));
-      }
-      t.MaybeCommit(device_index);
-    });
-  });
-}
-
-void DiskTier::SubmitIndex(rocksdb::WriteBatch batch, bool sync, std::function<void(Status)> done,
-                           IndexWriter::Build build) {
-  FlushForgotten();
-  ++index_jobs_;
-  writer_->Submit(std::move(batch), sync,
-                  [post = options_.post, self = std::weak_ptr<DiskTier*>(self_),
-                   done = std::move(done)](Status st) mutable {
-                    post([self, done = std::move(done), st = std::move(st)]() mutable {
-                      auto tier = self.lock();
-                      if (!tier) return;
-                      --(*tier)->index_jobs_;
-                      (*tier)->NoteIndexWrite(st);
-                      if (done) done(std::move(st));
-                    });
-                  },
-                  std::move(build));
-}
-
-void DiskTier::NoteIndexWrite(const Status& st) {
-  if (!st.ok()) {
-    ++counters_.index_errors;
-    if (!index_failing_) spdlog::error("disk tier: the index refuses writes, no block reaches the disk: {}", st.ToString());
-    index_failing_ = true;
-    return;
-  }
-  if (index_failing_) {
-    ++counters_.index_recoveries;
-    spdlog::info("disk tier: the index takes writes again");
-  }
-  index_failing_ = false;
-}
-
-void DiskTier::FlushForgotten() {
-  if (forgotten_count_ == 0) return;
-  rocksdb::WriteBatch batch = std::exchange(forgotten_, rocksdb::WriteBatch());
-  forgotten_count_ = 0;
-  ++index_jobs_;
-  // Unsynced: a record whose entry comes back after a crash still holds
-  // exactly its key's bytes (or fails its checks once its region is reused,
-  // which a reclaim's synced deletes order after these).
-  writer_->Submit(std::move(batch), /*sync=*/false,
-                  [post = options_.post, self = std::weak_ptr<DiskTier*>(self_)](Status st) {
-                    post([self, st = std::move(st)] {
-                      auto tier = self.lock();
-                      if (!tier) return;
-                      --(*tier)->index_jobs_;
-                      (*tier)->NoteIndexWrite(st);
-                      if (!st.ok() && ++(*tier)->forget_failures_ % 1000 == 1) {
-                        spdlog::warn("disk tier: dropping index entries ({} failures so far): {}",
-                                     (*tier)->forget_failures_, st.ToString());
-                      }
-                    });
-                  });
-}
-
-void DiskTier::FinishAppend(PendingAppend& p, Status st) {
-  const DiskLocation& loc = p.location;
-  Region& region = devices_[loc.device].regions[loc.region];
-  --region.writes;
-  --inflight_;
-  if (!st.ok()) {
-    ++counters_.io_errors;
-    p.done(Err(std::move(st)));
-  } else {
-    region.live_bytes += loc.record_bytes;
-    used_bytes_ += loc.record_bytes;
-    ++live_records_;
-    ++counters_.writes;
-    counters_.write_bytes += loc.record_bytes;
-    p.done(loc);
-  }
-  if (region.state == RegionState::kReclaiming) MaybeFree(loc.device, loc.region);
-  ScheduleReclaim();  // the oldest region may have been waiting for this write
 }
 
 DiskLocation DiskTier::LocationOf(const RecordRef& ref) const {
