@@ -123,7 +123,7 @@ strip --strip-unneeded "$bundle"/lib/*.so* 2>/dev/null || true
 # (tl/expected.hpp).
 if [[ -f client/python/src/module.cc ]]; then
   mkdir -p "$bundle/python/src/kvtier" "$bundle/include/tl"
-  cp client/python/src/module.cc "$bundle/python/src/"
+  cp client/python/src/*.cc client/python/src/*.h "$bundle/python/src/"
   cp client/python/src/kvtier/*.py client/python/src/kvtier/*.pyi client/python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
   install -m 0755 client/python/build-extension.sh "$bundle/python/"
   cp client/python/tests/gpu_e2e.py client/python/tests/gpu_model_e2e.py client/python/tests/llama_kv.py \

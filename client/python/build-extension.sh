@@ -29,6 +29,6 @@ mkdir -p "$out/kvtier"
 cp "$here"/src/kvtier/* "$out/kvtier/"
 echo "build-extension: $("$cxx" --version | head -1); $("$python" --version)"
 # shellcheck disable=SC2086  # $includes is a list of -I flags
-"$cxx" -std=c++20 -O2 -shared -fPIC -fvisibility=hidden $includes -I"$bundle/include" "$here/src/module.cc" \
+"$cxx" -std=c++20 -O2 -shared -fPIC -fvisibility=hidden $includes -I"$bundle/include" "$here"/src/*.cc \
   -L"$bundle/lib" -lkvtier -Wl,-rpath,"$bundle/lib" -o "$out/kvtier/_kvtier$suffix"
 echo "build-extension: $out/kvtier/_kvtier$suffix"
