@@ -1,0 +1,211 @@
+"""The vLLM connector's shared part (kvtier/vllm.py is its entry): settings, the
+layout and keys both sides derive alike, the connection to kvtierd, request
+hints and the metadata the scheduler hands the workers."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+
+import kvtier
+
+from . import _TORCH_DTYPES
+from ._hung import HungPause
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# A child of vLLM's "vllm" logger, so that vLLM's logging settings (its handler and
+# format, VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING, VLLM_LOGGING_CONFIG_PATH)
+# apply to the connector's lines as to its own: a logger of another name has
+# no handler inside vLLM, and its INFO lines were lost.
+logger = init_logger("vllm.kvtier")
+
+_DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
+# How long a process waits between attempts to reach a daemon that was down.
+_RECONNECT_INTERVAL_S = 1.0
+
+
+# --------------------------------------------------------------------------
+# What both sides derive alike: settings, the layout, keys.
+
+
+@dataclass(frozen=True)
+class _Settings:
+    socket: str
+    token: str | None
+    model_id: str
+    lookup_timeout_s: float
+    lookup_wait_s: float
+    op_timeout_s: float
+
+    @staticmethod
+    def of(vllm_config: VllmConfig) -> _Settings:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        return _Settings(
+            socket=str(extra.get("socket") or os.environ.get("KVTIER_SOCKET") or _DEFAULT_SOCKET),
+            token=extra.get("token"),
+            model_id=str(extra.get("model_id") or vllm_config.model_config.model),
+            lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+            lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
+            op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
+        )
+
+
+def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> kvtier.Layout:
+    """The kvtier layout of vLLM's KV cache: one group of full-attention layers.
+
+    Both roles derive it from the same KVCacheConfig, so the scheduler's
+    lookups and the workers' loads and stores name one namespace."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(
+            f"KvtierConnector takes one KV cache group (uniform full attention); this model has {len(groups)}: "
+            "run vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    spec = groups[0].kv_cache_spec
+    for attribute in ("block_size", "num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attribute):
+            raise NotImplementedError(f"KvtierConnector takes attention KV caches, not {type(spec).__name__}")
+    if "MLA" in type(spec).__name__:
+        raise NotImplementedError("KvtierConnector does not take MLA (latent) KV caches yet")
+    dtype = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise NotImplementedError(f"KvtierConnector does not take {spec.dtype} KV caches")
+    return kvtier.Layout(
+        settings.model_id,
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=dtype,
+        block_tokens=spec.block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+
+
+def _keys(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes]) -> list[bytes]:
+    return [client.key_from_engine_hash(cache, h) for h in hashes]
+
+
+class _Connection:
+    """A client of the daemon, connected on first use and again after a
+    failed attempt at most once per _RECONNECT_INTERVAL_S. `register` makes the
+    caller's KV cache once connected. Once connected, the client itself
+    reconnects after a daemon restart and registers the cache again.
+    Owned by one thread at a time."""
+
+    def __init__(self, settings: _Settings, name: str, call_timeout_s: float | None = None) -> None:
+        self._settings = settings
+        self._name = name
+        self._call_timeout_s = call_timeout_s
+        self._client: kvtier.Client | None = None
+        self._next_attempt = 0.0
+        self._warned = False
+        self._hung = HungPause()
+
+    def client(self) -> kvtier.Client | None:
+        now = time.monotonic()
+        if self._hung.active():
+            return None
+        if self._client is not None:
+            return self._client
+        if now < self._next_attempt:
+            return None
+        try:
+            self._client = kvtier.Client.connect(
+                self._settings.socket, token=self._settings.token, name=self._name, call_timeout=self._call_timeout_s
+            )
+            logger.info("kvtier: connected to %s as tenant %s", self._settings.socket, self._client.tenant)
+            self._warned = False
+        except kvtier.Error as error:
+            self._next_attempt = now + _RECONNECT_INTERVAL_S
+            if not self._warned:
+                logger.warning("kvtier: %s unreachable (%s); every lookup is a miss until it is back", self._settings.socket, error)
+                self._warned = True
+        return self._client
+
+    def note(self, error: kvtier.Error | None) -> None:
+        """What a call to the daemon ended with (None: it answered). After a
+        call that timed out, client() is None for a while (HungPause): a hung
+        daemon costs each step nothing more, not a call_timeout per step."""
+        connected = self._client is None or self._client.connected
+        if (pause := self._hung.note(error, connected)) is not None:
+            logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._settings.socket, error, pause)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+# --------------------------------------------------------------------------
+# The step plan, scheduler to workers.
+
+# The most next_use_ms the daemon takes (an hour; ipc::kMaxNextUseMs).
+_MAX_NEXT_USE_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class RequestHint:
+    """A request's retention hint (docs/policy.md), from its kv_transfer_params."""
+
+    priority: int = 0
+    next_use_ms: int = 0
+    session_over: bool = False
+
+    @staticmethod
+    def of(request: Request) -> RequestHint | None:
+        """The hint in ``request.kv_transfer_params["kvtier"]``; None when it has
+        none, or one that is not valid (logged: the request runs unhinted)."""
+        params = getattr(request, "kv_transfer_params", None)
+        raw = params.get("kvtier") if isinstance(params, dict) else None
+        if raw is None:
+            return None
+        try:
+            if not isinstance(raw, dict) or set(raw) - {"priority", "next_use_ms", "session_over"}:
+                raise ValueError("an object with priority, next_use_ms and session_over is wanted")
+            priority, next_use_ms = raw.get("priority", 0), raw.get("next_use_ms", 0)
+            session_over = raw.get("session_over", False)
+            if type(priority) is not int or priority not in (-1, 0, 1):
+                raise ValueError(f"priority {priority!r}: -1 (evict first), 0 (no hint) or 1 (keep)")
+            if type(next_use_ms) is not int or not 0 <= next_use_ms <= _MAX_NEXT_USE_MS:
+                raise ValueError(f"next_use_ms {next_use_ms!r}: an integer from 0 to {_MAX_NEXT_USE_MS}")
+            if not isinstance(session_over, bool):
+                raise ValueError(f"session_over {session_over!r}: true or false")
+        except ValueError as error:
+            logger.warning("kvtier: request %s: kv_transfer_params.kvtier ignored (%s)", request.request_id, error)
+            return None
+        hint = RequestHint(priority, next_use_ms, session_over)
+        return hint if hint != RequestHint() else None
+
+
+@dataclass
+class TransferSpec:
+    """Blocks of one request to move: vLLM block hashes and block ids, alike
+    in length, and the request's hint (stores carry it)."""
+
+    req_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    hint: RequestHint | None = None
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    """One step's plan: loads before the forward pass, stores after it, the
+    requests preempted (their blocks may be reused once this step ends), and
+    the hints of hinted requests that are over (block_ids empty: every block
+    of the request, sent once its stores have landed)."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    stores: list[TransferSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    hints: list[TransferSpec] = field(default_factory=list)

@@ -1,0 +1,288 @@
+"""The vLLM connector's worker side (kvtier/vllm.py is its entry): vLLM's KV
+tensors registered in place, loads before the forward pass and stores after
+it, each bounded by op_timeout_s, and the requests' hints."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+import kvtier
+
+from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _Connection, _keys, _layout, _Settings, logger
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# --------------------------------------------------------------------------
+# Worker side.
+
+
+def _placements(layer_tensors: list[torch.Tensor], head_size: int) -> tuple[list[tuple[int, int]], list[kvtier.Placement]]:
+    """Regions (one per distinct storage) and placements of vLLM's per-layer
+    KV views, in layer order.
+
+    vLLM 0.33 hands each layer a view [blocks, heads, block_tokens, 2 * head_size]
+    of one shared allocation: K is the first head_size elements of the last
+    dimension, V the second. Its layout (LBNHC, LBHNC, the blocks-first BLNHC,
+    ...) is only the strides of those views, so they are read from the views."""
+    regions: list[tuple[int, int]] = []
+    region_of: dict[int, int] = {}
+    placements: list[kvtier.Placement] = []
+    for index, tensor in enumerate(layer_tensors):
+        if tensor.dim() != 4 or tensor.shape[3] != 2 * head_size or tensor.stride(3) != 1:
+            raise kvtier.InvalidArgumentError(
+                f"layer {index}: a KV view [blocks, heads, block_tokens, 2 x {head_size}] with a contiguous last "
+                f"dimension is needed, not shape {tuple(tensor.shape)} strides {tensor.stride()}"
+            )
+        storage = tensor.untyped_storage()
+        base = storage.data_ptr()
+        if base not in region_of:
+            region_of[base] = len(regions)
+            regions.append((base, storage.nbytes()))
+        element = tensor.element_size()
+        offset = tensor.storage_offset() * element
+        strides = [s * element for s in tensor.stride()]
+        for part in (0, 1):  # K, V
+            placements.append(
+                kvtier.Placement(
+                    region=region_of[base],
+                    offset_bytes=offset + part * head_size * element,
+                    block_stride_bytes=strides[0],
+                    token_stride_bytes=strides[2],
+                    head_stride_bytes=strides[1],
+                )
+            )
+    return regions, placements
+
+
+class _WorkerSide:
+    def __init__(self, settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> None:
+        self._settings = settings
+        self._kv_cache_config = kv_cache_config
+        self._layout = _layout(settings, kv_cache_config, tp_rank, tp_size)
+        # Every call waits at most op_timeout_s: a hung daemon never holds a
+        # step for long (docs: op_timeout_s).
+        self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
+        self._cache: kvtier.KvCache | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._invalid: set[int] = set()
+        self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
+        self._finishing: set[str] = set()  # finished requests with stores
+        self._hints: dict[str, TransferSpec] = {}  # to send once their request's stores landed
+        self._store_started: dict[int, float] = {}  # id(op) -> when get_finished first found it running
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+        self._ensure_registered()
+
+    def _ensure_registered(self) -> kvtier.KvCache | None:
+        """The registered cache; registers it on first reaching the daemon."""
+        if self._cache is not None or not self._kv_caches:
+            return self._cache
+        client = self._connection.client()
+        if client is None:
+            return None
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        tensors = [self._kv_caches[name] for name in names]
+        regions, placements = _placements(tensors, self._layout.head_dim)
+        num_blocks = tensors[0].shape[0]
+        started = time.monotonic()
+        if tensors[0].is_cuda:
+            self._cache = client.register_cuda_memory(self._layout, num_blocks, regions, placements)
+        else:
+            self._cache = client.register_host_memory(self._layout, num_blocks, regions, placements)
+        logger.info(
+            "kvtier: registered vLLM's KV cache (%d blocks, %.2f GiB, %s) in %.2f s",
+            num_blocks,
+            sum(size for _, size in regions) / (1 << 30),
+            "cuda" if tensors[0].is_cuda else "cpu",
+            time.monotonic() - started,
+        )
+        return self._cache
+
+    def _ready(self) -> tuple[kvtier.Client, kvtier.KvCache] | None:
+        """The client and the registered cache, or None while the daemon is
+        out of reach (every transfer is then a miss)."""
+        try:
+            cache = self._ensure_registered()
+        except kvtier.Error as error:
+            logger.warning("kvtier: registering the KV cache failed: %s", error)
+            return None
+        client = self._connection.client()
+        return None if cache is None or client is None else (client, cache)
+
+    def start_load_kv(self, meta: KvtierMetadata) -> None:
+        # vLLM calls this every step, with or without a forward pass.
+        for spec in meta.hints:
+            if self._stores.get(spec.req_id):
+                self._hints[spec.req_id] = spec  # get_finished sends it
+            else:
+                self._send_hint(spec)
+        if not meta.loads:
+            return
+        ready = self._ready()
+        pending: list[tuple[TransferSpec, kvtier.Op | None]] = []
+        for spec in meta.loads:
+            op = None
+            if ready is not None:
+                client, cache = ready
+                try:
+                    op = client.load_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids)
+                except kvtier.Error as error:
+                    # No copy of it runs now (a failed start cancels them).
+                    self._connection.note(error)
+                    logger.info("kvtier: a load of %d blocks failed to start (%s); vLLM recomputes them", len(spec.block_ids), error)
+            pending.append((spec, op))
+        # The forward pass reads these blocks: every load ends, or is
+        # cancelled, before it starts.
+        deadline = time.monotonic() + self._settings.op_timeout_s
+        for spec, op in pending:
+            loaded = 0
+            if op is not None:
+                result = self._finish(op, deadline - time.monotonic(), f"a load of {len(spec.block_ids)} blocks")
+                loaded = result.blocks if result is not None else 0
+            self._invalid.update(spec.block_ids[loaded:])
+
+    def _finish(self, op: kvtier.Op, timeout: float, what: str) -> kvtier.OpResult | None:
+        """The op's result within `timeout`, else None once it is cancelled:
+        either way, no copy of it touches its blocks any more."""
+        try:
+            result = op.wait(max(timeout, 0.0))
+            self._connection.note(None)
+            return result
+        except kvtier.DeadlineExceededError as error:
+            self._connection.note(error)
+            logger.warning("kvtier: %s is not done in time (%s); cancelled", what, error)
+        except kvtier.Error as error:
+            # Over, or lost with its connection: its copies are cancelled.
+            logger.info("kvtier: %s failed (%s)", what, error)
+            if not isinstance(error, kvtier.AbortedError):
+                return None
+        self._cancel(op)
+        return None
+
+    @staticmethod
+    def _cancel(op: kvtier.Op) -> None:
+        try:
+            op.cancel(timeout=1.0)
+        except kvtier.DeadlineExceededError:
+            # The daemon stopped in the middle of one of the op's copies: its
+            # blocks are not vLLM's again until that copy is over.
+            logger.error("kvtier: kvtierd stopped in the middle of a copy; waiting for it before vLLM reuses the blocks")
+            op.cancel()
+
+    def wait_for_save(self, meta: KvtierMetadata) -> None:
+        if not meta.stores:
+            return
+        if any(t.is_cuda for t in self._kv_caches.values()):
+            # The daemon copies from the GPU on its own stream: the forward
+            # pass that wrote these blocks must be over first.
+            torch.cuda.current_stream().synchronize()
+        ready = self._ready()
+        for spec in meta.stores:
+            ops = self._stores.setdefault(spec.req_id, [])
+            if ready is None:
+                continue
+            client, cache = ready
+            hint = spec.hint or RequestHint()
+            try:
+                ops.append(
+                    client.store_async(
+                        cache,
+                        _keys(client, cache, spec.block_hashes),
+                        spec.block_ids,
+                        priority=hint.priority,
+                        next_use_ms=hint.next_use_ms,
+                    )
+                )
+            except kvtier.Error as error:
+                self._connection.note(error)
+                logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)
+
+    def handle_preemptions(self, meta: KvtierMetadata) -> None:
+        """A preempted request's blocks are reused after this step: its
+        stores must have read them first, or be cancelled."""
+        for req_id in meta.preempted:
+            self._end_stores(self._stores.get(req_id, []))
+            if req_id in self._stores:
+                self._stores[req_id] = []
+
+    def _end_stores(self, ops: list[kvtier.Op]) -> None:
+        """Collects stores within op_timeout_s in all, cancelling those not
+        done by then."""
+        deadline = time.monotonic() + self._settings.op_timeout_s
+        for op in ops:
+            self._finish(op, deadline - time.monotonic(), "a store")
+
+    def _poll_store(self, op: kvtier.Op) -> bool:
+        """Collects a store's result if it is over; False while it still
+        runs. One running past op_timeout_s is cancelled (so the request's
+        blocks are vLLM's again)."""
+        if self._connection.client() is None:
+            self._cancel(op)  # the daemon is hung or gone: do not wait on it
+            return True
+        try:
+            op.wait(0)
+        except kvtier.DeadlineExceededError as error:
+            self._connection.note(error)
+            started = self._store_started.setdefault(id(op), time.monotonic())
+            if self._connection.client() is not None and time.monotonic() - started < self._settings.op_timeout_s:
+                return False
+            logger.warning("kvtier: a store is not done after %.1f s; cancelled", self._settings.op_timeout_s)
+            self._cancel(op)
+        except kvtier.Error as error:
+            logger.info("kvtier: a store failed (%s)", error)
+            if isinstance(error, kvtier.AbortedError):
+                self._cancel(op)
+        self._store_started.pop(id(op), None)
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finishing.update(r for r in finished_req_ids if r in self._stores)
+        done: set[str] = set()
+        for req_id in self._finishing:
+            ops = self._stores[req_id]
+            # Polled in order, at most one still running per request.
+            while ops and self._poll_store(ops[0]):
+                ops.pop(0)
+            if not ops:
+                done.add(req_id)
+        for req_id in done:
+            self._finishing.discard(req_id)
+            del self._stores[req_id]
+            if (spec := self._hints.pop(req_id, None)) is not None:
+                self._send_hint(spec)
+        return (done or None), None
+
+    def _send_hint(self, spec: TransferSpec) -> None:
+        """The hint of a request that is over, for all its blocks (one round trip)."""
+        ready = self._ready()
+        if ready is None or spec.hint is None:
+            return
+        client, cache = ready
+        hint = spec.hint
+        try:
+            client.hint(
+                cache,
+                _keys(client, cache, spec.block_hashes),
+                priority=hint.priority,
+                next_use_ms=hint.next_use_ms,
+                session_over=hint.session_over,
+            )
+        except kvtier.Error as error:
+            self._connection.note(error)
+            logger.info("kvtier: a hint for %d blocks failed (%s)", len(spec.block_hashes), error)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        self._end_stores([op for ops in self._stores.values() for op in ops])
+        self._stores.clear()
+        # The registration goes before vLLM frees its tensors.
+        self._cache = None
+        self._connection.close()
