@@ -2,14 +2,11 @@
 // ListNamespaces, VerifyDisk, Flush and ListTenants.
 #include "client/client_impl.h"
 
-
 namespace kvtier {
 
 namespace w = wire;
-using client_detail::KeysToWire;
 using client_detail::Reply;
 using client_detail::TierFromWire;
-using client_detail::Unavailable;
 using flatbuffers::FlatBufferBuilder;
 
 Result<DaemonStats> Client::Impl::Stats() {

@@ -6,7 +6,6 @@
 #include "client/client_impl.h"
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <climits>

@@ -3,22 +3,17 @@
 // Call: one request, its descriptors, and its reply, within call_timeout.
 #include "client/client_impl.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 #include <cerrno>
 
-#include "common/version.h"
 #include "ipc/seqpacket.h"
 
 namespace kvtier {
 
 namespace w = wire;
-using client_detail::KeysToWire;
 using client_detail::Reply;
-using client_detail::TierFromWire;
 using client_detail::Unavailable;
 using flatbuffers::FlatBufferBuilder;
 

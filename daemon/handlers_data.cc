@@ -2,8 +2,6 @@
 // index, the remote tier asked for what missed locally), Load and Store (ops
 // queued to the cache and the device backend, answered when started or when
 // done), and Wait, Poll and Cancel of those ops.
-#include <spdlog/spdlog.h>
-
 #include <algorithm>
 
 #include "common/chain_hash.h"

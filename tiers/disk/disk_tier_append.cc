@@ -8,10 +8,6 @@
 #include <rocksdb/write_batch.h>
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
-
-#include "common/check.h"
-
 #include "tiers/disk/disk_tier_internal.h"
 
 namespace kvtier {
