@@ -1,14 +1,19 @@
-// BlockCache's memory tiers and data path: stores, loads, lookups,
-// promotion and demotion between hbm and host, eviction, quotas (its disk,
-// codec, remote, verify and policy sides live in block_cache_*.cc). Past 800
-// lines on purpose: a store's and a load's steps, and the leases and slots
-// they share, read best side by side.
+// BlockCache's core: the data path (stores, loads, lookups, prefetches,
+// moves between hbm and host) and the background pump; the calls it hands
+// to its sides. Its entries, presence and accounting are in
+// block_cache_entries.cc; its sides in block_cache_*.{h,cc}.
 #include "tiers/block_cache.h"
 
 #include <algorithm>
 #include <utility>
 
 #include "common/check.h"
+#include "tiers/block_cache_codec.h"
+#include "tiers/block_cache_disk.h"
+#include "tiers/block_cache_policy.h"
+#include "tiers/block_cache_remote.h"
+#include "tiers/block_cache_room.h"
+#include "tiers/block_cache_walks.h"
 
 namespace kvtier {
 
@@ -37,10 +42,6 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
       cache->tiers_[t]->pool = std::make_unique<SlotPool>(a->data(), a->size_bytes(), extent);
     }
   }
-  if (!o.clock) cache->options_.clock = [] { return std::chrono::steady_clock::now(); };
-  cache->budget_tokens_ = static_cast<double>(o.disk_write_budget_bytes_per_day);
-  cache->budget_refilled_ = cache->options_.clock();
-  cache->created_ = cache->budget_refilled_;
   cache->tier(Tier::kHbm)->marks = o.hbm_watermarks;
   cache->tier(Tier::kHost)->marks = o.host_watermarks;
   return cache;
@@ -49,108 +50,27 @@ Result<std::unique_ptr<BlockCache>> BlockCache::Create(Options options) {
 BlockCache::BlockCache(Options options)
     : options_(std::move(options)),
       index_(options_.policy),
-      gate_(options_.disk_gate_sample_every),
       namespaces_(std::max(1u, options_.max_namespaces), std::max(1u, options_.max_namespaces_per_tenant)),
-      self_(std::make_shared<BlockCache*>(this)) {}
+      self_(std::make_shared<BlockCache*>(this)) {
+  if (!options_.clock) options_.clock = [] { return std::chrono::steady_clock::now(); };
+  created_ = options_.clock();
+  room_ = std::make_unique<RoomGate>(*this);
+  policy_ = std::make_unique<CachePolicy>(*this);
+  codec_ = std::make_unique<CacheCodec>(*this);
+  remote_ = std::make_unique<CacheRemote>(*this);
+  disk_ = std::make_unique<CacheDisk>(*this);  // its write budget starts full, at created_
+  walks_ = std::make_unique<CacheWalks>(*this);
+}
 
 BlockCache::~BlockCache() {
   // Copies in flight write into the arenas freed below.
   KVTIER_CHECK_MSG(inflight_copies_ == 0, "BlockCache destroyed with copies in flight");
 }
 
-void BlockCache::SetQuota(TenantId tenant, const TenantQuota& quota) {
-  if (quotas_.size() <= tenant) quotas_.resize(tenant + 1);
-  quotas_[tenant] = quota;
-  // Without a disk quota its record log is not kept (nor needed).
-  if (!quota.bytes[static_cast<size_t>(Tier::kDisk)] && tenant < quota_state_.size()) {
-    quota_state_[tenant].disk_log = DiskWriteLog();
-  }
-}
-
 void BlockCache::SetWatermarks(TierWatermarks hbm, TierWatermarks host) {
   tier(Tier::kHbm)->marks = hbm;
   tier(Tier::kHost)->marks = host;
   MaybeDemote();
-}
-
-void BlockCache::SetTenantName(TenantId tenant, std::string name) {
-  if (tenant_names_.size() <= tenant) tenant_names_.resize(tenant + 1);
-  tenant_names_[tenant] = std::move(name);
-  named_tenants_ = static_cast<uint64_t>(std::count_if(tenant_names_.begin(), tenant_names_.end(),
-                                                       [](const std::string& n) { return !n.empty(); }));
-}
-
-bool BlockCache::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
-  if (tenant >= quotas_.size()) return true;
-  const std::optional<uint64_t>& q = quotas_[tenant].bytes[static_cast<size_t>(t)];
-  if (!q) return true;
-  uint64_t used = TenantUsedBytes(tenant, t);
-  // Host blocks being written out to disk are leaving (block_cache.h, "Quotas").
-  if (t == Tier::kHost && tenant < quota_state_.size())
-    used -= quota_state_[tenant].host_bytes_leaving;
-  return used + bytes <= *q;
-}
-
-BlockCache::QuotaState& BlockCache::QuotaStateOf(TenantId tenant) {
-  if (quota_state_.size() <= tenant) quota_state_.resize(size_t{tenant} + 1);
-  return quota_state_[tenant];
-}
-
-bool BlockCache::MakeHostQuotaRoom(TenantId tenant, uint64_t bytes) {
-  while (!QuotaAllows(tenant, Tier::kHost, bytes)) {
-    BlockEntry* own = PickVictim(Tier::kHost, 0, tenant);
-    if (own == nullptr) return false;
-    if (options_.disk == nullptr) {
-      Drop(own);
-    } else {
-      DemoteFromHost(own);
-    }
-  }
-  return true;
-}
-
-uint64_t BlockCache::TenantUsedBytes(TenantId tenant, Tier t) const {
-  return tenant < tenant_shares_.size() ? tenant_shares_[tenant].used_bytes[static_cast<size_t>(t)]
-                                        : 0;
-}
-
-uint64_t BlockCache::TenantBlocks(TenantId tenant) const {
-  const TenantShare s = ShareOf(tenant);
-  return s.blocks[0] + s.blocks[1] + s.blocks[2];
-}
-
-TenantShare BlockCache::ShareOf(TenantId tenant) const {
-  return tenant < tenant_shares_.size() ? tenant_shares_[tenant] : TenantShare{};
-}
-
-TenantShare& BlockCache::Counted(TenantId tenant) {
-  if (tenant_shares_.size() <= tenant) tenant_shares_.resize(size_t{tenant} + 1);
-  return tenant_shares_[tenant];
-}
-
-void BlockCache::CountEviction(Tier t, TenantId owner) { ++Counted(owner).evictions[static_cast<size_t>(t)]; }
-
-void RequestCounters::Add(const RequestCounters& o) {
-  lookups += o.lookups;
-  lookup_keys += o.lookup_keys;
-  misses += o.misses;
-  stores += o.stores;
-  already_stored += o.already_stored;
-  store_rejected += o.store_rejected;
-  stores_discarded += o.stores_discarded;
-  loads += o.loads;
-  bytes_engine_to_cache += o.bytes_engine_to_cache;
-  bytes_cache_to_engine += o.bytes_cache_to_engine;
-  for (size_t t = 0; t < kNumTiers; ++t) {
-    hits[t] += o.hits[t];
-    evictions[t] += o.evictions[t];
-  }
-}
-
-CacheCounters BlockCache::counters() const {
-  CacheCounters c = counters_;
-  for (const TenantShare& share : tenant_shares_) c.Add(share);
-  return c;
 }
 
 std::span<uint8_t> BlockCache::host_arena() const {
@@ -180,299 +100,9 @@ bool BlockCache::AboveLow(Tier t) const {
                         s->marks.low * static_cast<double>(s->pool->capacity_bytes());
 }
 
-void BlockCache::Charge(BlockEntry* e, int sign) { Charge(e->tier, e->owner, e->ns, ChargedBytes(e), sign); }
-
-LayoutFingerprint BlockCache::NamespaceOf(const Layout& layout, const CodecParams& codec) {
-  return CodedFingerprint(layout.fingerprint(), codec);
-}
-
-NamespaceFormat BlockCache::FormatFor(const Layout& layout, const CodecParams& codec) {
-  // A layout's own namespace holds raw and lossless blocks alike.
-  if (codec.kind == CodecKind::kFp8) return {layout.block_bytes(), codec};
-  return {layout.block_bytes(), {.kind = CodecKind::kLossless, .dtype = layout.spec().dtype, .group_elems = 0}};
-}
-
-void BlockCache::Charge(const DiskOnlyBlock& b, int sign) {
-  Charge(Tier::kDisk, b.owner, b.ns, b.block_bytes, sign);
-}
-
-void BlockCache::Charge(Tier tier_id, TenantId owner, uint32_t ns, uint64_t bytes, int sign) {
-  namespaces_.Charge(ns, owner, tier_id, bytes, sign);
-  const size_t t = static_cast<size_t>(tier_id);
-  TenantShare& mine = Counted(owner);
-  if (sign > 0) {
-    tiers_[t]->blocks += 1;
-    tiers_[t]->used_bytes += bytes;
-    mine.used_bytes[t] += bytes;
-    mine.blocks[t] += 1;
-  } else {
-    tiers_[t]->blocks -= 1;
-    tiers_[t]->used_bytes -= bytes;
-    mine.used_bytes[t] -= bytes;
-    mine.blocks[t] -= 1;
-  }
-}
-
-BlockEntry* BlockCache::InsertFilling(const StoredKey& key, const StoredKey* parent, Tier t, uint8_t* slot,
-                                      uint64_t bytes, uint32_t ns, TenantId tenant, uint64_t coded_bytes) {
-  BlockEntry* e = index_.Insert(key, t, parent);
-  e->slot = slot;
-  tier(t)->pool->SetOwner(slot, e);
-  e->block_bytes = static_cast<uint32_t>(bytes);
-  e->coded_bytes = static_cast<uint32_t>(coded_bytes);
-  e->ns = ns;
-  e->owner = tenant;
-  e->state = EntryState::kFilling;
-  Lease(e, tenant);
-  Charge(e, +1);
-  return e;
-}
-
-void BlockCache::MakeReady(BlockEntry* e) {
-  e->state = EntryState::kReady;
-  if (e->tier != Tier::kDisk) Tell(true, e, e->tier);  // a disk entry is present by its record
-}
-
-void BlockCache::MoveToTier(BlockEntry* e, Tier to) {
-  const Tier from = e->tier;
-  index_.ChangeTier(e, to);
-  if (e->state != EntryState::kReady || from == to) return;
-  // Present in the new tier first: a consumer never sees the block held
-  // nowhere in between (nor does the listener drop what it keeps of it).
-  if (to != Tier::kDisk) Tell(true, e, to);
-  if (from != Tier::kDisk) Tell(false, e, from);
-}
-
-void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {
-  if (e->on_disk == on_disk) return;
-  e->on_disk = on_disk;
-  if (e->state == EntryState::kReady) Tell(on_disk, e, Tier::kDisk);
-}
-
-void BlockCache::SetRemotePresent(BlockEntry* e, bool present) {
-  if (e->remote_present == present) return;
-  e->remote_present = present;
-  Tell(present, e, Presence::kRemote);
-}
-
-void BlockCache::Erase(BlockEntry* e) {
-  SetRemotePresent(e, false);
-  index_.Erase(e);
-}
-
-void BlockCache::ForEachPresent(const std::function<void(const StoredKey&, TenantId, uint32_t, Presence)>& fn) {
-  index_.ForEach([&](const BlockEntry* e) {
-    if (e->remote_present) fn(e->key, e->owner, e->ns, Presence::kRemote);
-    if (e->state != EntryState::kReady) return;
-    if (e->tier != Tier::kDisk) fn(e->key, e->owner, e->ns, PresenceOf(e->tier));
-    if (e->on_disk) fn(e->key, e->owner, e->ns, Presence::kDisk);
-  });
-  disk_only_.ForEach([&](const DiskOnlyBlock& b) { fn(b.key, b.owner, b.ns, Presence::kDisk); });
-}
-
-void BlockCache::Lease(BlockEntry* e, TenantId tenant) {
-  index_.AddLease(e);
-  ++Counted(tenant).leases;
-}
-
-void BlockCache::Unlease(BlockEntry* e, TenantId tenant) {
-  --Counted(tenant).leases;
-  index_.ReleaseLease(e);
-  if (e->leases == 0 && e->retired_slot != nullptr) {
-    tier(e->retired_tier)->pool->Free(e->retired_slot, e->retired_bytes);
-    e->retired_slot = nullptr;
-  }
-  if (e->leases == 0) Dematerialize(e);  // a load that could not read it up
-}
-
-void BlockCache::Drop(BlockEntry* e) {
-  KVTIER_CHECK(e->leases == 0 && !e->moving && e->retired_slot == nullptr);
-  if (e->state == EntryState::kReady) {
-    CountEviction(e->tier, e->owner);
-    if (e->tier != Tier::kDisk) Tell(false, e, e->tier);
-    if (e->on_disk) Tell(false, e, Tier::kDisk);
-  }
-  if (!e->on_disk && WantsRemotePut(e, Options::RemoteWrite::kOnDemote)) {
-    ++counters_.remote_demotions_missed;
-  }
-  Charge(e, -1);
-  if (e->on_disk) options_.disk->Forget(e->key, e->disk);
-  if (e->tier != Tier::kDisk) tier(e->tier)->pool->Free(e->slot, SlotBytes(e));
-  Erase(e);
-}
-
-void BlockCache::RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old_bytes) {
-  if (e->leases == 0) {
-    tier(from)->pool->Free(old, old_bytes);
-    return;
-  }
-  // Loads that leased the block before still read the old slot.
-  KVTIER_CHECK(e->retired_slot == nullptr);
-  e->retired_slot = old;
-  e->retired_tier = from;
-  e->retired_bytes = static_cast<uint32_t>(old_bytes);
-}
-
-
-void BlockCache::DropDiskOnly(DiskOnlyBlock* b, bool forget) {
-  if (forget) {
-    options_.disk->Forget(b->key, options_.disk->LocationOf(RecordRefOf(*b)));
-  }
-  CountEviction(Tier::kDisk, b->owner);
-  Charge(*b, -1);
-  CountPresent(Presence::kDisk, false);
-  if (options_.listener != nullptr) options_.listener->OnBlockGone(b->key, b->owner, b->ns, Presence::kDisk);
-  disk_only_.Erase(b);
-}
-
-namespace {
-
-// Children of a block looked at, at most, to see whether they all leave.
-constexpr int kLeavingChildrenChecked = 8;
-
-// Whether every child of `e` in tier `t` or above is on its way below `t`
-// (a demotion in flight): then `e` is as good as a leaf of `t` for another
-// demotion (PickVictim's moves_down). False past kLeavingChildrenChecked
-// children.
-bool ChildrenLeaving(const BlockEntry* e, Tier t) {
-  int seen = 0;
-  for (const BlockEntry* c = e->first_child; c != nullptr; c = c->next_sibling) {
-    if (c->tier > t) continue;  // below t: no child of t's
-    if (c->tier != t || !c->leaving || ++seen > kLeavingChildrenChecked) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
-BlockEntry* BlockCache::PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only,
-                                   bool moves_down) {
-  bool last_resort = false;
-  index_.order(t).Expire(NowMs());
-  BlockEntry* victim = index_.order(t).PickVictim(
-      options_.eviction_scan_limit,
-      [&](const BlockEntry* e) {
-        ++counters_.victim_scan_blocks;
-        if (e->leases != 0 || e->state != EntryState::kReady || e->moving) return Candidate::kSkip;
-        if (block_bytes != 0 && SlotPool::StrideFor(SlotBytes(e)) != SlotPool::StrideFor(block_bytes)) {
-          return Candidate::kSkip;
-        }
-        if (owner && e->owner != *owner) return Candidate::kSkip;
-        if (clean_only && !(options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
-        if (options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t) && !(moves_down && ChildrenLeaving(e, t))) {
-          return Candidate::kLastResort;
-        }
-        return Candidate::kEvict;
-      },
-      &last_resort);
-  if (last_resort) ++counters_.prefix_fallbacks;
-  return victim;
-}
-
-uint8_t* BlockCache::AllocateSlot(Tier t, uint64_t bytes, Room room) {
-  TierState* s = tier(t);
-  if (!s->pool) return nullptr;
-  // Blocks the tier below holds (disk, or else the cluster, however they
-  // were put there) can go for nothing; an extent of another size is emptied
-  // without loss only where host writes back to disk.
-  const bool has_clean = t == Tier::kHost && (options_.disk != nullptr || options_.remote != nullptr);
-  const bool may_empty_extents =
-      room == Room::kAny || (t == Tier::kHost && options_.disk != nullptr) || (room == Room::kCleanOnly && has_clean);
-  // Without a disk to write them to, an extent is emptied for kCleanOnly
-  // only when every block in it is held below host.
-  const bool extents_clean_only = room != Room::kAny;
-  while (true) {
-    if (uint8_t* slot = s->pool->Allocate(bytes); slot != nullptr) return slot;
-    if (room == Room::kNothing) return nullptr;
-    // Sizes share a tier by recency, not by who came first: when the
-    // coldest block is of another size, the extent it lives in is emptied
-    // for this size (without this, a second model's blocks would find
-    // every extent taken by the first's).
-    if (may_empty_extents && s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u)) {
-      const BlockEntry* coldest = PickVictim(t, 0, std::nullopt);
-      if (coldest != nullptr &&
-          SlotPool::StrideFor(SlotBytes(coldest)) != SlotPool::StrideFor(bytes)) {
-        // Draining: refused until its blocks have left (this size's own
-        // blocks are hotter than the coldest). Busy: this size's own
-        // coldest may still go below.
-        const ExtentReclaim r = EmptyExtent(t, bytes, coldest->slot, extents_clean_only);
-        if (r == ExtentReclaim::kRoom) continue;
-        if (r == ExtentReclaim::kDraining) return nullptr;
-      }
-    }
-    // A block the tier below holds (disk, or else the cluster) costs
-    // nothing to let go; a dirty one would be lost, so it goes only when no
-    // clean one can.
-    BlockEntry* victim =
-        has_clean ? PickVictim(t, bytes, std::nullopt, /*clean_only=*/true) : nullptr;
-    if (victim == nullptr && room == Room::kAny) victim = PickVictim(t, bytes, std::nullopt);
-    if (victim == nullptr) {
-      // No block of this size can go now (all leased or moving: a store's
-      // own, blocks being coded; or all dirty): an extent of another size,
-      // whatever the coldest is, before giving up.
-      if (may_empty_extents && s->pool->sizes_in_use() > (s->pool->holds(bytes) ? 1u : 0u) &&
-          EmptyExtent(t, bytes, nullptr, extents_clean_only) == ExtentReclaim::kRoom) {
-        continue;
-      }
-      return nullptr;
-    }
-    if (BackToDisk(victim)) continue;
-    if (t == Tier::kHost && options_.disk != nullptr && !victim->on_disk) ++counters_.disk_writes_missed;
-    Drop(victim);
-  }
-}
-
-// Extents one EmptyExtent looks at, at most.
-constexpr size_t kExtentCandidates = 4;
-
-BlockCache::ExtentReclaim BlockCache::EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest, bool clean_only) {
-  SlotPool& pool = *tier(t)->pool;
-  const bool write_back = t == Tier::kHost && options_.disk != nullptr;
-  const bool keep_dirty = clean_only && !write_back;
-  for (const std::span<uint8_t> extent : pool.ExtentsToReclaim(bytes, coldest, kExtentCandidates)) {
-    // Its blocks, found through the slots' owners: each must be settled
-    // to go now (a lease, a copy in flight, a retired slot or a move's
-    // destination keeps the extent this time).
-    std::vector<BlockEntry*> blocks;
-    bool busy = false;
-    pool.ForEachSlotInUse(extent.data(), [&](uint8_t* slot, void* owner) {
-      ++counters_.extent_slots_examined;
-      auto* e = static_cast<BlockEntry*>(owner);
-      busy = e == nullptr || e->slot != slot || e->tier != t || e->leases != 0 || e->moving ||
-             e->state != EntryState::kReady || e->retired_slot != nullptr || (keep_dirty && !e->on_remote);
-      if (!busy) blocks.push_back(e);
-      return !busy;
-    });
-    // One drain at a time: one under way (listed first) is waited for while
-    // its blocks leave; any other extent that cannot go now is skipped.
-    const bool draining = pool.draining(extent.data());
-    if (busy) {
-      if (draining) return ExtentReclaim::kDraining;
-      continue;
-    }
-    // Everything here can go: clean blocks back to disk, dirty ones written
-    // back (they leave once written; one that cannot start now waits for
-    // the next try) or, without a disk tier, dropped.
-    for (BlockEntry* e : blocks) {
-      if (!write_back) {
-        Drop(e);
-      } else if (!BackToDisk(e)) {
-        DemoteFromHost(e, /*may_drop=*/false);
-      }
-    }
-    if (!draining) ++counters_.extents_reclaimed;
-    if (pool.CanAllocate(bytes)) return ExtentReclaim::kRoom;
-    if (!draining) pool.Drain(extent.data());
-    return ExtentReclaim::kDraining;
-  }
-  return ExtentReclaim::kBusy;
-}
-
-void BlockCache::Touch(BlockEntry* e) { index_.Touch(e); }
-
 std::string BlockCache::NoRoomReason() const {
   return "no block of this size can be evicted now (" + std::to_string(index_.total_leases()) +
-         " leases held, " + std::to_string(disk_writes_in_flight_) +
+         " leases held, " + std::to_string(disk_->writes_in_flight()) +
          " blocks being written to disk), and blocks of other sizes hold the rest of the tier";
 }
 
@@ -554,7 +184,7 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
   auto p = std::make_shared<Pending>(Pending{std::move(leased), std::move(ids), std::move(target), std::move(done),
                                              on_disk.size()});
   for (BlockEntry* e : on_disk) {
-    PromoteFromDisk(e, [this, p, tenant](bool) {
+    disk_->PromoteFromDisk(e, [this, p, tenant](bool) {
       if (--p->waiting > 0) return;
       // Blocks still on disk failed their read; the prefix ends before the first.
       size_t good = 0;
@@ -643,8 +273,8 @@ bool BlockCache::MaybePromote(BlockEntry* e) {
       hbm->marks.high * static_cast<double>(hbm->pool->capacity_bytes())) {
     return false;
   }
-  if (!QuotaAllows(e->owner, Tier::kHbm, e->block_bytes)) return false;
-  uint8_t* dst = AllocateSlot(Tier::kHbm, e->block_bytes, Room::kNothing);
+  if (!policy_->QuotaAllows(e->owner, Tier::kHbm, e->block_bytes)) return false;
+  uint8_t* dst = room_->ForPromotion(e->block_bytes);
   if (dst == nullptr) return false;
   StartMove(e, Tier::kHbm, dst);
   return true;
@@ -679,7 +309,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   const uint64_t bytes = layout.block_bytes();
   // Host blocks the backend codes on the copy's way go straight into slots
   // of their coded size.
-  const uint64_t coded = CodedOnStore(*ns, bytes);
+  const uint64_t coded = codec_->CodedOnStore(*ns, bytes);
   auto job = std::make_shared<StoreJob>(
       StoreJob{.tenant = tenant, .bytes = bytes, .owner = std::move(owner), .done = std::move(done)});
   CopyBatch batch{.direction = CopyDirection::kEngineToSlot,
@@ -706,18 +336,18 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     // demoted to disk when there is one, see "Quotas" in block_cache.h).
     uint8_t* slot = nullptr;
     Tier t = Tier::kHbm;
-    if (QuotaAllows(tenant, Tier::kHbm, bytes)) {
-      slot = AllocateSlot(Tier::kHbm, bytes, Room::kNothing);
+    if (policy_->QuotaAllows(tenant, Tier::kHbm, bytes)) {
+      slot = room_->ForStore(Tier::kHbm, bytes);
     }
     const uint64_t host_bytes = coded != 0 ? coded : bytes;
     if (slot == nullptr) {
       t = Tier::kHost;
-      if (MakeHostQuotaRoom(tenant, host_bytes)) {
-        slot = AllocateSlot(Tier::kHost, host_bytes, Room::kAny);
+      if (policy_->MakeHostQuotaRoom(tenant, host_bytes)) {
+        slot = room_->ForStore(Tier::kHost, host_bytes);
       }
     }
     if (slot == nullptr) {
-      const bool quota = !QuotaAllows(tenant, Tier::kHost, host_bytes);
+      const bool quota = !policy_->QuotaAllows(tenant, Tier::kHost, host_bytes);
       const bool draining = tier(Tier::kHost)->pool->draining();
       job->status = Status(StatusCode::kResourceExhausted,
                            "no room for block " + std::to_string(i) + " of the store: " +
@@ -733,16 +363,16 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     BlockEntry* filled = job->filling.back();
     filled->compress = target.codec.kind != CodecKind::kNone;
     filled->depth = static_cast<uint16_t>(std::min<uint64_t>(parent_depth + i + 1, UINT16_MAX));
-    if (options_.disk_admit_learned) filled->disk_gate = gate_.TagFor(request_blocks);
+    if (options_.disk_admit_learned) filled->disk_gate = disk_->GateTag(request_blocks);
     if (hinted) {
       ++counters_.hinted;
-      if (!HintBlock(filled, hint, now)) ++counters_.hints_refused;
+      if (!policy_->HintBlock(filled, hint, now)) ++counters_.hints_refused;
     }
     job->block_ids.push_back(block_ids[i]);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});
   }
   Counted(tenant).already_stored += job->already;
-  ArrivedTogether(job->filling, parent_depth, request_blocks);
+  policy_->ArrivedTogether(job->filling, parent_depth, request_blocks);
   if (job->filling.empty()) {
     options_.post([job] { job->done(OpOutcome{.status = job->status, .blocks = 0, .already = job->already}); });
     return 0;
@@ -751,15 +381,6 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   job->target = std::move(target);
   const bool queued = SubmitCopy(std::move(batch), [this, job](CopyResult result) { FinishStore(job, std::move(result)); });
   return queued ? n : 0;
-}
-
-uint64_t BlockCache::CodedOnStore(uint32_t ns, uint64_t bytes) const {
-  const NamespaceFormat& format = namespaces_.FormatOf(ns);
-  if (format.block_bytes != bytes || !KeepsCoded(ns) || !options_.backend->EncodesOnStore(format.codec.kind)) {
-    return 0;
-  }
-  const uint64_t n = BlockCodec::MaxEncodedBytes(format.codec, bytes);
-  return SlotPool::StrideFor(n) < SlotPool::StrideFor(bytes) ? n : 0;
 }
 
 void BlockCache::FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult result) {
@@ -776,14 +397,14 @@ void BlockCache::FinishStore(const std::shared_ptr<StoreJob>& job, CopyResult re
       e->checksum = result.checksums[i];
       e->has_checksum = e->tier == Tier::kHost;
       if (e->coded_bytes != 0) {  // coded by the copy
-        CountEncoded(e->block_bytes, e->coded_bytes);
+        codec_->CountEncoded(e->block_bytes, e->coded_bytes);
         ++counters_.codec_host_coded;
       }
-      MaybeCompact(e);
+      codec_->MaybeCompact(e);
       if (options_.disk_write_through && options_.disk != nullptr && e->tier == Tier::kHost) {
-        QueueDiskWrite(e->key, /*keep_in_memory=*/true);
+        disk_->QueueDiskWrite(e->key, /*keep_in_memory=*/true);
       }
-      PutOnStore(e);
+      remote_->PutOnStore(e);
     } else {
       Drop(e);
     }
@@ -818,7 +439,7 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
     BlockEntry* e = job->filling.at(i);
     KVTIER_CHECK(e->tier == Tier::kHost && e->coded_bytes != 0);
     ++counters_.codec_not_worth_it;
-    uint8_t* raw = AllocateSlot(Tier::kHost, e->block_bytes, Room::kAny);
+    uint8_t* raw = room_->ForStore(Tier::kHost, e->block_bytes);
     if (raw == nullptr) {
       ++Counted(job->tenant).store_rejected;
       job->status = Status(StatusCode::kResourceExhausted, "no room for a block the codec did not code");
@@ -863,14 +484,6 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
   return true;
 }
 
-void BlockCache::CountLookup(TenantId tenant, std::span<const Tier> hit_tiers, size_t num_keys) {
-  TenantShare& mine = Counted(tenant);
-  for (Tier t : hit_tiers) ++mine.hits[static_cast<size_t>(t)];
-  ++mine.lookups;
-  mine.lookup_keys += num_keys;
-  mine.misses += num_keys - hit_tiers.size();
-}
-
 std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
                                                    std::span<const StoredKey> keys) {
   // The leading present keys, counted as a lookup (engines such as vLLM's
@@ -897,7 +510,7 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
     if (e == nullptr || !Servable(e)) continue;
     if (e->tier == Tier::kDisk) {
       if (!e->moving) {
-        PromoteFromDisk(e, nullptr);
+        disk_->PromoteFromDisk(e, nullptr);
         ++queued;
       }
     } else if (MaybePromote(e)) {
@@ -934,7 +547,7 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
   if (!result.status.ok()) {
     index_.Unpark(e, /*hot=*/true);
     tier(to)->pool->Free(dst, e->block_bytes);
-    RetryReadsWaitingForRoom();  // no room came of it
+    disk_->RetryReadsWaitingForRoom();  // no room came of it
     return;
   }
   const Tier from = e->tier;
@@ -951,8 +564,8 @@ void BlockCache::FinishMove(const StoredKey& key, Tier to, uint8_t* dst, CopyRes
     e->has_checksum = true;
     ++counters_.demotions;
     counters_.bytes_hbm_to_host += e->block_bytes;
-    MaybeCompact(e);
-    PutOnStore(e);
+    codec_->MaybeCompact(e);
+    remote_->PutOnStore(e);
   } else {
     ++counters_.promotions;
     counters_.bytes_host_to_hbm += e->block_bytes;
@@ -974,22 +587,110 @@ void BlockCache::MaybeDemote() {
       if (v == nullptr) break;
       // The owner's host quota is full: with a disk tier its host coldest
       // make room there; else (or when nothing of it can go) this block goes.
-      if (options_.disk != nullptr ? !MakeHostQuotaRoom(v->owner, v->block_bytes)
-                                   : !QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
+      if (options_.disk != nullptr ? !policy_->MakeHostQuotaRoom(v->owner, v->block_bytes)
+                                   : !policy_->QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
         Drop(v);
         continue;
       }
       // With a disk tier, host blocks are on their way there: wait for room
-      // rather than drop them.
-      const Room room = options_.disk == nullptr ? Room::kAny : Room::kNothing;
-      uint8_t* dst = AllocateSlot(Tier::kHost, v->block_bytes, room);
+      // rather than drop them (RoomGate::ForDemotion).
+      uint8_t* dst = room_->ForDemotion(v->block_bytes);
       if (dst == nullptr) break;  // host is full or leased; try again after the next op
       StartMove(v, Tier::kHost, dst);
     }
   }
-  PumpDiskWrites();
-  FlushRemotePuts();
-  RetryReadsWaitingForRoom();
+  disk_->PumpDiskWrites();
+  remote_->FlushRemotePuts();
+  disk_->RetryReadsWaitingForRoom();
 }
 
+uint32_t BlockCache::LeadingLocal(std::span<const StoredKey> keys) {
+  uint32_t n = 0;
+  for (const StoredKey& key : keys) {
+    const BlockEntry* e = index_.Find(key);
+    if (e != nullptr ? !Servable(e) : disk_only_.Find(key) == nullptr) break;
+    ++n;
+  }
+  return n;
+}
+
+// --- Calls handed to the sides.
+
+void BlockCache::SetQuota(TenantId tenant, const TenantQuota& quota) { policy_->SetQuota(tenant, quota); }
+
+void BlockCache::SetTenantName(TenantId tenant, std::string name) {
+  policy_->SetTenantName(tenant, std::move(name));
+}
+
+uint32_t BlockCache::Hint(std::span<const StoredKey> keys, const RetentionHint& hint, uint32_t* refused) {
+  return policy_->Hint(keys, hint, refused);
+}
+
+uint64_t BlockCache::AdoptDiskRecords(std::vector<DiskRecord> records) {
+  return disk_->AdoptDiskRecords(std::move(records));
+}
+
+ReclaimAnswer BlockCache::ReclaimFromDisk(const StoredKey& key, const DiskLocation& where, bool may_carry) {
+  return disk_->ReclaimFromDisk(key, where, may_carry);
+}
+
+void BlockCache::FinishRelocation(const StoredKey& key, Result<DiskLocation> now) {
+  disk_->FinishRelocation(key, std::move(now));
+}
+
+uint64_t BlockCache::FlushToDisk() { return disk_->FlushToDisk(); }
+
+void BlockCache::CancelFlush() { disk_->CancelFlush(); }
+
+uint64_t BlockCache::pending_disk_writes() const { return disk_->pending_disk_writes(); }
+
+std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layout& layout, const CodecParams& codec,
+                                                    std::span<const StoredKey> keys,
+                                                    std::function<void(uint32_t)> done) {
+  return remote_->FetchFromRemote(tenant, layout, codec, keys, std::move(done));
+}
+
+void BlockCache::Evict(EvictFilter filter, std::function<void(uint64_t)> done) {
+  walks_->Evict(std::move(filter), std::move(done));
+}
+
+size_t BlockCache::pending_evicts() const { return walks_->pending_evicts(); }
+
+std::shared_ptr<const VerifyProgress> BlockCache::VerifyDisk(uint32_t max_inflight) {
+  return walks_->VerifyDisk(max_inflight);
+}
+
+void BlockCache::CancelVerify() { walks_->CancelVerify(); }
+
+
+BlockEntry* BlockCache::PickBackgroundVictim(Tier t) {
+  const uint64_t before = counters_.victim_scan_blocks;
+  BlockEntry* v = room_->PickVictim(t, 0, std::nullopt, /*clean_only=*/false, /*moves_down=*/t == Tier::kHbm);
+  background_scanned_ += counters_.victim_scan_blocks - before;
+  return v;
+}
+
+bool BlockCache::ScanBudgetLeft() {
+  if (background_scanned_ - scan_base_ < std::max<uint32_t>(1, options_.background_scan_budget)) return true;
+  if (!pump_posted_) ++counters_.scan_budget_deferrals;
+  SchedulePump();
+  return false;
+}
+
+void BlockCache::SchedulePump() {
+  if (pump_posted_) return;
+  pump_posted_ = true;
+  options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
+    auto cache = self.lock();
+    if (!cache) return;
+    (*cache)->pump_posted_ = false;
+    (*cache)->scan_base_ = (*cache)->background_scanned_;  // a new budget
+    (*cache)->MaybeDemote();  // hbm's demotion, write-back, and what they queued
+  });
+}
+
+uint32_t BlockCache::NowMs() const {
+  return static_cast<uint32_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(options_.clock() - created_).count());
+}
 }  // namespace kvtier

@@ -1,37 +1,27 @@
-// BlockCache and the remote tier: loads fetch what no local tier holds into
-// host slots (a remote hit is promoted), and host blocks are put there as
-// they are stored or as they leave host (Options::remote_write). See
-// tiers/remote/remote_tier.h. Blocks whose store asked for a codec are
-// encoded on the codec pool before they are put, and decoded by the remote
-// tier as they are fetched.
+// CacheRemote: BlockCache and the remote tier (block_cache_remote.h).
+#include "tiers/block_cache_remote.h"
+
 #include <memory>
 #include <utility>
 #include <vector>
 
-#include "tiers/block_cache.h"
+#include "tiers/block_cache_codec.h"
+#include "tiers/block_cache_policy.h"
+#include "tiers/block_cache_room.h"
 #include "tiers/codec_pool.h"
 #include "tiers/remote/remote_tier.h"
 
 namespace kvtier {
 
-uint32_t BlockCache::LeadingLocal(std::span<const StoredKey> keys) {
-  uint32_t n = 0;
-  for (const StoredKey& key : keys) {
-    const BlockEntry* e = index_.Find(key);
-    if (e != nullptr ? !Servable(e) : disk_only_.Find(key) == nullptr) break;
-    ++n;
-  }
-  return n;
-}
 
-std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layout& layout,
+std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layout& layout,
                                                     const CodecParams& codec, std::span<const StoredKey> keys,
                                                     std::function<void(uint32_t)> done) {
-  const uint32_t local = LeadingLocal(keys);
-  if (options_.remote == nullptr || local == keys.size()) return local;
-  Result<uint32_t> ns = namespaces_.IdFor(NamespaceOf(layout, codec), [&] { return layout.ToString(); });
-  if (!ns || !namespaces_.Admit(tenant, *ns).ok()) return local;
-  namespaces_.SetFormat(*ns, FormatFor(layout, codec));
+  const uint32_t local = cache_.LeadingLocal(keys);
+  if (cache_.options_.remote == nullptr || local == keys.size()) return local;
+  Result<uint32_t> ns = cache_.namespaces_.IdFor(cache_.NamespaceOf(layout, codec), [&] { return layout.ToString(); });
+  if (!ns || !cache_.namespaces_.Admit(tenant, *ns).ok()) return local;
+  cache_.namespaces_.SetFormat(*ns, cache_.FormatFor(layout, codec));
   const uint64_t bytes = layout.block_bytes();
   std::vector<BlockEntry*> filling;
   std::vector<StoredKey> fetch;
@@ -40,48 +30,48 @@ std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layou
   for (size_t i = local; i < keys.size(); prev = &keys[i], ++i) {
     // Present but not servable (being stored, read or moved): the prefix
     // ends there for now.
-    if (index_.Find(keys[i]) != nullptr || disk_only_.Find(keys[i]) != nullptr) break;
+    if (cache_.index_.Find(keys[i]) != nullptr || cache_.disk_only_.Find(keys[i]) != nullptr) break;
     // Room from free slots and blocks held below host only, as for a disk
     // read: a fetch never drops a block (anyone's) that exists nowhere else.
     uint8_t* slot =
-        MakeHostQuotaRoom(tenant, bytes) ? AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly) : nullptr;
+        cache_.policy_->MakeHostQuotaRoom(tenant, bytes) ? cache_.room_->ForRead(bytes) : nullptr;
     if (slot == nullptr) break;
-    filling.push_back(InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
+    filling.push_back(cache_.InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
     filling.back()->compress = codec.kind != CodecKind::kNone;
     fetch.push_back(keys[i]);
     out.emplace_back(slot, bytes);
   }
   if (filling.empty()) return local;
   // The fetch writes into host slots: an in-flight copy until it is done.
-  ++inflight_copies_;
+  ++cache_.inflight_copies_;
   auto checksums = std::make_shared<std::vector<uint64_t>>(filling.size());
   std::vector<uint64_t>* checksums_out = checksums.get();
   // Values a codec stored are decoded into the slots on the remote tier's
   // I/O threads: the namespace's codec, whatever this cache asked for.
-  const CodecParams stored_codec = FormatFor(layout, codec).codec;
-  options_.remote->Get(
-      NamespaceOf(layout, codec), std::move(fetch), std::move(out),
+  const CodecParams stored_codec = cache_.FormatFor(layout, codec).codec;
+  cache_.options_.remote->Get(
+      cache_.NamespaceOf(layout, codec), std::move(fetch), std::move(out),
       [this, tenant, local, filling = std::move(filling), checksums = std::move(checksums),
        done = std::move(done)](Result<uint32_t> got) {
-        --inflight_copies_;
+        --cache_.inflight_copies_;
         const uint32_t n = got ? *got : 0;
         for (size_t i = 0; i < filling.size(); ++i) {
           BlockEntry* e = filling[i];
-          Unlease(e, tenant);
+          cache_.Unlease(e, tenant);
           if (i < n) {
             e->checksum = (*checksums)[i];  // as the remote tier checked it
             e->has_checksum = true;
             e->on_remote = true;
-            MakeReady(e);
-            SetRemotePresent(e, true);
-            ++counters_.remote_promotions;
-            MaybeCompact(e);
+            cache_.MakeReady(e);
+            cache_.SetRemotePresent(e, true);
+            ++cache_.counters_.remote_promotions;
+            cache_.codec_->MaybeCompact(e);
           } else {
-            Drop(e);  // a miss, an error or the breaker: never served
+            cache_.Drop(e);  // a miss, an error or the breaker: never served
           }
         }
         done(local + n);
-        MaybeDemote();
+        cache_.MaybeDemote();
       },
       checksums_out, stored_codec);
   return std::nullopt;
@@ -105,60 +95,64 @@ constexpr uint64_t kRemotePutShareOfHost = 4;  // a quarter
 
 }  // namespace
 
-bool BlockCache::WantsRemotePut(const BlockEntry* e, Options::RemoteWrite policy) const {
-  return options_.remote != nullptr && options_.remote_write == policy && !e->on_remote &&
+bool CacheRemote::RemoteWriteBack() const {
+  return cache_.options_.remote != nullptr && cache_.options_.remote_write == RemoteWrite::kOnDemote;
+}
+
+bool CacheRemote::WantsRemotePut(const BlockEntry* e, RemoteWrite policy) const {
+  return cache_.options_.remote != nullptr && cache_.options_.remote_write == policy && !e->on_remote &&
          e->remote_put == RemotePut::kNone && e->tier == Tier::kHost &&
          e->state == EntryState::kReady && e->has_checksum;
 }
 
-bool BlockCache::PutsToRemote(const BlockEntry* e, Options::RemoteWrite policy) const {
+bool CacheRemote::PutsToRemote(const BlockEntry* e, RemoteWrite policy) const {
   return WantsRemotePut(e, policy) && !RemoteBackingOff() && RemotePutRoom();
 }
 
-bool BlockCache::RemotePutRoom() const {
-  const TierState* host = tier(Tier::kHost);
+bool CacheRemote::RemotePutRoom() const {
+  const BlockCache::TierState* host = cache_.tier(Tier::kHost);
   return host->pool && remote_put_bytes_ < host->pool->capacity_bytes() / kRemotePutShareOfHost;
 }
 
-bool BlockCache::RemoteBackingOff() const {
-  return remote_failures_in_a_row_ > 0 && options_.clock() < remote_backoff_until_;
+bool CacheRemote::RemoteBackingOff() const {
+  return remote_failures_in_a_row_ > 0 && cache_.options_.clock() < remote_backoff_until_;
 }
 
-void BlockCache::PutOnStore(BlockEntry* e) {
-  if (!WantsRemotePut(e, Options::RemoteWrite::kOnStore)) return;
-  if (PutsToRemote(e, Options::RemoteWrite::kOnStore)) {
+void CacheRemote::PutOnStore(BlockEntry* e) {
+  if (!WantsRemotePut(e, RemoteWrite::kOnStore)) return;
+  if (PutsToRemote(e, RemoteWrite::kOnStore)) {
     QueueRemotePut(e, /*leaving=*/false);
     return;
   }
   RetryRemotePut(e->key);  // after the pause that follows a failure, or once puts in flight ended
 }
 
-void BlockCache::RetryRemotePut(const StoredKey& key) {
+void CacheRemote::RetryRemotePut(const StoredKey& key) {
   if (remote_retries_.size() >= kMaxRemoteRetries) {
     remote_retries_.pop_front();
-    ++counters_.remote_retries_dropped;
+    ++cache_.counters_.remote_retries_dropped;
   }
   remote_retries_.push_back(key);
 }
 
-void BlockCache::QueueRemotePut(BlockEntry* e, bool leaving) {
-  Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
+void CacheRemote::QueueRemotePut(BlockEntry* e, bool leaving) {
+  cache_.Lease(e, e->owner);  // its slot stays (a move retires it until the lease ends)
   e->remote_put = RemotePut::kPutting;
   remote_put_bytes_ += e->block_bytes;  // not its slot's: a compaction may code it meanwhile
   // Its slot cannot change while it leaves: it is neither moving nor
   // compacting, and its lease keeps it so.
-  if (leaving) tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(SlotBytes(e));
+  if (leaving) cache_.tier(Tier::kHost)->moving_out_bytes += SlotPool::StrideFor(cache_.SlotBytes(e));
   remote_puts_.emplace_back(e, leaving);
 }
 
-void BlockCache::FlushRemotePuts() {
+void CacheRemote::FlushRemotePuts() {
   // Write-through puts that failed, once the pause is over (a bounded step:
   // the rest wait for the next call).
   for (size_t step = 0;
        step < kRetriesPerFlush && !remote_retries_.empty() && !RemoteBackingOff() && RemotePutRoom(); ++step) {
-    BlockEntry* e = index_.Find(remote_retries_.front());
+    BlockEntry* e = cache_.index_.Find(remote_retries_.front());
     remote_retries_.pop_front();
-    if (e != nullptr && PutsToRemote(e, Options::RemoteWrite::kOnStore)) {
+    if (e != nullptr && PutsToRemote(e, RemoteWrite::kOnStore)) {
       QueueRemotePut(e, /*leaving=*/false);
     }
   }
@@ -179,22 +173,22 @@ void BlockCache::FlushRemotePuts() {
       batch.push_back(put);
       return true;
     });
-    ++inflight_copies_;  // the put reads host slots until it is done
+    ++cache_.inflight_copies_;  // the put reads host slots until it is done
     if (!StartRemoteEncode(ns, batch)) SendRemotePut(ns, std::move(batch), nullptr);
   }
 }
 
 // The blocks of a remote put that asked for a codec, encoded (or not, when
 // it saves too little): what the put sends for them, kept until it is done.
-struct BlockCache::RemoteEncoding {
+struct CacheRemote::RemoteEncoding {
   std::vector<std::vector<uint8_t>> stored;  // by block: empty = sent raw
   std::vector<RemoteTier::Form> forms;
   uint64_t reserved = 0;  // staging bytes counted for it
 };
 
-bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<BlockEntry*, bool>>& batch) {
-  const NamespaceFormat& format = namespaces_.FormatOf(ns);
-  if (options_.codecs == nullptr || format.codec.kind == CodecKind::kNone) return false;
+bool CacheRemote::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<BlockEntry*, bool>>& batch) {
+  const NamespaceFormat& format = cache_.namespaces_.FormatOf(ns);
+  if (cache_.options_.codecs == nullptr || format.codec.kind == CodecKind::kNone) return false;
   std::vector<std::span<const uint8_t>> blocks(batch.size());
   uint64_t reserve = 0;
   uint64_t to_encode = 0;
@@ -207,15 +201,14 @@ bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<Bloc
     ++to_encode;
   }
   if (to_encode == 0) return false;
-  if (codec_staging_bytes_ + reserve > options_.codec_staging_bytes) {
-    counters_.codec_pool_busy += to_encode;
+  if (!cache_.codec_->ReserveStaging(reserve)) {
+    cache_.counters_.codec_pool_busy += to_encode;
     return false;
   }
   auto encoding = std::make_shared<RemoteEncoding>();
   encoding->reserved = reserve;
-  codec_staging_bytes_ += reserve;
-  auto job = [this, ns, batch, blocks = std::move(blocks), codec = format.codec, encoding, post = options_.post,
-              self = std::weak_ptr<BlockCache*>(self_)](BlockCodec& coder) mutable {
+  auto job = [this, ns, batch, blocks = std::move(blocks), codec = format.codec, encoding, post = cache_.options_.post,
+              self = std::weak_ptr<BlockCache*>(cache_.self_)](BlockCodec& coder) mutable {
     encoding->stored.resize(blocks.size());
     encoding->forms.resize(blocks.size());
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -236,15 +229,15 @@ bool BlockCache::StartRemoteEncode(uint32_t ns, const std::vector<std::pair<Bloc
       SendRemotePut(ns, std::move(batch), std::move(encoding));
     });
   };
-  if (!options_.codecs->TryRun(std::move(job))) {
-    codec_staging_bytes_ -= reserve;
-    counters_.codec_pool_busy += to_encode;
+  if (!cache_.options_.codecs->TryRun(std::move(job))) {
+    cache_.codec_->ReleaseStaging(reserve);
+    cache_.counters_.codec_pool_busy += to_encode;
     return false;
   }
   return true;
 }
 
-void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, bool>> batch,
+void CacheRemote::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, bool>> batch,
                                std::shared_ptr<RemoteEncoding> encoding) {
   std::vector<StoredKey> keys;
   std::vector<std::span<const uint8_t>> payloads;
@@ -255,31 +248,31 @@ void BlockCache::SendRemotePut(uint32_t ns, std::vector<std::pair<BlockEntry*, b
     RemoteTier::Form form;
     if (encoding != nullptr && !encoding->stored[i].empty()) {
       payloads.emplace_back(encoding->stored[i]);
-      CountEncoded(e->block_bytes, encoding->stored[i].size());
+      cache_.codec_->CountEncoded(e->block_bytes, encoding->stored[i].size());
       form = encoding->forms[i];
     } else if (e->coded_bytes != 0) {  // coded in host (also since the encode began)
       payloads.emplace_back(e->slot, e->coded_bytes);
-      form = {namespaces_.FormatOf(ns).codec.kind, e->block_bytes};
+      form = {cache_.namespaces_.FormatOf(ns).codec.kind, e->block_bytes};
     } else {
       payloads.emplace_back(e->slot, e->block_bytes);
-      if (encoding != nullptr && e->compress) ++counters_.codec_not_worth_it;
+      if (encoding != nullptr && e->compress) ++cache_.counters_.codec_not_worth_it;
     }
     forms.push_back(form);
   }
   auto outcomes = std::make_shared<std::vector<RemotePutOutcome>>(batch.size());
   std::vector<RemotePutOutcome>* outcomes_out = outcomes.get();
-  options_.remote->Put(
-      namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
+  cache_.options_.remote->Put(
+      cache_.namespaces_.FingerprintOf(ns), std::move(keys), std::move(payloads),
       [this, batch = std::move(batch), encoding,
        outcomes = std::move(outcomes)](Result<uint32_t> /*put*/) {
-        --inflight_copies_;
-        if (encoding != nullptr) codec_staging_bytes_ -= encoding->reserved;
+        --cache_.inflight_copies_;
+        if (encoding != nullptr) cache_.codec_->ReleaseStaging(encoding->reserved);
         FinishRemotePut(batch, *outcomes);
       },
       std::move(forms), outcomes_out);
 }
 
-void BlockCache::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>& batch,
+void CacheRemote::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>& batch,
                                  const std::vector<RemotePutOutcome>& outcomes) {
   bool stored_any = false;
   bool failed_any = false;
@@ -289,37 +282,37 @@ void BlockCache::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>>
     switch (outcomes[i]) {
       case RemotePutOutcome::kStored:
         e->on_remote = true;  // only now: a block is clean only where it landed
-        SetRemotePresent(e, true);
-        ++counters_.remote_writes;
+        cache_.SetRemotePresent(e, true);
+        ++cache_.counters_.remote_writes;
         stored_any = true;
         break;
       case RemotePutOutcome::kRefused:
         e->remote_put = RemotePut::kRefused;
-        ++counters_.remote_writes_refused;
+        ++cache_.counters_.remote_writes_refused;
         break;
       case RemotePutOutcome::kNotReached:
         // Tried again after a pause: write-back picks it again, and a
         // write-through put waits in remote_retries_.
-        ++counters_.remote_write_failures;
+        ++cache_.counters_.remote_write_failures;
         failed_any = true;
         if (!leaving) RetryRemotePut(e->key);
         break;
     }
-    if (leaving) tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(SlotBytes(e));
+    if (leaving) cache_.tier(Tier::kHost)->moving_out_bytes -= SlotPool::StrideFor(cache_.SlotBytes(e));
     remote_put_bytes_ -= e->block_bytes;
-    Unlease(e, e->owner);
+    cache_.Unlease(e, e->owner);
   }
   if (failed_any && !stored_any) {
     ++remote_failures_in_a_row_;
-    ++counters_.remote_write_backoffs;
+    ++cache_.counters_.remote_write_backoffs;
     const uint32_t doublings = std::min<uint32_t>(remote_failures_in_a_row_ - 1, 16);
     const auto pause =
         std::min<std::chrono::milliseconds>(kFirstRemoteBackoff * (uint64_t{1} << doublings), kMaxRemoteBackoff);
-    remote_backoff_until_ = options_.clock() + pause;
+    remote_backoff_until_ = cache_.options_.clock() + pause;
   } else if (stored_any) {
     remote_failures_in_a_row_ = 0;
   }
-  MaybeDemote();
+  cache_.MaybeDemote();
 }
 
 }  // namespace kvtier

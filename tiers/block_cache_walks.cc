@@ -1,17 +1,17 @@
-// BlockCache's operator calls that walk the cache: Evict (kvtierctl evict)
-// and VerifyDisk (kvtierctl verify), which reads back every disk record and
-// checks it. Both walk in bounded steps, one per turn of the loop.
+// CacheWalks: BlockCache's operator calls that walk the cache
+// (block_cache_walks.h): Evict and VerifyDisk, in bounded steps.
+#include "tiers/block_cache_walks.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 
 #include "common/check.h"
-#include "tiers/block_cache.h"
 
 namespace kvtier {
 
-struct BlockCache::Verification {
+struct CacheWalks::Verification {
   std::shared_ptr<VerifyProgress> progress = std::make_shared<VerifyProgress>();
   DiskWalk walk;
   bool cancelled = false;
@@ -36,7 +36,7 @@ constexpr uint32_t kEvictRecordsPerStep = 4096;
 
 }  // namespace
 
-const DiskTier::RegionRecord* BlockCache::DiskWalk::At(const DiskTier& disk, uint32_t& listings) {
+const DiskTier::RegionRecord* CacheWalks::DiskWalk::At(const DiskTier& disk, uint32_t& listings) {
   while (next == records.size()) {
     if (device >= disk.num_devices() || listings == 0) return nullptr;
     --listings;
@@ -50,92 +50,92 @@ const DiskTier::RegionRecord* BlockCache::DiskWalk::At(const DiskTier& disk, uin
   return &records[next];
 }
 
-void BlockCache::Evict(EvictFilter filter, std::function<void(uint64_t)> done) {
+void CacheWalks::Evict(EvictFilter filter, std::function<void(uint64_t)> done) {
   auto job = std::make_unique<Eviction>();
   if (filter.layout) {
-    job->ns = namespaces_.Find(*filter.layout);
+    job->ns = cache_.namespaces_.Find(*filter.layout);
     if (!job->ns) {  // nothing is stored under that layout
-      options_.post([done = std::move(done)] { done(0); });
+      cache_.options_.post([done = std::move(done)] { done(0); });
       return;
     }
-    namespaces_.Pin(*job->ns);  // so the id names the same layout until the end
+    cache_.namespaces_.Pin(*job->ns);  // so the id names the same layout until the end
   }
-  if (options_.disk == nullptr || (filter.tier && *filter.tier != Tier::kDisk)) job->disk.Stop();
+  if (cache_.options_.disk == nullptr || (filter.tier && *filter.tier != Tier::kDisk)) job->disk.Stop();
   job->filter = std::move(filter);
   job->done = std::move(done);
   evicts_.push_back(std::move(job));
   if (evicts_.size() == 1) PumpEvict();
 }
 
-bool BlockCache::EvictMatches(const Eviction& job, TenantId owner, uint32_t ns) const {
+bool CacheWalks::EvictMatches(const Eviction& job, TenantId owner, uint32_t ns) const {
   const EvictFilter& f = job.filter;
   if (f.owners && std::find(f.owners->begin(), f.owners->end(), owner) == f.owners->end()) return false;
   return !job.ns || ns == *job.ns;
 }
 
-void BlockCache::PumpEvict() {
+void CacheWalks::PumpEvict() {
   if (evicts_.empty()) return;
   Eviction& job = *evicts_.front();
   const std::optional<Tier> t = job.filter.tier;
-  if (job.chunk < index_.chunks()) {
+  if (job.chunk < cache_.index_.chunks()) {
     std::vector<StoredKey> victims;
-    index_.ForEachInChunk(job.chunk++, [&](BlockEntry* e) {
+    cache_.index_.ForEachInChunk(job.chunk++, [&](BlockEntry* e) {
       if (e->leases != 0 || e->moving || e->state != EntryState::kReady) return;
       if ((t && e->tier != *t) || !EvictMatches(job, e->owner, e->ns)) return;
       victims.push_back(e->key);
     });
     for (const StoredKey& key : victims) {
-      BlockEntry* e = index_.Find(key);
+      BlockEntry* e = cache_.index_.Find(key);
       if (e == nullptr) continue;
       ++job.evicted;
       // Evicting from host a block that is also on disk leaves it on disk.
-      if (t == Tier::kHost && BackToDisk(e)) continue;
-      Drop(e);
+      if (t == Tier::kHost && cache_.BackToDisk(e)) continue;
+      cache_.Drop(e);
     }
-  } else if (options_.disk != nullptr && !job.disk.Finished(*options_.disk)) {
+  } else if (cache_.options_.disk != nullptr && !job.disk.Finished(*cache_.options_.disk)) {
     // Blocks only on disk, by their records: a record that is still its
     // block's (blocks in memory were the memory walk's).
     uint32_t listings = 1;
     for (uint32_t n = 0; n < kEvictRecordsPerStep; ++n) {
-      const DiskTier::RegionRecord* r = job.disk.At(*options_.disk, listings);
+      const DiskTier::RegionRecord* r = job.disk.At(*cache_.options_.disk, listings);
       if (r == nullptr) break;
       ++job.disk.next;
-      DiskOnlyBlock* b = disk_only_.Find(r->key);
+      DiskOnlyBlock* b = cache_.disk_only_.Find(r->key);
       if (b == nullptr || b->device != r->location.device ||
           b->offset_bytes() != r->location.offset ||
           !EvictMatches(job, b->owner, b->ns)) {
         continue;
       }
-      DropDiskOnly(b);
+      cache_.DropDiskOnly(b);
       ++job.evicted;
     }
   } else {
     std::unique_ptr<Eviction> finished = std::move(evicts_.front());
     evicts_.pop_front();
-    if (finished->ns) namespaces_.Unpin(*finished->ns);
+    if (finished->ns) cache_.namespaces_.Unpin(*finished->ns);
     finished->done(finished->evicted);
     if (evicts_.empty()) return;
   }
-  options_.post([self = std::weak_ptr<BlockCache*>(self_)] {
-    if (auto cache = self.lock()) (*cache)->PumpEvict();
+  cache_.options_.post([this, self = std::weak_ptr<BlockCache*>(cache_.self_)] {
+    if (self.lock()) PumpEvict();
   });
 }
 
-std::shared_ptr<const VerifyProgress> BlockCache::VerifyDisk(uint32_t max_inflight) {
+std::shared_ptr<const VerifyProgress> CacheWalks::VerifyDisk(uint32_t max_inflight) {
   if (verification_ && !verification_->progress->done) return verification_->progress;
   auto v = std::make_shared<Verification>();
   verification_ = v;
-  if (options_.disk == nullptr) {
+  if (cache_.options_.disk == nullptr) {
     v->progress->done = true;
     return v->progress;
   }
-  v->progress->total = options_.disk->live_records();
+  v->progress->total = cache_.options_.disk->live_records();
   v->max_inflight = std::max(1u, max_inflight);
   PumpVerify();
   return v->progress;
 }
 
-void BlockCache::CancelVerify() {
+void CacheWalks::CancelVerify() {
   if (!verification_ || verification_->progress->done) return;
   verification_->cancelled = true;
   verification_->walk.Stop();
@@ -143,11 +143,11 @@ void BlockCache::CancelVerify() {
     verification_->progress->done = true;
 }
 
-void BlockCache::PumpVerify() {
+void CacheWalks::PumpVerify() {
   // Held: a read's completion may start the next verification.
   const std::shared_ptr<Verification> held = verification_;
   Verification& v = *held;
-  DiskTier& disk = *options_.disk;
+  DiskTier& disk = *cache_.options_.disk;
   uint32_t listings = kVerifyRegionsPerStep;
   bool paused = false;
   while (!v.cancelled) {
@@ -163,12 +163,12 @@ void BlockCache::PumpVerify() {
     // Its record, as its owner knows it (payload: the block's bytes, or a
     // codec's when packed).
     std::optional<DiskLocation> where;
-    if (const DiskOnlyBlock* b = disk_only_.Find(item.key); b != nullptr) {
+    if (const DiskOnlyBlock* b = cache_.disk_only_.Find(item.key); b != nullptr) {
       if (b->device == item.location.device && b->offset_bytes() == item.location.offset) {
-        where = options_.disk->LocationOf(RecordRefOf(*b));
+        where = cache_.options_.disk->LocationOf(cache_.RecordRefOf(*b));
         block_bytes = b->block_bytes;
       }
-    } else if (const BlockEntry* e = index_.Find(item.key);
+    } else if (const BlockEntry* e = cache_.index_.Find(item.key);
                e != nullptr && e->on_disk && !e->moving && SameRecord(e->disk, item.location)) {
       // (A moving block on disk is being read, or carried forward by a
       // reclaim, whose region may already hold other records.)
@@ -198,8 +198,8 @@ void BlockCache::PumpVerify() {
     const size_t buffer = v.free_buffers.back();
     v.free_buffers.pop_back();
     ++v.walk.next;
-    ++inflight_copies_;
-    options_.disk->Read(
+    ++cache_.inflight_copies_;
+    cache_.options_.disk->Read(
         item.key, *where, block_bytes, v.buffers[buffer].get(),
         [this, held, buffer, key = item.key, where = *where](Status st, uint64_t /*checksum*/) {
           FinishVerifyRead(held, buffer, key, where, std::move(st));
@@ -209,35 +209,35 @@ void BlockCache::PumpVerify() {
   const bool walked = v.cancelled || v.walk.Finished(disk);
   if (walked && idle) v.progress->done = true;
   if (paused && idle) {
-    options_.post([this, held, self = std::weak_ptr<BlockCache*>(self_)] {
+    cache_.options_.post([this, held, self = std::weak_ptr<BlockCache*>(cache_.self_)] {
       if (self.lock() && held == verification_) PumpVerify();
     });
   }
 }
 
-void BlockCache::FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer,
+void CacheWalks::FinishVerifyRead(const std::shared_ptr<Verification>& held, size_t buffer,
                                   const StoredKey& key, const DiskLocation& where, Status status) {
-  --inflight_copies_;
+  --cache_.inflight_copies_;
   Verification& v = *held;
   v.free_buffers.push_back(buffer);
   ++v.progress->checked;
   if (!status.ok()) {
     ++v.progress->bad;
-    ++counters_.disk_read_failures;
+    ++cache_.counters_.disk_read_failures;
     // Dropped as a load would drop it, if the record is still the block's
     // and nothing is reading it right now (a load that is reads it and
     // finds the same fault itself).
-    if (DiskOnlyBlock* b = disk_only_.Find(key); b != nullptr) {
+    if (DiskOnlyBlock* b = cache_.disk_only_.Find(key); b != nullptr) {
       if (b->device == where.device && b->offset_bytes() == where.offset) {
-        DropDiskOnly(b);
+        cache_.DropDiskOnly(b);
       }
-    } else if (BlockEntry* e = index_.Find(key); e != nullptr && e->on_disk && SameRecord(e->disk, where) &&
+    } else if (BlockEntry* e = cache_.index_.Find(key); e != nullptr && e->on_disk && SameRecord(e->disk, where) &&
                                                  !e->moving && e->leases == 0) {
       if (e->tier == Tier::kDisk) {
-        Drop(e);
+        cache_.Drop(e);
       } else {  // the copy in memory is good; only the disk copy goes
-        options_.disk->Forget(key, e->disk);
-        SetOnDisk(e, false);
+        cache_.options_.disk->Forget(key, e->disk);
+        cache_.SetOnDisk(e, false);
       }
     }
   }
