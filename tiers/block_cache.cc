@@ -342,7 +342,7 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     const uint64_t host_bytes = coded != 0 ? coded : bytes;
     if (slot == nullptr) {
       t = Tier::kHost;
-      if (policy_->MakeHostQuotaRoom(tenant, host_bytes)) {
+      if (room_->HostQuotaRoom(tenant, host_bytes)) {
         slot = room_->ForStore(Tier::kHost, host_bytes);
       }
     }
@@ -587,7 +587,7 @@ void BlockCache::MaybeDemote() {
       if (v == nullptr) break;
       // The owner's host quota is full: with a disk tier its host coldest
       // make room there; else (or when nothing of it can go) this block goes.
-      if (options_.disk != nullptr ? !policy_->MakeHostQuotaRoom(v->owner, v->block_bytes)
+      if (options_.disk != nullptr ? !room_->HostQuotaRoom(v->owner, v->block_bytes)
                                    : !policy_->QuotaAllows(v->owner, Tier::kHost, v->block_bytes)) {
         Drop(v);
         continue;

@@ -37,7 +37,9 @@
 //     bytes minus its bytes being written out. A tenant thus holds at most
 //     its quota plus its writes in flight (disk_max_writes_in_flight blocks
 //     in all), and its quota once they complete. hbm blocks demoted for a
-//     tenant at its host quota make room the same way.
+//     tenant at its host quota make room the same way. A fetch from the
+//     remote tier lets only the tenant's blocks held below host go: a read
+//     never drops a block that exists nowhere else (RoomGate).
 //   - disk: a tenant at its disk quota keeps writing; each of its disk
 //     writes is followed by forgetting its oldest disk records (a per-tenant
 //     DiskWriteLog in write order, stale entries skipped) until its disk

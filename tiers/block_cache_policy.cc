@@ -6,8 +6,6 @@
 #include <chrono>
 #include <vector>
 
-#include "tiers/block_cache_disk.h"
-#include "tiers/block_cache_room.h"
 
 namespace kvtier {
 
@@ -105,19 +103,6 @@ void CachePolicy::HostLeaving(TenantId tenant, uint64_t bytes, bool more) {
 CachePolicy::QuotaState& CachePolicy::QuotaStateOf(TenantId tenant) {
   if (quota_state_.size() <= tenant) quota_state_.resize(size_t{tenant} + 1);
   return quota_state_[tenant];
-}
-
-bool CachePolicy::MakeHostQuotaRoom(TenantId tenant, uint64_t bytes) {
-  while (!QuotaAllows(tenant, Tier::kHost, bytes)) {
-    BlockEntry* own = cache_.room_->PickVictim(Tier::kHost, 0, tenant);
-    if (own == nullptr) return false;
-    if (cache_.options_.disk == nullptr) {
-      cache_.Drop(own);
-    } else {
-      cache_.disk_->DemoteFromHost(own);
-    }
-  }
-  return true;
 }
 
 namespace {

@@ -8,8 +8,6 @@
 //   - QuotaAllows counts a tenant's host blocks being written out to disk
 //     as leaving (block_cache.h, "Quotas"): HostLeaving must be told of
 //     each write-back as it starts and ends, and of nothing else.
-//   - MakeHostQuotaRoom makes room only from the tenant's own coldest host
-//     blocks, sending them on their way down as the tier itself would.
 //   - A tenant over its disk quota forgets its own oldest disk-only records
 //     only, at most kDiskQuotaStepsPerWrite per record it gains; a record
 //     whose block is in memory or busy goes to the back of the line.
@@ -48,10 +46,6 @@ class CachePolicy {
   // `tenant`'s host blocks being written out to disk: `bytes` more (a
   // write-back started) or fewer (it ended).
   void HostLeaving(TenantId tenant, uint64_t bytes, bool more);
-  // Host-quota room for `bytes` of `tenant`, demoting its own coldest host
-  // blocks (CacheDisk::DemoteFromHost; dropped without a disk tier). False
-  // when its quota is still full (of leased, moving or filling blocks).
-  bool MakeHostQuotaRoom(TenantId tenant, uint64_t bytes);
 
   // The disk quota: its line of records; forgetting the oldest while over.
   void LogDiskRecord(TenantId owner, const StoredKey& key, const DiskLocation& where);

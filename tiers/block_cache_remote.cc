@@ -32,9 +32,9 @@ std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layo
     // ends there for now.
     if (cache_.index_.Find(keys[i]) != nullptr || cache_.disk_only_.Find(keys[i]) != nullptr) break;
     // Room from free slots and blocks held below host only, as for a disk
-    // read: a fetch never drops a block (anyone's) that exists nowhere else.
-    uint8_t* slot =
-        cache_.policy_->MakeHostQuotaRoom(tenant, bytes) ? cache_.room_->ForRead(bytes) : nullptr;
+    // read: a fetch never drops a block (anyone's, the tenant's own under
+    // its quota too) that exists nowhere else.
+    uint8_t* slot = cache_.room_->ForRead(bytes, tenant);
     if (slot == nullptr) break;
     filling.push_back(cache_.InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
     filling.back()->compress = codec.kind != CodecKind::kNone;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tiers/block_cache_disk.h"
+#include "tiers/block_cache_policy.h"
 #include "tiers/block_cache_remote.h"
 
 namespace kvtier {
@@ -15,10 +16,26 @@ uint8_t* RoomGate::ForStore(Tier t, uint64_t bytes) {
   return AllocateSlot(t, bytes, t == Tier::kHbm ? Room::kNothing : Room::kAny);
 }
 
-uint8_t* RoomGate::ForRead(uint64_t bytes) {
+uint8_t* RoomGate::ForRead(uint64_t bytes, std::optional<TenantId> quota_of) {
   // The block read is safe below host already; the one it would replace
   // might not be.
+  if (quota_of && !QuotaRoom(*quota_of, bytes, /*clean_only=*/true)) return nullptr;
   return AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly);
+}
+
+bool RoomGate::QuotaRoom(TenantId tenant, uint64_t bytes, bool clean_only) {
+  while (!cache_.policy_->QuotaAllows(tenant, Tier::kHost, bytes)) {
+    BlockEntry* own = PickVictim(Tier::kHost, 0, tenant, clean_only);
+    if (own == nullptr) return false;
+    if (clean_only) {
+      if (!cache_.BackToDisk(own)) cache_.Drop(own);  // the cluster holds it
+    } else if (cache_.options_.disk == nullptr) {
+      cache_.Drop(own);
+    } else {
+      cache_.disk_->DemoteFromHost(own);
+    }
+  }
+  return true;
 }
 
 uint8_t* RoomGate::ForDemotion(uint64_t bytes) {

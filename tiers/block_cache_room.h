@@ -8,13 +8,19 @@
 //   - ForRead: a host slot for a block read up from disk or fetched from
 //     the cluster. Free room, or a block the tier below holds (its disk
 //     record, or without a disk tier its remote copy): a read never drops a
-//     block that exists nowhere else.
+//     block that exists nowhere else. That holds for the room a tenant's
+//     host quota asks of its own blocks too.
 //   - ForDemotion: a host slot for a block hbm demotes. Free room only where
 //     a disk tier is (host's blocks are on their way there); else as a store.
 //   - ForPromotion: an hbm slot for a host block moving up: free room only.
 //   - ForCompaction: a host slot of a block's coded size. Free room only
 //     where a tier below takes host's write-back (making room would drop
 //     blocks not written yet); else as a store.
+//
+// A tenant at its host quota makes room from its own coldest host blocks
+// (HostQuotaRoom): for a store or a demotion they go on their way down as
+// the tier's own would (CacheDisk::DemoteFromHost; dropped without a disk
+// tier); for a read only those the tier below holds go.
 //
 // Sizes share a tier by recency: when the coldest block is of another
 // size, an extent of that size is emptied for this one (EmptyExtent; dirty
@@ -38,10 +44,17 @@ class RoomGate {
 
   // A slot of `bytes` in tier `t` (hbm or host), or nullptr: see above.
   uint8_t* ForStore(Tier t, uint64_t bytes);
-  uint8_t* ForRead(uint64_t bytes);
+  // `quota_of`: the tenant whose host quota the block counts against (a
+  // remote fetch); none for a disk read, whose block is charged already.
+  uint8_t* ForRead(uint64_t bytes, std::optional<TenantId> quota_of = std::nullopt);
   uint8_t* ForDemotion(uint64_t bytes);
   uint8_t* ForPromotion(uint64_t bytes);
   uint8_t* ForCompaction(uint64_t bytes);
+
+  // Host-quota room for `bytes` of `tenant`, for a store or a demotion
+  // into host: its own coldest host blocks go on their way down. False
+  // when its quota is still full (of leased, moving or filling blocks).
+  bool HostQuotaRoom(TenantId tenant, uint64_t bytes) { return QuotaRoom(tenant, bytes, /*clean_only=*/false); }
 
   // The eviction victim in tier `t` with the given block size (0 = any),
   // of `owner` when given, or nullptr. With clean_only, only blocks the
@@ -87,6 +100,10 @@ class RoomGate {
   // `clean_only` (without a disk tier): an extent holding a block the
   // cluster does not is not emptied.
   ExtentReclaim EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest, bool clean_only = false);
+  // HostQuotaRoom; with `clean_only`, for a read: only the tenant's blocks
+  // the tier below holds go (back to disk, or dropped where the cluster
+  // holds them).
+  bool QuotaRoom(TenantId tenant, uint64_t bytes, bool clean_only);
 
   BlockCache& cache_;
 };

@@ -7,6 +7,7 @@
 // cluster: remote_faults_test.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -206,6 +207,40 @@ TEST_F(RemoteNodesTest, WithWriteOnDemoteBlocksReachTheClusterAsTheyLeaveHost) {
   hit = b_->client->Lookup(b_->id, *newest);
   ASSERT_TRUE(hit.has_value());
   EXPECT_EQ(hit->hits, 0u);
+}
+
+TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaNeverDropsItsBlocksTheClusterDoesNotHold) {
+  // Node A puts a prompt to the cluster.
+  const std::vector<BlockKey> shared = a_->StoreShared(300, 8);
+  ASSERT_EQ(shared.size(), 8u);
+  // Node C's tenant (A's "local", sharing its salts) has a host quota of 16
+  // blocks of 64 KiB, and puts blocks only as they leave host: its own
+  // blocks below are in its host alone.
+  std::filesystem::create_directories(dir_ / "c");
+  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
+  std::unique_ptr<Node> c = Node::Start(
+      cluster_->seeds(), (dir_ / "c").string(),
+      {"tiers.remote.write=demote",
+       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, quotas: {host: 1MiB}}]"});
+  ASSERT_NE(c, nullptr);
+  Result<std::vector<BlockKey>> own = c->Store(301, 16);
+  ASSERT_TRUE(own.has_value()) << own.error();
+  EXPECT_EQ(c->Counter("remote_writes"), 0u);
+
+  // Loading the shared prompt on C fetches it from the cluster into host,
+  // within the quota: room may come only from C's blocks the cluster (or a
+  // disk) holds, and there are none. The fetch misses; nothing is lost.
+  uint32_t wrong = 0;
+  Result<uint32_t> loaded = c->Load(shared, 100, &wrong);
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  EXPECT_EQ(*loaded, 0u);
+  Result<LookupResult> hit = c->client->Lookup(c->id, *own);
+  ASSERT_TRUE(hit.has_value()) << hit.error();
+  EXPECT_EQ(hit->hits, 16u) << "a fetch dropped blocks that existed nowhere else\n" << c->daemon.Log();
+  loaded = c->Load(*own, 100, &wrong);
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  EXPECT_EQ(*loaded, 16u);
+  EXPECT_EQ(wrong, 0u);
 }
 
 }  // namespace
