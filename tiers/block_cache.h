@@ -66,8 +66,6 @@
 
 #include "common/device_backend.h"
 #include "common/key128.h"
-#include "common/latency_histogram.h"
-#include "common/op_fence.h"
 #include "common/status.h"
 #include "tiers/block_index.h"
 #include "tiers/cache_types.h"

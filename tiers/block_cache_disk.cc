@@ -495,30 +495,46 @@ void CacheDisk::DemoteFromHost(BlockEntry* v, bool may_drop) {
     }
     return;
   }
-  // A disk quota evicts the tenant's own oldest records as it writes
-  // (EnforceDiskQuota): only a block larger than the whole quota is refused.
-  const std::optional<uint64_t> disk_quota = cache_.policy_->QuotaOf(v->owner, Tier::kDisk);
-  // The gates: reuse (a hit, or a store again after host let it go
-  // unwritten) is always written; the learned gate also writes what its
-  // class's samples say is hit on disk often enough.
-  const bool gated = cache_.options_.disk_admit_on_reuse || cache_.options_.disk_admit_learned;
-  bool returned = false;  // stored again after host let it go unwritten
-  if (gated && v->hits == 0) returned = let_go_unwritten_.Contains(v->key.Low64());
-  const bool reused = !gated || v->hits > 0 || returned || (cache_.options_.disk_admit_learned && gate_.Admits(v->disk_gate));
-  const bool admitted = v->has_checksum && v->hits >= cache_.options_.disk_min_hits && reused &&
-                        (!disk_quota || *disk_quota >= cache_.SlotBytes(v));
-  const uint64_t record = RecordBytes(cache_.SlotBytes(v));
-  if (admitted && TakeWriteBudget(record)) {
-    cache_.counters_.disk_admitted_on_return += returned ? 1 : 0;
-    StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/record);
+  const Admission a = Admit(v);
+  if (a.admitted && TakeWriteBudget(a.record)) {
+    cache_.counters_.disk_admitted_on_return += a.returned ? 1 : 0;
+    StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/a.record);
   } else {
-    ++(admitted ? cache_.counters_.disk_over_budget : cache_.counters_.disk_not_admitted);
-    if (gated && !reused) {
+    ++(a.admitted ? cache_.counters_.disk_over_budget : cache_.counters_.disk_not_admitted);
+    if (a.gated && !a.reused) {
       let_go_unwritten_.SetRemember(4 * cache_.index_.order(Tier::kHost).size());
       let_go_unwritten_.Add(v->key.Low64());
     }
     cache_.Drop(v);
   }
+}
+
+bool CacheDisk::WriteBack(BlockEntry* v) {
+  if (cache_.options_.disk == nullptr || !DirtyInHost(v) || v->leases != 0 || !DiskWriteMayStart()) return false;
+  const Admission a = Admit(v);
+  if (!a.admitted || !TakeWriteBudget(a.record)) return false;
+  cache_.counters_.disk_admitted_on_return += a.returned ? 1 : 0;
+  StartDiskWrite(v, /*keep_in_memory=*/false, /*budgeted=*/a.record);
+  return true;
+}
+
+CacheDisk::Admission CacheDisk::Admit(const BlockEntry* v) {
+  Admission a;
+  // A disk quota evicts the tenant's own oldest records as it writes
+  // (CachePolicy::DiskGrew): only a block larger than the whole quota is
+  // refused.
+  const std::optional<uint64_t> disk_quota = cache_.policy_->QuotaOf(v->owner, Tier::kDisk);
+  // The gates: reuse (a hit, or a store again after host let it go
+  // unwritten) is always written; the learned gate also writes what its
+  // class's samples say is hit on disk often enough.
+  a.gated = cache_.options_.disk_admit_on_reuse || cache_.options_.disk_admit_learned;
+  if (a.gated && v->hits == 0) a.returned = let_go_unwritten_.Contains(v->key.Low64());
+  a.reused = !a.gated || v->hits > 0 || a.returned ||
+             (cache_.options_.disk_admit_learned && gate_.Admits(v->disk_gate));
+  a.admitted = v->has_checksum && v->hits >= cache_.options_.disk_min_hits && a.reused &&
+               (!disk_quota || *disk_quota >= cache_.SlotBytes(v));
+  a.record = RecordBytes(cache_.SlotBytes(v));
+  return a;
 }
 
 }  // namespace kvtier

@@ -82,6 +82,11 @@ class CacheDisk {
   // at the cap, or backing off after a failure) it is dropped if `may_drop`,
   // else it stays for a later try.
   void DemoteFromHost(BlockEntry* v, bool may_drop = true);
+  // Starts writing dirty, unleased host block `v` back to disk (it leaves
+  // host once written) when a write may start now and admission and the
+  // write budget say yes; else nothing. Never drops it. Returns whether the
+  // write started (RoomGate: room for a read within a host quota).
+  bool WriteBack(BlockEntry* v);
   // The header of a disk record of what `e`'s slot holds.
   RecordHeader DiskHeader(const BlockEntry* e);
 
@@ -126,6 +131,16 @@ class CacheDisk {
   // Whether a write-back may start now (writes in flight under the cap, no
   // back-off after a failure).
   bool DiskWriteMayStart() const;
+  // What admission (disk_min_hits, the gates, the disk quota) says of a
+  // write-back of `v`, and the record's bytes the budget is asked for.
+  struct Admission {
+    bool gated = false;     // a reuse gate is on
+    bool returned = false;  // stored again after host let it go unwritten
+    bool reused = false;
+    bool admitted = false;
+    uint64_t record = 0;
+  };
+  Admission Admit(const BlockEntry* v);
 
   BlockCache& cache_;
   GhostFilter let_go_unwritten_;  // disk_admit_on_reuse and disk_admit_learned

@@ -3,9 +3,7 @@
 #include "tiers/block_cache_policy.h"
 
 #include <algorithm>
-#include <chrono>
 #include <vector>
-
 
 namespace kvtier {
 

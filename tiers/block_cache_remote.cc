@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "tiers/block_cache_codec.h"
-#include "tiers/block_cache_policy.h"
 #include "tiers/block_cache_room.h"
 #include "tiers/codec_pool.h"
 #include "tiers/remote/remote_tier.h"

@@ -10,7 +10,7 @@
 //   - A block is on_remote only once the cluster answered its put (or it
 //     was read from there): only then is it clean for host's room.
 //   - A block being put is leased until its put ends; puts hold at most a
-//     quarter of host (PutRoom), so stores always find blocks to let go.
+//     quarter of host (RemotePutRoom), so stores always find blocks to let go.
 //   - After a batch that did not reach the cluster, puts pause (doubling
 //     per failure in a row); write-through retries wait in a bounded line.
 //   - A fetch takes room only through RoomGate::ForRead: it never drops a

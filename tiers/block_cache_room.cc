@@ -25,11 +25,21 @@ uint8_t* RoomGate::ForRead(uint64_t bytes, std::optional<TenantId> quota_of) {
 
 bool RoomGate::QuotaRoom(TenantId tenant, uint64_t bytes, bool clean_only) {
   while (!cache_.policy_->QuotaAllows(tenant, Tier::kHost, bytes)) {
-    BlockEntry* own = PickVictim(Tier::kHost, 0, tenant, clean_only);
-    if (own == nullptr) return false;
     if (clean_only) {
-      if (!cache_.BackToDisk(own)) cache_.Drop(own);  // the cluster holds it
-    } else if (cache_.options_.disk == nullptr) {
+      // A block held below host goes: back to disk, or dropped where the
+      // cluster holds it. Else, with a disk tier, a dirty one is written
+      // back (it counts as leaving, and leaves once written), never dropped.
+      if (BlockEntry* held = PickVictim(Tier::kHost, 0, tenant, /*clean_only=*/true); held != nullptr) {
+        if (!cache_.BackToDisk(held)) cache_.Drop(held);
+        continue;
+      }
+      BlockEntry* dirty = cache_.options_.disk != nullptr ? PickVictim(Tier::kHost, 0, tenant) : nullptr;
+      if (dirty == nullptr || !cache_.disk_->WriteBack(dirty)) return false;
+      continue;
+    }
+    BlockEntry* own = PickVictim(Tier::kHost, 0, tenant);
+    if (own == nullptr) return false;
+    if (cache_.options_.disk == nullptr) {
       cache_.Drop(own);
     } else {
       cache_.disk_->DemoteFromHost(own);

@@ -9,7 +9,10 @@
 //     the cluster. Free room, or a block the tier below holds (its disk
 //     record, or without a disk tier its remote copy): a read never drops a
 //     block that exists nowhere else. That holds for the room a tenant's
-//     host quota asks of its own blocks too.
+//     host quota asks of its own blocks too: held below host, or with a
+//     disk tier written back (never dropped). (A block going back to disk
+//     may make its owner's disk quota forget the owner's oldest disk
+//     records: CachePolicy's rule after every disk write.)
 //   - ForDemotion: a host slot for a block hbm demotes. Free room only where
 //     a disk tier is (host's blocks are on their way there); else as a store.
 //   - ForPromotion: an hbm slot for a host block moving up: free room only.
@@ -17,10 +20,11 @@
 //     where a tier below takes host's write-back (making room would drop
 //     blocks not written yet); else as a store.
 //
-// A tenant at its host quota makes room from its own coldest host blocks
-// (HostQuotaRoom): for a store or a demotion they go on their way down as
-// the tier's own would (CacheDisk::DemoteFromHost; dropped without a disk
-// tier); for a read only those the tier below holds go.
+// A tenant at its host quota makes room from its own coldest host blocks:
+// for a store (HostQuotaRoom) they go on their way down as the tier's own
+// would (CacheDisk::DemoteFromHost; dropped without a disk tier), and so
+// for an hbm block demoted where a disk tier is (without one, that block
+// itself goes); for a read (ForRead with a tenant) only as said above.
 //
 // Sizes share a tier by recency: when the coldest block is of another
 // size, an extent of that size is emptied for this one (EmptyExtent; dirty
@@ -45,7 +49,8 @@ class RoomGate {
   // A slot of `bytes` in tier `t` (hbm or host), or nullptr: see above.
   uint8_t* ForStore(Tier t, uint64_t bytes);
   // `quota_of`: the tenant whose host quota the block counts against (a
-  // remote fetch); none for a disk read, whose block is charged already.
+  // remote fetch). A disk read passes none: reading a block up to host is
+  // not held to its owner's host quota (it goes back to disk when cold).
   uint8_t* ForRead(uint64_t bytes, std::optional<TenantId> quota_of = std::nullopt);
   uint8_t* ForDemotion(uint64_t bytes);
   uint8_t* ForPromotion(uint64_t bytes);
@@ -102,7 +107,7 @@ class RoomGate {
   ExtentReclaim EmptyExtent(Tier t, uint64_t bytes, const uint8_t* coldest, bool clean_only = false);
   // HostQuotaRoom; with `clean_only`, for a read: only the tenant's blocks
   // the tier below holds go (back to disk, or dropped where the cluster
-  // holds them).
+  // holds them), then dirty ones written back (CacheDisk::WriteBack).
   bool QuotaRoom(TenantId tenant, uint64_t bytes, bool clean_only);
 
   BlockCache& cache_;

@@ -12,8 +12,8 @@
 //     load would; a block in memory keeps its copy there.
 //   - One Evict runs at a time, in the order asked; one verification.
 //
-// Who may call: BlockCache (its Evict, VerifyDisk and CancelVerify), on
-// the owner thread.
+// Who may call: BlockCache (its Evict, pending_evicts, VerifyDisk and
+// CancelVerify), on the owner thread.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,8 @@
 // metrics, KV events, tests): where a block is present, what a store or a
 // load answers, what a tenant's share and the node's counters hold, the
 // filters and progress of operator walks. Declared apart from the class so
-// that a reader finds BlockCache's methods and its sides in block_cache.h.
+// that a reader finds BlockCache's methods in block_cache.h (its sides are
+// in block_cache_*.h).
 #pragma once
 
 #include <cstdint>

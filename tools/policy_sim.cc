@@ -89,7 +89,7 @@ PolicySimResult SimulatePolicy(std::span<const TraceRequest> trace, const Policy
       ++r.insertions;
     }
     for (BlockEntry* e : stored) e->state = EntryState::kReady;
-    // As kvtierd tells the order (BlockCache::ArrivedTogether): the blocks
+    // As kvtierd tells the order (CachePolicy::ArrivedTogether): the blocks
     // before the store (its parent's depth) and the request's length.
     order.ArrivedTogether(stored, {.prefix_hits = static_cast<uint32_t>(hit.size()),
                                    .request_blocks = static_cast<uint32_t>(keys.size()),

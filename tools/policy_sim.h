@@ -7,7 +7,7 @@
 // touched deepest first (as Lookup does), then its missing blocks are stored
 // in position order, each the child of the one before, evicting while the
 // tier is full: the policy's first candidate without cached children, else
-// its first (BlockCache::PickVictim, scan limit 1024). Blocks already cached
+// its first (RoomGate::PickVictim, scan limit 1024). Blocks already cached
 // past the first miss are left as they are (a store finds them present).
 //
 // Pure functions over values: thread-safe.

@@ -243,5 +243,33 @@ TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaNeverDropsItsBlocksTheCluster
   EXPECT_EQ(wrong, 0u);
 }
 
+TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaWritesItsOwnBlocksToDiskToMakeRoom) {
+  const std::vector<BlockKey> shared = a_->StoreShared(310, 8);
+  ASSERT_EQ(shared.size(), 8u);
+  // As above, with a disk tier: the tenant's blocks not held below host
+  // are written back to make room (never dropped), and the fetch goes on.
+  std::filesystem::create_directories(dir_ / "c");
+  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
+  std::unique_ptr<Node> c = Node::Start(
+      cluster_->seeds(), (dir_ / "c").string(),
+      {"tiers.remote.write=demote", "tiers.disk.enabled=true", "tiers.disk.bytes=32MiB",
+       "tiers.disk.region_bytes=1MiB",
+       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, quotas: {host: 1MiB}}]"});
+  ASSERT_NE(c, nullptr);
+  Result<std::vector<BlockKey>> own = c->Store(311, 16);
+  ASSERT_TRUE(own.has_value()) << own.error();
+
+  uint32_t wrong = 0;
+  Result<uint32_t> loaded = c->Load(shared, 100, &wrong);
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  EXPECT_EQ(*loaded, 8u) << c->daemon.Log();
+  EXPECT_EQ(wrong, 0u);
+  loaded = c->Load(*own, 100, &wrong);
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  EXPECT_EQ(*loaded, 16u) << "a fetch dropped blocks that existed nowhere else\n" << c->daemon.Log();
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_GE(c->Counter("disk_demotions"), 8u);
+}
+
 }  // namespace
 }  // namespace kvtier::testing
