@@ -36,6 +36,17 @@ class RemoteNodesTest : public ::testing::Test {
     b_ = Node::Start(cluster_->seeds(), (dir_ / "b").string());
     ASSERT_NE(b_, nullptr);
   }
+  // A third node, `name`, sharing A's tenant secrets, with `more` overrides.
+  std::unique_ptr<Node> StartNode(const std::string& name, std::vector<std::string> more) {
+    std::filesystem::create_directories(dir_ / name);
+    std::filesystem::copy(dir_ / "a" / "salts", dir_ / name / "salts", std::filesystem::copy_options::recursive);
+    return Node::Start(cluster_->seeds(), (dir_ / name).string(), std::move(more));
+  }
+  // The overrides that give A's tenant ("local", this uid) a host quota.
+  static std::string LocalTenantWithHostQuota(const std::string& quota) {
+    return "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, quotas: {host: " + quota +
+           "}}]";
+  }
   void TearDown() override {
     a_.reset();
     b_.reset();
@@ -150,11 +161,8 @@ TEST_F(RemoteNodesTest, PrefillOnOneNodeDecodeOnAnother) {
 // host memory, not as it is stored (here without a disk tier: host keeps
 // below its watermarks by putting its coldest blocks, then dropping them).
 TEST_F(RemoteNodesTest, WithWriteOnDemoteBlocksReachTheClusterAsTheyLeaveHost) {
-  std::filesystem::create_directories(dir_ / "c");
-  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
   // 8 MiB of host: 128 blocks of 64 KiB, written back above 90% (115).
-  std::unique_ptr<Node> c =
-      Node::Start(cluster_->seeds(), (dir_ / "c").string(), {"tiers.remote.write=demote", "tiers.host.bytes=8MiB"});
+  std::unique_ptr<Node> c = StartNode("c", {"tiers.remote.write=demote", "tiers.host.bytes=8MiB"});
   ASSERT_NE(c, nullptr);
   Result<std::vector<BlockKey>> first = c->Store(100, 10);
   ASSERT_TRUE(first.has_value()) << first.error();
@@ -216,12 +224,7 @@ TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaNeverDropsItsBlocksTheCluster
   // Node C's tenant (A's "local", sharing its salts) has a host quota of 16
   // blocks of 64 KiB, and puts blocks only as they leave host: its own
   // blocks below are in its host alone.
-  std::filesystem::create_directories(dir_ / "c");
-  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
-  std::unique_ptr<Node> c = Node::Start(
-      cluster_->seeds(), (dir_ / "c").string(),
-      {"tiers.remote.write=demote",
-       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, quotas: {host: 1MiB}}]"});
+  std::unique_ptr<Node> c = StartNode("c", {"tiers.remote.write=demote", LocalTenantWithHostQuota("1MiB")});
   ASSERT_NE(c, nullptr);
   Result<std::vector<BlockKey>> own = c->Store(301, 16);
   ASSERT_TRUE(own.has_value()) << own.error();
@@ -248,13 +251,9 @@ TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaWritesItsOwnBlocksToDiskToMak
   ASSERT_EQ(shared.size(), 8u);
   // As above, with a disk tier: the tenant's blocks not held below host
   // are written back to make room (never dropped), and the fetch goes on.
-  std::filesystem::create_directories(dir_ / "c");
-  std::filesystem::copy(dir_ / "a" / "salts", dir_ / "c" / "salts", std::filesystem::copy_options::recursive);
-  std::unique_ptr<Node> c = Node::Start(
-      cluster_->seeds(), (dir_ / "c").string(),
-      {"tiers.remote.write=demote", "tiers.disk.enabled=true", "tiers.disk.bytes=32MiB",
-       "tiers.disk.region_bytes=1MiB",
-       "tenants=[{name: local, uid: " + std::to_string(::getuid()) + ", admin: true, quotas: {host: 1MiB}}]"});
+  std::unique_ptr<Node> c =
+      StartNode("c", {"tiers.remote.write=demote", "tiers.disk.enabled=true", "tiers.disk.bytes=32MiB",
+                      "tiers.disk.region_bytes=1MiB", LocalTenantWithHostQuota("1MiB")});
   ASSERT_NE(c, nullptr);
   Result<std::vector<BlockKey>> own = c->Store(311, 16);
   ASSERT_TRUE(own.has_value()) << own.error();
