@@ -78,16 +78,19 @@ void CacheDisk::FailDiskRead(BlockEntry* e) {
   // The block stays on disk, or is gone with its record; its loads miss it
   // (their Unlease lets go of the entry) and a prefetch's goes now.
   ++(e->on_disk ? cache_.counters_.disk_reads_without_room : cache_.counters_.disk_reads_record_gone);
-  auto it = disk_waiters_.find(e->key);
-  std::vector<std::function<void(bool)>> waiters;
-  if (it != disk_waiters_.end()) {
-    waiters = std::move(it->second);
-    disk_waiters_.erase(it);
-  }
-  cache_.options_.post([waiters = std::move(waiters)] {
+  cache_.options_.post([waiters = TakeWaiters(e->key)] {
     for (const auto& w : waiters) w(false);
   });
   cache_.Dematerialize(e);
+}
+
+std::vector<std::function<void(bool)>> CacheDisk::TakeWaiters(const StoredKey& key) {
+  std::vector<std::function<void(bool)>> waiters;
+  if (auto it = disk_waiters_.find(key); it != disk_waiters_.end()) {
+    waiters = std::move(it->second);
+    disk_waiters_.erase(it);
+  }
+  return waiters;
 }
 
 bool CacheDisk::TransientReadError(const Status& st) {
@@ -175,13 +178,7 @@ void CacheDisk::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status
     }
   }
   cache_.index_.Unpark(e, /*hot=*/true);  // in host now, or still on disk after a failure
-  auto it = disk_waiters_.find(key);
-  std::vector<std::function<void(bool)>> waiters;
-  if (it != disk_waiters_.end()) {
-    waiters = std::move(it->second);
-    disk_waiters_.erase(it);
-  }
-  for (const auto& w : waiters) w(ok);  // loads release their leases of a failed block here
+  for (const auto& w : TakeWaiters(key)) w(ok);  // loads release their leases of a failed block here
   if (!ok) {
     e = cache_.index_.Find(key);
     // Never served: a record that failed its checks (or its read) is

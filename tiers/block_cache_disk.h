@@ -120,6 +120,9 @@ class CacheDisk {
   // the record is there): its waiters miss the block (posted), and an entry
   // nobody holds goes back to the disk-only table.
   void FailDiskRead(BlockEntry* e);
+  // The loads waiting for `key`'s read, taken out of disk_waiters_ (none:
+  // empty).
+  std::vector<std::function<void(bool)>> TakeWaiters(const StoredKey& key);
   // Reads `e` (on disk, not moving) into host slot `dst`.
   void StartDiskRead(BlockEntry* e, uint8_t* dst);
   // Whether a failed disk read says nothing of its record (cancelled at a

@@ -28,8 +28,7 @@ bool CachePolicy::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t n
   const uint64_t capacity = cache_.Usage(e->tier).capacity_bytes;
   const double share = std::clamp(cache_.options_.hint_share, 0.0, 1.0);
   const uint64_t tenants = std::max<uint64_t>(1, named_tenants_);
-  const std::optional<uint64_t> quota =
-      e->owner < quotas_.size() ? quotas_[e->owner].bytes[static_cast<size_t>(e->tier)] : std::nullopt;
+  const std::optional<uint64_t> quota = QuotaOf(e->owner, e->tier);
   const uint64_t owner_room = quota ? std::min(*quota, capacity) : capacity / tenants;
   return cache_.index_.Hint(e, hint, now_ms,
                      {.tier_bytes = static_cast<uint64_t>(share * static_cast<double>(capacity)),
@@ -68,8 +67,7 @@ void CachePolicy::SetTenantName(TenantId tenant, std::string name) {
 }
 
 bool CachePolicy::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
-  if (tenant >= quotas_.size()) return true;
-  const std::optional<uint64_t>& q = quotas_[tenant].bytes[static_cast<size_t>(t)];
+  const std::optional<uint64_t> q = QuotaOf(tenant, t);
   if (!q) return true;
   uint64_t used = cache_.TenantUsedBytes(tenant, t);
   // Host blocks being written out to disk are leaving (block_cache.h, "Quotas").
@@ -123,7 +121,7 @@ bool CachePolicy::IsCurrentRecord(const DiskWriteLog::Record& r) {
 }
 
 void CachePolicy::LogDiskRecord(TenantId owner, const StoredKey& key, const DiskLocation& where) {
-  if (owner >= quotas_.size() || !quotas_[owner].bytes[static_cast<size_t>(Tier::kDisk)]) return;
+  if (!QuotaOf(owner, Tier::kDisk)) return;
   DiskWriteLog& log = QuotaStateOf(owner).disk_log;
   log.Push(DiskWriteLog::Record{key, DiskWriteLog::Where(where.device, where.offset)});
   // Its live entries are records of its blocks: at most the blocks it holds.
@@ -143,9 +141,8 @@ void CachePolicy::EnforceDiskQuotas(uint32_t max_steps) {
 }
 
 void CachePolicy::EnforceDiskQuota(TenantId owner, uint32_t max_steps, const StoredKey* newest) {
-  if (owner >= quotas_.size() || owner >= quota_state_.size()) return;
-  const std::optional<uint64_t>& quota = quotas_[owner].bytes[static_cast<size_t>(Tier::kDisk)];
-  if (!quota) return;
+  const std::optional<uint64_t> quota = QuotaOf(owner, Tier::kDisk);
+  if (!quota || owner >= quota_state_.size()) return;
   DiskWriteLog& log = quota_state_[owner].disk_log;
   for (uint32_t step = 0; step < max_steps && cache_.TenantUsedBytes(owner, Tier::kDisk) > *quota;
        ++step) {

@@ -137,11 +137,7 @@ void CacheDisk::FinishRelocation(const StoredKey& key, Result<DiskLocation> now)
   }
   cache_.SchedulePump();  // a flush may have been waiting for this append
   // Loads that came meanwhile wait in disk_waiters_: read it for them now.
-  std::vector<std::function<void(bool)>> waiters;
-  if (auto it = disk_waiters_.find(key); it != disk_waiters_.end()) {
-    waiters = std::move(it->second);
-    disk_waiters_.erase(it);
-  }
+  std::vector<std::function<void(bool)>> waiters = TakeWaiters(key);
   if (waiters.empty()) {
     if (e->on_disk) {
       cache_.Dematerialize(e);
