@@ -69,6 +69,19 @@ struct Engine {
     return s ? s->Counter(name) : 0;
   }
 
+  // Polls counter `name` until it reaches `at_least` or 20 s pass; returns
+  // its last value (the caller asserts on it). For what the daemon finishes
+  // after the call that started it returned: a put, a disk write.
+  uint64_t CounterWhen(std::string_view name, uint64_t at_least) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    uint64_t value = Counter(name);
+    while (value < at_least && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      value = Counter(name);
+    }
+    return value;
+  }
+
   Result<std::vector<BlockKey>> Keys(uint64_t seed, uint32_t blocks) const {
     return client->ComputeKeys(id, PseudoTokens(seed, uint64_t{blocks} * kRemoteBlockTokens));
   }
@@ -128,11 +141,7 @@ struct Node : Engine {
     const uint64_t before = Counter("remote_writes");
     Result<std::vector<BlockKey>> keys = Store(seed, blocks);
     EXPECT_TRUE(keys.has_value()) << keys.error();
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (Counter("remote_writes") < before + blocks && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    EXPECT_EQ(Counter("remote_writes"), before + blocks) << daemon.Log();
+    EXPECT_EQ(CounterWhen("remote_writes", before + blocks), before + blocks) << daemon.Log();
     return keys.value_or(std::vector<BlockKey>{});
   }
 };

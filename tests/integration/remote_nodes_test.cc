@@ -110,11 +110,7 @@ TEST_F(RemoteNodesTest, LosslessBlocksTravelCompressedAndLoadExactlyOnANodeThatA
   ASSERT_TRUE(keys.has_value());
   for (uint32_t i = 0; i < 16; ++i) FillKvFromKey((*keys)[i], a_->cache->block(i));
   ASSERT_TRUE(a_->client->Store(*coded, *keys, Range(0, 16)).has_value());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (a_->Counter("remote_writes") < 16 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_EQ(a_->Counter("remote_writes"), 16u) << a_->daemon.Log();
+  ASSERT_EQ(a_->CounterWhen("remote_writes", 16), 16u) << a_->daemon.Log();
   EXPECT_EQ(a_->Counter("codec_encoded"), 16u);
   // The values are the codec's output: about a quarter smaller than the blocks.
   EXPECT_LT(a_->Counter("remote_bytes_written"), 16u * RemoteLayout().block_bytes() * 85 / 100);
@@ -267,7 +263,9 @@ TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaWritesItsOwnBlocksToDiskToMak
   ASSERT_TRUE(loaded.has_value()) << loaded.error();
   EXPECT_EQ(*loaded, 16u) << "a fetch dropped blocks that existed nowhere else\n" << c->daemon.Log();
   EXPECT_EQ(wrong, 0u);
-  EXPECT_GE(c->Counter("disk_demotions"), 8u);
+  // The writes that made room end after the fetch went on (they counted as
+  // leaving): under a slow build they may still be running here.
+  EXPECT_GE(c->CounterWhen("disk_demotions", 8), 8u) << c->daemon.Log();
 }
 
 }  // namespace
