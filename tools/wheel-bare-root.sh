@@ -50,8 +50,9 @@ version=$(basename "$wheel" | cut -d- -f2)
 
 # Everything below runs in a new mount namespace (its mounts vanish with it)
 # on this machine's network (apt needs the mirror; pip does not).
-unshare --mount --fork bash -s "$root" "$(basename "$wheel")" "$version" "$vllm_site" "$cuda" <<'INSIDE' ||
-  fail "see above"
+# (`|| fail` on the same line: a here-document's text starts on the next.)
+args=("$root" "$(basename "$wheel")" "$version" "$vllm_site" "$cuda")
+unshare --mount --fork bash -s "${args[@]}" <<'INSIDE' || fail "see above"
 set -euo pipefail
 root=$1 wheel=$2 version=$3 vllm_site=$4 cuda=$5
 CHECK=wheel-bare-root
