@@ -230,7 +230,8 @@ TEST_F(KvEventsDaemonTest, StoresFlushesAndEvictsArePublishedInOrderAndReplayed)
   }
   // The publisher counts a replay once its replies are sent: the end marker
   // may reach the test first.
-  const DaemonStats s = StatsWhen(*client, [](const DaemonStats& st) { return st.Counter("events_replays_served") >= 1; });
+  const DaemonStats s = StatsWhen(
+      *client, [](const DaemonStats& st) { return st.Counter("events_replays_served") >= 1; });
   EXPECT_EQ(s.Counter("events_published"), expected + 1);
   EXPECT_EQ(s.Counter("events_dropped"), 0u);
   EXPECT_EQ(s.Counter("events_replays_served"), 1u);
