@@ -19,6 +19,7 @@
 #include "common/block_pattern.h"
 #include "kvtier/client.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/stats_when.h"
 #include "tests/programs.h"
 #include "tools/redis_cluster_process.h"
 
@@ -73,13 +74,10 @@ struct Engine {
   // its last value (the caller asserts on it). For what the daemon finishes
   // after the call that started it returned: a put, a disk write.
   uint64_t CounterWhen(std::string_view name, uint64_t at_least) const {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    uint64_t value = Counter(name);
-    while (value < at_least && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      value = Counter(name);
-    }
-    return value;
+    return StatsWhen(
+               *client, [&](const DaemonStats& s) { return s.Counter(name) >= at_least; },
+               std::chrono::seconds(20))
+        .Counter(name);
   }
 
   Result<std::vector<BlockKey>> Keys(uint64_t seed, uint32_t blocks) const {
