@@ -3,6 +3,8 @@
 // client_admin.cc), and the tier names.
 #include "kvtier/client.h"
 
+#include <algorithm>
+
 #include "client/client_impl.h"
 #include "common/version.h"
 
@@ -73,8 +75,48 @@ Result<BlockKey> Client::KeyFromEngineHash(CacheId cache, std::span<const uint8_
   return impl_->KeyFromEngineHash(cache, hash);
 }
 
-Result<LookupResult> Client::Lookup(CacheId cache, std::span<const BlockKey> keys) { return impl_->Lookup(cache, keys); }
-Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys) { return impl_->Prefetch(cache, keys); }
+uint32_t Client::max_keys_per_request() const { return impl_->max_keys_per_request(); }
+
+namespace {
+
+// Calls `call` on consecutive pieces of `keys` of at most the daemon's
+// max_keys_per_request each (read before every piece: a reconnect may reach
+// a daemon with another limit), and `merge` adds each piece's result to the
+// total; the next piece is sent while `merge` returns true.
+template <typename T, typename Call, typename Merge>
+Result<T> Split(const Client& client, std::span<const BlockKey> keys, Call call, Merge merge) {
+  T total{};
+  size_t done = 0;
+  do {
+    const size_t n = std::min<size_t>(keys.size() - done, client.max_keys_per_request());
+    KVTIER_ASSIGN_OR_RETURN(T part, call(keys.subspan(done, n)));
+    const bool whole = merge(total, std::move(part), n);
+    done += n;
+    if (!whole) break;
+  } while (done < keys.size());
+  return total;
+}
+
+}  // namespace
+
+Result<LookupResult> Client::Lookup(CacheId cache, std::span<const BlockKey> keys) {
+  return Split<LookupResult>(
+      *this, keys, [&](auto part) { return impl_->Lookup(cache, part); },
+      [](LookupResult& total, LookupResult part, size_t n) {
+        total.hits += part.hits;
+        total.tiers.insert(total.tiers.end(), part.tiers.begin(), part.tiers.end());
+        return part.hits == n;
+      });
+}
+
+Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys) {
+  return Split<uint32_t>(
+      *this, keys, [&](auto part) { return impl_->Prefetch(cache, part); },
+      [](uint32_t& total, uint32_t part, size_t n) {
+        total += part;
+        return part == n;
+      });
+}
 
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
   KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt));
@@ -120,7 +162,13 @@ Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, st
 }
 
 Result<HintResult> Client::Hint(CacheId cache, std::span<const BlockKey> keys, const BlockHint& hint) {
-  return impl_->Hint(cache, keys, hint);
+  return Split<HintResult>(
+      *this, keys, [&](auto part) { return impl_->Hint(cache, part, hint); },
+      [](HintResult& total, HintResult part, size_t) {
+        total.hinted += part.hinted;
+        total.refused += part.refused;
+        return true;
+      });
 }
 
 Result<DaemonStats> Client::Stats() { return impl_->Stats(); }

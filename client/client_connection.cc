@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "ipc/seqpacket.h"
@@ -72,6 +73,7 @@ Status Client::Impl::Reconnect() {
   hash_secret_ = std::move(*s);
   tenant_ = welcome->tenant() != nullptr ? welcome->tenant()->str() : "";
   daemon_release_ = welcome->release() != nullptr ? welcome->release()->str() : "";
+  max_keys_per_request_ = std::max<uint32_t>(welcome->max_keys_per_request(), 1);
   for (auto& cache : caches_) {
     if (Status st = RegisterOne(*cache); !st.ok()) {
       Disconnect();

@@ -86,6 +86,10 @@ class Client::Impl {
     MutexLock lock(&mu_);
     return fd_.valid();
   }
+  uint32_t max_keys_per_request() const {
+    MutexLock lock(&mu_);
+    return max_keys_per_request_;
+  }
 
   Result<CacheId> Register(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,
                            std::vector<KvRegion> regions, CodecChoice codec);
@@ -206,6 +210,9 @@ class Client::Impl {
   std::chrono::steady_clock::time_point next_attempt_ KVTIER_GUARDED_BY(mu_);
   std::string tenant_ KVTIER_GUARDED_BY(mu_);
   std::string daemon_release_ KVTIER_GUARDED_BY(mu_);
+  // The Welcome's limits.max_keys_per_request (at least 1), of the last
+  // daemon reached.
+  uint32_t max_keys_per_request_ KVTIER_GUARDED_BY(mu_) = 1;
   std::optional<Secret> hash_secret_ KVTIER_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Cache>> caches_ KVTIER_GUARDED_BY(mu_);
   // Ops holding an event slot of a GPU cache, until Wait returns their result.

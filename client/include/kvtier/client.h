@@ -224,6 +224,12 @@ class Client {
   std::string daemon_release() const;
   static const char* release();
   bool connected() const;
+  // The most keys the daemon takes in one request (its Welcome's
+  // limits.max_keys_per_request). Lookup, Prefetch and Hint split longer
+  // key lists into requests of this size themselves; a Load or Store (and
+  // their Async forms) of more keys is refused with kInvalidArgument, so
+  // the caller splits those into ops of at most this many keys.
+  uint32_t max_keys_per_request() const;
 
   // Registers engine memory described by `placements` over `regions`.
   Result<CacheId> RegisterKvCache(const Layout& layout, uint32_t num_blocks,
@@ -246,9 +252,12 @@ class Client {
   // An engine's own 16- or 32-byte block hash as a key.
   Result<BlockKey> KeyFromEngineHash(CacheId cache, std::span<const uint8_t> hash);
 
+  // How many leading keys are cached, and in which tier, for any number of
+  // keys: past max_keys_per_request(), one request per that many keys, the
+  // next sent only while every key so far was a hit.
   Result<LookupResult> Lookup(CacheId cache, std::span<const BlockKey> keys);
   // Starts moving cached blocks of `keys` to faster tiers. Returns how many
-  // leading keys are cached.
+  // leading keys are cached. Split as Lookup.
   Result<uint32_t> Prefetch(CacheId cache, std::span<const BlockKey> keys);
 
   // Copies the blocks of `keys` into the engine's blocks `block_ids`. A load
@@ -315,6 +324,8 @@ class Client {
   // request's, or a session's when it is over), replacing theirs; keys not
   // cached are skipped. Errors: kInvalidArgument for a bad hint
   // (last_partial, a priority other than -1/0/1, next_use_ms past an hour).
+  // Past max_keys_per_request(), one request per that many keys, the counts
+  // summed.
   Result<HintResult> Hint(CacheId cache, std::span<const BlockKey> keys, const BlockHint& hint);
 
   Result<DaemonStats> Stats();

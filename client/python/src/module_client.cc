@@ -29,6 +29,12 @@ void BindClient(py::module_& m) {
       .def_property_readonly("daemon_release", [](const PyClient& c) { return c.Get()->daemon_release(); },
                              "kvtierd's version, as its Welcome said (\"0.1.0\").")
       .def_property_readonly("connected", [](const PyClient& c) { return c.Get()->connected(); })
+      .def_property_readonly(
+          "max_keys_per_request", [](const PyClient& c) { return c.Get()->max_keys_per_request(); },
+          "The most keys kvtierd takes in one request (its Welcome's limits.max_keys_per_request). "
+          "lookup, prefetch and hint split longer lists themselves; load and store (and their "
+          "async forms) of more keys raise InvalidArgumentError: split those into ops of at most "
+          "this many keys.")
       .def(
           "register_cpu_cache",
           [](const PyClient& self, const py::object& cache_obj, const std::string& codec,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.logger import init_logger
@@ -59,11 +59,39 @@ class _Settings:
         )
 
 
-def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> kvtier.Layout:
-    """The kvtier layout of vLLM's KV cache: one group of full-attention layers.
+@dataclass(frozen=True)
+class _Shards:
+    """How the tensor-parallel ranks' KV caches map onto kvtier namespaces.
 
-    Both roles derive it from the same KVCacheConfig, so the scheduler's
-    lookups and the workers' loads and stores name one namespace."""
+    A rank's KV cache is one shard of each block. Ranks whose shards are
+    the same bytes share one namespace, and only the first of them stores
+    it: every rank of an MLA cache (one latent per token, the same on every
+    rank), and the ranks that replicate a KV head (fewer KV heads than
+    ranks). So a block is stored once per distinct shard, and an MLA
+    cache's blocks are the same namespace at any TP size."""
+
+    count: int  # distinct shards of a block: namespaces the lookups ask
+    replicas: int  # ranks holding each shard
+
+    @staticmethod
+    def of(vllm_config: VllmConfig, latent: bool) -> _Shards:
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if latent:
+            return _Shards(1, tp_size)
+        total_heads = vllm_config.model_config.get_total_num_kv_heads()
+        replicas = max(1, tp_size // max(total_heads, 1))
+        return _Shards(tp_size // replicas, replicas)
+
+    def of_rank(self, tp_rank: int) -> int:
+        return tp_rank // self.replicas
+
+    def stores(self, tp_rank: int) -> bool:
+        """Whether this rank stores its shard (the first of its replicas)."""
+        return tp_rank % self.replicas == 0
+
+
+def _spec(kv_cache_config: KVCacheConfig) -> Any:
+    """The KV cache spec of vLLM's one group of attention layers."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise NotImplementedError(
@@ -74,25 +102,73 @@ def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, t
     for attribute in ("block_size", "num_kv_heads", "head_size", "dtype"):
         if not hasattr(spec, attribute):
             raise NotImplementedError(f"KvtierConnector takes attention KV caches, not {type(spec).__name__}")
-    if "MLA" in type(spec).__name__:
-        raise NotImplementedError("KvtierConnector does not take MLA (latent) KV caches yet")
+    return spec
+
+
+def _is_latent(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether vLLM's cache is MLA's: one latent vector per token."""
+    return "MLA" in type(_spec(kv_cache_config)).__name__
+
+
+def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, shard: int, shards: int) -> kvtier.Layout:
+    """The kvtier layout of one shard of vLLM's KV cache (`_Shards`): one
+    group of full-attention layers, K and V or (MLA) one latent.
+
+    Both roles derive it from the same KVCacheConfig, so the scheduler's
+    lookups and the workers' loads and stores name one namespace."""
+    groups = kv_cache_config.kv_cache_groups
+    spec = _spec(kv_cache_config)
+    latent = _is_latent(kv_cache_config)
+    if latent and getattr(spec, "cache_dtype_str", None) not in (None, "auto"):
+        raise NotImplementedError(f"KvtierConnector does not take MLA caches of {spec.cache_dtype_str} yet")
     dtype = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
     if dtype is None:
         raise NotImplementedError(f"KvtierConnector does not take {spec.dtype} KV caches")
     return kvtier.Layout(
         settings.model_id,
         num_layers=len(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads,
+        num_kv_heads=1 if latent else spec.num_kv_heads,
         head_dim=spec.head_size,
         dtype=dtype,
         block_tokens=spec.block_size,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
+        kv_kind="latent" if latent else "kv",
+        tp_rank=shard,
+        tp_size=shards,
     )
 
 
 def _keys(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes]) -> list[bytes]:
     return [client.key_from_engine_hash(cache, h) for h in hashes]
+
+
+def _pieces(count: int, client: kvtier.Client) -> list[slice]:
+    """`count` keys as consecutive slices the daemon takes in one request
+    each (its Welcome's max_keys_per_request): loads and stores of a long
+    prompt's blocks are split; lookups, prefetches and hints the client
+    splits itself."""
+    step = max(client.max_keys_per_request, 1)
+    return [slice(start, min(start + step, count)) for start in range(0, count, step)]
+
+
+class _Refusals:
+    """Logs what the daemon refused: at WARNING the first time a kind of
+    refusal the connector cannot recover from shows (a bad request, a limit,
+    a permission), at debug after that and for the daemon being away or
+    slow (UnavailableError, DeadlineExceededError: misses until it is back,
+    which other lines say). Owned by one thread."""
+
+    _TRANSIENT = (kvtier.UnavailableError, kvtier.DeadlineExceededError)
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def note(self, error: kvtier.Error, what: str) -> None:
+        kind = type(error).__name__
+        if isinstance(error, self._TRANSIENT) or kind in self._seen:
+            logger.debug("kvtier: %s failed (%s); a miss", what, error)
+            return
+        self._seen.add(kind)
+        logger.warning("kvtier: kvtierd refused %s (%s); each such call is a miss (logged once)", what, error)
 
 
 class _Connection:

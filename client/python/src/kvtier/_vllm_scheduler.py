@@ -18,6 +18,7 @@ from ._vllm_common import (
     TransferSpec,
     _Connection,
     _keys,
+    _Refusals,
     _Settings,
     logger,
 )
@@ -43,9 +44,9 @@ class _Lookups:
     daemon at most lookup_wait_s per request. Called by the scheduler thread
     (result, forget)."""
 
-    def __init__(self, settings: _Settings, layout: kvtier.Layout) -> None:
+    def __init__(self, settings: _Settings, layouts: list[kvtier.Layout]) -> None:
         self._settings = settings
-        self._layout = layout
+        self._layouts = layouts  # one per distinct shard of a block (_Shards)
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._entries: dict[str, _Lookup] = {}
@@ -95,8 +96,14 @@ class _Lookups:
         # daemon costs this thread that, then the connection is dropped, and
         # lookups that waited meanwhile are dropped, not run late.
         connection = _Connection(self._settings, "vllm-scheduler", call_timeout_s=self._settings.lookup_timeout_s)
-        cache: kvtier.KvCache | None = None
-        cpu: kvtier.CpuKvCache | None = None
+        refusals = _Refusals()
+        # Keys and lookups name a namespace through a registered cache: one
+        # per shard, each of one block, moving none. Registered once and
+        # kept for the connection's life: the client registers them again
+        # by itself whenever it reconnects (after a timeout dropped the
+        # connection, or a daemon restart).
+        caches: list[kvtier.KvCache] = []
+        cpus: list[kvtier.CpuKvCache] = []
         while (item := self._queue.get()) is not None:
             req_id, hashes = item
             if self._stale(req_id, hashes):
@@ -105,16 +112,18 @@ class _Lookups:
             try:
                 client = connection.client()
                 if client is not None:
-                    if cache is None:
-                        # Keys and lookups name a namespace through a registered
-                        # cache; the scheduler's holds one block and moves none.
-                        cpu = kvtier.CpuKvCache(self._layout, 1)
-                        cache = client.register_cpu_cache(cpu)
-                    hits = client.prefetch(cache, _keys(client, cache, hashes))
+                    while len(caches) < len(self._layouts):
+                        cpus.append(kvtier.CpuKvCache(self._layouts[len(caches)], 1))
+                        caches.append(client.register_cpu_cache(cpus[-1]))
+                    # As far as every shard is cached; each prefetch asks
+                    # only about what the shards before it hold.
+                    hits = len(hashes)
+                    for cache in caches:
+                        hits = client.prefetch(cache, _keys(client, cache, hashes[:hits])) if hits else 0
             except kvtier.Error as error:
-                logger.debug("kvtier: lookup failed (%s); a miss", error)
-                if isinstance(error, kvtier.DeadlineExceededError):
-                    cache = None  # the connection was dropped: registered again on the next
+                hits = 0
+                registered = len(caches) == len(self._layouts)
+                refusals.note(error, f"a lookup of {len(hashes)} blocks" if registered else "the lookups' registration")
             with self._lock:
                 entry = self._entries.get(req_id)
                 if entry is not None and entry.num_blocks == len(hashes) and entry.hits is None:
@@ -135,9 +144,9 @@ class _Request:
 
 
 class _SchedulerSide:
-    def __init__(self, settings: _Settings, layout: kvtier.Layout) -> None:
-        self._block_tokens = layout.block_tokens
-        self._lookups = _Lookups(settings, layout)
+    def __init__(self, settings: _Settings, layouts: list[kvtier.Layout]) -> None:
+        self._block_tokens = layouts[0].block_tokens
+        self._lookups = _Lookups(settings, layouts)
         self._requests: dict[str, _Request] = {}
         self._local_tokens: dict[str, int] = {}  # vLLM's own hit, at the last ask
         self._hits: dict[str, int] = {}

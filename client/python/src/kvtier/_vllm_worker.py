@@ -11,7 +11,16 @@ import torch
 
 import kvtier
 
-from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _Connection, _keys, _layout, _Settings, logger
+from ._vllm_common import (
+    KvtierMetadata,
+    RequestHint,
+    TransferSpec,
+    _Connection,
+    _keys,
+    _pieces,
+    _Settings,
+    logger,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -20,22 +29,34 @@ if TYPE_CHECKING:
 # Worker side.
 
 
-def _placements(layer_tensors: list[torch.Tensor], head_size: int) -> tuple[list[tuple[int, int]], list[kvtier.Placement]]:
+def _placements(
+    layer_tensors: list[torch.Tensor], layout: kvtier.Layout
+) -> tuple[list[tuple[int, int]], list[kvtier.Placement]]:
     """Regions (one per distinct storage) and placements of vLLM's per-layer
     KV views, in layer order.
 
-    vLLM 0.33 hands each layer a view [blocks, heads, block_tokens, 2 * head_size]
-    of one shared allocation: K is the first head_size elements of the last
-    dimension, V the second. Its layout (LBNHC, LBHNC, the blocks-first BLNHC,
-    ...) is only the strides of those views, so they are read from the views."""
+    vLLM hands each layer a view of one shared allocation. K and V: a view
+    [blocks, heads, block_tokens, 2 * head_size], K the first head_size
+    elements of the last dimension, V the second; its layout (LBNHC, LBHNC,
+    the blocks-first BLNHC, ...) is only the strides of those views, so they
+    are read from the views. MLA: a view [blocks, block_tokens, head_size]
+    of one latent vector per token."""
+    latent = layout.kv_kind == "latent"
+    head_size = layout.head_dim
     regions: list[tuple[int, int]] = []
     region_of: dict[int, int] = {}
     placements: list[kvtier.Placement] = []
     for index, tensor in enumerate(layer_tensors):
-        if tensor.dim() != 4 or tensor.shape[3] != 2 * head_size or tensor.stride(3) != 1:
+        if latent:
+            wanted = tensor.dim() == 3 and tensor.shape[2] == head_size
+            what = f"an MLA view [blocks, block_tokens, {head_size}]"
+        else:
+            wanted = tensor.dim() == 4 and tensor.shape[3] == 2 * head_size
+            what = f"a KV view [blocks, heads, block_tokens, 2 x {head_size}]"
+        if not wanted or tensor.stride(-1) != 1:
             raise kvtier.InvalidArgumentError(
-                f"layer {index}: a KV view [blocks, heads, block_tokens, 2 x {head_size}] with a contiguous last "
-                f"dimension is needed, not shape {tuple(tensor.shape)} strides {tensor.stride()}"
+                f"layer {index}: {what} with a contiguous last dimension is needed, "
+                f"not shape {tuple(tensor.shape)} strides {tensor.stride()}"
             )
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
@@ -44,7 +65,10 @@ def _placements(layer_tensors: list[torch.Tensor], head_size: int) -> tuple[list
             regions.append((base, storage.nbytes()))
         element = tensor.element_size()
         offset = tensor.storage_offset() * element
-        strides = [s * element for s in tensor.stride()]
+        strides = [stride * element for stride in tensor.stride()]
+        if latent:  # one head: its stride is never taken
+            placements.append(kvtier.Placement(region_of[base], offset, strides[0], strides[1], head_size * element))
+            continue
         for part in (0, 1):  # K, V
             placements.append(
                 kvtier.Placement(
@@ -59,10 +83,15 @@ def _placements(layer_tensors: list[torch.Tensor], head_size: int) -> tuple[list
 
 
 class _WorkerSide:
-    def __init__(self, settings: _Settings, kv_cache_config: KVCacheConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, settings: _Settings, kv_cache_config: KVCacheConfig, layout: kvtier.Layout, tp_rank: int, stores: bool
+    ) -> None:
+        """`layout`: this rank's shard's; `stores`: whether this rank stores
+        it (the first of the ranks holding the same bytes, _Shards)."""
         self._settings = settings
         self._kv_cache_config = kv_cache_config
-        self._layout = _layout(settings, kv_cache_config, tp_rank, tp_size)
+        self._layout = layout
+        self._stores_shard = stores
         # Every call waits at most op_timeout_s: a hung daemon never holds a
         # step for long (docs: op_timeout_s).
         self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
@@ -87,7 +116,7 @@ class _WorkerSide:
             return None
         names = self._kv_cache_config.kv_cache_groups[0].layer_names
         tensors = [self._kv_caches[name] for name in names]
-        regions, placements = _placements(tensors, self._layout.head_dim)
+        regions, placements = _placements(tensors, self._layout)
         num_blocks = tensors[0].shape[0]
         started = time.monotonic()
         if tensors[0].is_cuda:
@@ -124,26 +153,33 @@ class _WorkerSide:
         if not meta.loads:
             return
         ready = self._ready()
-        pending: list[tuple[TransferSpec, kvtier.Op | None]] = []
+        # Each request's loads, one op per piece the daemon takes at once.
+        pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
-            op = None
+            ops: list[tuple[kvtier.Op, int]] = []
             if ready is not None:
                 client, cache = ready
                 try:
-                    op = client.load_async(cache, _keys(client, cache, spec.block_hashes), spec.block_ids)
+                    keys = _keys(client, cache, spec.block_hashes)
+                    for piece in _pieces(len(keys), client):
+                        ops.append((client.load_async(cache, keys[piece], spec.block_ids[piece]), len(keys[piece])))
                 except kvtier.Error as error:
-                    # No copy of it runs now (a failed start cancels them).
+                    # No copy of it runs now (a failed start cancels them);
+                    # the pieces started before it run on.
                     self._connection.note(error)
                     logger.info("kvtier: a load of %d blocks failed to start (%s); vLLM recomputes them", len(spec.block_ids), error)
-            pending.append((spec, op))
+            pending.append((spec, ops))
         # The forward pass reads these blocks: every load ends, or is
         # cancelled, before it starts.
         deadline = time.monotonic() + self._settings.op_timeout_s
-        for spec, op in pending:
-            loaded = 0
-            if op is not None:
-                result = self._finish(op, deadline - time.monotonic(), f"a load of {len(spec.block_ids)} blocks")
-                loaded = result.blocks if result is not None else 0
+        for spec, ops in pending:
+            loaded, whole = 0, True  # leading blocks loaded
+            for op, size in ops:
+                result = self._finish(op, deadline - time.monotonic(), f"a load of {size} blocks")
+                got = result.blocks if result is not None else 0
+                if whole:
+                    loaded += got
+                    whole = got == size
             self._invalid.update(spec.block_ids[loaded:])
 
     def _finish(self, op: kvtier.Op, timeout: float, what: str) -> kvtier.OpResult | None:
@@ -183,21 +219,21 @@ class _WorkerSide:
             torch.cuda.current_stream().synchronize()
         ready = self._ready()
         for spec in meta.stores:
+            # Every rank reports the request's stores done (vLLM waits for
+            # all of them); one that does not store its shard has none.
             ops = self._stores.setdefault(spec.req_id, [])
-            if ready is None:
+            if ready is None or not self._stores_shard:
                 continue
             client, cache = ready
             hint = spec.hint or RequestHint()
             try:
-                ops.append(
-                    client.store_async(
-                        cache,
-                        _keys(client, cache, spec.block_hashes),
-                        spec.block_ids,
-                        priority=hint.priority,
-                        next_use_ms=hint.next_use_ms,
+                keys = _keys(client, cache, spec.block_hashes)
+                for piece in _pieces(len(keys), client):
+                    ops.append(
+                        client.store_async(
+                            cache, keys[piece], spec.block_ids[piece], priority=hint.priority, next_use_ms=hint.next_use_ms
+                        )
                     )
-                )
             except kvtier.Error as error:
                 self._connection.note(error)
                 logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)

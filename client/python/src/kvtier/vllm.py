@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _layout, _Settings
+from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _is_latent, _layout, _Settings, _Shards
 from ._vllm_scheduler import _SchedulerSide
 from ._vllm_worker import _WorkerSide
 
@@ -92,13 +92,12 @@ __all__ = ["KvtierConnector", "KvtierMetadata", "RequestHint", "TransferSpec"]
 # The connector vLLM constructs.
 
 
-def _tp_rank_and_size(vllm_config: VllmConfig) -> tuple[int, int]:
-    size = vllm_config.parallel_config.tensor_parallel_size
-    if size == 1:
-        return 0, 1
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return get_tensor_model_parallel_rank(), size
+    return get_tensor_model_parallel_rank()
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -109,15 +108,16 @@ class KvtierConnector(KVConnectorBase_V1):
         settings = _Settings.of(vllm_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        shards = _Shards.of(vllm_config, _is_latent(kv_cache_config))
         if role == KVConnectorRole.SCHEDULER:
-            # Lookups use tensor-parallel rank 0's namespace: every rank stores
-            # the same blocks; a rank that lacks one fails its load, and vLLM
-            # recomputes the block.
-            layout = _layout(settings, kv_cache_config, 0, vllm_config.parallel_config.tensor_parallel_size)
-            self._scheduler = _SchedulerSide(settings, layout)
+            # A prefix is a hit as far as every distinct shard of it is
+            # cached: the lookups ask each shard's namespace.
+            layouts = [_layout(settings, kv_cache_config, shard, shards.count) for shard in range(shards.count)]
+            self._scheduler = _SchedulerSide(settings, layouts)
         else:
-            tp_rank, tp_size = _tp_rank_and_size(vllm_config)
-            self._worker = _WorkerSide(settings, kv_cache_config, tp_rank, tp_size)
+            tp_rank = _tp_rank(vllm_config)
+            layout = _layout(settings, kv_cache_config, shards.of_rank(tp_rank), shards.count)
+            self._worker = _WorkerSide(settings, kv_cache_config, layout, tp_rank, stores=shards.stores(tp_rank))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -20,12 +20,18 @@ import json
 import os
 import pathlib
 import queue
+import random
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+import tiny_model
+
+if TYPE_CHECKING:
+    from conftest import Daemon
 
 HERE = pathlib.Path(__file__).resolve().parent
 # vLLM's start-up, the tiny model's work, and its shutdown, on 2 busy cores.
@@ -148,3 +154,46 @@ def assert_same_outputs(got: Phase, want: Phase, what: str) -> None:
         assert g["token_ids"] == w["token_ids"], f"{what}: request {i} generated other tokens"
         worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
         assert worst <= LOGPROB_TOLERANCE, f"{what}: request {i}'s logprobs differ by {worst}"
+
+
+# --------------------------------------------------------------------------
+# What the tests of real engines share.
+
+BLOCK = 32  # vLLM's block size (the CPU attention needs a multiple of 32)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, tiny_model.VOCAB) for _ in range(n)]
+
+
+def request(prompt: list[int], max_tokens: int = 4, **params: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"ids": prompt, "max_tokens": max_tokens}
+    if params:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def counters(daemon: Daemon) -> dict[str, int]:
+    """kvtierd's counters (Client.stats)."""
+    import kvtier
+
+    with kvtier.Client.connect(daemon.socket, name="pytest-stats") as client:
+        return dict(client.stats()["counters"])
+
+
+# Lookups that take longer than the connector's default 2 s are misses; on a
+# busy machine that would be a test that fails by chance.
+CONNECTOR_TEST_SETTINGS = {"lookup_timeout_s": 60}
+
+
+def spec(model: pathlib.Path, daemon: Daemon, phases: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "kvtier": {"socket": daemon.socket, **CONNECTOR_TEST_SETTINGS}, "phases": phases, **extra}
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    """Waits for work that ends after vLLM answered (stores land, metrics update)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.1)

@@ -18,7 +18,6 @@ import http.client
 import json
 import os
 import pathlib
-import random
 import signal
 import socket
 import subprocess
@@ -35,23 +34,22 @@ if not hasattr(vllm, "LLM"):
 
 import kvtier  # noqa: E402
 from conftest import Daemon, kvtierd_path  # noqa: E402
-from harness import ENGINE_TIMEOUT_S, LOGPROB_TOLERANCE, Phase, assert_same_outputs, engine_env, run_engine  # noqa: E402
+from harness import (  # noqa: E402
+    BLOCK,
+    CONNECTOR_TEST_SETTINGS,
+    ENGINE_TIMEOUT_S,
+    LOGPROB_TOLERANCE,
+    Phase,
+    assert_same_outputs,
+    counters,
+    engine_env,
+    eventually,
+    ids,
+    request,
+    run_engine,
+    spec,
+)
 import tiny_model  # noqa: E402
-
-BLOCK = 32  # vLLM's block size (the CPU attention needs a multiple of 32)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(3, tiny_model.VOCAB) for _ in range(n)]
-
-
-def request(prompt: list[int], max_tokens: int = 4, **params: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"ids": prompt, "max_tokens": max_tokens}
-    if params:
-        out["kv_transfer_params"] = params
-    return out
-
 
 # Chats: 4 system prompts of 8 blocks, each with 4 user turns of other
 # lengths (not whole blocks), 16 requests in all.
@@ -107,33 +105,11 @@ def kvtierd() -> Iterator[Daemon]:
             d.stop()
 
 
-def counters(daemon: Daemon) -> dict[str, int]:
-    with kvtier.Client.connect(daemon.socket, name="pytest-stats") as client:
-        return dict(client.stats()["counters"])
-
-
 def namespaces(daemon: Daemon) -> list[dict[str, Any]]:
     """kvtierctl namespaces --json: each namespace's layout and blocks."""
     ctl = kvtierd_path().with_name("kvtierctl")
     out = subprocess.run([str(ctl), "--socket", daemon.socket, "namespaces", "--json"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
-
-
-# Lookups that take longer than the connector's default 2 s are misses; on a
-# busy machine that would be a test that fails by chance.
-CONNECTOR_TEST_SETTINGS = {"lookup_timeout_s": 60}
-
-
-def spec(model: pathlib.Path, daemon: Daemon, phases: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": str(model), "kvtier": {"socket": daemon.socket, **CONNECTOR_TEST_SETTINGS}, "phases": phases, **extra}
-
-
-def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    """Waits for work that ends after vLLM answered (stores land, metrics update)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.1)
 
 
 def test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same(
