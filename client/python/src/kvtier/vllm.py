@@ -28,6 +28,14 @@ Two instances run, with no state in common:
   its stores done. A failed load is reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks.
 
+KV caches: one group of full-attention layers, K and V or MLA's latent
+(one vector per token, the same on every tensor-parallel rank). Each rank's
+shard of a block is in a namespace of its own, shared by the ranks that hold
+the same bytes (MLA, replicated KV heads), where only the first stores it;
+the scheduler's lookups ask every shard's namespace, so a prefix is a hit
+only as far as every shard holds it. Lookups, loads and stores of any
+length are split to what the daemon takes per request.
+
 A daemon that is down or restarting is a miss, never an exception in vLLM:
 lookups answer 0 blocks, loads fail into recomputation, stores are skipped.
 

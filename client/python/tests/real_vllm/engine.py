@@ -258,9 +258,13 @@ def main() -> None:
         StopBeforeLoad.on = bool(phase.get("stop_before_load"))
         if phase.get("reset_prefix_cache"):
             deadline = time.monotonic() + 60
-            while not llm.reset_prefix_cache():  # False while blocks are held (stores landing)
+            # False while blocks are held: a finished request's stores land
+            # and free them in later engine steps, which a request of less
+            # than a block (nothing to look up or store) makes run.
+            while not llm.reset_prefix_cache():
                 if time.monotonic() > deadline:
                     raise RuntimeError("vLLM's prefix cache could not be reset within 60 s")
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
                 time.sleep(0.05)
         if phase.get("lookup_timeouts"):
             lookup_timeouts(llm, int(spec["kvtierd_pid"]), int(phase["lookup_timeouts"]), phase["lookup_prompt"])

@@ -87,11 +87,10 @@ def build(
             qk_nope_head_dim=64,
             v_head_dim=64,
             rope_scaling=None,
-            initializer_range=0.2,
         )
         model_class = transformers.DeepseekV2ForCausalLM
     elif kind == "gemma3":
-        config = transformers.Gemma3TextConfig(**common, sliding_window=128, initializer_range=0.2)
+        config = transformers.Gemma3TextConfig(**common, sliding_window=128)
         model_class = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown kind {kind!r}: llama, deepseek_v2 or gemma3")
