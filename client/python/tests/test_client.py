@@ -334,6 +334,28 @@ def test_a_daemon_restart_is_a_miss_then_the_client_reconnects(daemon: Daemon, c
     assert client.store(cache, keys, [0, 1]).blocks == 2
 
 
+def test_lookups_prefetches_and_hints_of_any_length_split_to_what_the_daemon_takes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = Daemon(str(tmp_path), ["limits.max_keys_per_request=16"])
+    d.start()
+    try:
+        with kvtier.Client.connect(d.socket, name="pytest") as c:
+            assert c.max_keys_per_request == 16
+            layout = small_layout()
+            cache = c.register_cpu_cache(kvtier.CpuKvCache(layout, 64))
+            keys = c.compute_keys(cache, list(range(50 * layout.block_tokens)))
+            assert c.lookup(cache, keys).hits == 0
+            for start in range(0, 40, 16):  # the first 40 blocks, in ops of 16
+                c.store(cache, keys[start : min(start + 16, 40)], list(range(start, min(start + 16, 40))))
+            result = c.lookup(cache, keys)
+            assert result.hits == 40 and result.tiers == ["host"] * 40
+            assert c.prefetch(cache, keys) == 40
+            assert c.hint(cache, keys, priority=1) == {"hinted": 40, "refused": 0}
+            with pytest.raises(kvtier.InvalidArgumentError, match="max_keys_per_request"):
+                c.load(cache, keys[:17], list(range(17)))
+    finally:
+        d.stop()
+
+
 def test_stats_and_engine_hashes(client: kvtier.Client) -> None:
     cpu = kvtier.CpuKvCache(small_layout(), 8)
     cache = client.register_cpu_cache(cpu)

@@ -18,6 +18,7 @@ from ._vllm_common import (
     _Connection,
     _keys,
     _pieces,
+    _Refusals,
     _Settings,
     logger,
 )
@@ -93,6 +94,7 @@ class _WorkerSide:
         self._kv_cache_config = kv_cache_config
         self._layout = layout
         self._stores_shard = stores
+        self._refusals = _Refusals()
         # Every call waits at most op_timeout_s: a hung daemon never holds a
         # step for long (docs: op_timeout_s).
         self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
@@ -139,7 +141,7 @@ class _WorkerSide:
         try:
             cache = self._ensure_registered()
         except kvtier.Error as error:
-            logger.warning("kvtier: registering the KV cache failed: %s", error)
+            self._refusals.note(error, "the KV cache's registration")
             return None
         client = self._connection.client()
         return None if cache is None or client is None else (client, cache)

@@ -147,13 +147,13 @@ def run_engine(spec: dict[str, Any], on_pause: Callable[[int], None] | None = No
     return Run(phases, text)
 
 
-def assert_same_outputs(got: Phase, want: Phase, what: str) -> None:
-    """Greedy token ids equal, and their logprobs within LOGPROB_TOLERANCE."""
+def assert_same_outputs(got: Phase, want: Phase, what: str, tolerance: float = LOGPROB_TOLERANCE) -> None:
+    """Greedy token ids equal, and their logprobs within `tolerance`."""
     assert len(got.requests) == len(want.requests), what
     for i, (g, w) in enumerate(zip(got.requests, want.requests)):
         assert g["token_ids"] == w["token_ids"], f"{what}: request {i} generated other tokens"
         worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
-        assert worst <= LOGPROB_TOLERANCE, f"{what}: request {i}'s logprobs differ by {worst}"
+        assert worst <= tolerance, f"{what}: request {i}'s logprobs differ by {worst}"
 
 
 # --------------------------------------------------------------------------
