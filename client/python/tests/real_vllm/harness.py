@@ -15,6 +15,7 @@ threads bound alike with and without a connector (vLLM CPU reserves a core
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import tiny_model
 
@@ -197,3 +198,18 @@ def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60) 
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def kvtierd(settings: list[str] = []) -> Iterator[Daemon]:  # noqa: B006 (never changed)
+    """A kvtierd of the test's own (256 MiB of host tier, and `settings`),
+    stopped at the end."""
+    from conftest import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-") as directory:
+        d = Daemon(directory, ["tiers.host.bytes=256MiB", *settings])
+        d.start()
+        try:
+            yield d
+        finally:
+            d.stop()

@@ -11,7 +11,6 @@ test_real_vllm.py for the engines' set-up.
 from __future__ import annotations
 
 import collections
-import contextlib
 import pathlib
 import re
 import tempfile
@@ -26,6 +25,7 @@ if not hasattr(vllm, "LLM"):
 from conftest import Daemon  # noqa: E402
 from harness import (  # noqa: E402
     BLOCK,
+    kvtierd,
     Phase,
     assert_same_outputs,
     counters,
@@ -66,17 +66,6 @@ def long_reference(long_model: pathlib.Path) -> list[Phase]:
     return run_engine({"model": str(long_model), "kvtier": None, "phases": phases, **LONG_ENGINE}).phases
 
 
-@contextlib.contextmanager
-def daemon(settings: list[str]) -> Iterator[Daemon]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-limits-") as directory:
-        d = Daemon(directory, ["tiers.host.bytes=256MiB", *settings])
-        d.start()
-        try:
-            yield d
-        finally:
-            d.stop()
-
-
 def first_then_second_engine(model: pathlib.Path, d: Daemon, prompt: list[int], **engine: Any) -> tuple[Phase, int]:
     """A first engine stores `prompt`'s blocks; a second engine (a process
     of its own) runs it again. Returns the second's phase and the blocks
@@ -91,7 +80,7 @@ def first_then_second_engine(model: pathlib.Path, d: Daemon, prompt: list[int], 
 def test_a_prompt_of_more_blocks_than_kvtierd_takes_in_one_request_hits_in_full(
     long_model: pathlib.Path, long_reference: list[Phase]
 ) -> None:
-    with daemon([f"limits.max_keys_per_request={SMALL_MAX_KEYS}"]) as d:
+    with kvtierd([f"limits.max_keys_per_request={SMALL_MAX_KEYS}"]) as d:
         blocks = (len(PAST_MAX_KEYS) - 1) // BLOCK
         assert blocks > 2 * SMALL_MAX_KEYS
         second, loaded = first_then_second_engine(long_model, d, PAST_MAX_KEYS, **LONG_ENGINE)
@@ -105,7 +94,7 @@ def test_a_prompt_of_more_blocks_than_kvtierd_takes_in_one_request_hits_in_full(
 def test_a_100k_token_prompt_hits_in_full_at_the_daemons_defaults(
     long_model: pathlib.Path, long_reference: list[Phase]
 ) -> None:
-    with daemon([]) as d:
+    with kvtierd([]) as d:
         blocks = (LONG_TOKENS - 1) // BLOCK
         second, loaded = first_then_second_engine(long_model, d, LONG_PROMPT, **LONG_ENGINE)
         assert_same_outputs(second, long_reference[1], f"a prompt of {LONG_TOKENS} tokens")
@@ -125,7 +114,7 @@ def test_lookups_hit_again_after_any_number_of_timeouts(model: pathlib.Path) -> 
     past lookup_timeout_s and drops the connection), and once more after
     each time kvtierd continued: every one of those hits, and then the prompt
     itself loads from kvtierd."""
-    with daemon([]) as d:
+    with kvtierd([]) as d:
         assert d.process is not None
         phases = [
             {"requests": [request(LOOKUP_PROMPT)]},  # stored

