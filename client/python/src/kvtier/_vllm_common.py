@@ -153,7 +153,7 @@ def _pieces(count: int, client: kvtier.Client) -> list[slice]:
     each (its Welcome's max_keys_per_request): loads and stores of a long
     prompt's blocks are split; lookups, prefetches and hints the client
     splits itself."""
-    step = max(client.max_keys_per_request, 1)
+    step = client.max_keys_per_request  # at least 1
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 

