@@ -148,43 +148,52 @@ def tp_spec(model: pathlib.Path, d: Daemon, phases: list[dict[str, Any]]) -> dic
 
 
 def test_tp2_llama_hits_only_as_far_as_every_ranks_shard_is_cached(llama: pathlib.Path) -> None:
-    """An engine at TP=2 stores TP_PROMPTS into a daemon whose host tier
-    holds about half of both ranks' shards, so it evicts. With vLLM's own
-    prefix cache emptied, the prompts come back: they load only what both
-    ranks' shards hold, and no load falls short. Then one rank's shards are
-    all dropped: the lookups say miss, where asking rank 0 alone would say
-    hit and leave rank 1's loads short."""
-    reference = run_engine({"model": str(llama), "kvtier": None, "phases": [{"requests": TP_PROMPTS}]}).phases[0]
+    """An engine at TP=2 stores TP_PROMPTS, one per phase, into a daemon
+    whose host tier holds about half of both ranks' shards, so it evicts the
+    oldest prompts' shards. With vLLM's own prefix cache emptied, the prompts
+    come back together: they load only what both ranks' shards hold, and no
+    load falls short. Then one rank's shards are all dropped: the lookups say
+    miss, where asking rank 0 alone would say hit and leave rank 1's loads
+    short.
+
+    One prompt per phase, each after the last one's stores landed (emptying
+    vLLM's prefix cache waits for them): with all of them in one step, one
+    rank could store all its shards before the other stored any, and the
+    other's would evict them all (seen in CI: no hit at all)."""
+    n = len(TP_PROMPTS)
+    singles = [{"requests": [r], "reset_prefix_cache": i > 0} for i, r in enumerate(TP_PROMPTS)]
+    together = {"requests": TP_PROMPTS, "reset_prefix_cache": True}
+    reference = run_engine({"model": str(llama), "kvtier": None, "phases": singles + [together]}).phases
     blocks = sum((len(r["ids"]) - 1) // 32 for r in TP_PROMPTS)
     # A shard of a block: 4 layers x K, V x 32 tokens x 1 head x 64 x fp32.
     shard_bytes = 4 * 2 * 32 * 64 * 4
+    loaded, dropped = n, n + 1  # the phases after the stores
     with kvtierd([f"tiers.host.bytes={blocks * shard_bytes}"]) as d:
         seen: list[dict[str, int]] = []
+        layouts: list[str] = []
 
         def between(phase: int) -> None:
             seen.append(counters(d))
-            if phase == 1:
-                (rank1,) = [n["namespace"] for n in namespaces(d) if "tp=1/2" in n["layout"]]
+            if phase == loaded:
+                # Both ranks' namespaces hold blocks now (they just loaded some).
+                layouts.extend(sorted(ns["layout"] for ns in namespaces(d)))
+                (rank1,) = [ns["namespace"] for ns in namespaces(d) if "tp=1/2" in ns["layout"]]
                 ctl = kvtierd_path().with_name("kvtierctl")
                 subprocess.run([str(ctl), "--socket", d.socket, "evict", "--namespace", rank1], check=True, capture_output=True)
 
-        phases = [
-            {"requests": TP_PROMPTS},  # stored, and some evicted
-            {"requests": TP_PROMPTS, "reset_prefix_cache": True},  # loaded as far as both ranks hold them
-            {"requests": TP_PROMPTS, "reset_prefix_cache": True},  # rank 1's shards dropped: no hit
-        ]
-        run = run_engine(tp_spec(llama, d, phases), on_pause=between, **TP2_ENV)
+        run = run_engine(tp_spec(llama, d, singles + [together, together]), on_pause=between, **TP2_ENV)
         after = counters(d)
-        for phase in range(3):
-            assert_same_outputs(run.phases[phase], reference, f"phase {phase}")
-        stored = seen[0]
+        for phase in range(n):
+            assert_same_outputs(run.phases[phase], reference[phase], f"storing prompt {phase}")
+        for phase in (loaded, dropped):
+            assert_same_outputs(run.phases[phase], reference[n], f"phase {phase}")
+        stored = seen[n - 1]
         assert stored["evictions_host"] > 0, "the host tier should have been too small for both ranks' shards"
-        layouts = sorted(n["layout"] for n in namespaces(d))
         assert len(layouts) == 2 and "tp=0/2" in layouts[0] and "tp=1/2" in layouts[1], layouts
-        external = run.counter(1, "external_prefix_cache_hits")
+        external = run.counter(loaded, "external_prefix_cache_hits")
         assert 0 < external < blocks * 32, "some blocks, not all, should have been kept"
         # Both ranks loaded every block the scheduler counted, and none fell short.
-        assert (seen[1]["loads"] - stored["loads"]) * 32 == 2 * external
-        assert run.counter(2, "external_prefix_cache_hits") == 0, "rank 1 holds nothing: no block is a hit"
-        assert after["loads"] == seen[1]["loads"]
+        assert (seen[loaded]["loads"] - stored["loads"]) * 32 == 2 * external
+        assert run.counter(dropped, "external_prefix_cache_hits") == 0, "rank 1 holds nothing: no block is a hit"
+        assert after["loads"] == seen[loaded]["loads"]
         assert loads_short(after) == loads_short(stored), after
