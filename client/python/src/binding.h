@@ -96,7 +96,10 @@ struct KvCache {
   uint32_t num_blocks = 0;
   std::string kind;                          // "shm", "host" or "cuda"
   py::object keep_alive;                     // the CpuKvCache, for "shm"
-  std::optional<AdoptedHostMemory> adopted;  // for "host"
+  // For "host": the memory adopted, shared by the caches registered over it
+  // (register_host_memory's same_memory_as), and the regions it was adopted from.
+  std::shared_ptr<const AdoptedHostMemory> adopted;
+  std::vector<std::pair<uintptr_t, uint64_t>> adopted_regions;
   uint64_t client_serial = 0;                // which Client registered it
 };
 

@@ -48,7 +48,8 @@ void BindClient(py::module_& m) {
                                                      .num_blocks = cache.num_blocks(),
                                                      .kind = "shm",
                                                      .keep_alive = cache_obj,
-                                                     .adopted = std::nullopt,
+                                                     .adopted = nullptr,
+                                                     .adopted_regions = {},
                                                      .client_serial = self.serial()});
           },
           py::arg("cache"), py::kw_only(), py::arg("codec") = "none", py::arg("fp8_group") = 0,
@@ -59,7 +60,7 @@ void BindClient(py::module_& m) {
           "register_host_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
              const py::object& regions_arg, const py::object& placements_arg,
-             const std::string& codec, uint32_t fp8_group) {
+             const std::string& codec, uint32_t fp8_group, const KvCache* same_memory_as) {
             const CodecChoice choice = Codec(codec, fp8_group);
             std::vector<std::pair<uintptr_t, uint64_t>> regions = Regions(regions_arg);
             std::vector<Placement> placements = PlacementsArg(layout, num_blocks, placements_arg);
@@ -69,32 +70,45 @@ void BindClient(py::module_& m) {
             std::vector<uint64_t> sizes;
             for (const auto& r : regions) sizes.push_back(r.second);
             Must(KvCacheLayout::Create(layout, num_blocks, placements, sizes));
-            std::vector<HostRange> ranges;
-            for (const auto& [ptr, size] : regions)
-              ranges.push_back(HostRange{reinterpret_cast<void*>(ptr), size});
-            auto out = std::make_shared<KvCache>(KvCache{.id = 0,
-                                                         .layout = layout,
-                                                         .num_blocks = num_blocks,
-                                                         .kind = "host",
-                                                         .keep_alive = py::none(),
-                                                         .adopted = std::nullopt,
-                                                         .client_serial = self.serial()});
-            out->adopted.emplace(Must(AdoptedHostMemory::Adopt(ranges)));
-            placements = Must(out->adopted->Rebase(std::move(placements)));
-            std::vector<KvRegion> kv_regions = out->adopted->regions();
+            std::shared_ptr<const AdoptedHostMemory> adopted;
+            if (same_memory_as != nullptr) {
+              self.Check(*same_memory_as);
+              if (same_memory_as->adopted == nullptr || same_memory_as->adopted_regions != regions) {
+                RaiseInvalid(
+                    "same_memory_as: a host KV cache registered over the same regions, in the same "
+                    "order, is needed");
+              }
+              adopted = same_memory_as->adopted;
+            } else {
+              std::vector<HostRange> ranges;
+              for (const auto& [ptr, size] : regions)
+                ranges.push_back(HostRange{reinterpret_cast<void*>(ptr), size});
+              adopted = std::make_shared<const AdoptedHostMemory>(Must(AdoptedHostMemory::Adopt(ranges)));
+            }
+            placements = Must(adopted->Rebase(std::move(placements)));
+            std::vector<KvRegion> kv_regions = adopted->regions();
             CacheId id = WithoutGil([&] {
               return c->RegisterKvCache(layout, num_blocks, std::move(placements),
                                         std::move(kv_regions), choice);
             });
-            out->id = id;
-            return out;
+            return std::make_shared<KvCache>(KvCache{.id = id,
+                                                     .layout = layout,
+                                                     .num_blocks = num_blocks,
+                                                     .kind = "host",
+                                                     .keep_alive = py::none(),
+                                                     .adopted = std::move(adopted),
+                                                     .adopted_regions = std::move(regions),
+                                                     .client_serial = self.serial()});
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),
           py::kw_only(), py::arg("codec") = "none", py::arg("fp8_group") = 0,
+          py::arg("same_memory_as") = nullptr,
           "Registers CPU memory the engine allocated (regions: (pointer, size) pairs, e.g. of "
           "torch tensors) "
           "without moving it: see kvtier/host_memory.h. placements: a scheme name or a list of "
-          "Placement.")
+          "Placement. same_memory_as: a host KvCache of this client registered over the same "
+          "regions; this cache shares its memory (another view of it: vLLM's hybrid KV cache "
+          "groups, whose layers share tensors) instead of adopting it again, which is refused.")
       .def(
           "register_cuda_memory",
           [](const PyClient& self, const Layout& layout, uint32_t num_blocks,
@@ -116,7 +130,8 @@ void BindClient(py::module_& m) {
                                                      .num_blocks = num_blocks,
                                                      .kind = "cuda",
                                                      .keep_alive = py::none(),
-                                                     .adopted = std::nullopt,
+                                                     .adopted = nullptr,
+                                                     .adopted_regions = {},
                                                      .client_serial = self.serial()});
           },
           py::arg("layout"), py::arg("num_blocks"), py::arg("regions"), py::arg("placements"),

@@ -144,7 +144,15 @@ class Client:
     def max_keys_per_request(self) -> int: ...
     def register_cpu_cache(self, cache: CpuKvCache) -> KvCache: ...
     def register_host_memory(
-        self, layout: Layout, num_blocks: int, regions: Sequence[tuple[int, int]], placements: PlacementsArg
+        self,
+        layout: Layout,
+        num_blocks: int,
+        regions: Sequence[tuple[int, int]],
+        placements: PlacementsArg,
+        *,
+        codec: str = "none",
+        fp8_group: int = 0,
+        same_memory_as: KvCache | None = None,
     ) -> KvCache: ...
     def register_cuda_memory(
         self, layout: Layout, num_blocks: int, regions: Sequence[tuple[int, int]], placements: PlacementsArg

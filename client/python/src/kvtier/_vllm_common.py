@@ -45,7 +45,6 @@ class _Settings:
     lookup_timeout_s: float
     lookup_wait_s: float
     op_timeout_s: float
-    mla: bool  # MLA caches taken (an opt-in while one case is investigated: docs/engines.md)
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -57,7 +56,6 @@ class _Settings:
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
             lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
             op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
-            mla=bool(extra.get("mla", False)),
         )
 
 
@@ -92,53 +90,83 @@ class _Shards:
         return tp_rank % self.replicas == 0
 
 
-def _spec(kv_cache_config: KVCacheConfig) -> Any:
-    """The KV cache spec of vLLM's one group of attention layers."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+@dataclass(frozen=True)
+class _Group:
+    """One of vLLM's KV cache groups: layers of one kind of attention that
+    share block ids (with its hybrid manager on, a model of sliding-window
+    and full-attention layers has several; otherwise there is one)."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    spec: Any  # the group's AttentionSpec
+    # Sliding window: the blocks before a hit's end that its attention
+    # reads (vLLM's own prefix cache needs as many); None: every block.
+    window_blocks: int | None
+
+    @property
+    def latent(self) -> bool:
+        """Whether the group's cache is MLA's: one latent vector per token."""
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        return type(self.spec) is MLAAttentionSpec
+
+
+def _groups(kv_cache_config: KVCacheConfig) -> list[_Group]:
+    """vLLM's KV cache groups, each of full attention (K and V, or MLA's
+    latent) or of sliding-window attention. Any other kind (Mamba or linear
+    attention state, chunked local attention, ...) is refused here, at the
+    connector's start, with a message that names it: kvtier keeps blocks of
+    per-token KV, never a state that stands for a whole prefix."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups: list[_Group] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec)
+        if kind not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
+            raise NotImplementedError(
+                f"KvtierConnector does not take {kind.__name__} KV caches (group {index}: "
+                f"{', '.join(group.layer_names[:3])}{', ...' if len(group.layer_names) > 3 else ''}); "
+                "it takes full attention, MLA and sliding-window attention"
+            )
+        window = None
+        if kind is SlidingWindowSpec:
+            window = -(-(spec.sliding_window - 1) // spec.block_size)  # vLLM's SlidingWindowManager
+        groups.append(_Group(index, tuple(group.layer_names), spec, window))
+    if not groups:
+        raise NotImplementedError("KvtierConnector found no KV cache group")
+    if len({g.spec.block_size for g in groups}) != 1:
         raise NotImplementedError(
-            f"KvtierConnector takes one KV cache group (uniform full attention); this model has {len(groups)}: "
-            "run vLLM with --disable-hybrid-kv-cache-manager"
+            f"KvtierConnector takes KV cache groups of one block size, not {sorted({g.spec.block_size for g in groups})}"
         )
-    spec = groups[0].kv_cache_spec
-    for attribute in ("block_size", "num_kv_heads", "head_size", "dtype"):
-        if not hasattr(spec, attribute):
-            raise NotImplementedError(f"KvtierConnector takes attention KV caches, not {type(spec).__name__}")
-    return spec
+    if len({g.latent for g in groups}) != 1:
+        raise NotImplementedError("KvtierConnector does not take MLA groups beside other attention yet")
+    return groups
 
 
-def _is_latent(kv_cache_config: KVCacheConfig) -> bool:
-    """Whether vLLM's cache is MLA's: one latent vector per token."""
-    return "MLA" in type(_spec(kv_cache_config)).__name__
-
-
-def _layout(settings: _Settings, kv_cache_config: KVCacheConfig, shard: int, shards: int) -> kvtier.Layout:
-    """The kvtier layout of one shard of vLLM's KV cache (`_Shards`): one
-    group of full-attention layers, K and V or (MLA) one latent.
+def _layout(settings: _Settings, group: _Group, groups: int, shard: int, shards: int) -> kvtier.Layout:
+    """The kvtier layout of one shard (`_Shards`) of one KV cache group:
+    its layers, K and V or (MLA) one latent. With several groups, each is
+    a namespace of its own (the model id names the group: two groups of as
+    many layers have the same shape).
 
     Both roles derive it from the same KVCacheConfig, so the scheduler's
     lookups and the workers' loads and stores name one namespace."""
-    groups = kv_cache_config.kv_cache_groups
-    spec = _spec(kv_cache_config)
-    latent = _is_latent(kv_cache_config)
-    if latent and not settings.mla:
-        raise NotImplementedError(
-            "KvtierConnector takes MLA (latent) KV caches only with kv_connector_extra_config "
-            '{"mla": true} for now: one case of outputs that differ after a load is being looked into (docs/engines.md)'
-        )
-    if latent and getattr(spec, "cache_dtype_str", None) not in (None, "auto"):
+    spec = group.spec
+    if group.latent and getattr(spec, "cache_dtype_str", None) not in (None, "auto"):
         raise NotImplementedError(f"KvtierConnector does not take MLA caches of {spec.cache_dtype_str} yet")
     dtype = _TORCH_DTYPES.get(str(spec.dtype).removeprefix("torch."))
     if dtype is None:
         raise NotImplementedError(f"KvtierConnector does not take {spec.dtype} KV caches")
+    model_id = settings.model_id if groups == 1 else f"{settings.model_id}|kv-group={group.index}/{groups}"
     return kvtier.Layout(
-        settings.model_id,
-        num_layers=len(groups[0].layer_names),
-        num_kv_heads=1 if latent else spec.num_kv_heads,
+        model_id,
+        num_layers=len(group.layer_names),
+        num_kv_heads=1 if group.latent else spec.num_kv_heads,
         head_dim=spec.head_size,
         dtype=dtype,
         block_tokens=spec.block_size,
-        kv_kind="latent" if latent else "kv",
+        kv_kind="latent" if group.latent else "kv",
         tp_rank=shard,
         tp_size=shards,
     )
@@ -272,13 +300,15 @@ class RequestHint:
 
 @dataclass
 class TransferSpec:
-    """Blocks of one request to move: vLLM block hashes and block ids, alike
-    in length, and the request's hint (stores carry it)."""
+    """Blocks of one request and one KV cache group (`_Group.index`) to
+    move: vLLM block hashes and block ids, alike in length, and the
+    request's hint (stores carry it)."""
 
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
     hint: RequestHint | None = None
+    group: int = 0
 
 
 @dataclass

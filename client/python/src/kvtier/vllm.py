@@ -79,9 +79,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
-from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _is_latent, _layout, _Settings, _Shards
+from ._vllm_common import KvtierMetadata, RequestHint, TransferSpec, _groups, _layout, _Settings, _Shards
 from ._vllm_scheduler import _SchedulerSide
 from ._vllm_worker import _WorkerSide
 
@@ -108,24 +109,30 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     return get_tensor_model_parallel_rank()
 
 
-class KvtierConnector(KVConnectorBase_V1):
-    """vLLM's KV connector for kvtier; vLLM constructs one per role."""
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector for kvtier; vLLM constructs one per role. It
+    takes every KV cache group (SupportsHMA), so vLLM keeps its hybrid KV
+    cache manager on for models of sliding-window and full attention."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = _Settings.of(vllm_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
-        shards = _Shards.of(vllm_config, _is_latent(kv_cache_config))
+        groups = _groups(kv_cache_config)
+        shards = _Shards.of(vllm_config, groups[0].latent)
         if role == KVConnectorRole.SCHEDULER:
-            # A prefix is a hit as far as every distinct shard of it is
-            # cached: the lookups ask each shard's namespace.
-            layouts = [_layout(settings, kv_cache_config, shard, shards.count) for shard in range(shards.count)]
-            self._scheduler = _SchedulerSide(settings, layouts)
+            # A prefix is a hit as far as every group's every distinct
+            # shard of it is cached: the lookups ask each one's namespace.
+            layouts = [
+                [_layout(settings, group, len(groups), shard, shards.count) for shard in range(shards.count)]
+                for group in groups
+            ]
+            self._scheduler = _SchedulerSide(settings, groups, layouts)
         else:
             tp_rank = _tp_rank(vllm_config)
-            layout = _layout(settings, kv_cache_config, shards.of_rank(tp_rank), shards.count)
-            self._worker = _WorkerSide(settings, kv_cache_config, layout, tp_rank, stores=shards.stores(tp_rank))
+            layouts = [_layout(settings, group, len(groups), shards.of_rank(tp_rank), shards.count) for group in groups]
+            self._worker = _WorkerSide(settings, groups, layouts, tp_rank, stores=shards.stores(tp_rank))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -146,6 +153,12 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
