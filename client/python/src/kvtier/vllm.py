@@ -28,8 +28,11 @@ Two instances run, with no state in common:
   its stores done. A failed load is reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks.
 
-KV caches: one group of full-attention layers, K and V or MLA's latent
-(one vector per token, the same on every tensor-parallel rank). Each rank's
+KV caches: every KV cache group vLLM has (``SupportsHMA``: vLLM keeps its
+hybrid manager on), each a namespace of its own: full attention, K and V
+or MLA's latent (one vector per token, the same on every tensor-parallel
+rank), and sliding-window attention, of which only the windows a hit reads
+are stored and loaded. Mamba and other state are refused at start. Each rank's
 shard of a block is in a namespace of its own, shared by the ranks that hold
 the same bytes (MLA, replicated KV heads), where only the first stores it;
 the scheduler's lookups ask every shard's namespace, so a prefix is a hit

@@ -9,6 +9,10 @@ SPEC (JSON):
   num_blocks     vLLM's own KV cache, in blocks (default: what VLLM_CPU_KVCACHE_SPACE gives)
   max_num_seqs   (default 16)
   tensor_parallel_size  (default 1; 2 needs VLLM_CPU_OMP_THREADS_BIND="0|1")
+  max_num_batched_tokens  (default 4096: a prompt's chunk per step)
+  hybrid_kv_cache_manager  false turns vLLM's hybrid KV cache manager off
+                 (default: vLLM decides; on for a hybrid model whose
+                 connector takes it)
   kvtier         null for vLLM alone, else kv_connector_extra_config ({"socket": ...})
   phases         a list of {"requests": [...], "evict_before_load": false}; each
                  request is {"ids": [...], "max_tokens": n, "kv_transfer_params": {...}}.
@@ -227,6 +231,8 @@ def main() -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvtier"],
         )
+    if spec.get("hybrid_kv_cache_manager") is False:
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = int(spec["num_blocks"])
     llm = LLM(

