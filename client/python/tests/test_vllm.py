@@ -561,3 +561,56 @@ def test_request_hints_are_read_from_kv_transfer_params_and_bad_ones_ignored() -
         "keep",
     ):
         assert of({"kvtier": bad}) is None, bad
+
+
+def test_a_kv_cache_group_of_state_is_refused_at_start_by_name(model_dir: pathlib.Path, daemon: Daemon) -> None:
+    """A Mamba group (a state per request, not KV per token) stops the
+    connector at start with a message naming its kind and layers."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = vllm_config(model_dir, daemon.socket)
+    full = KVCacheGroupSpec(LAYER_NAMES[:1], FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32))
+    mamba = KVCacheGroupSpec(["model.layers.1.mixer"], MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,)))
+    plan = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[full, mamba])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(NotImplementedError, match=r"MambaSpec KV caches \(group 1: model\.layers\.1\.mixer\)"):
+            KvtierConnector(config, role, plan)
+
+
+def test_a_lookup_hits_only_as_far_as_every_sliding_window_before_the_end_is_cached(daemon: Daemon) -> None:
+    """Groups of vLLM's hybrid manager: a full-attention one holds 10 blocks,
+    a sliding-window one (2 blocks a hit reads) the windows before blocks 4
+    and 8 only. The hit ends at 8: the window before 10 lacks block 8, the
+    one before 8 is whole. With the window before 4 only, the hit ends at 4;
+    with no window, there is none."""
+    from kvtier._vllm_common import _Group, _Settings
+    from kvtier._vllm_scheduler import _Lookups
+
+    settings = _Settings(socket=daemon.socket, token=None, model_id="m", lookup_timeout_s=30, lookup_wait_s=30, op_timeout_s=10)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
+    groups = [_Group(0, ("full",), spec, None), _Group(1, ("sliding",), spec, 2)]
+    layouts = [kvtier.Layout(f"m|kv-group={g}/2", 1, KV_HEADS, HEAD, "fp32", BLOCK) for g in range(2)]
+    hashes = [bytes([i]) * 32 for i in range(10)]
+    others = [bytes([100 + i]) * 32 for i in range(10)]
+    with kvtier.Client.connect(daemon.socket, name="pytest") as client:
+        cpus = [kvtier.CpuKvCache(layout, 16) for layout in layouts]
+        caches = [client.register_cpu_cache(cpu) for cpu in cpus]
+
+        def store(group: int, chain: list[bytes], blocks: list[int]) -> None:
+            keys = [client.key_from_engine_hash(caches[group], chain[b]) for b in blocks]
+            assert client.store(caches[group], keys, blocks).blocks == len(blocks)
+
+        def hits(req_id: str, chain: list[bytes]) -> int | None:
+            lookups = _Lookups(settings, groups, [[layout] for layout in layouts])
+            try:
+                return lookups.result(req_id, chain)
+            finally:
+                lookups.close()
+
+        store(0, hashes, list(range(10)))
+        store(1, hashes, [2, 3])
+        assert hits("a", hashes) == 4
+        store(1, hashes, [6, 7])
+        assert hits("b", hashes) == 8
+        store(0, others, list(range(10)))
+        assert hits("c", others) == 0
