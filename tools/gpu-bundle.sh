@@ -126,7 +126,8 @@ if [[ -f client/python/src/module.cc ]]; then
   cp client/python/src/*.cc client/python/src/*.h "$bundle/python/src/"
   cp client/python/src/kvtier/*.py client/python/src/kvtier/*.pyi client/python/src/kvtier/py.typed "$bundle/python/src/kvtier/"
   install -m 0755 client/python/build-extension.sh "$bundle/python/"
-  cp client/python/tests/gpu_e2e.py client/python/tests/gpu_model_e2e.py client/python/tests/llama_kv.py \
+  cp client/python/tests/gpu_e2e.py client/python/tests/gpu_model_e2e.py client/python/tests/gpu_shapes_e2e.py \
+    client/python/tests/llama_kv.py \
     "$bundle/python/"
   expected=$(echo '#include <tl/expected.hpp>' | g++ -std=c++20 -x c++ -M - 2>/dev/null | grep -o '[^ ]*tl/expected.hpp' | head -1)
   [[ -n "$expected" ]] || fail "tl/expected.hpp not found (libexpected-dev)"
@@ -159,7 +160,7 @@ size=$(du -sb "$bundle" | cut -f1)
   echo "lib (bundled shared libraries: ldd's findings less the C library's and the driver's):"
   (cd "$bundle/lib" && ls -1 -- *.so* 2>/dev/null) | sed 's/^/  /'
   if [[ -d "$bundle/python" ]]; then
-    echo "python: the package's sources, build-extension.sh, gpu_e2e.py, gpu_model_e2e.py and llama_kv.py" \
+    echo "python: the package's sources, build-extension.sh, gpu_e2e.py, gpu_model_e2e.py, gpu_shapes_e2e.py and llama_kv.py" \
       "(built there for its own Python)"
   fi
   echo "tests (label, program):"

@@ -28,7 +28,10 @@
 #      transformers Llama on cuda stores an 8k-token prompt's KV through CUDA
 #      IPC, another process loads the shared prefix and decodes; fp32 logits
 #      bit-exact against the same computation without kvtier, bf16 within
-#      rounding of fp32, and TTFT loaded vs recomputed; needs transformers);
+#      rounding of fp32, and TTFT loaded vs recomputed; needs transformers),
+#      and the shapes end to end (python/gpu_shapes_e2e.py: MLA's latent
+#      cache, and two KV cache groups of vLLM's hybrid manager over the same
+#      CUDA memory, stored by one process and loaded by another, byte-exact);
 #   7. the verdict: "gpu-check: PASS" or "gpu-check: FAIL (step: reason; ...)".
 #
 # --expect-no-gpu: the same steps on a machine without a GPU (the bare-root
@@ -314,6 +317,8 @@ main() {
     run_python_e2e "torch e2e" 60 gpu_e2e.py
     python_result=$e2e_result
     run_python_e2e "model e2e" 90 gpu_model_e2e.py
+    python_result="$python_result; $e2e_result"
+    run_python_e2e "shapes e2e" 60 gpu_shapes_e2e.py
     python_result="$python_result; $e2e_result"
   else
     rc=0

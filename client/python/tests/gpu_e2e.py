@@ -81,33 +81,37 @@ def engine(mode: str, socket: str) -> int:
     return 0 if result.blocks == STORED and bad == 0 else 1
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] in ("store", "load"):
-        return engine(sys.argv[1], sys.argv[2])
-    if len(sys.argv) != 2:
-        print(__doc__)
-        return 2
-    kvtierd = sys.argv[1]
+# The daemon the end to ends run against: the cuda backend with an hbm tier,
+# or (host: the shapes' dry run on a machine without a GPU) the host backend.
+DAEMON_SETTINGS = {
+    "cuda": ["device.backend=cuda", "tiers.hbm.enabled=true", "tiers.hbm.bytes=512MiB"],
+    "host": ["device.backend=host"],
+}
+
+
+def run_with_daemon(kvtierd: str, script: str, modes: list[list[str]], backend: str = "cuda") -> int:
+    """Starts kvtierd on a socket of its own, then runs `script` once per
+    mode (its arguments, then the socket), each in a process of its own,
+    until one fails; prints the daemon's log on failure. The exit status."""
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-e2e-") as d:
         socket = os.path.join(d, "kvtierd.sock")
         args = [kvtierd, "--foreground"]
-        for s in (f"socket.path={socket}", f"state_dir={d}/state", "device.backend=cuda",
-                  "tiers.hbm.enabled=true", "tiers.hbm.bytes=512MiB", "tiers.host.bytes=512MiB",
-                  "tiers.disk.enabled=false", "metrics.enabled=false"):
+        for s in (f"socket.path={socket}", f"state_dir={d}/state", *DAEMON_SETTINGS[backend],
+                  "tiers.host.bytes=512MiB", "tiers.disk.enabled=false", "metrics.enabled=false"):
             args += ["--set", s]
         log = open(os.path.join(d, "kvtierd.log"), "wb")
         daemon = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        rc = 1
         try:
             deadline = time.monotonic() + 30
             while not os.path.exists(socket):
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     print(open(log.name).read())
-                    print("torch e2e: FAIL (kvtierd did not start)")
+                    print("kvtierd did not start")
                     return 1
                 time.sleep(0.05)
-            rc = 0
-            for mode in ("store", "load"):
-                rc = subprocess.call([sys.executable, __file__, mode, socket], timeout=120)
+            for mode in modes:
+                rc = subprocess.call([sys.executable, script, *mode, socket], timeout=120)
                 if rc != 0:
                     break
         finally:
@@ -116,6 +120,16 @@ def main() -> int:
             log.close()
         if rc != 0:
             print(open(log.name).read()[-4000:])
+        return rc
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] in ("store", "load"):
+        return engine(sys.argv[1], sys.argv[2])
+    if len(sys.argv) != 2:
+        print(__doc__)
+        return 2
+    rc = run_with_daemon(sys.argv[1], __file__, [["store"], ["load"]])
     print("torch e2e: " + ("PASS (stored by one process, loaded by another through CUDA IPC, byte-exact)"
                            if rc == 0 else "FAIL"))
     return rc
