@@ -192,6 +192,12 @@ class _SchedulerSide:
         self._block_tokens = layouts[0][0].block_tokens
         self._windows = [group.window_blocks for group in groups]
         self._lookups = _Lookups(settings, groups, layouts)
+        # With several KV cache groups vLLM takes load failures only per
+        # request, for loads it waits for (asynchronous): each hit's load is
+        # one then, and a request whose load fell short is recomputed whole,
+        # its lookups answered 0 from then on.
+        self._async_loads = len(groups) > 1
+        self._failed_loads: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self._local_tokens: dict[str, int] = {}  # vLLM's own hit, at the last ask
         self._hits: dict[str, int] = {}
@@ -209,7 +215,7 @@ class _SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         blocks = self._full_blocks(request)
-        if blocks * self._block_tokens <= num_computed_tokens:
+        if blocks * self._block_tokens <= num_computed_tokens or request.request_id in self._failed_loads:
             return 0, False
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[:blocks]]
         hits = self._lookups.result(request.request_id, hashes)
@@ -217,7 +223,8 @@ class _SchedulerSide:
             return None, False
         self._local_tokens[request.request_id] = num_computed_tokens
         self._hits[request.request_id] = hits
-        return max(0, hits * self._block_tokens - num_computed_tokens), False
+        tokens = max(0, hits * self._block_tokens - num_computed_tokens)
+        return tokens, self._async_loads and tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -295,8 +302,18 @@ class _SchedulerSide:
         state.stored = blocks
         state.has_stores = True
 
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """Requests whose loads fell short (vLLM recomputes them whole):
+        no more hits for them, and their blocks are stored again."""
+        for req_id in req_ids:
+            self._failed_loads.add(req_id)
+            self._hits.pop(req_id, None)
+            if (state := self._requests.get(req_id)) is not None:
+                state.stored = 0
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._failed_loads.discard(req_id)
         self._lookups.forget(req_id)
         self._local_tokens.pop(req_id, None)
         self._hits.pop(req_id, None)

@@ -99,6 +99,12 @@ class _WorkerSide:
         self._caches: list[kvtier.KvCache] = []  # by group, as they are registered
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._invalid: set[int] = set()
+        # With several groups, block ids name a block only within a group:
+        # vLLM takes failed loads per request then (its loads asynchronous,
+        # _SchedulerSide), and recomputes a request whose load failed whole.
+        self._by_request = len(groups) > 1
+        self._received: set[str] = set()  # requests whose loads ended, for get_transfer_results
+        self._failed_receives: set[str] = set()  # of those, whose loads fell short
         self._stores: dict[str, list[kvtier.Op]] = {}  # in flight, by request
         # Stores of sliding-window blocks, which vLLM frees as the window
         # moves on: ended before the next step's loads and forward pass.
@@ -197,7 +203,12 @@ class _WorkerSide:
                 if whole:
                     loaded += got
                     whole = got == size
-            self._invalid.update(spec.block_ids[loaded:])
+            if not self._by_request:
+                self._invalid.update(spec.block_ids[loaded:])
+                continue
+            self._received.add(spec.req_id)
+            if loaded < len(spec.block_ids):
+                self._failed_receives.add(spec.req_id)
 
     def _finish(self, op: kvtier.Op, timeout: float, what: str) -> kvtier.OpResult | None:
         """The op's result within `timeout`, else None once it is cancelled:
@@ -302,6 +313,14 @@ class _WorkerSide:
                 self._cancel(op)
         self._store_started.pop(id(op), None)
         return True
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """Requests whose stores landed, whose loads ended (with several
+        groups), and of those whose loads fell short."""
+        sending, _ = self.get_finished(finished_req_ids)
+        received, self._received = self._received, set()
+        failed, self._failed_receives = self._failed_receives, set()
+        return sending or set(), received, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finishing.update(r for r in finished_req_ids if r in self._stores)

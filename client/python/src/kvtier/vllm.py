@@ -82,6 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "RequestHint", "TransferSpec"]
@@ -193,6 +195,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, received, failed = self._worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=received, failed_recving=failed)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.loads_failed(connector_output.failed_recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

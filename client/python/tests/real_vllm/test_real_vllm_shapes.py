@@ -227,8 +227,11 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     window only) and generates what vLLM alone does; a prompt that shares
     the first chunk loads up to its end; one that shares less than a chunk
     finds no window and hits nothing, though the full-attention blocks are
-    cached. With the hybrid manager off, kvtier stores every layer of every
-    block: twice the bytes here."""
+    cached. A load that falls short (kvtierd emptied between the lookup and
+    the load) has vLLM recompute the request: with several groups vLLM
+    takes load failures per request only, for loads it waits for. With the
+    hybrid manager off, kvtier stores every layer of every block: twice the
+    bytes here."""
     phases = [
         {"requests": [request(HYBRID_PROMPT)]},
         {"requests": [request(HYBRID_AT_CHUNK)], "reset_prefix_cache": True},
@@ -243,6 +246,9 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
         second = run_engine(spec(gemma, d, phases, **HYBRID_ENGINE), on_pause=lambda phase: seen.append(counters(d)))
         seen.append(counters(d))
         layouts = [ns["layout"] for ns in namespaces(d)]
+        # The first prompt again, its blocks evicted after its lookup hit.
+        shorted = run_engine(spec(gemma, d, [dict(phases[0], evict_before_load=True)], **HYBRID_ENGINE))
+        after_short = counters(d)
     assert TURNED_OFF not in first.log and TURNED_OFF not in second.log
     assert len(layouts) == 1 + HYBRID_SLIDING_GROUPS and all("|kv-group=" in layout for layout in layouts), layouts
     assert_same_outputs(first.phases[0], reference[0], "storing")
@@ -256,6 +262,9 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     per_hit = blocks + HYBRID_SLIDING_GROUPS * HYBRID_WINDOW_BLOCKS, 16 + HYBRID_SLIDING_GROUPS * HYBRID_WINDOW_BLOCKS
     assert (loads[1] - loads[0], loads[2] - loads[1]) == per_hit, "each sliding-window group loads its last window only"
     assert loads[3] == loads[2], "no window before the third prompt's cached blocks: nothing loaded"
+    assert "EVICTED" in shorted.log
+    assert_same_outputs(shorted.phases[0], reference[0], "a load that fell short, recomputed")
+    assert sum(loads_short(after_short).values()) > sum(loads_short(seen[-1]).values()), after_short
 
     with kvtierd() as d:
         off = run_engine(spec(gemma, d, phases[:1], hybrid_kv_cache_manager=False, **HYBRID_ENGINE))
