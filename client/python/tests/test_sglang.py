@@ -89,6 +89,46 @@ def host_pool(layout: str, pages: int, allocate: Allocator = private) -> HostPoo
     return HostPool(allocate(dims), layout)
 
 
+# An MLA latent: kv_lora_rank 64 + qk_rope_head_dim 16 (DeepSeek's: 512 + 64).
+LORA, ROPE = 64, 16
+
+
+@dataclass
+class MLAHostPool:
+    """What a storage backend reads of SGLang's MLATokenToKVPoolHost."""
+
+    kv_buffer: torch.Tensor
+    layout: str
+    page_size: int = TOKENS
+    layer_num: int = LAYERS
+    kv_lora_rank: int = LORA
+    qk_rope_head_dim: int = ROPE
+    dtype: torch.dtype = torch.bfloat16
+    pin_memory: bool = False
+
+
+def mla_host_pool(layout: str, pages: int, allocate: Allocator = private) -> MLAHostPool:
+    """kv_buffer shaped as MLATokenToKVPoolHost.init_kv_buffer shapes it
+    (pool_host/mla.py)."""
+    d = LORA + ROPE
+    dims = {
+        "page_first": (pages * TOKENS, LAYERS, 1, d),
+        "layer_first": (LAYERS, pages * TOKENS, 1, d),
+        "page_first_direct": (pages, LAYERS, TOKENS, 1, d),
+    }[layout]
+    return MLAHostPool(allocate(dims), layout)
+
+
+def mla_page(pool: MLAHostPool, page: int) -> torch.Tensor:
+    """Page `page` of the MLA pool as [layer, token, latent]."""
+    kv, t = pool.kv_buffer, TOKENS
+    if pool.layout == "page_first":
+        return kv[page * t : (page + 1) * t, :, 0].transpose(0, 1)
+    if pool.layout == "layer_first":
+        return kv[:, page * t : (page + 1) * t, 0]
+    return kv[page, :, :, 0]
+
+
 def page_kv(pool: HostPool, page: int) -> torch.Tensor:
     """Page `page` of the pool as [K/V, layer, token, head, dim]."""
     kv, t = pool.kv_buffer, TOKENS
@@ -143,8 +183,11 @@ def make_store(daemon: Daemon) -> Iterator[Callable[..., KvtierStore]]:
     gc.collect()
     stores: list[KvtierStore] = []
 
-    def make(pool: HostPool, **extra: object) -> KvtierStore:
-        store = StorageBackendFactory.create_backend("dynamic", storage_config(daemon.socket, **extra), pool)
+    def make(pool: HostPool | MLAHostPool, tp: tuple[int, int] = (0, 1), **extra: object) -> KvtierStore:
+        config = storage_config(daemon.socket, **extra)
+        config.tp_rank, config.tp_size = tp
+        config.is_mla_model = isinstance(pool, MLAHostPool)
+        store = StorageBackendFactory.create_backend("dynamic", config, pool)
         assert type(store) is KvtierStore
         stores.append(store)
         store.register_mem_pool_host(pool)
@@ -266,10 +309,6 @@ def test_unsupported_paths_raise_not_implemented(
     with pytest.raises(NotImplementedError, match="mamba"):
         store.on_host_pools_registered()
 
-    mla = storage_config(daemon.socket)
-    mla.is_mla_model = True
-    with pytest.raises(NotImplementedError, match="MLA"):
-        KvtierStore(mla)
     with pytest.raises(NotImplementedError, match="page_head"):
         make_store(host_pool("page_head", 4))
     narrow_v = host_pool("page_first", 4)
@@ -408,3 +447,41 @@ def test_a_daemon_down_at_start_is_a_miss_until_it_answers(
         time.sleep(0.05)
     assert store.batch_get_v1(keys, slots([2, 3])) == [True, True]
     assert torch.equal(page_kv(pool, 2), page_kv(pool, 0))
+
+
+def test_an_mla_pool_is_one_namespace_at_any_tp_rank_across_layouts_and_modes(
+    make_store: Callable[..., KvtierStore],
+) -> None:
+    """SGLang's MLA host pool (one latent per token, the same on every TP
+    rank): TP rank 0 of 2 stores pages (SGLang has its first rank alone
+    write), and rank 1, in pools of every layout, in place and through the
+    bounce buffer, loads them byte-exact."""
+    source = mla_host_pool("page_first", 8)
+    writer = make_store(source, tp=(0, 2))
+    assert writer.mode == "in_place"
+    generator = torch.Generator().manual_seed(3)
+    for p in range(8):
+        mla_page(source, p).copy_(torch.randn((LAYERS, TOKENS, LORA + ROPE), generator=generator))
+    keys = page_keys("mla", 4)
+    source_pages = [6, 1, 4, 2]
+    assert writer.batch_set_v1(keys, slots(source_pages)) == [True] * 4
+    page_bytes = TOKENS * LAYERS * (LORA + ROPE) * 2
+    cases = [
+        ("page_first", sglang_mmap, "bounce"),
+        ("layer_first", private, "in_place"),
+        ("page_first_direct", private, "in_place"),
+        ("page_first_direct", sglang_mmap, "bounce"),
+    ]
+    for layout, allocate, mode in cases:
+        target = mla_host_pool(layout, 8, allocate)
+        reader = make_store(target, tp=(1, 2), kvtier_bounce_bytes=2 * page_bytes)
+        assert reader.mode == mode, layout
+        assert reader.batch_exists(keys) == 4, layout
+        target_pages = [0, 7, 3, 5]
+        assert reader.batch_get_v1(keys, slots(target_pages)) == [True] * 4, layout
+        for p, q in zip(source_pages, target_pages):
+            assert torch.equal(mla_page(target, q), mla_page(source, p)), (layout, p, q)
+        for q in {1, 2, 4, 6}:
+            assert not mla_page(target, q).any(), f"{layout}: page {q} was not loaded into but changed"
+    # An MHA pool of the same model at TP rank 1 is a namespace of its own.
+    assert make_store(host_pool("page_first", 4), tp=(1, 2)).batch_exists(keys) == 0

@@ -26,10 +26,12 @@ Configuration (SGLang 0.5.23)::
   ``kvtier_model_id``: the namespace's model name (default SGLang's model
   name); ``kvtier_bounce_bytes``: see Memory (default 64 MiB);
   ``kvtier_timeout_s``: the longest a call waits on the daemon (default 10).
-- MHA models, host layouts ``page_first`` (SGLang's default),
-  ``page_first_direct`` and ``layer_first``. Not MLA models, nor the extra
-  host pools of hybrid models (Mamba, SWA, indexer, draft): construction or
-  attachment fails with NotImplementedError naming what is missing.
+- MHA and MLA models, host layouts ``page_first`` (SGLang's default),
+  ``page_first_direct`` and ``layer_first``. An MLA pool (one latent per
+  token, the same on every TP rank) is one namespace at any TP size: SGLang
+  has its first rank alone store it, and every rank loads it. Not the extra
+  host pools of hybrid models (Mamba, SWA, indexer, draft): attachment fails
+  with NotImplementedError naming what is missing.
 
 Who calls what: SGLang's cache controller (``managers/cache_controller.py``)
 builds the backend through the factory and calls
@@ -116,7 +118,7 @@ _NO_TENSOR_API = (
     "--hicache-storage-backend-extra-config), not through tensor get/set"
 )
 _NO_HYBRID = (
-    "kvtier.sglang.KvtierStore stores the KV pool of MHA models only; the extra host "
+    "kvtier.sglang.KvtierStore stores the KV pool of MHA and MLA models only; the extra host "
     "pools of hybrid models (Mamba, SWA, indexer, draft) are not supported"
 )
 
@@ -134,11 +136,15 @@ def _engine_hash(key: Union[str, bytes]) -> bytes:
 
 @dataclass(frozen=True)
 class _HostPool:
-    """SGLang's MHA host pool (``pool_host/mha.py``): its kv_buffer, checked.
+    """SGLang's host pool (``pool_host/mha.py``, ``pool_host/mla.py``): its
+    kv_buffer, checked.
 
-    kv_buffer shapes, for P pages of T tokens, L layers, H heads, D dims:
+    MHA kv_buffer shapes, for P pages of T tokens, L layers, H heads, D dims:
     page_first [2, P*T, L, H, D], layer_first [2, L, P*T, H, D],
-    page_first_direct [2, P, L, T, H, D]; index 0 is K, 1 is V.
+    page_first_direct [2, P, L, T, H, D]; index 0 is K, 1 is V. MLA (one
+    latent of D = kv_lora_rank + qk_rope_head_dim per token, the same on
+    every TP rank): page_first [P*T, L, 1, D], layer_first [L, P*T, 1, D],
+    page_first_direct [P, L, T, 1, D].
     """
 
     buffer: torch.Tensor
@@ -148,6 +154,7 @@ class _HostPool:
     num_layers: int
     num_heads: int
     head_dim: int
+    latent: bool
 
     @classmethod
     def of(cls, host: Any) -> _HostPool:
@@ -164,33 +171,46 @@ class _HostPool:
                 f"kvtier.sglang.KvtierStore does not support --hicache-mem-layout {layout}; "
                 "use page_first (the default), page_first_direct or layer_first"
             )
-        t, n_layers, heads, dim = host.page_size, host.layer_num, host.head_num, host.head_dim
-        if getattr(host, "v_head_dim", dim) != dim:
-            raise NotImplementedError(
-                f"kvtier.sglang.KvtierStore needs V heads as wide as K heads ({host.v_head_dim} != {dim})"
-            )
-        if buffer.dim() != (6 if layout == "page_first_direct" else 5):
+        latent = hasattr(host, "kv_lora_rank")
+        t, n_layers = host.page_size, host.layer_num
+        if latent:
+            heads, dim = 1, host.kv_lora_rank + host.qk_rope_head_dim
+        else:
+            heads, dim = host.head_num, host.head_dim
+            if getattr(host, "v_head_dim", dim) != dim:
+                raise NotImplementedError(
+                    f"kvtier.sglang.KvtierStore needs V heads as wide as K heads ({host.v_head_dim} != {dim})"
+                )
+        kv = () if latent else (2,)  # MHA's K/V dimension leads
+        if buffer.dim() != len(kv) + (5 if layout == "page_first_direct" else 4):
             raise ValueError(f"the {layout} host pool's kv_buffer has shape {tuple(buffer.shape)}")
         if layout == "page_first":
-            pages = buffer.shape[1] // t
-            shape = (2, pages * t, n_layers, heads, dim)
+            pages = buffer.shape[len(kv)] // t
+            shape = (*kv, pages * t, n_layers, heads, dim)
         elif layout == "layer_first":
-            pages = buffer.shape[2] // t
-            shape = (2, n_layers, pages * t, heads, dim)
+            pages = buffer.shape[len(kv) + 1] // t
+            shape = (*kv, n_layers, pages * t, heads, dim)
         else:
-            pages = buffer.shape[1]
-            shape = (2, pages, n_layers, t, heads, dim)
+            pages = buffer.shape[len(kv)]
+            shape = (*kv, pages, n_layers, t, heads, dim)
         if tuple(buffer.shape) != shape or pages == 0:
             raise ValueError(
                 f"the {layout} host pool's kv_buffer has shape {tuple(buffer.shape)}, not {shape}"
             )
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError("the host pool's kv_buffer must be a contiguous CPU tensor")
-        return cls(buffer, layout, pages, t, n_layers, heads, dim)
+        return cls(buffer, layout, pages, t, n_layers, heads, dim, latent)
 
     def page(self, p: int) -> torch.Tensor:
-        """Page p as a [2, layers, tokens, heads, head_dim] view of kv_buffer."""
+        """Page p as a [2, layers, tokens, heads, head_dim] view of kv_buffer
+        (MLA: [layers, tokens, head_dim])."""
         t = self.page_tokens
+        if self.latent:
+            if self.layout == "page_first":
+                return self.buffer[p * t : (p + 1) * t, :, 0].transpose(0, 1)
+            if self.layout == "layer_first":
+                return self.buffer[:, p * t : (p + 1) * t, 0]
+            return self.buffer[p, :, :, 0]
         if self.layout == "page_first":
             return self.buffer[:, p * t : (p + 1) * t].transpose(1, 2)
         if self.layout == "layer_first":
@@ -200,13 +220,23 @@ class _HostPool:
     def registration(self) -> tuple[list[torch.Tensor], Union[str, list[kvtier.Placement]]]:
         """The tensors and placements that register kv_buffer in place,
         engine block b being page b."""
+        item = self.buffer.element_size()
+        if self.latent:
+            # One piece per layer: page p's token j of layer i.
+            row = self.head_dim * item
+            t, n = self.page_tokens, self.num_layers
+            block, token, layer = {
+                "page_first": (t * n * row, n * row, row),
+                "layer_first": (t * row, row, self.num_pages * t * row),
+                "page_first_direct": (n * t * row, row, t * row),
+            }[self.layout]
+            return [self.buffer], [kvtier.Placement(0, i * layer, block, token, row) for i in range(n)]
         if self.layout == "page_first":
             return [self.buffer], "sglang_page_first"
         if self.layout == "layer_first":
             # kvtier's sglang_layer_first: K of layer i is region 2i, V 2i+1.
             return [self.buffer[kv, i] for i in range(self.num_layers) for kv in (0, 1)], "sglang_layer_first"
         # page_first_direct; pieces layer by layer, K then V.
-        item = self.buffer.element_size()
         row = self.num_heads * self.head_dim * item
         piece = self.page_tokens * row  # one layer's K (or V) of one page
         page = self.num_layers * piece
@@ -227,15 +257,20 @@ class _Bounce:
         self.pages = max(1, min(STORAGE_BATCH_SIZE, budget_bytes // layout.block_bytes))
         self.memory = kvtier.CpuKvCache(layout, 2 * self.pages)
         raw = torch.frombuffer(self.memory, dtype=torch.uint8).view(pool.buffer.dtype)
-        self._blocks = raw.view(
-            2 * self.pages, pool.num_layers, 2, pool.page_tokens, pool.num_heads, pool.head_dim
-        )
+        self._latent = pool.latent
+        if pool.latent:
+            self._blocks = raw.view(2 * self.pages, pool.num_layers, pool.page_tokens, pool.head_dim)
+        else:
+            self._blocks = raw.view(
+                2 * self.pages, pool.num_layers, 2, pool.page_tokens, pool.num_heads, pool.head_dim
+            )
         self.load_lock = threading.Lock()
         self.store_lock = threading.Lock()
 
     def block(self, b: int) -> torch.Tensor:
-        """Block b as a [2, layers, tokens, heads, head_dim] view, as _HostPool.page."""
-        return self._blocks[b].transpose(0, 1)
+        """Block b as a [2, layers, tokens, heads, head_dim] view (MLA:
+        [layers, tokens, head_dim]), as _HostPool.page."""
+        return self._blocks[b] if self._latent else self._blocks[b].transpose(0, 1)
 
 
 def _is_pinned(host: Any, buffer: torch.Tensor) -> bool:
@@ -254,15 +289,11 @@ class KvtierStore(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         """Connects to kvtierd (or retries later, if it is down).
 
-        Raises NotImplementedError for an MLA model, ValueError for an extra
-        config without ``interface_v1`` or with a bad ``kvtier_bounce_bytes``.
+        Raises ValueError for an extra config without ``interface_v1`` or
+        with a bad ``kvtier_bounce_bytes``.
         kwargs: what the factory passes along; unused.
         """
         extra = dict(storage_config.extra_config or {})
-        if storage_config.is_mla_model:
-            raise NotImplementedError(
-                "kvtier.sglang.KvtierStore does not support MLA models (rank-replicated KV) yet"
-            )
         if not extra.get("interface_v1"):
             raise ValueError(
                 "kvtier.sglang.KvtierStore serves only SGLang's zero-copy page interface: add "
@@ -322,6 +353,9 @@ class KvtierStore(HiCacheStorage):
         dtype = _TORCH_DTYPES.get(str(pool.buffer.dtype).removeprefix("torch."))
         if dtype is None:
             raise NotImplementedError(f"kvtier does not store KV caches of {pool.buffer.dtype}")
+        # An MLA pool is the same bytes on every TP rank: one namespace,
+        # which SGLang's first rank alone writes (is_storage_writer) and
+        # every rank reads.
         layout = kvtier.Layout(
             self.model_id(),
             pool.num_layers,
@@ -329,8 +363,9 @@ class KvtierStore(HiCacheStorage):
             pool.head_dim,
             dtype,
             pool.page_tokens,
-            tp_rank=self._config.tp_rank,
-            tp_size=self._config.tp_size,
+            kv_kind="latent" if pool.latent else "kv",
+            tp_rank=0 if pool.latent else self._config.tp_rank,
+            tp_size=1 if pool.latent else self._config.tp_size,
         )
         with self._lock:
             if _is_pinned(mem_pool_host, pool.buffer):
