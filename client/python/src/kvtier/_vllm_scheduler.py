@@ -274,8 +274,8 @@ class _SchedulerSide:
         """Stores the blocks that are full once this step has run: a
         full-attention group's all, a sliding-window group's only those in
         the window before the step's last full block (what a hit that ends
-        there loads; the workers wait for them within the step, as vLLM
-        frees them once the window moves on)."""
+        there loads; the workers end those stores before the next step, as
+        vLLM frees such blocks once the window moves on)."""
         request = state.request
         if not state.block_ids:
             return
