@@ -108,7 +108,7 @@ def _engine_main(spec_path: str) -> None:
         block_size=w.get("block_size", BLOCK),
         max_model_len=w["max_model_len"],
         max_num_seqs=w["concurrency"],
-        max_num_batched_tokens=w["max_model_len"],
+        max_num_batched_tokens=w.get("chunk_tokens") or w["max_model_len"],
         num_gpu_blocks_override=w["engine_blocks"],
         enable_prefix_caching=True,
         prefix_caching_hash_algo="sha256_cbor",
@@ -445,6 +445,10 @@ def main() -> int:
         "concurrency": args.concurrency,
         "engine_blocks": pool_blocks(args, args.engine_blocks),
         "block_size": engine_block(args),
+        # A Gemma 3's prompts in chunks of 512 tokens: vLLM sizes what a
+        # sliding-window layer may need by its window and a chunk, and with
+        # whole prompts as chunks a small cache would hold no request.
+        "chunk_tokens": 512 if args.model_kind == "gemma3" else None,
         "max_model_len": max(PROBE_TOKENS + 64, args.system_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64),
     }
     kv_token = kv_bytes_per_token(args)
