@@ -38,13 +38,13 @@ MLA_ENGINE = {"block_size": MLA_BLOCK}
 # rounds otherwise with other requests in the batch (logprobs move by up to
 # 5e-3 between one request alone and two together, vLLM alone), and a
 # prompt computed after a loaded prefix otherwise than one computed whole
-# (its attention over the prefix in chunks, then merged): 1.1e-3 to 1.3e-3
-# here, measured with these prompts. One token after a loaded prefix would
+# (its attention over the prefix in chunks, then merged): 0.8e-3 to 1.6e-3
+# here, measured with these prompts at TP=1 and TP=2. One token after a loaded prefix would
 # go to its decode kernel instead, whose logprobs differ from its prefill's
 # by up to 1e-2 in vLLM alone (docs/engines.md): enough to pick another of
 # this random model's near-tied tokens. A prefix that differs in one token
 # moves logprobs by 8e-2.
-MLA_LOGPROB_TOLERANCE = 2e-3
+MLA_LOGPROB_TOLERANCE = 3e-3
 MLA_PROMPTS = [request(ids(800 + i, (10 + i) * MLA_BLOCK + 2)) for i in range(3)]
 MLA_OTHERS = [request(ids(810 + i, (10 + i) * MLA_BLOCK + 2)) for i in range(3)]  # as many blocks
 MLA_BLOCKS = sum((len(r["ids"]) - 1) // MLA_BLOCK for r in MLA_PROMPTS)
