@@ -43,6 +43,7 @@ install(FILES
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvtier)
 install(FILES
   common/chain_hash.h
+  common/default_socket.h
   common/key128.h
   common/kv_cache_layout.h
   common/layout.h

@@ -70,7 +70,7 @@ struct Watermarks {
 
 struct Config {
   struct Socket {
-    std::string path = "./var/kvtier/kvtierd.sock";
+    std::string path;  // LoadConfig's default: DaemonDefaultSocket() (common/default_socket.h)
     uint32_t mode = 0660;
   } socket;
 

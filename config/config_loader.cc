@@ -16,6 +16,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/default_socket.h"
 #include "config/config_sections.h"
 #include "config/size.h"
 #include "config/startup_rules.h"
@@ -195,6 +196,7 @@ Result<Config> LoadConfig(const ConfigSource& source) {
 
   config_yaml::Context ctx(source.file.value_or(""), std::move(overridden));
   Config config;
+  config.socket.path = DaemonDefaultSocket();
   config_yaml::ReadAll(&ctx, root, &config);
   CheckStartupRules(
       config, [&ctx](const std::string& key, const std::string& what) { ctx.ErrorAt(key, what); });

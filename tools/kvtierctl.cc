@@ -199,7 +199,7 @@ int Verify(kvtier::Client& client, bool json) {
 
 int main(int argc, char** argv) {
   CLI::App app{"kvtierctl: inspect and operate kvtierd", "kvtierctl"};
-  std::string socket = "/run/kvtier/kvtierd.sock";
+  std::string socket = kvtier::ClientDefaultSocket();  // $KVTIER_SOCKET, else where a daemon listens
   std::string token;
   bool json = false;
   app.add_option("-s,--socket", socket, "kvtierd's socket")->capture_default_str();

@@ -1,5 +1,7 @@
 #include "config/config_loader.h"
 
+#include "common/default_socket.h"
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -53,7 +55,7 @@ class ConfigLoaderTest : public ::testing::Test {
 TEST_F(ConfigLoaderTest, BuiltInDefaults) {
   Result<Config> c = LoadConfig(ConfigSource{});
   ASSERT_TRUE(c.has_value()) << c.error();
-  EXPECT_EQ(c->socket.path, "./var/kvtier/kvtierd.sock");
+  EXPECT_EQ(c->socket.path, DaemonDefaultSocket());  // common/default_socket.h
   EXPECT_EQ(c->socket.mode, 0660u);
   EXPECT_EQ(c->device.backend, DeviceBackendKind::kAuto);
   ASSERT_EQ(c->tenants.size(), 1u);

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "common/chain_hash.h"
+#include "common/default_socket.h"  // ClientDefaultSocket: the socket when none is named
 #include "common/key128.h"
 #include "common/kv_cache_layout.h"
 #include "common/layout.h"

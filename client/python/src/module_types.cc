@@ -56,6 +56,14 @@ void BindTypes(py::module_& m) {
   m.def("placements", &PlacementsFor, py::arg("layout"), py::arg("num_blocks"), py::arg("scheme"),
         "The placements of an engine layout: contiguous, vllm_nhd, vllm_hnd, sglang_layer_first or "
         "sglang_page_first (docs in common/kv_cache_layout.h).");
+  m.def("default_socket", &ClientDefaultSocket,
+        "The socket to connect to when none is named: $KVTIER_SOCKET, else the first of "
+        "default_socket_candidates() where a kvtierd listens, else /run/kvtier/kvtierd.sock. "
+        "kvtierd started without socket.path resolves its own the same way.");
+  m.def("default_socket_candidates", &DefaultSocketCandidates,
+        "Where default_socket() looks, in order: $KVTIER_SOCKET alone when set, else "
+        "/run/kvtier/kvtierd.sock, $XDG_RUNTIME_DIR/kvtier/kvtierd.sock (when set), "
+        "./var/kvtier/kvtierd.sock.");
 
   py::class_<ShmKvCache>(
       m, "CpuKvCache", py::buffer_protocol(),

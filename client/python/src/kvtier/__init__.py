@@ -56,6 +56,8 @@ from ._kvtier import (
     Op,
     OpResult,
     Placement,
+    default_socket,
+    default_socket_candidates,
     placements,
 )
 
@@ -86,6 +88,8 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
+    "default_socket",
+    "default_socket_candidates",
     "engine_hash_bytes",
     "placements",
 ]

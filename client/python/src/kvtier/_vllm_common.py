@@ -4,7 +4,6 @@ hints and the metadata the scheduler hands the workers."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 # no handler inside vLLM, and its INFO lines were lost.
 logger = init_logger("vllm.kvtier")
 
-_DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 # How long a process waits between attempts to reach a daemon that was down.
 _RECONNECT_INTERVAL_S = 1.0
 
@@ -39,7 +37,7 @@ _RECONNECT_INTERVAL_S = 1.0
 
 @dataclass(frozen=True)
 class _Settings:
-    socket: str
+    socket: str | None  # None: kvtier.default_socket(), resolved at each attempt to connect
     token: str | None
     model_id: str
     lookup_timeout_s: float
@@ -50,7 +48,7 @@ class _Settings:
     def of(vllm_config: VllmConfig) -> _Settings:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         return _Settings(
-            socket=str(extra.get("socket") or os.environ.get("KVTIER_SOCKET") or _DEFAULT_SOCKET),
+            socket=str(extra["socket"]) if extra.get("socket") else None,
             token=extra.get("token"),
             model_id=str(extra.get("model_id") or vllm_config.model_config.model),
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
@@ -218,6 +216,7 @@ class _Connection:
         self._name = name
         self._call_timeout_s = call_timeout_s
         self._client: kvtier.Client | None = None
+        self._socket = settings.socket or ""  # the one connected to
         self._next_attempt = 0.0
         self._warned = False
         self._hung = HungPause()
@@ -230,16 +229,22 @@ class _Connection:
             return self._client
         if now < self._next_attempt:
             return None
+        socket = self._settings.socket or kvtier.default_socket()
         try:
             self._client = kvtier.Client.connect(
-                self._settings.socket, token=self._settings.token, name=self._name, call_timeout=self._call_timeout_s
+                socket, token=self._settings.token, name=self._name, call_timeout=self._call_timeout_s
             )
-            logger.info("kvtier: connected to %s as tenant %s", self._settings.socket, self._client.tenant)
+            self._socket = socket
+            logger.info("kvtier: connected to %s as tenant %s", socket, self._client.tenant)
             self._warned = False
         except kvtier.Error as error:
             self._next_attempt = now + _RECONNECT_INTERVAL_S
             if not self._warned:
-                logger.warning("kvtier: %s unreachable (%s); every lookup is a miss until it is back", self._settings.socket, error)
+                looked = "" if self._settings.socket else (
+                    f" (no socket named: looked at {', '.join(kvtier.default_socket_candidates())}; "
+                    'set kv_connector_extra_config {"socket": ...} or KVTIER_SOCKET)'
+                )
+                logger.warning("kvtier: %s unreachable (%s)%s; every lookup is a miss until it is back", socket, error, looked)
                 self._warned = True
         return self._client
 
@@ -249,7 +254,7 @@ class _Connection:
         daemon costs each step nothing more, not a call_timeout per step."""
         connected = self._client is None or self._client.connected
         if (pause := self._hung.note(error, connected)) is not None:
-            logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._settings.socket, error, pause)
+            logger.warning("kvtier: %s did not answer in time (%s); transfers are misses for %.0f s", self._socket, error, pause)
 
     def close(self) -> None:
         if self._client is not None:

@@ -20,8 +20,9 @@ Configuration (SGLang 0.5.23)::
 - ``"interface_v1": 1`` is required: without it SGLang's cache controller
   takes its tensor-copying path (``batch_get``/``batch_set``), which this
   backend does not serve, so the constructor refuses such a config.
-- ``kvtier_socket``: the daemon's socket (default ``$KVTIER_SOCKET``, else
-  ``/run/kvtier/kvtierd.sock``); ``kvtier_token``: the tenant's token where
+- ``kvtier_socket``: the daemon's socket (default ``kvtier.default_socket()``:
+  ``$KVTIER_SOCKET``, else where a kvtierd listens of ``/run/kvtier``,
+  ``$XDG_RUNTIME_DIR/kvtier`` and ``./var/kvtier``, as kvtierd picks its own); ``kvtier_token``: the tenant's token where
   the daemon names tenants by token (default ``$KVTIER_TOKEN``);
   ``kvtier_model_id``: the namespace's model name (default SGLang's model
   name); ``kvtier_bounce_bytes``: see Memory (default 64 MiB);
@@ -100,7 +101,6 @@ from ._hung import HungPause
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "/run/kvtier/kvtierd.sock"
 DEFAULT_BOUNCE_BYTES = 64 << 20
 # The longest a call waits on kvtierd (kvtier_timeout_s): then its copies are
 # cancelled, its pages are misses, and the daemon is left alone a while.
@@ -306,7 +306,10 @@ class KvtierStore(HiCacheStorage):
         if not timeout_s > 0:
             raise ValueError(f"kvtier_timeout_s must be positive, not {timeout_s}")
         self._config = storage_config
-        self._socket = str(extra.get("kvtier_socket") or os.environ.get("KVTIER_SOCKET") or DEFAULT_SOCKET)
+        # Unnamed: kvtier.default_socket() ($KVTIER_SOCKET, else where a
+        # kvtierd listens), resolved again at each attempt to connect.
+        self._named_socket: Optional[str] = str(extra["kvtier_socket"]) if extra.get("kvtier_socket") else None
+        self._socket = self._named_socket or kvtier.default_socket()
         self._token: Optional[str] = extra.get("kvtier_token") or os.environ.get("KVTIER_TOKEN") or None
         self._bounce_bytes = bounce_bytes
         self._timeout_s = timeout_s
@@ -502,6 +505,7 @@ class KvtierStore(HiCacheStorage):
             return self._client
         self._next_connect = time.monotonic() + _CONNECT_RETRY_S
         config = self._config
+        self._socket = self._named_socket or kvtier.default_socket()
         try:
             self._client = kvtier.Client.connect(
                 self._socket,

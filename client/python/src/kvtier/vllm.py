@@ -52,7 +52,10 @@ have landed, one hint covers all its blocks (those loaded and those stored).
 A hint that is not valid is logged and ignored: the request runs unhinted.
 
 Settings (``kv_connector_extra_config``): ``socket`` (default
-``$KVTIER_SOCKET``, else ``/run/kvtier/kvtierd.sock``), ``token`` (when the
+``kvtier.default_socket()``: ``$KVTIER_SOCKET``, else where a kvtierd listens
+of ``/run/kvtier``, ``$XDG_RUNTIME_DIR/kvtier`` and ``./var/kvtier``, as
+kvtierd picks its own; a connector that finds none says where it looked),
+``token`` (when the
 tenant is identified by a token), ``model_id`` (default: the served model's
 name; it and the KV shape name the namespace), ``lookup_timeout_s`` (default
 2: a lookup unanswered for that long is a miss; the scheduler's calls to the
