@@ -4,12 +4,16 @@
 #include "config/config_loader.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +45,11 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
       return {};
     });
     s.Read("mode", &c->socket.mode, ParseMode);
+    s.Read("group", &c->socket.group, [](const YAML::Node& n, std::string* p) -> ParseResult {
+      if (auto e = ParseNonEmpty(n, p); !e.empty()) return e;
+      if (::getgrnam(p->c_str()) == nullptr) return "names no group (" + *p + ")";  // NOLINT(concurrency-mt-unsafe)
+      return {};
+    });
     s.Finish();
   }
   r.Read("state_dir", &c->state_dir, ParseNonEmpty);
@@ -181,6 +190,10 @@ Result<Config> LoadConfig(const ConfigSource& source) {
     }
   }
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  bool file_has_tokens = false;  // before --set: the file's own
+  if (root.IsMap() && root["tenants"].IsSequence()) {
+    for (const YAML::Node& tenant : root["tenants"]) file_has_tokens |= tenant.IsMap() && tenant["token"].IsDefined();
+  }
 
   std::vector<std::pair<std::string, std::string>> overridden;
   if (root.IsMap()) {
@@ -197,6 +210,7 @@ Result<Config> LoadConfig(const ConfigSource& source) {
   config_yaml::Context ctx(source.file.value_or(""), std::move(overridden));
   Config config;
   config.socket.path = DaemonDefaultSocket();
+  config.file_has_tokens = file_has_tokens;
   config_yaml::ReadAll(&ctx, root, &config);
   CheckStartupRules(
       config, [&ctx](const std::string& key, const std::string& what) { ctx.ErrorAt(key, what); });
@@ -207,6 +221,18 @@ Result<Config> LoadConfig(const ConfigSource& source) {
     return Err(InvalidArgument(std::move(message)));
   }
   return config;
+}
+
+std::optional<std::string> TokenExposure(const Config& config, const ConfigSource& source) {
+  if (!config.file_has_tokens || !source.file) return std::nullopt;
+  struct stat st{};
+  if (::stat(source.file->c_str(), &st) != 0 || (st.st_mode & 0077) == 0) return std::nullopt;
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  return *source.file + " holds tenants' tokens and is mode " + mode +
+         ": anyone in its group (or everyone) can read them and connect as those tenants. Give "
+         "tokens with token_file (a file of one token, readable by kvtierd alone), or chmod 0600 "
+         "it (docs/config.md)";
 }
 
 std::vector<std::string> KnownConfigKeys() {

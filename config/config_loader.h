@@ -32,6 +32,11 @@ struct ConfigSource {
 // "FILE:LINE" or "--set KEY=VALUE".
 Result<Config> LoadConfig(const ConfigSource& source);
 
+// Why the config file's tokens are exposed, if they are: it writes a token
+// inline (not token_file) and is readable by more than its owner. A
+// warning (kvtierd --check-config and start-up print it), not an error.
+std::optional<std::string> TokenExposure(const Config& config, const ConfigSource& source);
+
 // Every key (not section) the loader knows, dotted, list items as
 // "tenants[].name"; for
 // checking that docs/config.md documents all of them.

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,7 +89,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtierd: invalid configuration:\n%s\n", config.error().message().c_str());
     return 2;
   }
+  const std::optional<std::string> exposed = kvtier::TokenExposure(*config, source);
   if (check_config) {
+    if (exposed) std::fprintf(stderr, "kvtierd: warning: %s\n", exposed->c_str());
     std::printf("%s", kvtier::ConfigSummary(*config).c_str());
     std::printf("kvtierd: configuration OK\n");
     return 0;
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
   const int ready_fd = foreground ? -1 : Daemonize();
   kvtier::SetupLogging(config->log.format, config->log.level);
   spdlog::info("kvtierd starting\n{}", kvtier::ConfigSummary(*config));
+  if (exposed) spdlog::warn("{}", *exposed);
   kvtier::Server::Options options{.config = *config, .source = source, .on_ready = [ready_fd, &pid_file] {
                                     if (!pid_file.empty()) {
                                       if (FILE* f = std::fopen(pid_file.c_str(), "w"); f != nullptr) {

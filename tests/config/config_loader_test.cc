@@ -2,6 +2,7 @@
 
 #include "common/default_socket.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -400,6 +401,68 @@ TEST_F(ConfigLoaderTest, MissingFileIsNotFound) {
   ASSERT_FALSE(c.has_value());
   EXPECT_EQ(c.error().code(), StatusCode::kNotFound);
   EXPECT_THAT(c.error().message(), HasSubstr(dir_ + "/nope.yaml"));
+}
+
+}  // namespace
+}  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+class ConfigPrivacyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kvtier-config-privacy-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Write(const std::string& name, const std::string& text, mode_t mode) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path, std::ios::binary) << text;
+    EXPECT_EQ(::chmod(path.c_str(), mode), 0);
+    return path;
+  }
+  std::string dir_;
+};
+
+TEST_F(ConfigPrivacyTest, SocketGroupMustNameAGroup) {
+  const std::string file = Write("kvtier.yaml", "socket:\n  group: root\n", 0600);
+  Result<Config> c = LoadConfig(ConfigSource{.file = file});
+  ASSERT_TRUE(c.has_value()) << c.error();
+  EXPECT_EQ(c->socket.group, "root");
+  Result<Config> none = LoadConfig(ConfigSource{.overrides = {"socket.group=kvtier-no-such-group"}});
+  ASSERT_FALSE(none.has_value());
+  EXPECT_THAT(none.error().message(), ::testing::HasSubstr("socket.group: names no group (kvtier-no-such-group)"));
+  EXPECT_TRUE(LoadConfig(ConfigSource{})->socket.group.empty());  // the daemon's own
+}
+
+TEST_F(ConfigPrivacyTest, InlineTokensInAFileOthersCanReadAreAWarning) {
+  const std::string tenants =
+      "tenants:\n  - name: a\n    uid: 0\n    admin: true\n  - name: b\n    token: "
+      "0123456789abcdef0123456789abcdef\n";
+  const std::string shared = Write("shared.yaml", tenants, 0640);
+  ConfigSource source{.file = shared};
+  Result<Config> c = LoadConfig(source);
+  ASSERT_TRUE(c.has_value()) << c.error();
+  std::optional<std::string> warning = TokenExposure(*c, source);
+  ASSERT_TRUE(warning.has_value());
+  EXPECT_THAT(*warning, ::testing::HasSubstr("mode 0640"));
+  EXPECT_THAT(*warning, ::testing::HasSubstr("token_file"));
+
+  const std::string own = Write("own.yaml", tenants, 0600);  // its owner's alone
+  ConfigSource own_source{.file = own};
+  EXPECT_FALSE(TokenExposure(*LoadConfig(own_source), own_source).has_value());
+
+  // A token in a token_file: the config may be readable by kvtierd's group.
+  const std::string token = Write("b.token", "0123456789abcdef0123456789abcdef\n", 0600);
+  const std::string by_file = Write(
+      "by-file.yaml", "tenants:\n  - name: a\n    uid: 0\n    admin: true\n  - name: b\n    token_file: " + token + "\n",
+      0640);
+  ConfigSource file_source{.file = by_file};
+  Result<Config> f = LoadConfig(file_source);
+  ASSERT_TRUE(f.has_value()) << f.error();
+  EXPECT_FALSE(TokenExposure(*f, file_source).has_value());
 }
 
 }  // namespace
