@@ -23,7 +23,8 @@ cmake --build build/release -j"$(nproc)"
 # blocks are demoted, promoted and written to disk.
 demo_sets=(--set tiers.hbm.enabled=true --set tiers.hbm.bytes=16MiB --set tiers.host.bytes=32MiB
            --set tiers.disk.bytes=256MiB --set tiers.disk.region_bytes=16MiB)
-socket=./var/kvtier/kvtierd.sock
+socket=./var/kvtier/kvtierd.sock   # named: the default may be $KVTIER_SOCKET's or $XDG_RUNTIME_DIR's
+demo_sets+=(--set "socket.path=$socket")
 log=./var/kvtier/kvtierd.log
 mkdir -p ./var/kvtier
 
