@@ -32,6 +32,10 @@ PACKAGES=(
   # tools/deb.sh: dpkg-shlibdeps computes the package's Depends; tools/wheel.sh:
   # unzip looks into the wheel (file modes included)
   debootstrap dpkg-dev unzip
+  # tools/image.sh: the sidecar image as an OCI archive, without a container
+  # daemon or a registry (umoci), checked by skopeo; tools/image-check.sh runs
+  # its entrypoint under runc
+  umoci skopeo runc
 )
 
 missing=()

@@ -88,7 +88,14 @@ step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
 # The Debian package (Release, for /usr), installed with apt in a bare Debian
 # root, started as its user, reached through its socket's group, purged.
 step "Debian package in a bare root (tools/deb.sh, tools/deb-bare-root.sh)"
-tools/deb-bare-root.sh
+deb=$(tools/deb.sh)
+tools/deb-bare-root.sh "$deb"
+
+# The sidecar image (an OCI archive, from that package on a Debian root, by
+# umoci), its entrypoint run under runc (else a chroot), served from outside.
+step "the container image (tools/image.sh, tools/image-check.sh)"
+image=$(KVTIER_DEB=$deb tools/image.sh)
+tools/image-check.sh "$venv_python" "$image"
 
 # The wheel, installed with pip in a bare Debian root with only Python added,
 # its kvtierd started from its console script, used through the Python client
