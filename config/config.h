@@ -72,11 +72,11 @@ struct Config {
   struct Socket {
     std::string path;  // LoadConfig's default: DaemonDefaultSocket() (common/default_socket.h)
     uint32_t mode = 0660;
-    // The socket's group (a name), for engines: empty keeps the daemon's
-    // own group. The package's is kvtier-clients, apart from kvtier (the
-    // group that may read the config and its tokens); kvtierd must be a
-    // member of it (or root) to give the socket to it.
-    std::string group;
+    // The socket's group (a gid; the config gives a name or a number), for
+    // engines: unset keeps the daemon's own group. The package's is
+    // kvtier-clients, apart from kvtier (the group that may read the config
+    // and its tokens); kvtierd must be a member of it (or root).
+    std::optional<uint32_t> group;
   } socket;
 
   // Whether the config file writes a tenant's token in itself (`token`,

@@ -4,7 +4,6 @@
 #include "config/config_loader.h"
 
 #include <fcntl.h>
-#include <grp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -45,11 +44,7 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
       return {};
     });
     s.Read("mode", &c->socket.mode, ParseMode);
-    s.Read("group", &c->socket.group, [](const YAML::Node& n, std::string* p) -> ParseResult {
-      if (auto e = ParseNonEmpty(n, p); !e.empty()) return e;
-      if (::getgrnam(p->c_str()) == nullptr) return "names no group (" + *p + ")";  // NOLINT(concurrency-mt-unsafe)
-      return {};
-    });
+    s.Read("group", &c->socket.group, Optional<uint32_t>(ParseGroupId));
     s.Finish();
   }
   r.Read("state_dir", &c->state_dir, ParseNonEmpty);

@@ -23,7 +23,8 @@ std::string ConfigSummary(const Config& c) {
   std::ostringstream o;
   char mode[8];
   std::snprintf(mode, sizeof(mode), "%04o", c.socket.mode);
-  o << "socket:   " << c.socket.path << " (mode " << mode << ")\n";
+  o << "socket:   " << c.socket.path << " (mode " << mode
+    << (c.socket.group ? ", gid " + std::to_string(*c.socket.group) : std::string()) << ")\n";
   o << "state:    " << c.state_dir << "\n";
   o << "device:   " << DeviceBackendName(c.device.backend) << "\n";
   o << "tiers:\n";

@@ -1,6 +1,5 @@
 #include "daemon/server.h"
 
-#include <grp.h>
 #include <malloc.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -53,20 +52,14 @@ Status EpollAdd(int epoll, int fd, uint32_t events, uint64_t tag) {
   return Status::Ok();
 }
 
-// Gives the socket to `group` (socket.group): engines in it may connect,
-// without being in the daemon's own group, which may read its config.
-Status GiveSocketToGroup(const std::string& path, const std::string& group) {
-  std::vector<char> buffer(16384);
-  struct group entry{};
-  struct group* found = nullptr;
-  if (const int err = ::getgrnam_r(group.c_str(), &entry, buffer.data(), buffer.size(), &found);
-      err != 0 || found == nullptr) {
-    return err != 0 ? Status::FromErrno(err, "socket.group " + group) : InvalidArgument("socket.group: no group " + group);
-  }
-  if (::chown(path.c_str(), static_cast<uid_t>(-1), found->gr_gid) != 0) {
+// Gives the socket to group `gid` (socket.group): engines in it may
+// connect, without being in the daemon's own group, which may read its
+// config.
+Status GiveSocketToGroup(const std::string& path, uint32_t gid) {
+  if (::chown(path.c_str(), static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0) {
     const int err = errno;
-    return Status::FromErrno(err, "socket.group: giving " + path + " to group " + group +
-                                      (err == EPERM ? " (kvtierd must be root or a member of it)" : ""));
+    return Status::FromErrno(err, "socket.group: giving " + path + " to gid " + std::to_string(gid) +
+                                      (err == EPERM ? " (kvtierd must be root or a member of that group)" : ""));
   }
   return Status::Ok();
 }
@@ -361,12 +354,12 @@ Status Server::Setup() {
     KVTIER_RETURN_IF_ERROR(undo_.CreateDirectories(dir.string()).WithContext("socket.path"));
   }
   KVTIER_ASSIGN_OR_RETURN(listen_, ipc::Listen(c.socket.path, c.socket.mode));
-  if (!c.socket.group.empty()) KVTIER_RETURN_IF_ERROR(GiveSocketToGroup(c.socket.path, c.socket.group));
+  if (c.socket.group) KVTIER_RETURN_IF_ERROR(GiveSocketToGroup(c.socket.path, *c.socket.group));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), listen_.get(), EPOLLIN, kListenTag));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), signal_fd_.get(), EPOLLIN, kSignalTag));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), wake_fd_.get(), EPOLLIN, kWakeTag));
   spdlog::info("listening on {} (mode {:04o}{}), {} tenant(s)", c.socket.path, c.socket.mode,
-               c.socket.group.empty() ? "" : ", group " + c.socket.group, tenants_->tenants().size());
+               c.socket.group ? ", gid " + std::to_string(*c.socket.group) : "", tenants_->tenants().size());
   return Status::Ok();
 }
 

@@ -430,11 +430,12 @@ TEST_F(ConfigPrivacyTest, SocketGroupMustNameAGroup) {
   const std::string file = Write("kvtier.yaml", "socket:\n  group: root\n", 0600);
   Result<Config> c = LoadConfig(ConfigSource{.file = file});
   ASSERT_TRUE(c.has_value()) << c.error();
-  EXPECT_EQ(c->socket.group, "root");
+  EXPECT_EQ(c->socket.group, std::optional<uint32_t>(0));
   Result<Config> none = LoadConfig(ConfigSource{.overrides = {"socket.group=kvtier-no-such-group"}});
   ASSERT_FALSE(none.has_value());
-  EXPECT_THAT(none.error().message(), ::testing::HasSubstr("socket.group: names no group (kvtier-no-such-group)"));
-  EXPECT_TRUE(LoadConfig(ConfigSource{})->socket.group.empty());  // the daemon's own
+  EXPECT_THAT(none.error().message(), ::testing::HasSubstr("socket.group: no group named 'kvtier-no-such-group'"));
+  EXPECT_EQ(LoadConfig(ConfigSource{.overrides = {"socket.group=1234"}})->socket.group, std::optional<uint32_t>(1234));
+  EXPECT_FALSE(LoadConfig(ConfigSource{})->socket.group.has_value());  // the daemon's own
 }
 
 TEST_F(ConfigPrivacyTest, InlineTokensInAFileOthersCanReadAreAWarning) {
