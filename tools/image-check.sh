@@ -120,28 +120,7 @@ done
 pid=$(pgrep -f "^/usr/bin/kvtierd --foreground --config /etc/kvtier/kvtier.yaml" | head -1)
 [[ -n "$pid" && "$(stat -c %u "/proc/$pid")" == "$uid" ]] || fail "kvtierd does not run as kvtier (pid ${pid:-none})"
 
-"$python" - "$socket" <<'PY' || fail "store and load through the image's socket"
-import sys
-
-import kvtier
-
-client = kvtier.Client.connect(sys.argv[1], name="image-check")
-assert client.daemon_release == kvtier.__version__, (client.daemon_release, kvtier.__version__)
-layout = kvtier.Layout("kvtier/image-check", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", block_tokens=16)
-cpu = kvtier.CpuKvCache(layout, 16)
-pages = memoryview(cpu).cast("B")
-block = layout.block_bytes
-for i in range(8):
-    pages[i * block : (i + 1) * block] = bytes((i * 37 + j) % 251 for j in range(block))
-cache = client.register_cpu_cache(cpu)
-keys = client.compute_keys(cache, list(range(2000, 2000 + 8 * 16)))
-assert client.lookup(cache, keys).hits == 0
-assert client.store(cache, keys, list(range(8))).blocks == 8
-assert client.lookup(cache, keys).hits == 8
-assert client.load(cache, keys, list(range(8, 16))).blocks == 8
-assert pages[8 * block :] == pages[: 8 * block], "the blocks loaded differ from those stored"
-print(f"image-check: stored and loaded 8 blocks of {block} bytes through the image's kvtierd {client.daemon_release}")
-PY
+"$python" tools/store_load_check.py "$socket" image-check || fail "store and load through the image's socket"
 kill -TERM "$pid"
 rc=0
 wait "$daemon" || rc=$?

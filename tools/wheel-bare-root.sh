@@ -114,29 +114,8 @@ fi
   fail "kvtierctl version: $(as_engine kvtierctl --socket var/kvtier/kvtierd.sock version 2>&1)"
 as_engine kvtierctl --socket var/kvtier/kvtierd.sock status >/dev/null || fail "kvtierctl status"
 
-cat >"$root/tmp/store_load.py" <<'PY'
-import sys
-
-import kvtier
-
-client = kvtier.Client.connect("var/kvtier/kvtierd.sock")
-assert client.daemon_release == kvtier.__version__, (client.daemon_release, kvtier.__version__)
-layout = kvtier.Layout("kvtier/wheel-bare-root", num_layers=2, num_kv_heads=2, head_dim=64, dtype="bf16", block_tokens=16)
-cpu = kvtier.CpuKvCache(layout, 16)
-pages = memoryview(cpu).cast("B")
-block = layout.block_bytes
-for i in range(8):  # blocks 0-7: a pattern of their own each
-    pages[i * block : (i + 1) * block] = bytes((i * 31 + j) % 251 for j in range(block))
-cache = client.register_cpu_cache(cpu)
-keys = client.compute_keys(cache, list(range(1000, 1000 + 8 * 16)))
-assert client.lookup(cache, keys).hits == 0
-assert client.store(cache, keys, list(range(8))).blocks == 8
-assert client.lookup(cache, keys).hits == 8
-assert client.load(cache, keys, list(range(8, 16))).blocks == 8
-assert pages[8 * block :] == pages[: 8 * block], "the blocks loaded differ from those stored"
-print(f"stored and loaded 8 blocks of {block} bytes through kvtierd {client.daemon_release}")
-PY
-as_engine python /tmp/store_load.py || fail "store and load through the Python client"
+cp tools/store_load_check.py "$root/tmp/store_load.py"
+as_engine python /tmp/store_load.py var/kvtier/kvtierd.sock wheel-bare-root || fail "store and load through the Python client"
 
 if [[ -n "$vllm_site" ]]; then
   mkdir -p "$root/opt/vllm-site"
