@@ -18,8 +18,9 @@
 #
 # Usage: tools/image.sh [OUT_DIR]   (as root: a chroot and files owned by
 # kvtier; default build/image). Environment: KVTIER_DEB (a package to use
-# instead of a fresh tools/deb.sh). Exit status: 0 built (or "not run" when
-# not root), 1 failed.
+# instead of a fresh tools/deb.sh), KVTIER_SOURCE_URL (the source label;
+# default: git's remote origin). Exit status: 0 built (or "not run" when not
+# root), 1 failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECK=image
@@ -33,7 +34,8 @@ start=$SECONDS
 deb=${KVTIER_DEB:-$(tools/deb.sh)}
 [[ -f "$deb" ]] || fail "no package at $deb"
 version=$(dpkg-deb -f "$deb" Version)
-source_url=$(git config --get remote.origin.url 2>/dev/null || echo "https://github.com/kvtier/kvtier")
+# The source: $KVTIER_SOURCE_URL (a release's), else this clone's origin.
+source_url=${KVTIER_SOURCE_URL:-$(git config --get remote.origin.url 2>/dev/null || echo unknown)}
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
 rm -rf "$out"
