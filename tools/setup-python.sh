@@ -28,8 +28,10 @@ if [[ -f "$stamp" ]] && cmp -s "$stamp" "$requirements"; then
   exit 0
 fi
 echo "setup-python: installing $requirements"
-# (pip warns of every package the machine's local indexes lack: not news.)
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$requirements" \
+# (pip warns of every package the machine's local indexes lack: not news.
+# --no-compile: bytecode for every module of torch, vLLM and SGLang at install
+# is half the install's time; what is imported compiles when it is.)
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-deps -r "$requirements" \
   2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
 cp "$requirements" "$stamp"
 echo "setup-python: done ($("$venv/bin/python" --version))"

@@ -1,6 +1,7 @@
 """Stores blocks through a kvtierd and loads them back, byte-exact: the
 packaging checks' client (tools/wheel-bare-root.sh in a bare root, with the
-wheel; tools/image-check.sh outside the image's container).
+wheel; tools/wheel-check.sh in a fresh venv of each wheel's Python;
+tools/image-check.sh outside the image's container).
 
 Usage: python store_load_check.py SOCKET NAME   (the kvtier package importable;
 NAME names the layout's model). Blocks 0-7 of a CpuKvCache, a pattern each,

