@@ -16,7 +16,6 @@ namespace w = wire;
 using client_detail::KeysToWire;
 using client_detail::Reply;
 using client_detail::TierFromWire;
-using client_detail::Unavailable;
 using flatbuffers::FlatBufferBuilder;
 
 Result<CacheId> Client::Impl::Register(const Layout& layout, uint32_t num_blocks, std::vector<Placement> placements,

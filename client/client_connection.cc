@@ -15,7 +15,6 @@ namespace kvtier {
 
 namespace w = wire;
 using client_detail::Reply;
-using client_detail::Unavailable;
 using flatbuffers::FlatBufferBuilder;
 
 Status Client::Impl::Connect() {

@@ -27,8 +27,6 @@ namespace client_detail {
 
 namespace w = wire;
 
-inline Status Unavailable(std::string message) { return Status(StatusCode::kUnavailable, std::move(message)); }
-
 inline BlockTier TierFromWire(w::Tier t) {
   switch (t) {
     case w::Tier::Hbm: return BlockTier::kHbm;
@@ -171,7 +169,7 @@ class Client::Impl {
   Status EnsureConnected() KVTIER_REQUIRES(mu_) {
     if (fd_.valid()) return Status::Ok();
     if (std::chrono::steady_clock::now() < next_attempt_) {
-      return client_detail::Unavailable("kvtierd is unavailable; reconnecting");
+      return Unavailable("kvtierd is unavailable; reconnecting");
     }
     return Reconnect();
   }

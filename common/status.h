@@ -115,6 +115,9 @@ inline Status InvalidArgument(std::string message) {
 inline Status Internal(std::string message) {
   return Status(StatusCode::kInternal, std::move(message));
 }
+inline Status Unavailable(std::string message) {
+  return Status(StatusCode::kUnavailable, std::move(message));
+}
 
 }  // namespace kvtier
 

@@ -88,7 +88,9 @@ for wheel in "$@"; do
   [[ "$("$venv/bin/kvtierd" --version)" == "kvtierd $version "* ]] || fail "$tag: kvtierd --version"
   [[ "$("$venv/bin/python" -m kvtier.daemon --version)" == "kvtierd $version "* ]] ||
     fail "$tag: python -m kvtier.daemon --version"
-  home=$(mktemp -d /tmp/kvtier-wheel-check.XXXXXX)
+  # (Under build/, not /tmp: the disk tier opens O_DIRECT, which tmpfs refuses.)
+  home=$work/home-$tag
+  rm -rf "$home" && mkdir -p "$home"
   log=$home/kvtierd.log
   # (cd in a subshell, exec: $! is kvtierd's pid once its console script execs it.)
   (cd "$home" && exec "$venv/bin/kvtierd" --foreground --set tiers.host.bytes=64MiB --set tiers.disk.bytes=128MiB \

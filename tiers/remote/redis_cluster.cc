@@ -10,8 +10,6 @@
 namespace kvtier {
 namespace {
 
-Status Unavailable(std::string message) { return Status(StatusCode::kUnavailable, std::move(message)); }
-
 // A command of a batch on its way: which, to what node, after ASK or not.
 struct Pending {
   size_t index = 0;
@@ -162,7 +160,7 @@ std::vector<Result<RedisReply>> RedisCluster::Run(std::span<const RedisCommand> 
         if (error.ok()) {
           const RedisCommand& command = batch[p.index];
           error = command.value_parts.empty() ? conn->Append(command.argv)
-                                              : conn->AppendWithParts(command.argv, command.value_parts);
+                                              : conn->AppendWithParts(command.argv, command.value_parts, deadline);
         }
         if (!error.ok()) conn = nullptr;
       }

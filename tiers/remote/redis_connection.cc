@@ -112,14 +112,30 @@ Status RedisConnection::Append(std::span<const std::string_view> argv) {
   return Status::Ok();
 }
 
+Status RedisConnection::AwaitWritable(Deadline deadline, std::string_view what) {
+  while (true) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      broken_ = true;
+      return Unavailable("redis " + name_ + ": " + std::string(what) + ": timed out");
+    }
+    pollfd pfd{.fd = context_->fd, .events = POLLOUT, .revents = 0};
+    const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)));
+    if (ready < 0 && errno != EINTR) {
+      const int error = errno;
+      broken_ = true;
+      return Unavailable("redis " + name_ + ": " + std::string(what) + ": poll: " + std::strerror(error));
+    }
+    // (POLLERR, POLLHUP: the write that follows says what went wrong.)
+    if (ready > 0) return Status::Ok();
+  }
+}
+
 Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
-                                        std::span<const std::string_view> parts) {
+                                        std::span<const std::string_view> parts, Deadline deadline) {
   if (broken_) return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
   // What hiredis holds goes first, so that commands stay in order.
-  int flushed = 0;
-  while (flushed == 0) {
-    if (redisBufferWrite(context_, &flushed) != REDIS_OK) return Broken("write");
-  }
+  KVTIER_RETURN_IF_ERROR(Flush(deadline));
   // RESP: *<args>\r\n, each argument $<len>\r\n<bytes>\r\n; the last one in parts.
   size_t value_bytes = 0;
   for (const std::string_view p : parts) value_bytes += p.size();
@@ -142,12 +158,19 @@ Status RedisConnection::AppendWithParts(std::span<const std::string_view> argv,
     msg.msg_iov = iov.data() + at;
     msg.msg_iovlen = std::min<size_t>(iov.size() - at, IOV_MAX);
     // MSG_NOSIGNAL: a peer that closed is EPIPE here, never SIGPIPE.
-    const ssize_t n = ::sendmsg(context_->fd, &msg, MSG_NOSIGNAL);
+    // MSG_DONTWAIT: a full socket waits in AwaitWritable, by the deadline;
+    // a blocking send would wait its send timeout again after each piece
+    // the node takes.
+    const ssize_t n = ::sendmsg(context_->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
-      const int error = errno;  // EAGAIN: the send timeout passed
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        KVTIER_RETURN_IF_ERROR(AwaitWritable(deadline, "writing a value"));
+        continue;
+      }
+      const int error = errno;
       broken_ = true;
-      return Status(StatusCode::kUnavailable, "redis " + name_ + ": sendmsg: " + std::strerror(error));
+      return Unavailable("redis " + name_ + ": sendmsg: " + std::strerror(error));
     }
     size_t left = static_cast<size_t>(n);
     while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;
@@ -163,13 +186,22 @@ Status RedisConnection::Flush(Deadline deadline) {
   if (broken_) {
     return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
   }
-  // Each write waits at most the socket's send timeout (io_timeout).
   for (int done = 0; done == 0;) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      broken_ = true;
-      return Status(StatusCode::kUnavailable, "redis " + name_ + ": writing: timed out");
+    // hiredis writes with a blocking write(): its send timeout is what is
+    // left of the deadline, so that no write waits past it.
+    KVTIER_RETURN_IF_ERROR(AwaitWritable(deadline, "writing"));
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const timeval timeout = ToTimeval(std::max(left, std::chrono::milliseconds(1)));  // 0 would be none
+    if (::setsockopt(context_->fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
+      return Broken("setting the send timeout");
     }
-    if (redisBufferWrite(context_, &done) != REDIS_OK) return Broken("write");
+    if (redisBufferWrite(context_, &done) != REDIS_OK) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        broken_ = true;
+        return Unavailable("redis " + name_ + ": writing: timed out");
+      }
+      return Broken("write");
+    }
   }
   return Status::Ok();
 }

@@ -73,14 +73,19 @@ class RedisConnection {
   // Queues a command (binary-safe arguments; copied). Errors: kUnavailable
   // once broken.
   Status Append(std::span<const std::string_view> argv);
+  using Deadline = std::chrono::steady_clock::time_point;
   // Queues a command whose last argument is the concatenation of `parts`
   // (a value's header and payload), written to the socket at once with
   // sendmsg: the parts are not copied (hiredis would copy the whole value
-  // into its buffer). Errors: kUnavailable when the write fails or times out.
-  Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts);
-  using Deadline = std::chrono::steady_clock::time_point;
-  // Writes what is queued. Errors: kUnavailable when the connection fails or
-  // `deadline` passes first (it is broken from then on).
+  // into its buffer). What is queued before it is written first. The writes
+  // never block: a node that takes the bytes slowly, however steadily, fails
+  // it at `deadline`. Errors: kUnavailable when the write fails or the
+  // deadline passes (the connection is broken from then on).
+  Status AppendWithParts(std::span<const std::string_view> argv, std::span<const std::string_view> parts,
+                         Deadline deadline);
+  // Writes what is queued, each write waiting at most until `deadline`.
+  // Errors: kUnavailable when the connection fails or `deadline` passes
+  // first (it is broken from then on).
   Status Flush(Deadline deadline);
   // Sends what is queued if needed and reads the next reply, by `deadline`
   // (default: io_timeout from now). An error reply (MOVED, ASK, OOM, ...)
@@ -102,6 +107,9 @@ class RedisConnection {
  private:
   RedisConnection(redisContext* context, std::string name, std::chrono::milliseconds io_timeout);
   Status Broken(std::string_view what);
+  // Waits until the socket takes bytes, or `deadline` passes (kUnavailable,
+  // "<what>: timed out"; broken from then on).
+  Status AwaitWritable(Deadline deadline, std::string_view what);
   // The length of the string reply being read, once its header is in the
   // reader's buffer; nullopt before (or for another type).
   std::optional<uint64_t> PendingStringLength() const;

@@ -24,8 +24,6 @@ struct RemoteTier::Worker {
 
 namespace {
 
-Status Unavailable(std::string message) { return Status(StatusCode::kUnavailable, std::move(message)); }
-
 // A reply that says the cluster cannot serve now, as opposed to refusing
 // this command (OOM, NOPERM, ...).
 bool ClusterCannotServe(std::string_view error) {

@@ -12,20 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "tests/tiers/remote/must_start.h"
 #include "tiers/remote/remote_tier.h"
 #include "tools/redis_cluster_process.h"
 
 namespace kvtier {
 namespace {
 
+using ::kvtier::testing::MustStart;
 using ::kvtier::testing::RedisClusterProcess;
 using ::testing::HasSubstr;
-
-std::unique_ptr<RedisClusterProcess> MustStart(RedisClusterProcess::Options options = {}) {
-  Result<std::unique_ptr<RedisClusterProcess>> cluster = RedisClusterProcess::Start(options);
-  EXPECT_TRUE(cluster.has_value()) << cluster.error();
-  return cluster ? std::move(*cluster) : nullptr;
-}
 
 std::unique_ptr<RedisCluster> MustConnect(const RedisClusterProcess& process) {
   Result<std::unique_ptr<RedisCluster>> c = RedisCluster::Connect(RedisClusterOptions{.seeds = process.seeds()});

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/block_pattern.h"
+#include "tests/tiers/remote/must_start.h"
 #include "tests/tiers/remote/slow_proxy.h"
 #include "tiers/remote/remote_value.h"
 #include "tools/redis_cluster_process.h"
@@ -21,6 +22,7 @@
 namespace kvtier {
 namespace {
 
+using ::kvtier::testing::MustStart;
 using ::kvtier::testing::RedisClusterProcess;
 
 // The caller's side: `post` runs completions on the I/O thread, and each
@@ -83,12 +85,6 @@ Result<uint32_t> Get(RemoteTier& tier, const Blocks& b, std::vector<std::vector<
 
 Result<uint32_t> Exists(RemoteTier& tier, const Blocks& b) {
   return Wait([&](RemoteTier::Done d) { tier.Exists(b.keys, std::move(d)); });
-}
-
-std::unique_ptr<RedisClusterProcess> MustStart(RedisClusterProcess::Options options = {}) {
-  Result<std::unique_ptr<RedisClusterProcess>> cluster = RedisClusterProcess::Start(options);
-  EXPECT_TRUE(cluster.has_value()) << cluster.error();
-  return cluster ? std::move(*cluster) : nullptr;
 }
 
 void SetRaw(const NodeAddress& any, const std::string& key, const std::string& value) {
@@ -348,6 +344,40 @@ TEST(RemoteTierTest, ASlowNodeFailsItsBatchInTimeAndOpensTheBreaker) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_FALSE(Get(**tier, b, &out).has_value());  // refused at once while open
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+}
+
+// The other direction: a node that takes a put's bytes slowly, however
+// steadily (64 KiB every 30 ms, about 2 MB/s, each piece well within
+// io_timeout), fails the batch by its deadline: io_timeout plus its bytes at
+// kMinBytesPerSecond. Before, each sendmsg that made some progress waited
+// its send timeout again: this 16 MiB put took about 8 s, its blocks leased
+// and its I/O thread held all along.
+TEST(RemoteTierTest, ANodeThatTakesAPutSlowlyFailsItInTimeAndOpensTheBreaker) {
+  auto redis = MustStart({.standalone = true});
+  ASSERT_NE(redis, nullptr);
+  testing::SlowProxy proxy(redis->node(0), 64 << 10, std::chrono::milliseconds(30),
+                           testing::SlowProxy::Slow::kRequests);
+  RemoteTierOptions o = Options({proxy.address()});
+  o.cluster.io_timeout = std::chrono::milliseconds(500);
+  auto tier = RemoteTier::Start(o);
+  ASSERT_TRUE(tier.has_value()) << tier.error();
+  // More than the kernel's buffers hold: the writes must wait for the node.
+  Blocks b(4, 4 << 20);
+  // io_timeout + 16 MiB at 100 MB/s is 668 ms; the rest is slack.
+  const auto bound = std::chrono::milliseconds(2000);
+  for (int i = 0; i < 2; ++i) {
+    auto promise = std::make_shared<std::promise<Result<uint32_t>>>();
+    std::future<Result<uint32_t>> future = promise->get_future();
+    const auto start = std::chrono::steady_clock::now();
+    (*tier)->Put(b.ns, b.keys, b.payloads(), [promise](Result<uint32_t> r) { promise->set_value(std::move(r)); });
+    ASSERT_EQ(future.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "the put never ended";
+    const auto took = std::chrono::steady_clock::now() - start;
+    const Result<uint32_t> put = future.get();
+    EXPECT_FALSE(put.has_value() && *put > 0) << "stored through a node too slow to take it in time";
+    EXPECT_LT(took, bound) << i << ": " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                           << " ms";
+  }
+  EXPECT_TRUE((*tier)->counters().breaker_open);
 }
 
 uint64_t RssBytes() {

@@ -1,7 +1,12 @@
-// SlowProxy: a TCP proxy on 127.0.0.1 in front of one Redis node that
-// passes requests at once and trickles replies back, `piece_bytes` at a
-// time with `interval` between pieces: a node that answers, slowly. Fault
-// injection at the network seam, for what Redis cannot do itself.
+// SlowProxy: a TCP proxy on 127.0.0.1 in front of one Redis node, slow in
+// one direction: a node that answers slowly, or one that takes what it is
+// sent slowly (an overloaded node, a lossy link).
+//   kReplies   requests pass at once; replies trickle back, `piece_bytes`
+//              at a time with `interval` between pieces;
+//   kRequests  replies pass at once; requests are read `piece_bytes` at a
+//              time with `interval` between reads, from a socket with a
+//              small receive buffer, so that the sender's writes wait.
+// Fault injection at the network seam, for what Redis cannot do itself.
 //
 // For tests only. Stops (closing every connection) when destroyed.
 #pragma once
@@ -26,9 +31,17 @@ namespace kvtier::testing {
 
 class SlowProxy {
  public:
-  SlowProxy(NodeAddress target, size_t piece_bytes, std::chrono::milliseconds interval)
-      : target_(std::move(target)), piece_bytes_(piece_bytes), interval_(interval) {
+  enum class Slow { kReplies, kRequests };
+
+  SlowProxy(NodeAddress target, size_t piece_bytes, std::chrono::milliseconds interval,
+            Slow slow = Slow::kReplies)
+      : target_(std::move(target)), piece_bytes_(piece_bytes), interval_(interval), slow_(slow) {
     listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (slow_ == Slow::kRequests) {
+      // Accepted sockets inherit it: the kernel holds little for the sender.
+      const int bytes = static_cast<int>(piece_bytes_);
+      ::setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+    }
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -75,9 +88,13 @@ class SlowProxy {
       std::lock_guard lock(mu_);
       fds_.push_back(client);
       fds_.push_back(server);
-      pumps_.emplace_back([this, client, server] { Pump(client, server, SIZE_MAX, {}); });
-      pumps_.emplace_back(
-          [this, client, server] { Pump(server, client, piece_bytes_, interval_); });
+      if (slow_ == Slow::kReplies) {
+        pumps_.emplace_back([this, client, server] { Pump(client, server, SIZE_MAX, {}); });
+        pumps_.emplace_back([this, client, server] { Pump(server, client, piece_bytes_, interval_); });
+      } else {
+        pumps_.emplace_back([this, client, server] { SlowReads(client, server); });
+        pumps_.emplace_back([this, client, server] { Pump(server, client, SIZE_MAX, {}); });
+      }
     }
   }
   // Copies `from` to `to`, `piece` bytes per write with `pause` between.
@@ -95,10 +112,22 @@ class SlowProxy {
     }
     ::shutdown(to, SHUT_WR);
   }
+  // Copies `from` to `to`, reading `piece_bytes_` at most every `interval_`.
+  void SlowReads(int from, int to) {
+    std::vector<char> buf(piece_bytes_);
+    while (!stopping_) {
+      const ssize_t n = ::read(from, buf.data(), buf.size());
+      if (n <= 0) break;
+      if (::send(to, buf.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
+      std::this_thread::sleep_for(interval_);
+    }
+    ::shutdown(to, SHUT_WR);
+  }
 
   const NodeAddress target_;
   const size_t piece_bytes_;
   const std::chrono::milliseconds interval_;
+  const Slow slow_;
   int listener_ = -1;
   uint16_t port_ = 0;
   std::atomic<bool> stopping_{false};
