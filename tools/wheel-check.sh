@@ -62,11 +62,11 @@ for wheel in "$@"; do
   if ((with_vllm)); then
     # vLLM's wheel is abi3, the same for every Python, and the largest: it
     # is installed once, beside the venvs, and each venv sees it.
-    if [[ ! -f "$shared_vllm/.complete" ]]; then
+    vllm_pin=$(grep '^vllm==' "$requirements")
+    if [[ "$(cat "$shared_vllm/.installed" 2>/dev/null)" != "$vllm_pin" ]]; then
       rm -rf "$shared_vllm"
-      pip_install "$venv/bin/python" --target "$shared_vllm" "$(grep '^vllm==' "$requirements")" ||
-        fail "pip install $(grep '^vllm==' "$requirements")"
-      touch "$shared_vllm/.complete"
+      pip_install "$venv/bin/python" --target "$shared_vllm" "$vllm_pin" || fail "pip install $vllm_pin"
+      echo "$vllm_pin" >"$shared_vllm/.installed"
     fi
     grep -v '^vllm==' "$requirements" >"$work/requirements-$tag.txt"
     pip_install "$venv/bin/python" -r "$work/requirements-$tag.txt" || fail "pip install -r $requirements for $tag"
@@ -74,11 +74,12 @@ for wheel in "$@"; do
     echo "$shared_vllm" >"$site/vllm.pth"
     torch_version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
     if [[ "$torch_version" != *+cpu ]]; then
-      if [[ ! -f "$cuda_libs/.complete" ]]; then
+      # (Installed again when their requirements change.)
+      if ! cmp -s "$cuda_libs/.installed" client/python/requirements-torch-cuda-libs.txt; then
         rm -rf "$cuda_libs"
         pip_install "$venv/bin/python" --target "$cuda_libs" -r client/python/requirements-torch-cuda-libs.txt ||
           fail "pip install the CUDA libraries of PyPI's torch"
-        touch "$cuda_libs/.complete"
+        cp client/python/requirements-torch-cuda-libs.txt "$cuda_libs/.installed"
       fi
       echo "$cuda_libs" >"$site/torch-cuda-libs.pth"
     fi
