@@ -1,6 +1,7 @@
 #include "tiers/remote/redis_connection.h"
 
 #include <hiredis/hiredis.h>
+#include <hiredis/sds.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -112,13 +113,15 @@ Status RedisConnection::Append(std::span<const std::string_view> argv) {
   return Status::Ok();
 }
 
+Status RedisConnection::TimedOut(std::string_view what) {
+  broken_ = true;
+  return Unavailable("redis " + name_ + ": " + std::string(what) + ": timed out");
+}
+
 Status RedisConnection::AwaitWritable(Deadline deadline, std::string_view what) {
   while (true) {
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      broken_ = true;
-      return Unavailable("redis " + name_ + ": " + std::string(what) + ": timed out");
-    }
+    if (left.count() <= 0) return TimedOut(what);
     pollfd pfd{.fd = context_->fd, .events = POLLOUT, .revents = 0};
     const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)));
     if (ready < 0 && errno != EINTR) {
@@ -186,7 +189,9 @@ Status RedisConnection::Flush(Deadline deadline) {
   if (broken_) {
     return Status(StatusCode::kUnavailable, "redis " + name_ + ": the connection failed before");
   }
-  for (int done = 0; done == 0;) {
+  if (std::chrono::steady_clock::now() >= deadline) return TimedOut("writing");
+  // Nothing queued, as for most replies read (Next): no system call.
+  while (sdslen(context_->obuf) > 0) {
     // hiredis writes with a blocking write(): its send timeout is what is
     // left of the deadline, so that no write waits past it.
     KVTIER_RETURN_IF_ERROR(AwaitWritable(deadline, "writing"));
@@ -195,12 +200,9 @@ Status RedisConnection::Flush(Deadline deadline) {
     if (::setsockopt(context_->fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout)) != 0) {
       return Broken("setting the send timeout");
     }
+    int done = 0;  // (the buffer, whole or not: the loop's condition says)
     if (redisBufferWrite(context_, &done) != REDIS_OK) {
-      if (std::chrono::steady_clock::now() >= deadline) {
-        broken_ = true;
-        return Unavailable("redis " + name_ + ": writing: timed out");
-      }
-      return Broken("write");
+      return std::chrono::steady_clock::now() >= deadline ? TimedOut("writing") : Broken("write");
     }
   }
   return Status::Ok();
@@ -269,8 +271,7 @@ Result<RedisReply> RedisConnection::Next(RedisValueSink* sink, std::optional<Dea
     if (ready < 0 && errno == EINTR) continue;
     if (ready <= 0) {
       sink_state_.sink = nullptr;
-      broken_ = true;
-      return Err(StatusCode::kUnavailable, "redis " + name_ + ": reading a reply: timed out");
+      return Err(TimedOut("reading a reply"));
     }
     if (redisBufferRead(context_) != REDIS_OK) {
       sink_state_.sink = nullptr;

@@ -107,8 +107,9 @@ class RedisConnection {
  private:
   RedisConnection(redisContext* context, std::string name, std::chrono::milliseconds io_timeout);
   Status Broken(std::string_view what);
-  // Waits until the socket takes bytes, or `deadline` passes (kUnavailable,
-  // "<what>: timed out"; broken from then on).
+  // kUnavailable, "<what>: timed out"; broken from then on.
+  Status TimedOut(std::string_view what);
+  // Waits until the socket takes bytes, or `deadline` passes (TimedOut).
   Status AwaitWritable(Deadline deadline, std::string_view what);
   // The length of the string reply being read, once its header is in the
   // reader's buffer; nullopt before (or for another type).
