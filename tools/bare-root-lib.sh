@@ -9,6 +9,8 @@
 #   in_root CMD...         CMD in ROOT as root, with a clean environment
 #   await_socket SOCK PID LOG  until SOCK exists (10 s at most) or PID exits
 #   stop_daemon PID LOG    SIGTERM, and the exit status must be 0
+#   small_tiers            kvtierd's --set arguments for tiers small enough
+#                          for a check, without a metrics port
 say() { echo "$CHECK: $*"; }
 fail() {
   echo "$CHECK: FAILED: $*" >&2
@@ -49,3 +51,5 @@ stop_daemon() {
   wait "$pid" || rc=$?
   ((rc == 0)) || fail "kvtierd exited $rc on SIGTERM: $(tail -5 "$log")"
 }
+small_tiers=(--set tiers.host.bytes=64MiB --set tiers.disk.bytes=128MiB --set tiers.disk.region_bytes=16MiB
+  --set metrics.enabled=false)

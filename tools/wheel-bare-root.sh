@@ -94,8 +94,7 @@ out=$(as_engine kvtierctl version 2>&1) || rc=$?
 # tiers small enough for a test. A simple command in the background (not the
 # function, which would run in a subshell): chroot, env, setpriv, bash and the
 # console script each exec the next, so $! is kvtierd's pid.
-"${engine[@]}" kvtierd --foreground --set tiers.host.bytes=64MiB --set tiers.disk.bytes=128MiB \
-  --set tiers.disk.region_bytes=16MiB --set metrics.enabled=false >/tmp/wheel-bare-root.kvtierd.log 2>&1 &
+"${engine[@]}" kvtierd --foreground "${small_tiers[@]}" >/tmp/wheel-bare-root.kvtierd.log 2>&1 &
 daemon=$!
 trap 'kill -KILL "$daemon" 2>/dev/null || true' EXIT
 socket=$root/home/engine/var/kvtier/kvtierd.sock

@@ -25,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECK=wheel-check
-source tools/bare-root-lib.sh  # say, fail, await_socket, stop_daemon
+source tools/bare-root-lib.sh  # say, fail, await_socket, stop_daemon, small_tiers
 source tools/pythons.sh
 (($# > 0)) || fail "usage: tools/wheel-check.sh WHEEL..."
 repo=$PWD
@@ -34,6 +34,11 @@ cuda_libs=$work/torch-cuda-libs
 shared_vllm=$work/vllm
 requirements=client/python/requirements-vllm-import.txt
 mkdir -p "$work"
+# vLLM's wheel is abi3, the same for every Python, and the largest: it is
+# installed once, beside the venvs, and each venv sees it; they install the
+# rest.
+vllm_pin=$(grep '^vllm==' "$requirements")
+grep -v '^vllm==' "$requirements" >"$work/requirements-but-vllm.txt"
 # Quiet, pinned, without pip's notes on the machine's local indexes, and
 # without compiling every module to bytecode at install (half the time of
 # installing torch and vLLM's modules; what is imported compiles then).
@@ -60,16 +65,12 @@ for wheel in "$@"; do
   with_vllm=$("$venv/bin/python" -c 'import sys; print(int(sys.version_info >= (3, 11)))')
   torch_version="none (vLLM 0.33 requires Python 3.11 or later)"
   if ((with_vllm)); then
-    # vLLM's wheel is abi3, the same for every Python, and the largest: it
-    # is installed once, beside the venvs, and each venv sees it.
-    vllm_pin=$(grep '^vllm==' "$requirements")
     if [[ "$(cat "$shared_vllm/.installed" 2>/dev/null)" != "$vllm_pin" ]]; then
       rm -rf "$shared_vllm"
       pip_install "$venv/bin/python" --target "$shared_vllm" "$vllm_pin" || fail "pip install $vllm_pin"
       echo "$vllm_pin" >"$shared_vllm/.installed"
     fi
-    grep -v '^vllm==' "$requirements" >"$work/requirements-$tag.txt"
-    pip_install "$venv/bin/python" -r "$work/requirements-$tag.txt" || fail "pip install -r $requirements for $tag"
+    pip_install "$venv/bin/python" -r "$work/requirements-but-vllm.txt" || fail "pip install -r $requirements for $tag"
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
     echo "$shared_vllm" >"$site/vllm.pth"
     torch_version=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
@@ -94,8 +95,7 @@ for wheel in "$@"; do
   rm -rf "$home" && mkdir -p "$home"
   log=$home/kvtierd.log
   # (cd in a subshell, exec: $! is kvtierd's pid once its console script execs it.)
-  (cd "$home" && exec "$venv/bin/kvtierd" --foreground --set tiers.host.bytes=64MiB --set tiers.disk.bytes=128MiB \
-    --set tiers.disk.region_bytes=16MiB --set metrics.enabled=false) >"$log" 2>&1 &
+  (cd "$home" && exec "$venv/bin/kvtierd" --foreground "${small_tiers[@]}") >"$log" 2>&1 &
   daemon=$!
   socket=$home/var/kvtier/kvtierd.sock
   await_socket "$socket" "$daemon" "$log"
