@@ -28,7 +28,9 @@
 #
 # Usage: tools/gpu-bundle.sh [BUNDLE_DIR]   (default gpu-bundle, git-ignored).
 # Needs the CUDA toolkit (/usr/local/cuda or CUDACXX) and the build
-# dependencies (tools/setup-deps.sh). Exit status: 0 built, 1 failed.
+# dependencies (tools/setup-deps.sh). Environment: KVTIER_CUDA_ARCHS,
+# KVTIER_BUNDLE_BUILD_DIR, KVTIER_WERROR (ON: warnings are errors, as
+# tools/test.sh builds). Exit status: 0 built, 1 failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,7 +58,8 @@ fail() {
 mkdir -p "$(dirname "$build_dir")"
 say "configure $build_dir (Release, CUDA architectures $archs)"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVTIER_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" \
-  -DCMAKE_CUDA_ARCHITECTURES="$archs" -DKVTIER_BUILD_TESTS=ON -DKVTIER_PYTHON=OFF >"$build_dir.configure.log" 2>&1 ||
+  -DCMAKE_CUDA_ARCHITECTURES="$archs" -DKVTIER_BUILD_TESTS=ON -DKVTIER_PYTHON=OFF \
+  -DKVTIER_WERROR="${KVTIER_WERROR:-OFF}" >"$build_dir.configure.log" 2>&1 ||
   { cat "$build_dir.configure.log"; fail "cmake configure"; }
 say "build (-j$(nproc))"
 cmake --build "$build_dir" -j"$(nproc)" --target kvtier_shared "${programs[@]}" "${gpu_tests[@]}" \

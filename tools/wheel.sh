@@ -9,7 +9,7 @@
 #      module _kvtier, kvtierd and kvtierctl in kvtier/bin, libkvtier in
 #      kvtier/lib, the example config in kvtier/share; console scripts
 #      kvtierd and kvtierctl. All Pythons share one build tree
-#      (build/python-wheel/all): the first builds everything, each next one
+#      (build/wheel-build): the first builds everything, each next one
 #      configures it for its Python and compiles only the module; the
 #      programs, libkvtier and the CUDA kernels are the same bytes in every
 #      wheel. CUDA is built in where the toolkit is (KVTIER_CUDA=AUTO;
@@ -26,7 +26,7 @@
 # Usage: tools/wheel.sh [OUT_DIR]   (default build/wheel; needs
 # tools/setup-deps.sh). Environment: KVTIER_CUDA (AUTO, ON: fail without CUDA
 # kernels, as tools/test.sh asks where nvcc is; OFF), KVTIER_CUDA_ARCHS,
-# KVTIER_WHEEL_PYTHONS (the interpreters, space-separated; default: every
+# KVTIER_WERROR (ON: warnings are errors), KVTIER_WHEEL_PYTHONS (the interpreters, space-separated; default: every
 # CPython 3.10 to 3.13 found), KVTIER_WHEEL_ALL=1 (fail unless all four are
 # found, as tools/test.sh asks).
 set -euo pipefail
@@ -56,7 +56,7 @@ for entry in "${pythons[@]}"; do
   KVTIER_PYTHON_EXE=$python tools/setup-python.sh client/python/requirements-build.txt "$venv" >&2
   start=$SECONDS
   "$venv/bin/python" -m pip wheel -v --disable-pip-version-check --no-build-isolation --no-deps -w "$out/raw" \
-    --config-settings=build-dir="$PWD/build/python-wheel/all" ./client/python >"$out/build-$tag.log" 2>&1 ||
+    --config-settings=build-dir="$PWD/build/wheel-build" ./client/python >"$out/build-$tag.log" 2>&1 ||
     { tail -40 "$out/build-$tag.log" >&2; fail "pip wheel for $python (log: $out/build-$tag.log)"; }
   built=$((SECONDS - start))
   raw=$(ls "$out"/raw/kvtier-*-"$tag"-*.whl)

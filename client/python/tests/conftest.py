@@ -1,7 +1,7 @@
 """Test fixtures: a real kvtierd on a temporary socket, and its clients.
 
-kvtierd is found in $KVTIER_PROGRAMS_DIR (tools/test.sh sets it to the Debug
-build's bin/), else in build/debug/bin of this checkout.
+kvtierd is found in $KVTIER_PROGRAMS_DIR (tools/test.sh sets it to the installed
+wheel's kvtier/bin), else in build/debug/bin of this checkout.
 """
 
 from __future__ import annotations
