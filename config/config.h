@@ -200,6 +200,17 @@ struct Config {
     // charged to kvtierd's memory cgroup).
     uint32_t max_mappings_per_tenant = 4096;
     uint64_t max_mapped_bytes_per_tenant = 1ull << 40;
+    // What the node allows kvtierd as a whole (daemon/node_budget.h): 0 is
+    // the node's own (vm.max_map_count; RLIMIT_NOFILE, raised to its hard
+    // limit; the memory cgroup's limit, else the machine's RAM). A value
+    // lower than the node's caps it; a higher one is refused at start.
+    uint64_t node_max_map_count = 0;
+    uint64_t node_open_files = 0;
+    uint64_t node_memory_bytes = 0;
+    // Where the tenants' limits add up past what the node leaves them: the
+    // part of it split evenly into guaranteed shares; the rest is lent to
+    // whichever tenant asks, up to its own limit.
+    double node_guaranteed_fraction = 0.5;
   } limits;
 
   // KV events for KV-aware routers (docs/kv-events.md).

@@ -86,6 +86,12 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
              if (*v < (1ull << 20)) return "must be at least 1MiB, got " + FormatSize(*v);
              return {};
            });
+    m.Read("node_max_map_count", &l.node_max_map_count,
+           [](const YAML::Node& n, uint64_t* v) { return ParseUint(n, 1, UINT32_MAX, v); });
+    m.Read("node_open_files", &l.node_open_files,
+           [](const YAML::Node& n, uint64_t* v) { return ParseUint(n, 1, UINT32_MAX, v); });
+    m.Read("node_memory_bytes", &l.node_memory_bytes, ParseSizeNode);
+    m.Read("node_guaranteed_fraction", &l.node_guaranteed_fraction, ParseRatio);
     m.Finish();
   }
   ReadEvents(ctx, r.Take("events"), &c->events);

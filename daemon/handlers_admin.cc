@@ -169,6 +169,20 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"messages_rejected", messages_rejected_},
                         {"ops_cancelled", ops_cancelled_},
                     });
+    const NodeBudgetFigures node_maps = node_->maps.figures(), node_sessions = node_->sessions.figures(),
+                            node_memory = node_->memory.figures();
+    counters.insert(counters.end(), {
+                                        {"node_maps_share", node_maps.share},
+                                        {"node_maps_used", node_maps.used},
+                                        {"node_maps_refused", node_maps.refusals},
+                                        {"node_sessions_share", node_sessions.share},
+                                        {"node_sessions_used", node_sessions.used},
+                                        {"node_sessions_refused", node_sessions.refusals},
+                                        {"node_memory_share", node_memory.share},
+                                        {"node_memory_used", node_memory.used},
+                                        {"node_memory_refused", node_memory.refusals},
+                                        {"node_budget_warnings", node_maps.warnings + node_sessions.warnings + node_memory.warnings},
+                                    });
     if (events_ != nullptr) {
       const KvEventPublisherCounters p = events_->publisher_counters();
       const KvEventSourceCounters e = events_->counters();
@@ -384,6 +398,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.loop_posted_deferred = posted_deferred_;
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
+  for (const NodeBudget* b : {&node_->maps, &node_->sessions, &node_->memory}) m.node_budgets.push_back(b->figures());
   for (const auto& t : tenants_->tenants()) {
     MetricsSnapshot::TenantRow row{
         .name = t->config.name, .sessions = t->sessions, .share = cache_->ShareOf(t->id)};

@@ -58,6 +58,11 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
     return ipc::ErrorMessage(id, Status(StatusCode::kResourceExhausted,
                                         "tenant " + t.config.name + " has reached limits.max_sessions_per_tenant"));
   }
+  if (Status st = node_->sessions.Take(t.id, t.config.name, 1); !st.ok()) {
+    ++sessions_refused_;
+    MarkClosing(s, "node limit");
+    return ipc::ErrorMessage(id, st);
+  }
   s.tenant = &t;
   ++t.sessions;
   --unauthenticated_;
@@ -154,9 +159,11 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   // budget of maps and bytes is charged, before anything is mapped.
   const std::vector<uint64_t> needed = KvCacheLayout::MinRegionSizes(*layout, m.num_blocks(), kv->placements());
   uint64_t charged_bytes = 0;
+  uint64_t host_bytes = 0;  // of them, the node's memory (not a GPU's)
   for (size_t i = 0; i < handles.size(); ++i) {
     if (handles[i].kind == ClientMemoryKind::kHostMemfd) {
       handles[i].size_bytes = std::min(handles[i].size_bytes, AlignUpToPage(needed[i]));
+      host_bytes += handles[i].size_bytes;
     }
     charged_bytes += handles[i].size_bytes;
   }
@@ -166,9 +173,11 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     if (index < 0) continue;
     ++pages;
     charged_bytes += bytes;
+    host_bytes += bytes;
   }
   Result<MappedCharge> charge =
-      MappedCharge::Take(*s.tenant, options_.config.limits, handles.size() + pages, charged_bytes);
+      MappedCharge::Take(*s.tenant, options_.config.limits, node_, handles.size() + pages, charged_bytes,
+                         host_bytes);
   if (!charge) return ipc::ErrorMessage(id, charge.error());
   std::vector<IpcEventHandle> events;
   if (m.cuda_events() != nullptr) {

@@ -23,6 +23,7 @@
 #include "config/config_loader.h"
 #include "daemon/config_summary.h"
 #include "daemon/logging.h"
+#include "daemon/node_budget.h"
 #include "daemon/server.h"
 #include "ipc/wire.h"
 #include "tiers/disk/disk_tier.h"
@@ -90,9 +91,23 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::optional<std::string> exposed = kvtier::TokenExposure(*config, source);
+  // What the node allows (a limits.node_* above it is a config error, found
+  // before anything is created); the Server reads it again once it starts.
+  const kvtier::Result<kvtier::NodeLimits> node = kvtier::ReadNodeLimits(config->limits);
+  if (!node) {
+    std::fprintf(stderr, "kvtierd: invalid configuration:\n%s\n", node.error().message().c_str());
+    return 2;
+  }
   if (check_config) {
     if (exposed) std::fprintf(stderr, "kvtierd: warning: %s\n", exposed->c_str());
     std::printf("%s", kvtier::ConfigSummary(*config).c_str());
+    // What is kept for kvtierd here is from this process's use; the daemon
+    // measures its own once its tiers are open.
+    const kvtier::NodeBudgets budgets(*node, *config, config->tenants.size());
+    std::printf("node budgets (fair shares between the named tenants):\n");
+    for (const kvtier::NodeBudget* b : {&budgets.maps, &budgets.sessions, &budgets.memory}) {
+      std::printf("  %s\n", b->Describe().c_str());
+    }
     std::printf("kvtierd: configuration OK\n");
     return 0;
   }

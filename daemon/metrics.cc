@@ -298,6 +298,20 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.sessions_refused));
   f.Counter("kvtier_messages_rejected_total", "Malformed or oversized messages.",
             static_cast<double>(s.messages_rejected));
+  for (const NodeBudgetFigures& b : s.node_budgets) {
+    const auto limit = L({{"limit", b.limit}});
+    f.Gauge("kvtier_node_budget", "What the node allows kvtierd (vm.max_map_count, RLIMIT_NOFILE, memory bytes).",
+            static_cast<double>(b.node), limit);
+    f.Gauge("kvtier_node_budget_reserved", "Of the node's budget, what kvtierd keeps for itself.",
+            static_cast<double>(b.reserve), limit);
+    f.Gauge("kvtier_node_budget_share", "Of the node's budget, what each named tenant is guaranteed.",
+            static_cast<double>(b.share), limit);
+    f.Gauge("kvtier_node_budget_used", "Of the node's budget, what the tenants hold (maps, sessions, bytes).",
+            static_cast<double>(b.used), limit);
+    f.Counter("kvtier_node_budget_refusals_total",
+              "Registrations and sessions refused because the node's budget was held or guaranteed to others.",
+              static_cast<double>(b.refusals), limit);
+  }
   f.Counter("kvtier_loop_slow_turns_total",
             "Turns of the event loop that took 10 ms or more (kvtierd logs the largest parts of one a second).",
             static_cast<double>(s.loop_slow_turns));

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "daemon/kv_event_source.h"
+#include "daemon/node_budget.h"
 #include "common/latency_histogram.h"
 #include "common/status.h"
 #include "tiers/block_cache.h"
@@ -73,6 +74,7 @@ struct MetricsSnapshot {
   LatencyHistogram load_latency;    // op start to completion
   LatencyHistogram store_latency;
   std::vector<TenantRow> tenants;
+  std::vector<NodeBudgetFigures> node_budgets;
 };
 
 // The kvtier_* families for one snapshot.

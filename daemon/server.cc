@@ -36,7 +36,7 @@ constexpr int kMaxMessagesPerWakeup = 64;
 // A connection must say Hello this soon, and at most this many may be
 // waiting to: idle connections cannot exhaust the daemon's descriptors.
 constexpr auto kHelloTimeout = std::chrono::seconds(10);
-constexpr size_t kMaxUnauthenticated = 256;
+constexpr size_t kMaxUnauthenticated = NodeBudgets::kMaxUnauthenticated;
 constexpr auto kAcceptPause = std::chrono::milliseconds(100);
 // Posted work (completions, write-back pumps) runs for at most about this
 // long a turn; the rest waits for the next turn, after the requests that
@@ -358,6 +358,13 @@ Status Server::Setup() {
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), listen_.get(), EPOLLIN, kListenTag));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), signal_fd_.get(), EPOLLIN, kSignalTag));
   KVTIER_RETURN_IF_ERROR(EpollAdd(epoll_.get(), wake_fd_.get(), EPOLLIN, kWakeTag));
+  // The node's budgets, once everything of kvtierd's own is open (what it
+  // maps and holds open now is its own).
+  KVTIER_ASSIGN_OR_RETURN(const NodeLimits node, ReadNodeLimits(c.limits));
+  node_ = std::make_shared<NodeBudgets>(node, c, tenants_->tenants().size());
+  for (const NodeBudget* b : {&node_->maps, &node_->sessions, &node_->memory}) {
+    spdlog::info("node budget: {}", b->Describe());
+  }
   spdlog::info("listening on {} (mode {:04o}{}), {} tenant(s)", c.socket.path, c.socket.mode,
                c.socket.group ? ", gid " + std::to_string(*c.socket.group) : "", tenants_->tenants().size());
   return Status::Ok();
@@ -666,8 +673,12 @@ void Server::CloseSession(uint64_t id, const char* why) {
   // Flush what fits (e.g. the error that explains the close).
   while (!s.outbox.empty() && ipc::SendMessage(s.fd.get(), s.outbox.front()).ok()) s.outbox.pop_front();
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, s.fd.get(), nullptr);
-  if (s.tenant != nullptr) --s.tenant->sessions;
-  else --unauthenticated_;
+  if (s.tenant != nullptr) {
+    --s.tenant->sessions;
+    node_->sessions.Give(s.tenant->id, 1);
+  } else {
+    --unauthenticated_;
+  }
   spdlog::info("session {} ({}{}): closed: {}; {} op(s) in flight are abandoned", id,
                s.tenant != nullptr ? s.tenant->config.name : "unauthenticated",
                s.client_name.empty() ? "" : ", " + s.client_name, why, s.ops.in_flight());

@@ -31,6 +31,7 @@
 #include "daemon/close_list.h"
 #include "daemon/kv_event_source.h"
 #include "daemon/metrics.h"
+#include "daemon/node_budget.h"
 #include "daemon/session.h"
 #include "daemon/startup_undo.h"
 #include "daemon/tenants.h"
@@ -192,6 +193,9 @@ class Server {
   std::unique_ptr<KvEventSource> events_;
   std::unique_ptr<BlockCache> cache_;
   std::unique_ptr<TenantRegistry> tenants_;
+  // The node's limits shared by the tenants: sessions are taken at Hello,
+  // maps and memory with each registration's MappedCharge.
+  std::shared_ptr<NodeBudgets> node_;
   UniqueFd epoll_;
   UniqueFd listen_;
   UniqueFd signal_fd_;

@@ -129,8 +129,9 @@ std::vector<std::string> TenantRegistry::Reload(const Config& config) {
   return need_restart;
 }
 
-Result<MappedCharge> MappedCharge::Take(const Tenant& tenant, const Config::Limits& limits, uint64_t maps,
-                                        uint64_t bytes) {
+Result<MappedCharge> MappedCharge::Take(const Tenant& tenant, const Config::Limits& limits,
+                                        std::shared_ptr<NodeBudgets> node, uint64_t maps, uint64_t bytes,
+                                        uint64_t host_bytes) {
   // Only the event loop adds: what it reads can only fall meanwhile.
   const Tenant::Mapped& now = *tenant.mapped;
   if (now.maps.load() + maps > limits.max_mappings_per_tenant) {
@@ -145,15 +146,22 @@ Result<MappedCharge> MappedCharge::Take(const Tenant& tenant, const Config::Limi
                           " in kvtierd, past limits.max_mapped_bytes_per_tenant (" +
                           FormatSize(limits.max_mapped_bytes_per_tenant) + ")"));
   }
+  KVTIER_RETURN_IF_ERROR(node->maps.Take(tenant.id, tenant.config.name, maps));
+  if (Status st = node->memory.Take(tenant.id, tenant.config.name, host_bytes); !st.ok()) {
+    node->maps.Give(tenant.id, maps);
+    return Err(std::move(st));
+  }
   tenant.mapped->maps += maps;
   tenant.mapped->bytes += bytes;
-  return MappedCharge(tenant.mapped, maps, bytes);
+  return MappedCharge(tenant.mapped, std::move(node), tenant.id, maps, bytes, host_bytes);
 }
 
 MappedCharge::~MappedCharge() {
   if (!mapped_) return;
   mapped_->maps -= maps_;
   mapped_->bytes -= bytes_;
+  node_->maps.Give(tenant_, maps_);
+  node_->memory.Give(tenant_, host_bytes_);
 }
 
 std::shared_ptr<ClientMapping> MappedCharge::Hold(std::shared_ptr<ClientMapping> mapping) && {

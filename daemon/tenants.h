@@ -23,6 +23,7 @@
 #include "common/secret.h"
 #include "common/status.h"
 #include "config/config.h"
+#include "daemon/node_budget.h"
 #include "ipc/seqpacket.h"
 #include "tiers/block_cache.h"
 
@@ -49,17 +50,26 @@ struct Tenant {
   bool evicting = false;
 };
 
-// A tenant's charge for one registered KV cache's maps (Tenant::mapped),
-// taken by the event loop before anything is mapped, then held with the
-// cache's ClientMapping: given back when the mapping is released, on
-// whichever thread drops it last. Move-only.
+// A tenant's charge for one registered KV cache's maps (Tenant::mapped, and
+// the node's budgets of maps and memory), taken by the event loop before
+// anything is mapped, then held with the cache's ClientMapping: given back
+// when the mapping is released, on whichever thread drops it last.
+// Move-only.
 class MappedCharge {
  public:
-  // Errors: kResourceExhausted naming the limit the charge would pass.
-  static Result<MappedCharge> Take(const Tenant& tenant, const Config::Limits& limits, uint64_t maps,
-                                   uint64_t bytes);
+  // `maps` regions of `bytes` in all, `host_bytes` of them the node's memory
+  // (memfds; not a GPU's). Errors: kResourceExhausted naming the limit the
+  // charge would pass, the tenant's own or the node's.
+  static Result<MappedCharge> Take(const Tenant& tenant, const Config::Limits& limits,
+                                   std::shared_ptr<NodeBudgets> node, uint64_t maps, uint64_t bytes,
+                                   uint64_t host_bytes);
   MappedCharge(MappedCharge&& other) noexcept
-      : mapped_(std::move(other.mapped_)), maps_(other.maps_), bytes_(other.bytes_) {}
+      : mapped_(std::move(other.mapped_)),
+        node_(std::move(other.node_)),
+        tenant_(other.tenant_),
+        maps_(other.maps_),
+        bytes_(other.bytes_),
+        host_bytes_(other.host_bytes_) {}
   MappedCharge& operator=(MappedCharge&&) = delete;
   ~MappedCharge();
 
@@ -68,12 +78,21 @@ class MappedCharge {
   std::shared_ptr<ClientMapping> Hold(std::shared_ptr<ClientMapping> mapping) &&;
 
  private:
-  MappedCharge(std::shared_ptr<Tenant::Mapped> mapped, uint64_t maps, uint64_t bytes)
-      : mapped_(std::move(mapped)), maps_(maps), bytes_(bytes) {}
+  MappedCharge(std::shared_ptr<Tenant::Mapped> mapped, std::shared_ptr<NodeBudgets> node, TenantId tenant,
+               uint64_t maps, uint64_t bytes, uint64_t host_bytes)
+      : mapped_(std::move(mapped)),
+        node_(std::move(node)),
+        tenant_(tenant),
+        maps_(maps),
+        bytes_(bytes),
+        host_bytes_(host_bytes) {}
 
   std::shared_ptr<Tenant::Mapped> mapped_;  // null once moved from
+  std::shared_ptr<NodeBudgets> node_;
+  TenantId tenant_ = 0;
   uint64_t maps_ = 0;
   uint64_t bytes_ = 0;
+  uint64_t host_bytes_ = 0;
 };
 
 class TenantRegistry {

@@ -46,8 +46,10 @@ void CacheDisk::ReadIntoHost(BlockEntry* e) {
 uint8_t* CacheDisk::SlotForDiskRead(const BlockEntry* e) {
   // No record left (a reclaim took it while a load held the block): nothing
   // to read. A read takes free room or a clean block's slot, never one of a
-  // block not on disk yet: the block read is safe there already.
-  return e->on_disk ? cache_.room_->ForRead(ReadSlotBytes(e)) : nullptr;
+  // block not on disk yet: the block read is safe there already. It is held
+  // to its owner's host quota, as a store is: the owner's colder host blocks
+  // go back to disk for it.
+  return e->on_disk ? cache_.room_->ForRead(ReadSlotBytes(e), e->owner) : nullptr;
 }
 
 bool CacheDisk::HostRoomIsComing(const BlockEntry* e) const {

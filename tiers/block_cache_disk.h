@@ -14,9 +14,10 @@
 //     write-back pauses after each failure (doubling), one write at a time.
 //   - Two loads of one block share one read; a failed read drops the record
 //     (unless the error says nothing of it) and is never served.
-//   - A read takes host room only through RoomGate::ForRead; with none, it
-//     waits (parked) while host blocks are leaving, else it misses: it never
-//     drops a block that exists nowhere else.
+//   - A read takes host room only through RoomGate::ForRead, within its
+//     owner's host quota; with none, it waits (parked) while host blocks are
+//     leaving, else it misses: it never drops a block that exists nowhere
+//     else.
 //   - Admission (min hits, the gates) and the write budget decide every
 //     write-back; write-through and flushes skip them.
 //

@@ -16,10 +16,10 @@ uint8_t* RoomGate::ForStore(Tier t, uint64_t bytes) {
   return AllocateSlot(t, bytes, t == Tier::kHbm ? Room::kNothing : Room::kAny);
 }
 
-uint8_t* RoomGate::ForRead(uint64_t bytes, std::optional<TenantId> quota_of) {
+uint8_t* RoomGate::ForRead(uint64_t bytes, TenantId quota_of) {
   // The block read is safe below host already; the one it would replace
   // might not be.
-  if (quota_of && !QuotaRoom(*quota_of, bytes, /*clean_only=*/true)) return nullptr;
+  if (!QuotaRoom(quota_of, bytes, /*clean_only=*/true)) return nullptr;
   return AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly);
 }
 

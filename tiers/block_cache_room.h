@@ -48,10 +48,9 @@ class RoomGate {
 
   // A slot of `bytes` in tier `t` (hbm or host), or nullptr: see above.
   uint8_t* ForStore(Tier t, uint64_t bytes);
-  // `quota_of`: the tenant whose host quota the block counts against (a
-  // remote fetch). A disk read passes none: reading a block up to host is
-  // not held to its owner's host quota (it goes back to disk when cold).
-  uint8_t* ForRead(uint64_t bytes, std::optional<TenantId> quota_of = std::nullopt);
+  // `quota_of`: the tenant whose host quota the block counts against (its
+  // owner: a disk read or a remote fetch is held to it as a store is).
+  uint8_t* ForRead(uint64_t bytes, TenantId quota_of);
   uint8_t* ForDemotion(uint64_t bytes);
   uint8_t* ForPromotion(uint64_t bytes);
   uint8_t* ForCompaction(uint64_t bytes);

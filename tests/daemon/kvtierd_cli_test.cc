@@ -54,6 +54,22 @@ TEST(KvtierdCliTest, DefaultsCheckOk) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
+// --check-config says how the node's limits are shared: 24 tenants of 4,096
+// maps each are past a node of 20,000 maps, so each is guaranteed a share
+// and the rest is lent.
+TEST(KvtierdCliTest, CheckConfigPrintsTheNodesBudgetsAndTheirShares) {
+  std::string tenants = "tenants=[";
+  for (int i = 0; i < 24; ++i) tenants += (i ? ", {name: t" : "{name: t") + std::to_string(i) + ", uid: " + std::to_string(1000 + i) + "}";
+  const CmdResult r = Kvtierd("--set '" + tenants + "]' --set limits.node_max_map_count=20000 --check-config");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("node budgets"));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("vm.max_map_count 20000 maps: [0-9]+ maps kept for kvtierd, [0-9]+ "
+                                                 "maps for 24 tenants .limits.max_mappings_per_tenant 4096 maps "
+                                                 "each, 98304 maps in all: past it, so each is guaranteed"));
+  EXPECT_THAT(r.output, HasSubstr("RLIMIT_NOFILE"));
+  EXPECT_THAT(r.output, HasSubstr("memory ("));
+}
+
 TEST(KvtierdCliTest, NegativeSizeExitsTwoNamingTheKey) {
   const CmdResult r = Kvtierd("--config " + kExample + " --set tiers.host.bytes=-5 --check-config");
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -114,7 +130,9 @@ std::vector<StartupRule> StartupRules() {
       {"DecimalDiskSize", "--set tiers.disk.bytes=100GB",
        "tiers.disk.bytes: must be a multiple of 4KiB (e.g. in MiB or GiB), got 100GB"},
       {"HugeRegions", "--set tiers.disk.region_bytes=16TiB --set tiers.disk.bytes=32TiB",
-       "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"}};
+       "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"},
+      {"NodeLimitAboveTheNode", "--set limits.node_max_map_count=4294967295",
+       "limits.node_max_map_count (4294967295) is above the node's vm.max_map_count"}};
 #if !KVTIER_HAVE_CUDA
   rules.push_back({"CudaWithoutToolkit", "--set device.backend=cuda",
                    "device.backend: cuda, but this kvtierd was built without the CUDA toolkit"});

@@ -1,6 +1,7 @@
 #include "tests/integration/daemon_process.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -21,7 +22,7 @@
 namespace kvtier::testing {
 
 Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, std::string config_file,
-                                           std::string netns) {
+                                           std::string netns, uint64_t open_files) {
   char tmpl[] = "/tmp/kvtier-it-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) return Err(Status::FromErrno(errno, "mkdtemp"));
   const std::string dir = tmpl;
@@ -42,13 +43,17 @@ Result<DaemonProcess> DaemonProcess::Start(std::vector<std::string> overrides, s
     args.push_back("--set");
     args.push_back(s);
   }
-  DaemonProcess d(dir, std::move(args), std::move(netns));
+  DaemonProcess d(dir, std::move(args), std::move(netns), open_files);
   KVTIER_RETURN_IF_ERROR(d.Spawn());
   return d;
 }
 
-DaemonProcess::DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns)
-    : dir_(std::move(dir)), socket_path_(dir_ + "/kvtierd.sock"), args_(std::move(args)), netns_(std::move(netns)) {
+DaemonProcess::DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns, uint64_t open_files)
+    : dir_(std::move(dir)),
+      socket_path_(dir_ + "/kvtierd.sock"),
+      args_(std::move(args)),
+      netns_(std::move(netns)),
+      open_files_(open_files) {
   for (size_t i = 0; i + 1 < args_.size(); ++i) {
     if (args_[i] == "--set" && args_[i + 1].starts_with("socket.path=")) {
       socket_path_ = args_[i + 1].substr(std::string("socket.path=").size());
@@ -61,6 +66,7 @@ DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
       socket_path_(std::move(other.socket_path_)),
       args_(std::move(other.args_)),
       netns_(std::move(other.netns_)),
+      open_files_(other.open_files_),
       pid_(std::exchange(other.pid_, -1)) {}
 
 DaemonProcess::~DaemonProcess() {
@@ -85,6 +91,14 @@ Status DaemonProcess::Spawn() {
       const int ns = ::open(netns_.c_str(), O_RDONLY | O_CLOEXEC);
       if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) {
         std::fprintf(stderr, "daemon_process: entering %s: %s\n", netns_.c_str(), std::strerror(errno));
+        ::_exit(126);
+      }
+    }
+    if (open_files_ > 0) {
+      const rlimit files{.rlim_cur = open_files_, .rlim_max = open_files_};
+      if (::setrlimit(RLIMIT_NOFILE, &files) != 0) {
+        std::fprintf(stderr, "daemon_process: RLIMIT_NOFILE %llu: %s\n",
+                     static_cast<unsigned long long>(open_files_), std::strerror(errno));
         ::_exit(126);
       }
     }

@@ -20,9 +20,10 @@ class DaemonProcess {
   // temporary socket and state dir unless overridden), and waits until its
   // socket accepts connections. With `netns` (a network namespace's file,
   // e.g. /run/netns/NAME), it runs in that namespace (its Unix socket is
-  // still reached by path).
+  // still reached by path). With `open_files`, that is its RLIMIT_NOFILE,
+  // soft and hard.
   static Result<DaemonProcess> Start(std::vector<std::string> overrides, std::string config_file = "",
-                                     std::string netns = "");
+                                     std::string netns = "", uint64_t open_files = 0);
 
   DaemonProcess(DaemonProcess&& other) noexcept;
   DaemonProcess& operator=(DaemonProcess&&) = delete;
@@ -43,13 +44,14 @@ class DaemonProcess {
   void Signal(int sig) const;
 
  private:
-  DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns);
+  DaemonProcess(std::string dir, std::vector<std::string> args, std::string netns, uint64_t open_files);
   Status Spawn();
 
   std::string dir_;
   std::string socket_path_;
   std::vector<std::string> args_;
   std::string netns_;
+  uint64_t open_files_ = 0;
   pid_t pid_ = -1;
 };
 

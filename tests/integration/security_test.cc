@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -350,6 +352,181 @@ TEST(SecurityTest, MapsAndMappedBytesPerTenantAreBounded) {
   EXPECT_EQ(past.error().code(), StatusCode::kResourceExhausted);
   EXPECT_THAT(past.error().message(), ::testing::HasSubstr("limits.max_mapped_bytes_per_tenant"));
   EXPECT_TRUE(b->Stats().has_value()) << "the refusals closed nothing";
+}
+
+// `count` tenants t0, t1, ... with tokens, and the admin ops: a tenants=
+// setting.
+std::string ManyTenants(int count) {
+  std::string list = "tenants=[";
+  for (int i = 0; i < count; ++i) {
+    list += "{name: t" + std::to_string(i) + ", token: " + Tok(static_cast<char>('A' + i)) + "}, ";
+  }
+  return list + "{name: ops, token: " + Tok('o') + ", admin: true}]";
+}
+
+// A tenant that used nothing yet registers a cache, stores 4 blocks and
+// loads them back byte for byte, on a session of its own.
+void RegistersStoresAndLoads(const DaemonProcess& d, const std::string& token) {
+  std::unique_ptr<Client> c = Connect(d, token);
+  ASSERT_TRUE(c) << "it could not connect\n" << d.Log();
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 8).value();
+  Result<CacheId> id = c->RegisterKvCache(cache);
+  ASSERT_TRUE(id.has_value()) << id.error();
+  const std::vector<BlockKey> keys = c->ComputeKeys(*id, PseudoTokens(46, 4 * 16)).value();
+  std::vector<std::vector<uint8_t>> stored;
+  for (uint32_t i = 0; i < 4; ++i) {
+    FillFromKey(keys[i], cache.block(i));
+    stored.emplace_back(cache.block(i).begin(), cache.block(i).end());
+  }
+  Result<OpResult> st = c->Store(*id, keys, std::vector<uint32_t>{0, 1, 2, 3});
+  ASSERT_TRUE(st.has_value()) << st.error();
+  ASSERT_EQ(st->blocks, 4u);
+  Result<OpResult> ld = c->Load(*id, keys, std::vector<uint32_t>{4, 5, 6, 7});
+  ASSERT_TRUE(ld.has_value()) << ld.error();
+  ASSERT_EQ(ld->blocks, 4u);
+  for (uint32_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(std::equal(stored[i].begin(), stored[i].end(), cache.block(4 + i).begin())) << "block " << i;
+  }
+}
+
+// Tenants each within limits.max_mappings_per_tenant (4,096) but together
+// past Linux's vm.max_map_count for the whole daemon (65,530): each gets its
+// guaranteed share of the node's maps and borrows only from what no tenant
+// is guaranteed, so the tenant that comes last still registers, stores and
+// loads. The refusals name the node's limit, are counted, and are logged
+// once. Before, the 16th tenant's registrations failed with "mmap: Cannot
+// allocate memory", then every other tenant's, with nothing logged.
+TEST(SecurityTest, TenantsAtTheirOwnMapLimitsLeaveEveryOtherTenantItsShareOfTheNode) {
+  constexpr int kGreedy = 18;
+  Result<DaemonProcess> d = DaemonProcess::Start({ManyTenants(kGreedy + 1)});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  // A cache of 14 layers, one region each, and its fence page: 15 maps per
+  // registration, 64 registrations per session.
+  const Layout layout = Layout::Create(LayoutSpec{.model_id = "kvtier/node-maps", .num_layers = 14,
+                                                  .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 2,
+                                                  .head_dim = 64, .dtype = DType::kBf16, .block_tokens = 16})
+                            .value();
+  std::vector<UniqueFd> memfds;
+  std::vector<KvRegion> regions;
+  for (int i = 0; i < 14; ++i) {
+    memfds.push_back(SparseMemfd(64 << 10));
+    regions.push_back(KvRegion{memfds.back().get(), 64 << 10});
+  }
+  // Each tenant in a process of its own (a client holds a descriptor for
+  // each region it registered), one after another: it registers until it
+  // is refused, reports how many and why, and keeps them until killed.
+  struct Children {
+    std::vector<pid_t> pids;
+    ~Children() {
+      for (pid_t pid : pids) {
+        ::kill(pid, SIGKILL);
+        WaitChild(pid);
+      }
+    }
+  } greedy;
+  std::vector<std::pair<size_t, std::string>> results;  // registered, why it stopped
+  for (int t = 0; t < kGreedy; ++t) {
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const std::string token = Tok(static_cast<char>('A' + t));
+    greedy.pids.push_back(ForkChild([&] {
+      ::close(out[0]);
+      rlimit files{};
+      ::getrlimit(RLIMIT_NOFILE, &files);
+      files.rlim_cur = files.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &files);
+      std::vector<std::unique_ptr<Client>> sessions;
+      size_t registered = 0;
+      std::string why;
+      while (why.empty()) {
+        if (registered % 64 == 0) sessions.push_back(Connect(*d, token));
+        if (!sessions.back()) {
+          why = "could not connect";
+          break;
+        }
+        Result<CacheId> id = sessions.back()->RegisterKvCache(layout, 1, KvCacheLayout::VllmNhd(layout, 1), regions);
+        if (id) {
+          ++registered;
+        } else {
+          why = id.error().ToString();
+        }
+      }
+      const std::string report = std::to_string(registered) + " " + why;
+      if (::write(out[1], report.data(), report.size()) != static_cast<ssize_t>(report.size())) return 1;
+      ::close(out[1]);
+      while (true) ::pause();
+    }));
+    ::close(out[1]);
+    std::string report;
+    char buf[512];
+    for (ssize_t n; (n = ::read(out[0], buf, sizeof(buf))) > 0;) report.append(buf, static_cast<size_t>(n));
+    ::close(out[0]);
+    const size_t space = report.find(' ');
+    ASSERT_NE(space, std::string::npos) << "t" << t << " reported nothing";
+    results.emplace_back(std::stoul(report.substr(0, space)), report.substr(space + 1));
+  }
+  std::unique_ptr<Client> ops = Connect(*d, Tok('o'));
+  ASSERT_TRUE(ops);
+  const uint64_t share = ops->Stats().value().Counter("node_maps_share");
+  EXPECT_LT(share, 4096u) << "the tenants' limits add up past the node's: each is guaranteed less than its limit";
+  size_t node_refusals = 0;
+  for (size_t t = 0; t < results.size(); ++t) {
+    const auto& [registered, why] = results[t];
+    EXPECT_GE(registered, share / 15) << "t" << t << " got less than its guaranteed share: " << why;
+    EXPECT_THAT(why, ::testing::StartsWith("ResourceExhausted")) << "t" << t;
+    if (why.find("vm.max_map_count") != std::string::npos) ++node_refusals;
+  }
+  EXPECT_GT(node_refusals, 0u) << "the tenants' limits add up past the node's, yet none was held to it";
+
+  // The last tenant, which used nothing, is not held back by the others.
+  RegistersStoresAndLoads(*d, Tok(static_cast<char>('A' + kGreedy)));
+
+  const DaemonStats node = ops->Stats().value();
+  EXPECT_EQ(node.Counter("node_maps_refused"), node_refusals);
+  EXPECT_EQ(node.Counter("node_budget_warnings"), 1u) << "refusals are logged at most once a minute";
+  EXPECT_NE(d->Log().find("node limit vm.max_map_count"), std::string::npos) << d->Log();
+}
+
+// Tenants each within limits.max_sessions_per_tenant but together past
+// kvtierd's descriptors (RLIMIT_NOFILE): the same shares. A tenant that
+// opens sessions until it is refused leaves another its share. Before, the
+// daemon ran out of descriptors, paused accepting, and no tenant could
+// connect.
+TEST(SecurityTest, TenantsAtTheirOwnSessionLimitsLeaveEveryOtherTenantItsShareOfDescriptors) {
+  constexpr uint64_t kOpenFiles = 1400;
+  rlimit own{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &own), 0);
+  if (own.rlim_max != RLIM_INFINITY && own.rlim_max < 2 * kOpenFiles) {
+    GTEST_SKIP() << "this process may open only " << own.rlim_max << " descriptors";
+  }
+  own.rlim_cur = own.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &own), 0);
+  Result<DaemonProcess> d =
+      DaemonProcess::Start({ManyTenants(3), "limits.max_sessions_per_tenant=1024"}, "", "", kOpenFiles);
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::vector<std::unique_ptr<Client>> held;
+  std::vector<Status> refusals;
+  for (char t : {'A', 'B'}) {
+    while (held.size() < 2 * kOpenFiles) {
+      Result<std::unique_ptr<Client>> c = Client::Connect(
+          {.socket_path = d->socket_path(), .token = Tok(t), .call_timeout = std::chrono::seconds(10)});
+      if (!c) {
+        refusals.push_back(c.error());
+        break;
+      }
+      held.push_back(std::move(*c));
+    }
+  }
+  ASSERT_EQ(refusals.size(), 2u) << "neither tenant was refused a session";
+  for (const Status& r : refusals) {
+    EXPECT_EQ(r.code(), StatusCode::kResourceExhausted) << r;
+    EXPECT_THAT(r.message(), ::testing::HasSubstr("RLIMIT_NOFILE")) << r;
+  }
+  // t2 connects, and does its work, on the daemon's last descriptors.
+  RegistersStoresAndLoads(*d, Tok('C'));
+  std::unique_ptr<Client> ops = Connect(*d, Tok('o'));
+  ASSERT_TRUE(ops);
+  EXPECT_EQ(ops->Stats().value().Counter("node_sessions_refused"), 2u);
 }
 
 // A tenant that loops `kvtierctl namespaces` or `kvtierctl evict` is held to

@@ -208,6 +208,36 @@ TEST_F(QuotaTest, HostQuotaSendsTheTenantsColdBlocksToDiskNotAway) {
   EXPECT_EQ(cache_->counters().disk_promotions, 32u) << "read back from disk";
 }
 
+// Loads of the tenant's blocks on disk read them up into host within its
+// host quota: each read sends the tenant's colder host blocks back to disk
+// (they are clean: their records are there), so it never holds more of host
+// than its quota, and no block is lost. Before, a read into host was not
+// held to the owner's host quota: after these loads the tenant held 40
+// blocks of host, five times its quota, taking room others' blocks were
+// evicted for.
+TEST_F(QuotaTest, DiskReadsIntoHostStayWithinTheOwnersHostQuota) {
+  Open({.host_slots = 64});
+  TenantQuota quota;
+  quota.bytes[kHost] = 8 * BlockBytes();
+  cache_->SetQuota(kTenant, quota);
+  const std::vector<StoredKey> keys = NewKeys(40);
+  StoreSettled(keys);
+  ASSERT_EQ(cache_->counters().disk_demotions, 32u);
+  for (size_t i = 0; i < 32; ++i) {
+    EXPECT_TRUE(LoadExact(keys[i])) << "block " << i;
+    // (A block on its way back to disk counts as leaving, as for a store:
+    // once its write is done, it has left.)
+    ASSERT_TRUE(Settle());
+    EXPECT_LE(cache_->TenantUsedBytes(kTenant, Tier::kHost), 8 * BlockBytes()) << "after the load of block " << i;
+  }
+  EXPECT_EQ(cache_->counters().disk_promotions, 32u) << "read back from disk";
+  EXPECT_EQ(cache_->ShareOf(kTenant).evictions[kHost], 0u) << "nothing was dropped";
+  ASSERT_TRUE(Settle());
+  for (const Tier t : TiersOf(keys)) EXPECT_NE(t, Tier{255}) << "a block was lost";
+  for (size_t i = 32; i < 40; ++i) EXPECT_TRUE(LoadExact(keys[i])) << "block " << i;
+  EXPECT_LE(cache_->TenantUsedBytes(kTenant, Tier::kHost), 8 * BlockBytes());
+}
+
 // The store does not wait for the writes of the blocks over quota: a block
 // being written counts as leaving, so the tenant holds at most its quota plus
 // its writes in flight (here at most two); past that, its coldest is dropped.

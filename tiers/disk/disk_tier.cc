@@ -325,6 +325,7 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(Options options) {
   // The index is read once at start-up and then only written: small
   // memtables keep the daemon's memory per indexed block down.
   db_options.write_buffer_size = 8 << 20;
+  db_options.max_open_files = kIndexMaxOpenFiles;
   rocksdb::ColumnFamilyOptions cf_options;
   cf_options.write_buffer_size = 8 << 20;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {

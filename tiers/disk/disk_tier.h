@@ -169,6 +169,9 @@ class DiskTier {
   // left as it is: its entries would look damaged to this release, and be
   // dropped.
   static constexpr uint32_t kFormatVersion = 4;
+  // Table files the RocksDB index keeps open at most (the rest are opened
+  // on demand): the descriptors kvtierd keeps for it out of RLIMIT_NOFILE.
+  static constexpr int kIndexMaxOpenFiles = 256;
   // Opens (or creates) the index and recovers the regions' state from it.
   // Errors keep the RocksDB status code.
   static Result<std::unique_ptr<DiskTier>> Open(Options options);
