@@ -102,6 +102,13 @@ uint64_t Share(const NodeBudget::Spec& spec, uint64_t capacity) {
                             static_cast<uint64_t>(static_cast<double>(capacity) * fraction) / tenants);
 }
 
+// `spec`, shared between `tenants` as `limits` say.
+NodeBudget::Spec Shared(NodeBudget::Spec spec, const Config::Limits& limits, size_t tenants) {
+  spec.tenants = tenants;
+  spec.guaranteed_fraction = limits.node_guaranteed_fraction;
+  return spec;
+}
+
 }  // namespace
 
 Result<NodeLimits> ReadNodeLimits(const Config::Limits& limits) {
@@ -248,35 +255,35 @@ NodeBudgets::NodeBudgets(const NodeLimits& node, const Config& config, size_t te
 
 NodeBudgets::NodeBudgets(const NodeLimits& node, const Config::Limits& limits, size_t tenants,
                          uint64_t maps_in_use, uint64_t fds_reserved, uint64_t host_tier_bytes)
-    : maps({.label = "vm.max_map_count",
-            .limit = "vm.max_map_count",
-            .unit = "maps",
-            .per_tenant_setting = "limits.max_mappings_per_tenant",
-            .remedy = "close KV caches no longer used, or raise vm.max_map_count (sysctl)",
-            .node = node.max_map_count,
-            .reserve = maps_in_use + kMapsHeadroom,
-            .per_tenant_limit = limits.max_mappings_per_tenant,
-            .tenants = tenants,
-            .guaranteed_fraction = limits.node_guaranteed_fraction}),
-      sessions({.label = "RLIMIT_NOFILE",
-                .limit = "RLIMIT_NOFILE",
-                .unit = "descriptors",
-                .per_tenant_setting = "limits.max_sessions_per_tenant (a descriptor each)",
-                .remedy = "close sessions no longer used, or raise kvtierd's open-files limit (LimitNOFILE=)",
-                .node = node.open_files,
-                .reserve = fds_reserved + kFdsHeadroom,
-                .per_tenant_limit = limits.max_sessions_per_tenant,
-                .tenants = tenants,
-            .guaranteed_fraction = limits.node_guaranteed_fraction}),
-      memory({.label = "memory",
-              .limit = "memory (" + node.memory_source + ")",
-              .unit = "bytes",
-              .per_tenant_setting = "limits.max_mapped_bytes_per_tenant",
-              .remedy = "close KV caches no longer used, or give kvtierd more memory",
-              .node = node.memory_bytes,
-              .reserve = host_tier_bytes + kMemoryHeadroom,
-              .per_tenant_limit = limits.max_mapped_bytes_per_tenant,
-              .tenants = tenants,
-              .guaranteed_fraction = limits.node_guaranteed_fraction}) {}
+    : maps(Shared(
+          {.label = "vm.max_map_count",
+           .limit = "vm.max_map_count",
+           .unit = "maps",
+           .per_tenant_setting = "limits.max_mappings_per_tenant",
+           .remedy = "close KV caches no longer used, or raise vm.max_map_count (sysctl)",
+           .node = node.max_map_count,
+           .reserve = maps_in_use + kMapsHeadroom,
+           .per_tenant_limit = limits.max_mappings_per_tenant},
+          limits, tenants)),
+      sessions(Shared(
+          {.label = "RLIMIT_NOFILE",
+           .limit = "RLIMIT_NOFILE",
+           .unit = "descriptors",
+           .per_tenant_setting = "limits.max_sessions_per_tenant (a descriptor each)",
+           .remedy = "close sessions no longer used, or raise kvtierd's open-files limit (LimitNOFILE=)",
+           .node = node.open_files,
+           .reserve = fds_reserved + kFdsHeadroom,
+           .per_tenant_limit = limits.max_sessions_per_tenant},
+          limits, tenants)),
+      memory(Shared(
+          {.label = "memory",
+           .limit = "memory (" + node.memory_source + ")",
+           .unit = "bytes",
+           .per_tenant_setting = "limits.max_mapped_bytes_per_tenant",
+           .remedy = "close KV caches no longer used, or give kvtierd more memory",
+           .node = node.memory_bytes,
+           .reserve = host_tier_bytes + kMemoryHeadroom,
+           .per_tenant_limit = limits.max_mapped_bytes_per_tenant},
+          limits, tenants)) {}
 
 }  // namespace kvtier
