@@ -165,11 +165,12 @@ uint64_t FdsInUse() {
 
 NodeBudget::NodeBudget(Spec spec)
     : spec_(std::move(spec)),
+      tenants_(std::max<size_t>(spec_.tenants, 1)),
       capacity_(spec_.node > spec_.reserve ? spec_.node - spec_.reserve : 0),
       share_(Share(spec_, capacity_)),
-      used_(std::max<size_t>(spec_.tenants, 1), 0) {
+      used_(tenants_, 0) {
   MutexLock lock(&mu_);
-  unused_guarantees_ = share_ * used_.size();
+  unused_guarantees_ = share_ * tenants_;
 }
 
 Status NodeBudget::Take(uint32_t tenant, std::string_view tenant_name, uint64_t n,
@@ -187,7 +188,7 @@ Status NodeBudget::Take(uint32_t tenant, std::string_view tenant_name, uint64_t 
         "tenant " + std::string(tenant_name) + " would hold " + Amount(mine + n, spec_.unit) +
         ", past its guaranteed share of " + Amount(share_, spec_.unit) + ", and the rest of the node's " +
         spec_.limit + " is held by or guaranteed to other tenants (" + Amount(capacity_, spec_.unit) + " for " +
-        std::to_string(used_.size()) + " tenant(s) after kvtierd's own " + Amount(spec_.reserve, spec_.unit) + "; " +
+        std::to_string(tenants_) + " tenant(s) after kvtierd's own " + Amount(spec_.reserve, spec_.unit) + "; " +
         spec_.per_tenant_setting + " " + Amount(spec_.per_tenant_limit, spec_.unit) + ")";
     if (warnings_ == 0 || now - last_warning_ >= kWarningInterval) {
       spdlog::warn("node limit {}: {} refused since the last warning; the latest: {}; {}", spec_.limit,
@@ -226,21 +227,21 @@ NodeBudgetFigures NodeBudget::figures() const {
                            .reserve = spec_.reserve,
                            .capacity = capacity_,
                            .share = share_,
-                           .pool = capacity_ - share_ * used_.size(),
+                           .pool = capacity_ - share_ * tenants_,
                            .used = total_,
                            .refusals = refusals_,
                            .warnings = warnings_};
 }
 
 std::string NodeBudget::Describe() const {
-  const uint64_t sum = spec_.per_tenant_limit * used_.size();
+  const uint64_t sum = spec_.per_tenant_limit * tenants_;
   std::string s = spec_.limit + " " + Amount(spec_.node, spec_.unit) + ": " + Amount(spec_.reserve, spec_.unit) +
-                  " kept for kvtierd, " + Amount(capacity_, spec_.unit) + " for " + std::to_string(used_.size()) +
-                  (used_.size() == 1 ? " tenant (" : " tenants (") + spec_.per_tenant_setting + " " +
+                  " kept for kvtierd, " + Amount(capacity_, spec_.unit) + " for " + std::to_string(tenants_) +
+                  (tenants_ == 1 ? " tenant (" : " tenants (") + spec_.per_tenant_setting + " " +
                   Amount(spec_.per_tenant_limit, spec_.unit) + " each";
   if (sum > capacity_) {
     s += ", " + Amount(sum, spec_.unit) + " in all: past it, so each is guaranteed " + Amount(share_, spec_.unit) +
-         ", and " + Amount(capacity_ - share_ * used_.size(), spec_.unit) +
+         ", and " + Amount(capacity_ - share_ * tenants_, spec_.unit) +
          " are lent to whichever asks, up to its limit)";
   } else {
     s += ": all of it guaranteed)";

@@ -116,6 +116,7 @@ class NodeBudget {
   uint64_t Unused(uint64_t used) const { return used < share_ ? share_ - used : 0; }
 
   const Spec spec_;
+  const size_t tenants_;  // spec_.tenants, at least 1
   const uint64_t capacity_;
   const uint64_t share_;
   mutable Mutex mu_;

@@ -32,7 +32,12 @@ constexpr uint64_t kSignalTag = 2;
 constexpr uint64_t kWakeTag = 3;
 constexpr uint64_t kFirstSessionId = 16;
 constexpr size_t kMaxOutbox = 4096;
-constexpr int kMaxMessagesPerWakeup = 64;
+// Requests read in one turn of the loop, at most (the rest wait for the
+// next turn, behind timers and completions).
+constexpr int kMaxRequestsPerTurn = 256;
+// The FairQueue flow of sessions that have not said Hello (tenant ids are
+// 16-bit).
+constexpr uint32_t kUnauthenticatedFlow = UINT32_MAX - 1;
 // A connection must say Hello this soon, and at most this many may be
 // waiting to: idle connections cannot exhaust the daemon's descriptors.
 constexpr auto kHelloTimeout = std::chrono::seconds(10);
@@ -424,6 +429,7 @@ int Server::NextTimeoutMs() const {
   if (!wait_deadlines_.empty()) consider(wait_deadlines_.begin()->first);
   if (!hello_deadlines_.empty()) consider(hello_deadlines_.front().first);
   if (accept_paused_until_) consider(*accept_paused_until_);
+  if (!readable_.empty()) return 0;  // requests left from the last turn
   if (!next) return stopping_ ? 100 : -1;
   const auto until = *next - std::chrono::steady_clock::now();
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(until).count();
@@ -480,11 +486,13 @@ Status Server::Run() {
       } else if (auto it = sessions_.find(tag); it != sessions_.end()) {
         Session& s = *it->second;
         if (events[i].events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
-        // Each request is timed by its type, in Handle.
-        if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) OnSessionReadable(s);
+        // Read below, tenants in turn; each request is timed by its type,
+        // in Handle.
+        if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
       }
       turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
     }
+    ServeReadable();
     turn_.Time("expire", [&] {
       ExpireWaits();
       ExpireHellos();
@@ -585,34 +593,53 @@ void Server::ExpireHellos() {
   }
 }
 
-void Server::OnSessionReadable(Session& s) {
-  for (int i = 0; i < kMaxMessagesPerWakeup && s.close_reason() == nullptr; ++i) {
-    Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(s.fd.get(), options_.config.limits.max_message_bytes);
-    if (!m) {
-      if (m.error().code() != StatusCode::kUnavailable) MarkClosing(s, "receive failed");
-      return;
-    }
-    if (m->eof) {
-      MarkClosing(s, "client closed the connection");
-      return;
-    }
-    if (m->truncated) {
-      ++messages_rejected_;
-      Send(s, ipc::ErrorMessage(0, InvalidArgument("message larger than limits.max_message_bytes (" +
-                                                   std::to_string(options_.config.limits.max_message_bytes) +
-                                                   ") or with too many descriptors")));
-      MarkClosing(s, "oversized message");
-      return;
-    }
-    Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
-    if (!msg) {
-      ++messages_rejected_;
-      Send(s, ipc::ErrorMessage(0, msg.error()));
-      MarkClosing(s, "malformed message");
-      return;
-    }
-    Handle(s, **msg, std::move(m->fds));
+void Server::QueueReadable(Session& s) {
+  if (s.readable_queued || s.close_reason() != nullptr) return;
+  s.readable_queued = true;
+  readable_.Push(s.tenant != nullptr ? s.tenant->id : kUnauthenticatedFlow, s.id);
+}
+
+void Server::ServeReadable() {
+  for (int served = 0; served < kMaxRequestsPerTurn; ++served) {
+    const std::optional<uint64_t> id = readable_.Pop();
+    if (!id) return;
+    auto it = sessions_.find(*id);
+    if (it == sessions_.end()) continue;  // closed since it was queued
+    Session& s = *it->second;
+    s.readable_queued = false;
+    if (ReadOneRequest(s)) QueueReadable(s);
+    turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
   }
+}
+
+bool Server::ReadOneRequest(Session& s) {
+  if (s.close_reason() != nullptr) return false;
+  Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(s.fd.get(), options_.config.limits.max_message_bytes);
+  if (!m) {
+    if (m.error().code() != StatusCode::kUnavailable) MarkClosing(s, "receive failed");
+    return false;
+  }
+  if (m->eof) {
+    MarkClosing(s, "client closed the connection");
+    return false;
+  }
+  if (m->truncated) {
+    ++messages_rejected_;
+    Send(s, ipc::ErrorMessage(0, InvalidArgument("message larger than limits.max_message_bytes (" +
+                                                 std::to_string(options_.config.limits.max_message_bytes) +
+                                                 ") or with too many descriptors")));
+    MarkClosing(s, "oversized message");
+    return false;
+  }
+  Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
+  if (!msg) {
+    ++messages_rejected_;
+    Send(s, ipc::ErrorMessage(0, msg.error()));
+    MarkClosing(s, "malformed message");
+    return false;
+  }
+  Handle(s, **msg, std::move(m->fds));
+  return s.close_reason() == nullptr;
 }
 
 void Server::Send(Session& s, std::vector<uint8_t> bytes) {

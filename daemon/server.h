@@ -29,6 +29,7 @@
 #include "config/config.h"
 #include "config/config_loader.h"
 #include "daemon/close_list.h"
+#include "daemon/fair_queue.h"
 #include "daemon/kv_event_source.h"
 #include "daemon/metrics.h"
 #include "daemon/node_budget.h"
@@ -81,7 +82,15 @@ class Server {
   // Records the turn's length; logs a slow one's profile.
   void EndTurn();
   void AcceptAll();
-  void OnSessionReadable(Session& s);
+  // Puts a readable session in readable_ (once), under its tenant.
+  void QueueReadable(Session& s);
+  // Reads and handles queued sessions' requests, one at a time, tenants in
+  // turn (FairQueue), at most kMaxRequestsPerTurn; the rest wait for the
+  // next turn.
+  void ServeReadable();
+  // Reads and handles one request of `s`: true when it did and `s` may have
+  // more (it is queued again, behind the others).
+  bool ReadOneRequest(Session& s);
   void OnSessionWritable(Session& s);
   void CloseSession(uint64_t id, const char* why);
   // Closes the sessions marked in closing_: O(sessions marked).
@@ -196,6 +205,9 @@ class Server {
   // The node's limits shared by the tenants: sessions are taken at Hello,
   // maps and memory with each registration's MappedCharge.
   std::shared_ptr<NodeBudgets> node_;
+  // Sessions with a request to read, served tenants in turn (issue 46: one
+  // tenant's many sessions do not crowd out another's one).
+  FairQueue readable_;
   UniqueFd epoll_;
   UniqueFd listen_;
   UniqueFd signal_fd_;

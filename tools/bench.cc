@@ -571,6 +571,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(4096, 100000000));
   abuse->add_option("--seconds", abuse_options.seconds, "seconds per phase")->check(CLI::Range(1, 3600));
   abuse->add_option("--reps", abuse_options.reps, "repetitions (medians reported)")->check(CLI::Range(1, 100));
+  abuse->add_option("--sessions", abuse_options.sessions,
+                    "instead: one tenant's loads beside another's stores and loads on this many sessions, "
+                    "next to the same beside its one")
+      ->check(CLI::Range(2, 1024));
   CLI11_PARSE(app, argc, argv);
 
   if (gpu->parsed()) {

@@ -65,9 +65,160 @@ struct AbuserCalls {
   uint64_t failed = 0;
 };
 
+// 256 KiB blocks: 4 layers, 8 KV heads x 128, bf16, 16 tokens.
+Layout LargeLayout() {
+  return Layout::Create({.model_id = "kvtier-bench/abuse-sessions",
+                         .num_layers = 4,
+                         .kv_kind = KvKind::kSeparateKv,
+                         .num_kv_heads = 8,
+                         .head_dim = 128,
+                         .dtype = DType::kBf16,
+                         .block_tokens = 16,
+                         .tp_rank = 0,
+                         .tp_size = 1,
+                         .scale_bytes_per_layer = 0})
+      .value();
+}
+
+constexpr uint32_t kTurnBlocks = 16;
+
+// One session's cache of 2 x kTurnBlocks blocks: stores from the first
+// half, loads into the second.
+struct Turns {
+  std::unique_ptr<Client> client;
+  std::optional<ShmKvCache> cache;
+  CacheId id = 0;
+};
+
+std::optional<Turns> OpenTurns(const std::string& socket, char token, const Layout& layout) {
+  Turns t;
+  Result<std::unique_ptr<Client>> c =
+      Client::Connect({.socket_path = socket, .token = Tok(token), .client_name = "kvtier-bench abuse --sessions"});
+  Result<ShmKvCache> cache = ShmKvCache::Create(layout, 2 * kTurnBlocks);
+  if (!c || !cache) {
+    std::fprintf(stderr, "kvtier-bench: %s\n", (!c ? c.error() : cache.error()).ToString().c_str());
+    return std::nullopt;
+  }
+  t.client = std::move(*c);
+  t.cache.emplace(std::move(*cache));
+  std::optional<CacheId> id = Register(*t.client, *t.cache);
+  if (!id) return std::nullopt;
+  t.id = *id;
+  return t;
+}
+
+// Stores kTurnBlocks blocks of prompt `seed` and loads them back: false
+// (after printing why) when either fails or falls short.
+bool StoreAndLoad(Turns& t, uint64_t seed) {
+  Result<std::vector<BlockKey>> keys = t.client->ComputeKeys(t.id, Tokens(seed, kTurnBlocks * 16));
+  Result<OpResult> stored = keys ? t.client->Store(t.id, *keys, Iota(0, kTurnBlocks)) : Err(keys.error());
+  Result<OpResult> loaded = stored ? t.client->Load(t.id, *keys, Iota(kTurnBlocks, kTurnBlocks)) : stored;
+  if (!loaded) {
+    std::fprintf(stderr, "kvtier-bench: %s\n", loaded.error().ToString().c_str());
+    return false;
+  }
+  return true;
+}
+
+// B's load latencies while A runs `sessions` sessions of stores and loads.
+std::optional<Latencies> SessionsPhase(const AbuseOptions& o, const std::string& socket, const Layout& layout,
+                                       Turns& b, const std::vector<BlockKey>& b_keys, uint32_t sessions) {
+  std::vector<Turns> a;
+  for (uint32_t i = 0; i < sessions; ++i) {
+    std::optional<Turns> t = OpenTurns(socket, 'a', layout);
+    if (!t) return std::nullopt;
+    a.push_back(std::move(*t));
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> threads;
+  for (uint32_t i = 0; i < sessions; ++i) {
+    threads.emplace_back([&, i] {
+      for (uint64_t turn = 0; !stop.load(std::memory_order_relaxed); ++turn) {
+        if (!StoreAndLoad(a[i], 1'000'000 * (i + 1) + turn)) {
+          failed = true;
+          return;
+        }
+      }
+    });
+  }
+  std::vector<double> us;
+  const Clock::time_point end = Clock::now() + std::chrono::seconds(o.seconds);
+  bool ok = true;
+  while (Clock::now() < end && !failed) {
+    const Clock::time_point t0 = Clock::now();
+    Result<OpResult> r = b.client->Load(b.id, b_keys, Iota(kTurnBlocks, kTurnBlocks));
+    us.push_back(Seconds(Clock::now() - t0) * 1e6);
+    if (!r || r->blocks != kTurnBlocks) {
+      std::fprintf(stderr, "kvtier-bench: B's load %s\n", r ? "missed blocks it stored" : r.error().ToString().c_str());
+      ok = false;
+      break;
+    }
+  }
+  stop = true;
+  for (std::thread& t : threads) t.join();
+  if (!ok || failed) return std::nullopt;
+  return Percentiles(std::move(us));
+}
+
+int AbuseSessions(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon) {
+  const Layout layout = LargeLayout();
+  // Room for every session's blocks and B's, so that B's stay in host.
+  const uint64_t host_bytes = uint64_t{o.sessions + 2} * 4 * kTurnBlocks * layout.block_bytes() + (64ull << 20);
+  const std::string socket = start_daemon(
+      host_bytes, {"tenants=[{name: b, token: " + Tok('b') + "}, {name: a, token: " + Tok('a') + "}]",
+                   "limits.max_sessions_per_tenant=" + std::to_string(std::max(256u, o.sessions + 1))});
+  std::optional<Turns> b = OpenTurns(socket, 'b', layout);
+  if (!b) return 1;
+  Result<std::vector<BlockKey>> b_keys = b->client->ComputeKeys(b->id, Tokens(7, kTurnBlocks * 16));
+  Result<OpResult> stored = b_keys ? b->client->Store(b->id, *b_keys, Iota(0, kTurnBlocks)) : Err(b_keys.error());
+  if (!stored || stored->blocks != kTurnBlocks) {
+    std::fprintf(stderr, "kvtier-bench: storing B's blocks failed\n");
+    return 1;
+  }
+  std::printf("workload: B loads %u blocks of %llu KiB on one session; A stores and loads the same on 1, then %u "
+              "sessions; %u s a phase, %u reps\n",
+              kTurnBlocks, static_cast<unsigned long long>(layout.block_bytes() >> 10), o.sessions, o.seconds,
+              o.reps);
+  std::vector<double> one_p50, one_p99, many_p50, many_p99;
+  for (uint32_t rep = 0; rep < o.reps; ++rep) {
+    std::optional<Latencies> one = SessionsPhase(o, socket, layout, *b, *b_keys, 1);
+    std::optional<Latencies> many = one ? SessionsPhase(o, socket, layout, *b, *b_keys, o.sessions) : std::nullopt;
+    if (!many) return 1;
+    one_p50.push_back(one->p50_us);
+    one_p99.push_back(one->p99_us);
+    many_p50.push_back(many->p50_us);
+    many_p99.push_back(many->p99_us);
+  }
+  const std::string many_name = "A on " + std::to_string(o.sessions) + " sessions";
+  std::vector<Comparison> cs = {{.name = "B's load p50, " + many_name,
+                                 .kvtier = Median(many_p50),
+                                 .baseline = Median(one_p50),
+                                 .baseline_name = "A on one session",
+                                 .unit = "us",
+                                 .lower_is_better = true},
+                                {.name = "B's load p99, " + many_name,
+                                 .kvtier = Median(many_p99),
+                                 .baseline = Median(one_p99),
+                                 .baseline_name = "A on one session",
+                                 .unit = "us",
+                                 .lower_is_better = true}};
+  PrintComparisons(cs);
+  if (!o.json.empty() &&
+      !WriteJson(o.json,
+                 {{"workload", "abuse-sessions"}, {"sessions", std::to_string(o.sessions)},
+                  {"seconds", std::to_string(o.seconds)}, {"reps", std::to_string(o.reps)}},
+                 cs)) {
+    std::fprintf(stderr, "kvtier-bench: cannot write %s\n", o.json.c_str());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int Abuse(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon) {
+  if (o.sessions > 0) return AbuseSessions(o, start_daemon);
   const Layout layout = SmallLayout();
   const uint32_t prompts = std::max<uint32_t>(1, (o.blocks + kPromptBlocks - 1) / kPromptBlocks);
   const uint64_t host_bytes = uint64_t{prompts} * kPromptBlocks * layout.block_bytes() * 5 / 4 + (64ull << 20);

@@ -2,6 +2,8 @@
 // calls ListNamespaces or Evict as fast as it can, next to the same lookups
 // with nobody else calling (the baseline, from the same run). A call that
 // walked the whole cache on the event loop shows here as the victim's p99.
+// With --sessions N: one tenant's loads beside another's N sessions of
+// stores and loads, next to the same beside its one session.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +17,12 @@ struct AbuseOptions {
   uint32_t blocks = 100000;  // 4 KiB blocks the victim stores first
   uint32_t seconds = 3;      // per phase
   uint32_t reps = 3;         // each phase; medians reported
+  // > 0: the sessions mode instead. Tenant B loads 16 blocks of 256 KiB in
+  // a loop on one session while tenant A stores and loads the same way on
+  // this many sessions, next to A on one session (the baseline, from the
+  // same run): a daemon that shared its loop and copy threads by session,
+  // not tenant, shows here as B's p99.
+  uint32_t sessions = 0;
   std::string json;
 };
 

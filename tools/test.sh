@@ -14,7 +14,9 @@
 # (ccache in build/ccache, Ninja everywhere, trees at the same depth under
 # build/), so what the Release trees have in common compiles once. What only
 # waits on the network (the test venvs, the bare root) is set up beside the
-# first build. Exits non-zero on any failure. CI runs this (.ci/run).
+# first build; the sanitized builds run beside the Python and real-engine
+# tests, which leave a core idle, at the lowest priority. Exits non-zero on
+# any failure. CI runs this (.ci/run).
 #
 # Environment: KVTIER_TEST_JOBS (parallel tests, default: number of CPUs),
 # KVTIER_CTEST_ARGS (extra ctest arguments for the sanitized runs, e.g.
@@ -93,6 +95,27 @@ fi
 cmake --build "$release" -j"$jobs" --target kvtierd kvtierctl kvtier-bench kvtier_shared kvtier-demo soak_test
 ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'
 
+# The tests under sanitizers (CMakePresets.json), built with clang, which
+# also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
+# ignores. Every kvtierd the integration tests start is sanitized too, and a
+# report aborts it (halt_on_error), so no report goes unnoticed. Only what the
+# tests run is built (target kvtier_tests): not kvtier-bench. (No compiler
+# cache: nothing else compiles the same.) Both are built beside the Python
+# and real-engine tests, which leave a core idle most of the time, at the
+# lowest priority (nice 19) so as not to slow them.
+build_sanitized() {  # preset...
+  for preset in "$@"; do
+    echo "$preset: configure and build (build/$preset, clang)"
+    env -u CMAKE_C_COMPILER_LAUNCHER -u CMAKE_CXX_COMPILER_LAUNCHER -u CMAKE_CUDA_COMPILER_LAUNCHER \
+      cmake --preset "$preset" >/dev/null
+    local start=$SECONDS
+    nice -n 19 cmake --build "build/$preset" -j"$jobs" --target kvtier_tests >"build/logs/build-$preset.log" 2>&1 ||
+      { tail -50 "build/logs/build-$preset.log"; return 1; }
+    echo "$preset: built in $((SECONDS - start)) s"
+  done
+}
+start_job sanitizer-builds build_sanitized asan-ubsan tsan
+
 # The wheel for the venvs' Python, installed in both; the Python package's
 # tests and the real engine's run against its kvtierd.
 step "the Python package's tests (pytest), against the wheel's kvtierd"
@@ -112,17 +135,9 @@ KVTIER_PROGRAMS_DIR=$programs "$engine_python" -m pytest client/python/tests/rea
 step "soak tests, Release ($release: ctest -L soak)"
 ctest --test-dir "$release" --output-on-failure --no-tests=error --timeout 600 -L soak
 
-# The tests under sanitizers (CMakePresets.json), built with clang, which
-# also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
-# ignores. Every kvtierd the integration tests start is sanitized too, and a
-# report aborts it (halt_on_error), so no report goes unnoticed. Only what the
-# tests run is built (target kvtier_tests): not kvtier-bench. (No compiler
-# cache: nothing else compiles the same.)
-sanitized() {  # preset, ctest labels
-  step "$1 build (build/$1, clang)"
-  env -u CMAKE_C_COMPILER_LAUNCHER -u CMAKE_CXX_COMPILER_LAUNCHER -u CMAKE_CUDA_COMPILER_LAUNCHER \
-    cmake --preset "$1" >/dev/null
-  cmake --build "build/$1" -j"$jobs" --target kvtier_tests
+step "the sanitized builds (build/asan-ubsan, build/tsan), if still under way"
+await_job sanitizer-builds
+sanitized_tests() {  # preset, ctest labels
   step "test under $1 (ctest -L '$2')"
   # shellcheck disable=SC2086
   ctest --test-dir "build/$1" --output-on-failure --no-tests=error --timeout 900 -j"$test_jobs" -L "$2" \
@@ -131,10 +146,10 @@ sanitized() {  # preset, ctest labels
 export ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/sanitizers/tsan.supp"
-sanitized asan-ubsan 'unit|integration|crash|fuzz'
+sanitized_tests asan-ubsan 'unit|integration|crash|fuzz'
 # TSan looks for races: the crash tests (kvtierd killed and restarted, its
 # disk recovered) run under ASan.
-sanitized tsan 'unit|integration'
+sanitized_tests tsan 'unit|integration'
 
 step "install (tools/check-install.sh $release)"; tools/check-install.sh "$release"
 # The Debian package (Release, for /usr), installed with apt in a bare Debian

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -34,6 +35,7 @@ class RawSession {
     bool event_recorded = false;  // OpStarted
     uint64_t op = 0;              // OpStarted, OpResult
     bool done = false;            // OpResult
+    std::vector<uint8_t> bytes;   // the whole message, for what the fields above leave out
   };
   Reply Receive() {
     Reply r;
@@ -42,7 +44,8 @@ class RawSession {
       r.eof = true;
       return r;
     }
-    Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
+    r.bytes = m->bytes;
+    Result<const wire::Message*> msg = ipc::VerifyMessage(r.bytes);
     if (!msg) return r;
     r.body = (*msg)->body_type();
     r.id = (*msg)->id();
@@ -63,10 +66,14 @@ class RawSession {
     }
     return r;
   }
-  void Hello() {
+  // Hello (with `token`, if any), not waiting for the Welcome.
+  Status SendHello(const std::string& token = "") {
     flatbuffers::FlatBufferBuilder b;
-    ASSERT_TRUE(
-        Send(ipc::FinishMessage(b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion))).ok());
+    return Send(ipc::FinishMessage(
+        b, 1, wire::CreateHelloDirect(b, ipc::kProtocolVersion, token.empty() ? nullptr : token.c_str())));
+  }
+  void Hello(const std::string& token = "") {
+    ASSERT_TRUE(SendHello(token).ok());
     ASSERT_EQ(Receive().body, wire::Body::Welcome);
   }
   void Close() { fd_.Reset(); }

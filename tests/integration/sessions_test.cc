@@ -237,5 +237,46 @@ TEST(SessionsTest, TimedWaitsAnsweredEarlyOrClosedLeaveNoDeadlineBehind) {
   ExpectCleanStop(*d);
 }
 
+// The loop reads tenants in turn, then each tenant's sessions (issue 46): a
+// request of one tenant waits behind at most one request of each other
+// tenant, however many sessions those have. Deterministic: the daemon is
+// stopped while 24 sessions of tenant a send their Hello, then the admin
+// asks ListTenants, then 24 more of a's send theirs; once it continues it
+// reads them all in one wake-up, and the reply says how many of a's Hellos
+// were read first. Before, the loop read sessions in the order they became
+// readable: all 24.
+TEST(SessionsTest, OneTenantsManySessionsWaitTheirTurnBehindAnotherTenantsOne) {
+  const std::string a_token(24, 'a'), ops_token(24, 'o');
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"tenants=[{name: a, token: " + a_token + "}, {name: ops, token: " + ops_token + ", admin: true}]"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  Result<std::unique_ptr<Client>> watcher =
+      Client::Connect({.socket_path = d->socket_path(), .token = ops_token, .client_name = "test"});
+  ASSERT_TRUE(watcher.has_value()) << watcher.error();
+  RawSession admin(d->socket_path());
+  admin.Hello(ops_token);
+  std::vector<std::unique_ptr<RawSession>> many;
+  for (int i = 0; i < 48; ++i) many.push_back(std::make_unique<RawSession>(d->socket_path()));
+  // Every connection accepted before the daemon stops: their Hellos are then
+  // readable sessions, not connections still to accept.
+  ASSERT_GE(StatsWhen(**watcher, [](const DaemonStats& s) { return s.sessions >= 50; }).sessions, 50u);
+  {
+    Stopped stopped(*d);
+    for (int i = 0; i < 24; ++i) ASSERT_TRUE(many[i]->SendHello(a_token).ok());
+    flatbuffers::FlatBufferBuilder b;
+    ASSERT_TRUE(admin.Send(ipc::FinishMessage(b, 7, wire::CreateListTenants(b))).ok());
+    for (int i = 24; i < 48; ++i) ASSERT_TRUE(many[i]->SendHello(a_token).ok());
+  }
+  const RawSession::Reply reply = admin.Receive();
+  ASSERT_EQ(reply.body, wire::Body::TenantList);
+  const wire::TenantList* list = ipc::VerifyMessage(reply.bytes).value()->body_as_TenantList();
+  uint64_t a_sessions = ~uint64_t{0};
+  for (const wire::TenantInfo* t : *list->tenants()) {
+    if (t->name()->str() == "a") a_sessions = t->sessions();
+  }
+  EXPECT_LE(a_sessions, 1u) << "the admin's request waited behind this many of a's";
+  for (auto& s : many) EXPECT_EQ(s->Receive().body, wire::Body::Welcome);
+}
+
 }  // namespace
 }  // namespace kvtier::testing
