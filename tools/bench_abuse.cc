@@ -27,13 +27,14 @@ Status StatusOf(const Result<T>& r) {
   return r ? Status::Ok() : r.error();
 }
 
-// 4 KiB blocks: 1 layer, 1 KV head x 64, bf16, 16 tokens.
-Layout SmallLayout() {
-  return Layout::Create({.model_id = "kvtier-bench/abuse",
-                         .num_layers = 1,
+// Blocks of `layers` layers of K and V, `heads` KV heads x `head_dim`, bf16,
+// 16 tokens.
+Layout BenchLayout(const char* model_id, uint32_t layers, uint32_t heads, uint32_t head_dim) {
+  return Layout::Create({.model_id = model_id,
+                         .num_layers = layers,
                          .kv_kind = KvKind::kSeparateKv,
-                         .num_kv_heads = 1,
-                         .head_dim = 64,
+                         .num_kv_heads = heads,
+                         .head_dim = head_dim,
                          .dtype = DType::kBf16,
                          .block_tokens = 16,
                          .tp_rank = 0,
@@ -41,6 +42,9 @@ Layout SmallLayout() {
                          .scale_bytes_per_layer = 0})
       .value();
 }
+
+// 4 KiB blocks.
+Layout SmallLayout() { return BenchLayout("kvtier-bench/abuse", 1, 1, 64); }
 
 struct Latencies {
   double p50_us = 0;
@@ -65,20 +69,8 @@ struct AbuserCalls {
   uint64_t failed = 0;
 };
 
-// 256 KiB blocks: 4 layers, 8 KV heads x 128, bf16, 16 tokens.
-Layout LargeLayout() {
-  return Layout::Create({.model_id = "kvtier-bench/abuse-sessions",
-                         .num_layers = 4,
-                         .kv_kind = KvKind::kSeparateKv,
-                         .num_kv_heads = 8,
-                         .head_dim = 128,
-                         .dtype = DType::kBf16,
-                         .block_tokens = 16,
-                         .tp_rank = 0,
-                         .tp_size = 1,
-                         .scale_bytes_per_layer = 0})
-      .value();
-}
+// 256 KiB blocks.
+Layout LargeLayout() { return BenchLayout("kvtier-bench/abuse-sessions", 4, 8, 128); }
 
 constexpr uint32_t kTurnBlocks = 16;
 
