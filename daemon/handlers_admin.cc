@@ -181,7 +181,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                                         {"node_memory_share", node_memory.share},
                                         {"node_memory_used", node_memory.used},
                                         {"node_memory_refused", node_memory.refusals},
-                                        {"node_budget_warnings", node_maps.warnings + node_sessions.warnings + node_memory.warnings},
+                                        {"node_budget_warnings",
+                                         node_maps.warnings + node_sessions.warnings + node_memory.warnings},
                                     });
     if (events_ != nullptr) {
       const KvEventPublisherCounters p = events_->publisher_counters();
@@ -398,7 +399,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.loop_posted_deferred = posted_deferred_;
   m.load_latency = load_latency_;
   m.store_latency = store_latency_;
-  for (const NodeBudget* b : {&node_->maps, &node_->sessions, &node_->memory}) m.node_budgets.push_back(b->figures());
+  for (const NodeBudget* b : node_->all()) m.node_budgets.push_back(b->figures());
   for (const auto& t : tenants_->tenants()) {
     MetricsSnapshot::TenantRow row{
         .name = t->config.name, .sessions = t->sessions, .share = cache_->ShareOf(t->id)};

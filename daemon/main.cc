@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
     // measures its own once its tiers are open.
     const kvtier::NodeBudgets budgets(*node, *config, config->tenants.size());
     std::printf("node budgets (fair shares between the named tenants):\n");
-    for (const kvtier::NodeBudget* b : {&budgets.maps, &budgets.sessions, &budgets.memory}) {
+    for (const kvtier::NodeBudget* b : budgets.all()) {
       std::printf("  %s\n", b->Describe().c_str());
     }
     std::printf("kvtierd: configuration OK\n");

