@@ -35,7 +35,7 @@ constexpr size_t kMaxOutbox = 4096;
 // Requests read in one turn of the loop, at most (the rest wait for the
 // next turn, behind timers and completions).
 constexpr int kMaxRequestsPerTurn = 256;
-// The FairQueue flow of sessions that have not said Hello (tenant ids are
+// The readable_ flow of sessions that have not said Hello (tenant ids are
 // 16-bit).
 constexpr uint32_t kUnauthenticatedFlow = UINT32_MAX - 1;
 // A connection must say Hello this soon, and at most this many may be
@@ -483,12 +483,8 @@ Status Server::Run() {
         turn_.Time("signal", [&] { OnSignal(); });
       } else if (tag == kWakeTag) {
         RunPosted();  // each closure timed under the name it was posted with
-      } else if (auto it = sessions_.find(tag); it != sessions_.end()) {
-        Session& s = *it->second;
-        if (events[i].events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
-        // Read below, tenants in turn; each request is timed by its type,
-        // in Handle.
-        if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
+      } else {
+        OnSessionEvent(events[i]);
       }
       turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
     }
@@ -596,20 +592,42 @@ void Server::ExpireHellos() {
 void Server::QueueReadable(Session& s) {
   if (s.readable_queued || s.close_reason() != nullptr) return;
   s.readable_queued = true;
-  readable_.Push(s.tenant != nullptr ? s.tenant->id : kUnauthenticatedFlow, s.id);
+  readable_.Push(s.tenant != nullptr ? s.tenant->id : kUnauthenticatedFlow, /*cost=*/1, s.id);
 }
 
 void Server::ServeReadable() {
-  for (int served = 0; served < kMaxRequestsPerTurn; ++served) {
-    const std::optional<uint64_t> id = readable_.Pop();
-    if (!id) return;
-    auto it = sessions_.find(*id);
-    if (it == sessions_.end()) continue;  // closed since it was queued
-    Session& s = *it->second;
-    s.readable_queued = false;
-    if (ReadOneRequest(s)) QueueReadable(s);
-    turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
+  for (int served = 0; served < kMaxRequestsPerTurn;) {
+    // A round: one request of each tenant queued.
+    for (size_t n = readable_.active_flows(); n > 0 && served < kMaxRequestsPerTurn; --n, ++served) {
+      const std::optional<uint64_t> id = readable_.Pop();
+      auto it = sessions_.find(*id);
+      if (it == sessions_.end()) continue;  // closed since it was queued
+      Session& s = *it->second;
+      s.readable_queued = false;
+      if (ReadOneRequest(s)) QueueReadable(s);
+      turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
+    }
+    if (readable_.empty()) return;
+    // Sessions that became readable meanwhile join the next round, so a
+    // tenant whose request arrives now waits behind one request of each
+    // other tenant, not behind the rest of this turn. Everything else epoll
+    // reports (level-triggered) waits for the next turn.
+    epoll_event events[64];
+    const int k = ::epoll_wait(epoll_.get(), events, 64, 0);
+    for (int i = 0; i < k; ++i) {
+      if (events[i].data.u64 >= kFirstSessionId) OnSessionEvent(events[i]);
+    }
   }
+}
+
+void Server::OnSessionEvent(const epoll_event& event) {
+  auto it = sessions_.find(event.data.u64);
+  if (it == sessions_.end()) return;
+  Session& s = *it->second;
+  if (event.events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
+  // Read in ServeReadable, tenants in turn; each request is timed by its
+  // type, in Handle.
+  if (event.events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
 }
 
 bool Server::ReadOneRequest(Session& s) {

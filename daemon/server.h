@@ -13,6 +13,8 @@
 // Run() on one thread; Stop() is thread-safe.
 #pragma once
 
+#include <sys/epoll.h>
+
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -23,13 +25,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/fair_share_queue.h"
 #include "common/mutex.h"
 #include "common/serial_executor.h"
 #include "common/unique_fd.h"
 #include "config/config.h"
 #include "config/config_loader.h"
 #include "daemon/close_list.h"
-#include "daemon/fair_queue.h"
 #include "daemon/kv_event_source.h"
 #include "daemon/metrics.h"
 #include "daemon/node_budget.h"
@@ -84,10 +86,14 @@ class Server {
   void AcceptAll();
   // Puts a readable session in readable_ (once), under its tenant.
   void QueueReadable(Session& s);
-  // Reads and handles queued sessions' requests, one at a time, tenants in
-  // turn (FairQueue), at most kMaxRequestsPerTurn; the rest wait for the
-  // next turn.
+  // Reads and handles queued sessions' requests in rounds of one request
+  // per tenant (readable_: its sessions in turn), sessions that became
+  // readable meanwhile joining each next round, at most kMaxRequestsPerTurn;
+  // the rest wait for the next turn.
   void ServeReadable();
+  // A session's epoll event: writes what its outbox holds, queues it to be
+  // read.
+  void OnSessionEvent(const epoll_event& event);
   // Reads and handles one request of `s`: true when it did and `s` may have
   // more (it is queued again, behind the others).
   bool ReadOneRequest(Session& s);
@@ -205,9 +211,10 @@ class Server {
   // The node's limits shared by the tenants: sessions are taken at Hello,
   // maps and memory with each registration's MappedCharge.
   std::shared_ptr<NodeBudgets> node_;
-  // Sessions with a request to read, served tenants in turn (issue 46: one
-  // tenant's many sessions do not crowd out another's one).
-  FairQueue readable_;
+  // Sessions with a request to read, one request each time, tenants by the
+  // requests read for them (issue 46: one tenant's many sessions do not
+  // crowd out another's one).
+  FairShareQueue<uint64_t> readable_;
   UniqueFd epoll_;
   UniqueFd listen_;
   UniqueFd signal_fd_;

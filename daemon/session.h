@@ -75,7 +75,7 @@ struct Session {
   // Replies that did not fit in the socket buffer, sent on EPOLLOUT.
   std::deque<std::vector<uint8_t>> outbox;
   bool want_write = false;
-  // In the server's FairQueue: readable, its next request not read yet.
+  // In the server's readable_ queue: readable, its next request not read yet.
   bool readable_queued = false;
   // Expires when the session closes: copies finishing later see that their
   // client is gone (stores are discarded).

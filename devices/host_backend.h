@@ -10,8 +10,8 @@
 // ever holds them raw. Every codec decodes on load (DecodesOnLoad).
 //
 // Workers take tasks (slices of a batch) by priority: loads, then stores,
-// then background moves; within a priority, flows (tenants) in turn and each
-// flow's in order (CopyBatch::flow).
+// then background moves; within a priority, flows (tenants, CopyBatch::flow)
+// by the bytes copied for them (FairShareQueue), each flow's in order.
 //
 // A batch releases its client mapping and layout before its `done` runs, so
 // a completion observer already sees the mapping's share of live_mappings()
@@ -21,13 +21,12 @@
 // still runs exactly once) and then joins the workers.
 #pragma once
 
-#include <deque>
-#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
 
 #include "common/device_backend.h"
+#include "common/fair_share_queue.h"
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
 #include "kernels/codec.h"
@@ -80,15 +79,9 @@ class HostBackend final : public DeviceBackend {
 
   Mutex mu_;
   CondVar work_cv_;
-  // One priority's tasks: FIFO per flow, flows served in turn.
-  struct FlowQueues {
-    std::map<uint32_t, std::deque<Task>> flows;  // only flows with tasks
-    uint32_t last = 0;                           // the flow served last
-    bool Empty() const { return flows.empty(); }
-    void Push(uint32_t flow, Task task) { flows[flow].push_back(std::move(task)); }
-    Task PopNext();
-  };
-  FlowQueues queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
+  // Each priority's tasks: flows (tenants) by the bytes copied for them,
+  // each flow's in order.
+  FairShareQueue<Task> queues_[kNumCopyPriorities] KVTIER_GUARDED_BY(mu_);
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   const uint32_t num_threads_;
   const bool populate_host_;

@@ -76,7 +76,12 @@ using kvtier::bench::WriteJson;
 // A kvtierd of our own, when no --socket is given.
 class OwnDaemon {
  public:
-  explicit OwnDaemon(const std::string& host_bytes, std::vector<std::string> extra_sets = {}) {
+  // own_session: kvtierd runs in a session of its own, as a service does
+  // (with the kernel's autogroups, the scheduler shares the cores between
+  // it and the bench's processes rather than between their threads).
+  explicit OwnDaemon(const std::string& host_bytes, std::vector<std::string> extra_sets = {},
+                     bool own_session = false)
+      : own_session_(own_session) {
     char tmpl[] = "/tmp/kvtier-bench-XXXXXX";
     dir_ = ::mkdtemp(tmpl);
     socket_ = dir_ + "/kvtierd.sock";
@@ -112,6 +117,7 @@ class OwnDaemon {
   void Spawn() {
     pid_ = ::fork();
     if (pid_ == 0) {
+      if (own_session_) ::setsid();
       const std::string log = dir_ + "/kvtierd.log";
       std::freopen(log.c_str(), "a", stderr);
       std::vector<char*> argv;
@@ -133,6 +139,7 @@ class OwnDaemon {
  private:
   std::string dir_, socket_;
   std::vector<std::string> args_;
+  bool own_session_ = false;
   pid_t pid_ = -1;
 };
 
@@ -604,7 +611,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<OwnDaemon> daemon;
     return kvtier::bench::Abuse(abuse_options, [&](uint64_t host_bytes, std::vector<std::string> sets) {
       if (!socket.empty()) return socket;  // a running kvtierd, configured with the three tenants
-      daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets));
+      daemon = std::make_unique<OwnDaemon>(std::to_string(host_bytes), std::move(sets), /*own_session=*/true);
       return daemon->socket();
     });
   }

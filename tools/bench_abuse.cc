@@ -1,5 +1,7 @@
 #include "tools/bench_abuse.h"
 
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -73,6 +75,7 @@ struct AbuserCalls {
 Layout LargeLayout() { return BenchLayout("kvtier-bench/abuse-sessions", 4, 8, 128); }
 
 constexpr uint32_t kTurnBlocks = 16;
+constexpr uint64_t kWarmUpTurns = 8;
 
 // One session's cache of 2 x kTurnBlocks blocks: stores from the first
 // half, loads into the second.
@@ -112,53 +115,99 @@ bool StoreAndLoad(Turns& t, uint64_t seed) {
   return true;
 }
 
-// B's load latencies while A runs `sessions` sessions of stores and loads.
-std::optional<Latencies> SessionsPhase(const AbuseOptions& o, const std::string& socket, const Layout& layout,
-                                       Turns& b, const std::vector<BlockKey>& b_keys, uint32_t sessions) {
+// Tenant A's engine: a process of its own, in a session of its own (as an
+// engine's service is: the scheduler shares the cores between it, B and
+// kvtierd, not between their threads), with `sessions` sessions of stores
+// and loads, each on a thread. It writes a byte to `ready` once every
+// session has had kWarmUpTurns turns, runs until `stop` reads end of file, and exits 0 unless
+// a call failed.
+[[noreturn]] void RunTenantA(const std::string& socket, const Layout& layout, uint32_t sessions, int ready,
+                             int stop) {
+  ::setsid();
   std::vector<Turns> a;
   for (uint32_t i = 0; i < sessions; ++i) {
     std::optional<Turns> t = OpenTurns(socket, 'a', layout);
-    if (!t) return std::nullopt;
+    if (!t) ::_exit(1);
     a.push_back(std::move(*t));
   }
-  std::atomic<bool> stop{false};
-  std::atomic<bool> failed{false};
+  std::atomic<bool> stopping{false};
+  std::atomic<uint32_t> warm{0};
   std::vector<std::thread> threads;
   for (uint32_t i = 0; i < sessions; ++i) {
     threads.emplace_back([&, i] {
-      for (uint64_t turn = 0; !stop.load(std::memory_order_relaxed); ++turn) {
-        if (!StoreAndLoad(a[i], 1'000'000 * (i + 1) + turn)) {
-          failed = true;
-          return;
+      for (uint64_t turn = 0; !stopping.load(std::memory_order_relaxed); ++turn) {
+        // A failure ends the process: B's wait for `ready` ends with it.
+        if (!StoreAndLoad(a[i], 1'000'000 * (i + 1) + turn)) ::_exit(1);
+        // Ready once every session has had its warm-up turns: B measures
+        // A's steady state, not its sessions' first faults into fresh pages.
+        const char byte = 1;
+        if (turn + 1 == kWarmUpTurns && warm.fetch_add(1) + 1 == sessions && ::write(ready, &byte, 1) != 1) {
+          ::_exit(1);
         }
       }
     });
   }
+  char c;
+  while (::read(stop, &c, 1) != 0) {
+  }
+  stopping = true;
+  for (std::thread& t : threads) t.join();
+  ::_exit(0);
+}
+
+// B's load latencies while A runs `sessions` sessions of stores and loads
+// (RunTenantA).
+std::optional<Latencies> SessionsPhase(const AbuseOptions& o, const std::string& socket, const Layout& layout,
+                                       Turns& b, const std::vector<BlockKey>& b_keys, uint32_t sessions) {
+  int ready[2], stop[2];
+  if (::pipe2(ready, O_CLOEXEC) != 0 || ::pipe2(stop, O_CLOEXEC) != 0) {
+    std::perror("kvtier-bench: pipe");
+    return std::nullopt;
+  }
+  std::fflush(nullptr);
+  const pid_t a = ::fork();
+  if (a == 0) {
+    ::close(ready[0]);
+    ::close(stop[1]);
+    RunTenantA(socket, layout, sessions, ready[1], stop[0]);
+  }
+  ::close(ready[1]);
+  ::close(stop[0]);
+  char byte;
+  const bool started = a > 0 && ::read(ready[0], &byte, 1) == 1;
+  ::close(ready[0]);
   std::vector<double> us;
+  bool ok = started;
   const Clock::time_point end = Clock::now() + std::chrono::seconds(o.seconds);
-  bool ok = true;
-  while (Clock::now() < end && !failed) {
+  while (ok && Clock::now() < end) {
     const Clock::time_point t0 = Clock::now();
     Result<OpResult> r = b.client->Load(b.id, b_keys, Iota(kTurnBlocks, kTurnBlocks));
     us.push_back(Seconds(Clock::now() - t0) * 1e6);
     if (!r || r->blocks != kTurnBlocks) {
       std::fprintf(stderr, "kvtier-bench: B's load %s\n", r ? "missed blocks it stored" : r.error().ToString().c_str());
       ok = false;
-      break;
     }
   }
-  stop = true;
-  for (std::thread& t : threads) t.join();
-  if (!ok || failed) return std::nullopt;
+  ::close(stop[1]);
+  int status = 0;
+  if (a > 0 && ::waitpid(a, &status, 0) != a) status = -1;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "kvtier-bench: tenant A's process (%d sessions) failed\n", sessions);
+    return std::nullopt;
+  }
+  if (!ok) return std::nullopt;
   return Percentiles(std::move(us));
 }
 
 int AbuseSessions(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon) {
   const Layout layout = LargeLayout();
-  // Room for every session's blocks and B's, so that B's stay in host.
+  // Room for every session's blocks and B's. A's quota keeps B's blocks in
+  // host: A stores new blocks on every turn, and its oldest go.
   const uint64_t host_bytes = uint64_t{o.sessions + 2} * 4 * kTurnBlocks * layout.block_bytes() + (64ull << 20);
+  const uint64_t a_quota = host_bytes - (32ull << 20);
   const std::string socket = start_daemon(
-      host_bytes, {"tenants=[{name: b, token: " + Tok('b') + "}, {name: a, token: " + Tok('a') + "}]",
+      host_bytes, {"tenants=[{name: b, token: " + Tok('b') + "}, {name: a, token: " + Tok('a') +
+                       ", quotas: {host: " + std::to_string(a_quota) + "}}]",
                    "limits.max_sessions_per_tenant=" + std::to_string(std::max(256u, o.sessions + 1))});
   std::optional<Turns> b = OpenTurns(socket, 'b', layout);
   if (!b) return 1;
@@ -168,8 +217,8 @@ int AbuseSessions(const AbuseOptions& o, const StartAbuseDaemonFn& start_daemon)
     std::fprintf(stderr, "kvtier-bench: storing B's blocks failed\n");
     return 1;
   }
-  std::printf("workload: B loads %u blocks of %llu KiB on one session; A stores and loads the same on 1, then %u "
-              "sessions; %u s a phase, %u reps\n",
+  std::printf("workload: B loads %u blocks of %llu KiB on one session; A, a process of its own, stores and loads "
+              "the same on 1, then %u sessions; %u s a phase, %u reps\n",
               kTurnBlocks, static_cast<unsigned long long>(layout.block_bytes() >> 10), o.sessions, o.seconds,
               o.reps);
   std::vector<double> one_p50, one_p99, many_p50, many_p99;

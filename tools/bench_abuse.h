@@ -3,7 +3,8 @@
 // with nobody else calling (the baseline, from the same run). A call that
 // walked the whole cache on the event loop shows here as the victim's p99.
 // With --sessions N: one tenant's loads beside another's N sessions of
-// stores and loads, next to the same beside its one session.
+// stores and loads (a process of its own, as an engine is), next to the
+// same beside its one session.
 #pragma once
 
 #include <cstdint>
