@@ -207,6 +207,69 @@ TEST(HostBackendTest, FlowsOfOnePriorityTakeTurns) {
     EXPECT_EQ(order[static_cast<size_t>(i) + 3], 100 + i) << "one flow's copies stay in order";
 }
 
+// Flows share the workers by bytes, not by copies (issue 46): a tenant of
+// 256 KiB blocks gets no more than a tenant of 4 KiB blocks.
+TEST(HostBackendTest, FlowsShareTheWorkersByBytes) {
+  auto backend = MakeBackend(1);
+  std::vector<uint8_t> big_src(256 * 1024), big_dst(256 * 1024), small_src(4096), small_dst(4096);
+  auto batch = [&](uint32_t flow, std::vector<uint8_t>& src, std::vector<uint8_t>& dst) {
+    return CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                     .priority = CopyPriority::kLoad,
+                     .flow = flow,
+                     .slot_copies = {SlotCopy{src.data(), dst.data(), src.size()}}};
+  };
+  Completions c(8 + 256);
+  {
+    WorkerGate gate(*backend);
+    for (int i = 0; i < 8; ++i) backend->Submit(batch(1, big_src, big_dst), c.Done(100 + i));
+    for (int i = 0; i < 256; ++i) backend->Submit(batch(2, small_src, small_dst), c.Done(1000 + i));
+  }
+  c.Wait();
+  // Tenant 2's 4 KiB copies between tenant 1's second and third: 64 of them
+  // (256 KiB), give or take the one whose turn it was.
+  const std::vector<int> order = c.order();
+  const auto second = std::find(order.begin(), order.end(), 101);
+  const auto third = std::find(order.begin(), order.end(), 102);
+  ASSERT_LT(second, third);
+  EXPECT_NEAR(third - second - 1, 64, 1) << "tenant 2's copies between two of tenant 1's";
+}
+
+// A batch is cut into tasks of at most about 1 MiB: a tenant's 16 MiB load
+// holds the only worker for one task, not half the batch, before another
+// tenant's load runs.
+TEST(HostBackendTest, ALargeBatchHoldsAWorkerForOneTaskOfAtMostAMebibyte) {
+  auto backend = MakeBackend(1);
+  constexpr size_t kCopies = 64, kCopyBytes = 256 * 1024;
+  std::vector<uint8_t> src(kCopies * kCopyBytes, 0xab), dst(kCopies * kCopyBytes, 0);
+  std::vector<SlotCopy> copies;
+  for (size_t i = 0; i < kCopies; ++i) copies.push_back({&src[i * kCopyBytes], &dst[i * kCopyBytes], kCopyBytes});
+  uint8_t small_src[64] = {}, small_dst[64] = {};
+  std::atomic<size_t> copied_before{SIZE_MAX};
+  Completions c(2);
+  {
+    WorkerGate gate(*backend);
+    backend->Submit(CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                              .priority = CopyPriority::kLoad,
+                              .flow = 1,
+                              .slot_copies = copies},
+                    c.Done(1));
+    CopyDone done = c.Done(2);
+    backend->Submit(CopyBatch{.direction = CopyDirection::kSlotToSlot,
+                              .priority = CopyPriority::kLoad,
+                              .flow = 2,
+                              .slot_copies = {SlotCopy{small_src, small_dst, sizeof(small_src)}}},
+                    [&, done](CopyResult r) {
+                      // On the only worker: tenant 1's tasks are not running.
+                      copied_before = static_cast<size_t>(std::count(dst.begin(), dst.end(), 0xab));
+                      done(std::move(r));
+                    });
+  }
+  c.Wait();
+  EXPECT_EQ(c.order(), (std::vector<int>{2, 1}));
+  EXPECT_LE(copied_before.load(), size_t{1} << 20) << "bytes of tenant 1's load copied before tenant 2's ran";
+  EXPECT_EQ(dst, src);
+}
+
 TEST(HostBackendTest, SlotCopyChecksumsAreXxh3OfTheDestination) {
   auto backend = MakeBackend(2);
   constexpr size_t kCopies = 9;
