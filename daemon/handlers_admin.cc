@@ -119,6 +119,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_write_backoffs", c.disk_write_backoffs},
                         {"disk_reads_waited_for_room", c.disk_reads_waited_for_room},
                         {"disk_reads_without_room", c.disk_reads_without_room},
+                        {"reads_past_quota", c.reads_past_quota},
+                        {"reads_not_kept", c.reads_not_kept},
                         {"disk_reads_record_gone", c.disk_reads_record_gone},
                         {"disk_writes_missed", c.disk_writes_missed},
                         {"bytes_host_to_disk", c.bytes_host_to_disk},

@@ -235,6 +235,12 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       // table: the entry is gone then.
       e = index_.Find(key);
       if (e == nullptr) continue;
+      // A block its owner's host quota has no room for (read past it for
+      // this load: RoomGate::ForRead) goes back below host, which holds it.
+      if (e->tier == Tier::kHost && !policy_->QuotaAllows(e->owner, Tier::kHost, 0) && LeaveHostHeldBelow(e)) {
+        ++counters_.reads_not_kept;
+        continue;
+      }
       // A block not hot yet goes back to disk (where its record still is);
       // a hot one stays, and may move up to hbm.
       if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits &&

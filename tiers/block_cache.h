@@ -431,6 +431,10 @@ class BlockCache {
   // A host block that still has its disk record goes back to the disk tier,
   // no write needed. Returns whether it did.
   bool BackToDisk(BlockEntry* e);
+  // A host block the tier below holds leaves host: back to disk, or
+  // dropped where (no disk tier) the cluster holds it. Not while leased,
+  // moving or filling. Returns whether it left.
+  bool LeaveHostHeldBelow(BlockEntry* e);
   // Gives up `e`'s memory slot (the block left its tier): freed now, or kept
   // as its retired slot until the loads that leased it let go.
   void RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old_bytes);

@@ -48,8 +48,11 @@ uint8_t* CacheDisk::SlotForDiskRead(const BlockEntry* e) {
   // to read. A read takes free room or a clean block's slot, never one of a
   // block not on disk yet: the block read is safe there already. It is held
   // to its owner's host quota, as a store is: the owner's colder host blocks
-  // go back to disk for it.
-  return e->on_disk ? cache_.room_->ForRead(ReadSlotBytes(e), e->owner) : nullptr;
+  // go back to disk for it; past that, a load's read takes free room and
+  // goes back to disk after the load (RoomGate::ForRead).
+  const auto waiting = disk_waiters_.find(e->key);
+  const bool for_load = waiting != disk_waiters_.end() && !waiting->second.empty();
+  return e->on_disk ? cache_.room_->ForRead(ReadSlotBytes(e), e->owner, for_load) : nullptr;
 }
 
 bool CacheDisk::HostRoomIsComing(const BlockEntry* e) const {
@@ -102,6 +105,7 @@ bool CacheDisk::TransientReadError(const Status& st) {
 
 void CacheDisk::StartDiskRead(BlockEntry* e, uint8_t* dst) {
   disk_waiters_.try_emplace(e->key);  // loads that come meanwhile share this read
+  cache_.policy_->HostArriving(e->owner, ReadSlotBytes(e), /*more=*/true);
   e->moving = true;
   cache_.index_.Park(e);
   ++cache_.inflight_copies_;
@@ -154,6 +158,7 @@ void CacheDisk::FinishDiskRead(const StoredKey& key, uint8_t* dst, Status status
   BlockEntry* e = cache_.index_.Find(key);  // moving entries are never dropped
   KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
   e->moving = false;
+  cache_.policy_->HostArriving(e->owner, coded_bytes != 0 ? coded_bytes : e->block_bytes, /*more=*/false);
   const bool ok = status.ok();
   if (ok) {
     cache_.Charge(e, -1);

@@ -230,6 +230,19 @@ bool BlockCache::BackToDisk(BlockEntry* e) {
   return true;
 }
 
+bool BlockCache::LeaveHostHeldBelow(BlockEntry* e) {
+  if (BackToDisk(e)) return true;
+  // With a disk tier, host's blocks are held below by their disk record
+  // only (as for RoomGate's clean victims): the cluster may let go of a
+  // value at any time.
+  if (options_.disk != nullptr || !e->on_remote || e->tier != Tier::kHost || e->leases != 0 || e->moving ||
+      e->state != EntryState::kReady || e->retired_slot != nullptr) {
+    return false;
+  }
+  Drop(e);
+  return true;
+}
+
 BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   DiskOnlyBlock* b = disk_only_.Find(key);
   if (b == nullptr) return nullptr;

@@ -70,9 +70,12 @@ bool CachePolicy::QuotaAllows(TenantId tenant, Tier t, uint64_t bytes) const {
   const std::optional<uint64_t> q = QuotaOf(tenant, t);
   if (!q) return true;
   uint64_t used = cache_.TenantUsedBytes(tenant, t);
-  // Host blocks being written out to disk are leaving (block_cache.h, "Quotas").
-  if (t == Tier::kHost && tenant < quota_state_.size())
+  // Host blocks being written out to disk are leaving (block_cache.h,
+  // "Quotas"); blocks being read up from disk have as good as arrived.
+  if (t == Tier::kHost && tenant < quota_state_.size()) {
+    used += quota_state_[tenant].host_bytes_arriving;
     used -= quota_state_[tenant].host_bytes_leaving;
+  }
   return used + bytes <= *q;
 }
 
@@ -94,6 +97,11 @@ std::optional<uint64_t> CachePolicy::QuotaOf(TenantId tenant, Tier t) const {
 void CachePolicy::HostLeaving(TenantId tenant, uint64_t bytes, bool more) {
   uint64_t& leaving = QuotaStateOf(tenant).host_bytes_leaving;
   leaving = more ? leaving + bytes : leaving - bytes;
+}
+
+void CachePolicy::HostArriving(TenantId tenant, uint64_t bytes, bool more) {
+  uint64_t& arriving = QuotaStateOf(tenant).host_bytes_arriving;
+  arriving = more ? arriving + bytes : arriving - bytes;
 }
 
 CachePolicy::QuotaState& CachePolicy::QuotaStateOf(TenantId tenant) {

@@ -7,7 +7,9 @@
 // else. Its promises:
 //   - QuotaAllows counts a tenant's host blocks being written out to disk
 //     as leaving (block_cache.h, "Quotas"): HostLeaving must be told of
-//     each write-back as it starts and ends, and of nothing else.
+//     each write-back as it starts and ends, and of nothing else. It counts
+//     the reads from disk into host under way for the tenant as arrived:
+//     HostArriving is told of each as it starts and ends.
 //   - A tenant over its disk quota forgets its own oldest disk-only records
 //     only, at most kDiskQuotaStepsPerWrite per record it gains; a record
 //     whose block is in memory or busy goes to the back of the line.
@@ -46,6 +48,9 @@ class CachePolicy {
   // `tenant`'s host blocks being written out to disk: `bytes` more (a
   // write-back started) or fewer (it ended).
   void HostLeaving(TenantId tenant, uint64_t bytes, bool more);
+  // `tenant`'s blocks being read from disk into host slots: `bytes` more (a
+  // read started) or fewer (it ended, its block charged to host or not).
+  void HostArriving(TenantId tenant, uint64_t bytes, bool more);
 
   // The disk quota: its line of records; forgetting the oldest while over.
   void LogDiskRecord(TenantId owner, const StoredKey& key, const DiskLocation& where);
@@ -67,7 +72,8 @@ class CachePolicy {
  private:
   // What the quotas need per tenant (by TenantId, created on first use).
   struct QuotaState {
-    uint64_t host_bytes_leaving = 0;  // its host blocks being written out to disk
+    uint64_t host_bytes_leaving = 0;   // its host blocks being written out to disk
+    uint64_t host_bytes_arriving = 0;  // its blocks being read from disk into host
     DiskWriteLog disk_log;            // its disk records, while it has a disk quota
   };
   QuotaState& QuotaStateOf(TenantId tenant);

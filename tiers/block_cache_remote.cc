@@ -32,8 +32,10 @@ std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layo
     if (cache_.index_.Find(keys[i]) != nullptr || cache_.disk_only_.Find(keys[i]) != nullptr) break;
     // Room from free slots and blocks held below host only, as for a disk
     // read: a fetch never drops a block (anyone's, the tenant's own under
-    // its quota too) that exists nowhere else.
-    uint8_t* slot = cache_.room_->ForRead(bytes, tenant);
+    // its quota too) that exists nowhere else. Past the tenant's quota,
+    // free room for the load's time where no disk tier is (a fetched block
+    // is not on disk: it could not go back there).
+    uint8_t* slot = cache_.room_->ForRead(bytes, tenant, /*for_load=*/cache_.options_.disk == nullptr);
     if (slot == nullptr) break;
     filling.push_back(cache_.InsertFilling(keys[i], prev, Tier::kHost, slot, bytes, *ns, tenant));
     filling.back()->compress = codec.kind != CodecKind::kNone;

@@ -16,11 +16,16 @@ uint8_t* RoomGate::ForStore(Tier t, uint64_t bytes) {
   return AllocateSlot(t, bytes, t == Tier::kHbm ? Room::kNothing : Room::kAny);
 }
 
-uint8_t* RoomGate::ForRead(uint64_t bytes, TenantId quota_of) {
+uint8_t* RoomGate::ForRead(uint64_t bytes, TenantId quota_of, bool for_load) {
   // The block read is safe below host already; the one it would replace
   // might not be.
-  if (!QuotaRoom(quota_of, bytes, /*clean_only=*/true)) return nullptr;
-  return AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly);
+  if (QuotaRoom(quota_of, bytes, /*clean_only=*/true)) return AllocateSlot(Tier::kHost, bytes, Room::kCleanOnly);
+  // Past the quota: served from room nobody uses, not kept (no one else's
+  // block goes for it).
+  if (!for_load) return nullptr;
+  uint8_t* slot = AllocateSlot(Tier::kHost, bytes, Room::kNothing);
+  if (slot != nullptr) ++cache_.counters_.reads_past_quota;
+  return slot;
 }
 
 bool RoomGate::QuotaRoom(TenantId tenant, uint64_t bytes, bool clean_only) {

@@ -10,7 +10,10 @@
 //     record, or without a disk tier its remote copy): a read never drops a
 //     block that exists nowhere else. That holds for the room a tenant's
 //     host quota asks of its own blocks too: held below host, or with a
-//     disk tier written back (never dropped). (A block going back to disk
+//     disk tier written back (never dropped). A load's read that its
+//     owner's quota has no room for (its host blocks all leased or on
+//     their way down) takes free room only, and does not stay: the block
+//     goes back below host when the load is over (BlockCache::CopyToEngine). (A block going back to disk
 //     may make its owner's disk quota forget the owner's oldest disk
 //     records: CachePolicy's rule after every disk write.)
 //   - ForDemotion: a host slot for a block hbm demotes. Free room only where
@@ -50,7 +53,9 @@ class RoomGate {
   uint8_t* ForStore(Tier t, uint64_t bytes);
   // `quota_of`: the tenant whose host quota the block counts against (its
   // owner: a disk read or a remote fetch is held to it as a store is).
-  uint8_t* ForRead(uint64_t bytes, TenantId quota_of);
+  // `for_load`: a load waits for the block (not a prefetch): past the
+  // quota, it may take free room for the load's time.
+  uint8_t* ForRead(uint64_t bytes, TenantId quota_of, bool for_load);
   uint8_t* ForDemotion(uint64_t bytes);
   uint8_t* ForPromotion(uint64_t bytes);
   uint8_t* ForCompaction(uint64_t bytes);

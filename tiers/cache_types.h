@@ -137,6 +137,11 @@ struct CacheCounters : RequestCounters {
   // they waited for host's blocks leaving, or (none leaving) missed.
   uint64_t disk_reads_waited_for_room = 0;
   uint64_t disk_reads_without_room = 0;
+  // Loads' reads (disk or cluster) that their owner's host quota had no
+  // room for: served from free host room (reads_past_quota), and sent back
+  // below host once the load was over (reads_not_kept).
+  uint64_t reads_past_quota = 0;
+  uint64_t reads_not_kept = 0;
   // Reads that found their block's record gone before they could start: a
   // region's reclaim took it while the read waited for host room (a load
   // holding a block does not keep its record).

@@ -213,7 +213,7 @@ TEST_F(RemoteNodesTest, WithWriteOnDemoteBlocksReachTheClusterAsTheyLeaveHost) {
   EXPECT_EQ(hit->hits, 0u);
 }
 
-TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaNeverDropsItsBlocksTheClusterDoesNotHold) {
+TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaIsServedNotKeptAndDropsNothing) {
   // Node A puts a prompt to the cluster.
   const std::vector<BlockKey> shared = a_->StoreShared(300, 8);
   ASSERT_EQ(shared.size(), 8u);
@@ -226,14 +226,23 @@ TEST_F(RemoteNodesTest, AFetchAtTheTenantsHostQuotaNeverDropsItsBlocksTheCluster
   ASSERT_TRUE(own.has_value()) << own.error();
   EXPECT_EQ(c->Counter("remote_writes"), 0u);
 
-  // Loading the shared prompt on C fetches it from the cluster into host,
-  // within the quota: room may come only from C's blocks the cluster (or a
-  // disk) holds, and there are none. The fetch misses; nothing is lost.
+  // Loading the shared prompt on C fetches it from the cluster into host:
+  // room within the quota may come only from C's blocks the cluster (or a
+  // disk) holds, and there are none. So the fetch takes free host room for
+  // the load's time, and its blocks do not stay (the cluster holds them).
+  // Nothing of C's is lost.
   uint32_t wrong = 0;
   Result<uint32_t> loaded = c->Load(shared, 100, &wrong);
   ASSERT_TRUE(loaded.has_value()) << loaded.error();
-  EXPECT_EQ(*loaded, 0u);
-  Result<LookupResult> hit = c->client->Lookup(c->id, *own);
+  EXPECT_EQ(*loaded, 8u);
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(c->Counter("reads_past_quota"), 8u);
+  EXPECT_EQ(c->Counter("reads_not_kept"), 8u);
+  Result<LookupResult> hit = c->client->Lookup(c->id, shared);
+  ASSERT_TRUE(hit.has_value()) << hit.error();
+  EXPECT_EQ(hit->hits, 8u);
+  EXPECT_THAT(hit->tiers, ::testing::Each(BlockTier::kRemote)) << "fetched blocks stayed in host past the quota";
+  hit = c->client->Lookup(c->id, *own);
   ASSERT_TRUE(hit.has_value()) << hit.error();
   EXPECT_EQ(hit->hits, 16u) << "a fetch dropped blocks that existed nowhere else\n" << c->daemon.Log();
   loaded = c->Load(*own, 100, &wrong);

@@ -238,6 +238,50 @@ TEST_F(QuotaTest, DiskReadsIntoHostStayWithinTheOwnersHostQuota) {
   EXPECT_LE(cache_->TenantUsedBytes(kTenant, Tier::kHost), 8 * BlockBytes());
 }
 
+// A load of more of the tenant's disk blocks than its host quota holds is
+// served whole: the reads past the quota take free host room for the
+// load's time and go back to disk when it is over, so the tenant is within
+// its quota again once the load is done, and no other tenant's block went
+// for them (free room only). Before, reads under way were not counted
+// against the quota: one load read all 24 blocks into host with room made
+// as for any read, and the tenant held 27 blocks of host after it, almost
+// seven times its quota.
+TEST_F(QuotaTest, ALoadOfMoreDiskBlocksThanTheHostQuotaIsServedWholeAndNotKept) {
+  Open({.host_slots = 64});
+  TenantQuota quota;
+  quota.bytes[kHost] = 4 * BlockBytes();
+  cache_->SetQuota(kTenant, quota);
+  const std::vector<StoredKey> keys = NewKeys(32);
+  StoreSettled(keys);
+  ASSERT_EQ(cache_->counters().disk_demotions, 28u);
+  constexpr uint32_t kLoad = 24;  // all on disk
+  std::vector<uint32_t> blocks(kLoad);
+  for (uint32_t i = 0; i < kLoad; ++i) {
+    blocks[i] = 32 + i;
+    engine_->Zero(blocks[i]);
+  }
+  bool done = false;
+  OpOutcome out;
+  cache_->Load(kTenant, std::span(keys.data(), kLoad), blocks, EngineTarget{engine_->layout(), engine_->mapping()},
+               owner_, [&](OpOutcome o) {
+                 out = std::move(o);
+                 done = true;
+               });
+  ASSERT_TRUE(Drain([&] { return done; }));
+  ASSERT_TRUE(out.status.ok()) << out.status;
+  EXPECT_EQ(out.blocks, kLoad) << "the load ended where the host quota was full";
+  for (uint32_t i = 0; i < out.blocks; ++i) EXPECT_TRUE(engine_->Holds(blocks[i], keys[i])) << "block " << i;
+  ASSERT_TRUE(Settle());
+  EXPECT_LE(cache_->TenantUsedBytes(kTenant, Tier::kHost), 4 * BlockBytes()) << "after the load";
+  EXPECT_GE(cache_->counters().reads_past_quota, kLoad - 4);
+  EXPECT_EQ(cache_->counters().reads_not_kept, cache_->counters().reads_past_quota);
+  EXPECT_EQ(cache_->ShareOf(kTenant).evictions[kHost], 0u) << "nothing was dropped";
+  for (const Tier t : TiersOf(keys)) EXPECT_NE(t, Tier{255}) << "a block was lost";
+  for (uint32_t i = 0; i < kLoad; ++i) EXPECT_TRUE(LoadExact(keys[i])) << "block " << i << ", again";
+  ASSERT_TRUE(Settle());
+  EXPECT_LE(cache_->TenantUsedBytes(kTenant, Tier::kHost), 4 * BlockBytes());
+}
+
 // The store does not wait for the writes of the blocks over quota: a block
 // being written counts as leaving, so the tenant holds at most its quota plus
 // its writes in flight (here at most two); past that, its coldest is dropped.
