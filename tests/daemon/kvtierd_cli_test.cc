@@ -134,7 +134,12 @@ std::vector<StartupRule> StartupRules() {
       {"HugeRegions", "--set tiers.disk.region_bytes=16TiB --set tiers.disk.bytes=32TiB",
        "tiers.disk.region_bytes: must be below 16TiB, got 16TiB"},
       {"NodeLimitAboveTheNode", "--set limits.node_max_map_count=4294967295",
-       "limits.node_max_map_count (4294967295) is above the node's vm.max_map_count"}};
+       "limits.node_max_map_count (4294967295) is above the node's vm.max_map_count"},
+      {"NamespacesPastTheNodesLayouts",
+       "--set 'tenants=[{name: a, uid: 1001}, {name: b, uid: 1002}, {name: c, uid: 1003}]' "
+       "--set limits.max_namespaces_per_tenant=30000",
+       "limits.max_namespaces_per_tenant: 30000 layouts a tenant for 3 tenants add up to 90000, past the 65536 "
+       "layouts a node holds: set it to at most 21845"}};
 #if !KVTIER_HAVE_CUDA
   rules.push_back({"CudaWithoutToolkit", "--set device.backend=cuda",
                    "device.backend: cuda, but this kvtierd was built without the CUDA toolkit"});
