@@ -215,6 +215,12 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
           .lora_name = lora};
     }
   }
+  // What the op holds in kvtierd while it runs, from the tenant's share of
+  // the node's memory: given back when its completion is let go.
+  Result<std::shared_ptr<NodeCharge>> held =
+      NodeCharge::Take(node_, &NodeBudgets::memory, s.tenant->id, s.tenant->config.name,
+                       keys->size() * NodeBudgets::kOpBytesPerKey);
+  if (!held) return ipc::ErrorMessage(id, held.error());
   const std::pair<uint64_t, SessionOp*> started = s.ops.Start();
   const uint64_t op = started.first;
   SessionOp& o = *started.second;
@@ -228,7 +234,9 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec,
                       fence_slot < 0 ? OpFence()
                                      : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation)};
-  OpDone done = [this, session = s.id, op](OpOutcome outcome) { OnOpDone(session, op, std::move(outcome)); };
+  OpDone done = [this, session = s.id, op, held = std::move(*held)](OpOutcome outcome) {
+    OnOpDone(session, op, std::move(outcome));
+  };
   uint32_t queued = 0;  // blocks whose copies were queued just now
   if (load) {
     // Blocks after the local prefix that the remote tier holds are fetched

@@ -280,10 +280,17 @@ NodeBudgets::NodeBudgets(const NodeLimits& node, const Config::Limits& limits, s
            .limit = "memory (" + node.memory_source + ")",
            .unit = "bytes",
            .per_tenant_setting = "limits.max_mapped_bytes_per_tenant",
-           .remedy = "close KV caches no longer used, or give kvtierd more memory",
+           .remedy = "close KV caches no longer used, wait for ops in flight, or give kvtierd more memory",
            .node = node.memory_bytes,
            .reserve = host_tier_bytes + kMemoryHeadroom,
            .per_tenant_limit = limits.max_mapped_bytes_per_tenant},
           limits, tenants)) {}
+
+Result<std::shared_ptr<NodeCharge>> NodeCharge::Take(std::shared_ptr<NodeBudgets> node,
+                                                     NodeBudget NodeBudgets::*budget, uint32_t tenant,
+                                                     std::string_view tenant_name, uint64_t n) {
+  KVTIER_RETURN_IF_ERROR(((*node).*budget).Take(tenant, tenant_name, n));
+  return std::shared_ptr<NodeCharge>(new NodeCharge(std::move(node), budget, tenant, n));
+}
 
 }  // namespace kvtier

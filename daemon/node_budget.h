@@ -8,7 +8,8 @@
 //   - RLIMIT_NOFILE, its soft limit raised to the hard one: each session
 //     holds one descriptor;
 //   - memory: the memory cgroup's limit, else the machine's RAM; pages
-//     kvtierd writes into holes of a client's memfd are charged to it.
+//     kvtierd writes into holes of a client's memfd are charged to it, and
+//     so is what a load or store holds while it runs (kOpBytesPerKey).
 // limits.node_* set any of them lower. From each, kvtierd keeps its own
 // reserve (what it uses once its tiers are open, and headroom), and a
 // NodeBudget shares the rest (the capacity) between the named tenants:
@@ -38,6 +39,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -149,11 +151,38 @@ struct NodeBudgets {
   // The three, for what reports each alike.
   std::array<const NodeBudget*, 3> all() const { return {&maps, &sessions, &memory}; }
 
+  // What a load or store holds in kvtierd's memory per key while it runs,
+  // at most (its keys, leases, engine block ids and copies, in the request,
+  // the cache and the backend): charged to `memory` from its start to its
+  // end (NodeCharge), so that a tenant's ops in flight (sessions times
+  // limits.max_inflight_ops_per_session) stay within its share.
+  static constexpr uint64_t kOpBytesPerKey = 128;
   // Connections that have not said Hello yet, at most (Server refuses more).
   static constexpr uint64_t kMaxUnauthenticated = 256;
   static constexpr uint64_t kMapsHeadroom = 1024;
   static constexpr uint64_t kFdsHeadroom = 64;  // metrics scrapes, remote connections, files
   static constexpr uint64_t kMemoryHeadroom = 1ull << 30;
+};
+
+// One Take of a NodeBudgets budget, given back when the last copy of the
+// charge is dropped (an op's memory: its completion callback holds it, on
+// whatever thread that callback is let go).
+class NodeCharge {
+ public:
+  // Errors: NodeBudget::Take's.
+  static Result<std::shared_ptr<NodeCharge>> Take(std::shared_ptr<NodeBudgets> node, NodeBudget NodeBudgets::*budget,
+                                                  uint32_t tenant, std::string_view tenant_name, uint64_t n);
+  NodeCharge(const NodeCharge&) = delete;
+  NodeCharge& operator=(const NodeCharge&) = delete;
+  ~NodeCharge() { ((*node_).*budget_).Give(tenant_, n_); }
+
+ private:
+  NodeCharge(std::shared_ptr<NodeBudgets> node, NodeBudget NodeBudgets::*budget, uint32_t tenant, uint64_t n)
+      : node_(std::move(node)), budget_(budget), tenant_(tenant), n_(n) {}
+  const std::shared_ptr<NodeBudgets> node_;
+  NodeBudget NodeBudgets::*const budget_;
+  const uint32_t tenant_;
+  const uint64_t n_;
 };
 
 }  // namespace kvtier

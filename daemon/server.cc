@@ -604,19 +604,20 @@ void Server::ServeReadable() {
       if (it == sessions_.end()) continue;  // closed since it was queued
       Session& s = *it->second;
       s.readable_queued = false;
-      if (ReadOneRequest(s)) QueueReadable(s);
+      ReadOneRequest(s);
       turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
     }
-    if (readable_.empty()) return;
-    // Sessions that became readable meanwhile join the next round, so a
-    // tenant whose request arrives now waits behind one request of each
-    // other tenant, not behind the rest of this turn. Everything else epoll
-    // reports (level-triggered) waits for the next turn.
+    // Sessions with more to read, and those that became readable meanwhile,
+    // join the next round (epoll is level-triggered): a tenant whose request
+    // arrives now waits behind one request of each other tenant, not behind
+    // the rest of this turn. Everything else epoll reports waits for the
+    // next turn.
     epoll_event events[64];
     const int k = ::epoll_wait(epoll_.get(), events, 64, 0);
     for (int i = 0; i < k; ++i) {
       if (events[i].data.u64 >= kFirstSessionId) OnSessionEvent(events[i]);
     }
+    if (readable_.empty()) return;
   }
 }
 
@@ -630,16 +631,16 @@ void Server::OnSessionEvent(const epoll_event& event) {
   if (event.events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
 }
 
-bool Server::ReadOneRequest(Session& s) {
-  if (s.close_reason() != nullptr) return false;
+void Server::ReadOneRequest(Session& s) {
+  if (s.close_reason() != nullptr) return;
   Result<ipc::ReceivedMessage> m = ipc::ReceiveMessage(s.fd.get(), options_.config.limits.max_message_bytes);
   if (!m) {
     if (m.error().code() != StatusCode::kUnavailable) MarkClosing(s, "receive failed");
-    return false;
+    return;
   }
   if (m->eof) {
     MarkClosing(s, "client closed the connection");
-    return false;
+    return;
   }
   if (m->truncated) {
     ++messages_rejected_;
@@ -647,17 +648,16 @@ bool Server::ReadOneRequest(Session& s) {
                                                  std::to_string(options_.config.limits.max_message_bytes) +
                                                  ") or with too many descriptors")));
     MarkClosing(s, "oversized message");
-    return false;
+    return;
   }
   Result<const wire::Message*> msg = ipc::VerifyMessage(m->bytes);
   if (!msg) {
     ++messages_rejected_;
     Send(s, ipc::ErrorMessage(0, msg.error()));
     MarkClosing(s, "malformed message");
-    return false;
+    return;
   }
   Handle(s, **msg, std::move(m->fds));
-  return s.close_reason() == nullptr;
 }
 
 void Server::Send(Session& s, std::vector<uint8_t> bytes) {

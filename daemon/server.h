@@ -94,9 +94,9 @@ class Server {
   // A session's epoll event: writes what its outbox holds, queues it to be
   // read.
   void OnSessionEvent(const epoll_event& event);
-  // Reads and handles one request of `s`: true when it did and `s` may have
-  // more (it is queued again, behind the others).
-  bool ReadOneRequest(Session& s);
+  // Reads and handles one request of `s` (epoll reports it again while it
+  // has more).
+  void ReadOneRequest(Session& s);
   void OnSessionWritable(Session& s);
   void CloseSession(uint64_t id, const char* why);
   // Closes the sessions marked in closing_: O(sessions marked).

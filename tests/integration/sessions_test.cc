@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/block_pattern.h"
+#include "daemon/node_budget.h"
 #include "kvtier/client.h"
 #include "kvtier/shm_kv_cache.h"
 #include "tests/integration/daemon_process.h"
@@ -181,6 +182,53 @@ TEST(SessionsTest, OpsStillRunningAreBoundedAndFinishedOnesFreeTheirPlacesUnwait
         StatsWhen(*admin, [](const DaemonStats& s) { return s.inflight_ops == 0; }).inflight_ops,
         0u);
   }
+  ExpectCleanStop(*d);
+}
+
+// Ops in flight hold kvtierd's memory (NodeBudgets::kOpBytesPerKey a key)
+// from the tenant's share of the node's: a tenant's sessions times
+// limits.max_inflight_ops_per_session no longer add up past what the node
+// holds. Here the share leaves room for 128 one-key ops beside the cache's
+// mapping; of 200 sent at once, the rest are refused naming the node's
+// memory, and once the ops are over their memory is given back. Before,
+// all 200 started.
+TEST(SessionsTest, OpsInFlightAreHeldToTheTenantsShareOfTheNodesMemory) {
+  constexpr uint64_t kOps = 200, kRoomFor = 128;
+  ShmKvCache cache = ShmKvCache::Create(SmallLayout(), 4).value();
+  const uint64_t capacity = cache.size_bytes() + kRoomFor * NodeBudgets::kOpBytesPerKey;
+  // The node's memory less kvtierd's reserve (its 64 MiB host tier and 1 GiB
+  // of headroom) is the tenants' capacity; one tenant, all of it guaranteed.
+  Result<DaemonProcess> d = DaemonProcess::Start(
+      {"limits.node_memory_bytes=" + std::to_string((64ull << 20) + NodeBudgets::kMemoryHeadroom + capacity),
+       "limits.node_guaranteed_fraction=1.0"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  auto admin = MustConnect(*d);
+  ASSERT_NE(admin, nullptr);
+  RawSession raw(d->socket_path());
+  ASSERT_NO_FATAL_FAILURE(HelloAndRegister(raw, cache));
+  {
+    Stopped stopped(*d);
+    for (uint32_t i = 0; i < kOps; ++i) ASSERT_TRUE(raw.Send(OneBlockOp(10 + i, true, RawKey(3, i), i % 4)).ok());
+  }
+  uint64_t started = 0, refused = 0;
+  for (uint32_t i = 0; i < kOps; ++i) {
+    const RawSession::Reply r = raw.Receive();
+    if (r.body == wire::Body::OpStarted) {
+      ++started;
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(r.code, StatusCode::kResourceExhausted) << r.message;
+    EXPECT_THAT(r.message, HasSubstr("memory")) << r.message;
+  }
+  EXPECT_EQ(started, kRoomFor);
+  EXPECT_EQ(refused, kOps - kRoomFor);
+  // Over, they give their memory back: the mapping alone is left.
+  const DaemonStats after = StatsWhen(*admin, [](const DaemonStats& s) { return s.inflight_ops == 0; });
+  EXPECT_EQ(Counter(after, "node_memory_used"), cache.size_bytes());
+  EXPECT_EQ(Counter(after, "node_memory_refused"), kOps - kRoomFor);
+  ASSERT_TRUE(raw.Send(OneBlockOp(1000, true, RawKey(3, 0), 0)).ok());
+  EXPECT_EQ(raw.Receive().body, wire::Body::OpStarted);
   ExpectCleanStop(*d);
 }
 
