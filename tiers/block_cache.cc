@@ -190,7 +190,12 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       size_t good = 0;
       while (good < p->leased.size() && p->leased[good]->tier != Tier::kDisk) ++good;
       if (good < p->leased.size()) ++counters_.loads_short_disk;
-      for (size_t i = good; i < p->leased.size(); ++i) Unlease(p->leased[i], tenant);
+      for (size_t i = good; i < p->leased.size(); ++i) {
+        const StoredKey key = p->leased[i]->key;
+        Unlease(p->leased[i], tenant);
+        // Read up, but past the prefix: not kept past its owner's quota.
+        if (BlockEntry* read = index_.Find(key); read != nullptr) LeaveHostPastQuota(read);
+      }
       p->leased.resize(good);
       p->ids.resize(good);
       // Too late for the event: the engine learned from OpStarted that it
@@ -235,12 +240,7 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       // table: the entry is gone then.
       e = index_.Find(key);
       if (e == nullptr) continue;
-      // A block its owner's host quota has no room for (read past it for
-      // this load: RoomGate::ForRead) goes back below host, which holds it.
-      if (e->tier == Tier::kHost && !policy_->QuotaAllows(e->owner, Tier::kHost, 0) && LeaveHostHeldBelow(e)) {
-        ++counters_.reads_not_kept;
-        continue;
-      }
+      if (LeaveHostPastQuota(e)) continue;
       // A block not hot yet goes back to disk (where its record still is);
       // a hot one stays, and may move up to hbm.
       if (e->tier == Tier::kHost && e->on_disk && e->hits < options_.disk_promotion_min_hits &&
@@ -261,6 +261,14 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       done(OpOutcome{.status = result.status});
     }
   });
+}
+
+bool BlockCache::LeaveHostPastQuota(BlockEntry* e) {
+  if (e->tier != Tier::kHost || policy_->QuotaAllows(e->owner, Tier::kHost, 0) || !LeaveHostHeldBelow(e)) {
+    return false;
+  }
+  ++counters_.reads_not_kept;
+  return true;
 }
 
 bool BlockCache::MaybePromote(BlockEntry* e) {

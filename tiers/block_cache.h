@@ -435,6 +435,10 @@ class BlockCache {
   // dropped where (no disk tier) the cluster holds it. Not while leased,
   // moving or filling. Returns whether it left.
   bool LeaveHostHeldBelow(BlockEntry* e);
+  // A host block whose owner is past its host quota (a load's read that the
+  // quota had no room for: RoomGate::ForRead) leaves host as above, once
+  // no load holds it. Returns whether it left (counted: reads_not_kept).
+  bool LeaveHostPastQuota(BlockEntry* e);
   // Gives up `e`'s memory slot (the block left its tier): freed now, or kept
   // as its retired slot until the loads that leased it let go.
   void RetireSlot(BlockEntry* e, Tier from, uint8_t* old, uint64_t old_bytes);
