@@ -166,6 +166,7 @@ std::optional<Latencies> SessionsPhase(const AbuseOptions& o, const std::string&
   }
   std::fflush(nullptr);
   const pid_t a = ::fork();
+  if (a < 0) std::perror("kvtier-bench: fork");
   if (a == 0) {
     ::close(ready[0]);
     ::close(stop[1]);
@@ -192,7 +193,7 @@ std::optional<Latencies> SessionsPhase(const AbuseOptions& o, const std::string&
   int status = 0;
   if (a > 0 && ::waitpid(a, &status, 0) != a) status = -1;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::fprintf(stderr, "kvtier-bench: tenant A's process (%d sessions) failed\n", sessions);
+    std::fprintf(stderr, "kvtier-bench: tenant A's process (%u sessions) failed\n", sessions);
     return std::nullopt;
   }
   if (!ok) return std::nullopt;
