@@ -484,7 +484,7 @@ Status Server::Run() {
       } else if (tag == kWakeTag) {
         RunPosted();  // each closure timed under the name it was posted with
       } else {
-        OnSessionEvent(events[i]);
+        OnSessionEvent(tag, events[i].events);
       }
       turn_.Time("close sessions", [&] { CloseMarkedSessions(); });
     }
@@ -615,20 +615,21 @@ void Server::ServeReadable() {
     epoll_event events[64];
     const int k = ::epoll_wait(epoll_.get(), events, 64, 0);
     for (int i = 0; i < k; ++i) {
-      if (events[i].data.u64 >= kFirstSessionId) OnSessionEvent(events[i]);
+      const uint64_t tag = events[i].data.u64;
+      if (tag >= kFirstSessionId) OnSessionEvent(tag, events[i].events);
     }
     if (readable_.empty()) return;
   }
 }
 
-void Server::OnSessionEvent(const epoll_event& event) {
-  auto it = sessions_.find(event.data.u64);
+void Server::OnSessionEvent(uint64_t session, uint32_t events) {
+  auto it = sessions_.find(session);
   if (it == sessions_.end()) return;
   Session& s = *it->second;
-  if (event.events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
+  if (events & EPOLLOUT) turn_.Time("write", [&] { OnSessionWritable(s); });
   // Read in ServeReadable, tenants in turn; each request is timed by its
   // type, in Handle.
-  if (event.events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
+  if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) QueueReadable(s);
 }
 
 void Server::ReadOneRequest(Session& s) {

@@ -13,8 +13,6 @@
 // Run() on one thread; Stop() is thread-safe.
 #pragma once
 
-#include <sys/epoll.h>
-
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -91,9 +89,9 @@ class Server {
   // readable meanwhile joining each next round, at most kMaxRequestsPerTurn;
   // the rest wait for the next turn.
   void ServeReadable();
-  // A session's epoll event: writes what its outbox holds, queues it to be
-  // read.
-  void OnSessionEvent(const epoll_event& event);
+  // A session's epoll events (copied out: epoll_event is packed): writes
+  // what its outbox holds, queues it to be read.
+  void OnSessionEvent(uint64_t session, uint32_t events);
   // Reads and handles one request of `s` (epoll reports it again while it
   // has more).
   void ReadOneRequest(Session& s);
