@@ -119,21 +119,31 @@ Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys)
 }
 
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt));
   return std::get<OpHandle>(v);
+}
+
+Result<OpHandle> Client::LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
+                                        std::span<const uint32_t> block_ids) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoadByLayer, false, cache, keys, block_ids, std::nullopt));
+  return std::get<OpHandle>(v);
+}
+
+Result<bool> Client::WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout) {
+  return impl_->WaitLayers(op, layers, timeout);
 }
 
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                     const std::optional<BlockKey>& parent, const BlockEventInfo* events,
                                     const BlockHint* hint) {
   KVTIER_ASSIGN_OR_RETURN(auto v,
-                          impl_->StartOp(false, false, cache, keys, block_ids, parent, false, nullptr, events, hint));
+                          impl_->StartOp(Impl::OpKind::kStore, false, cache, keys, block_ids, parent, false, nullptr, events, hint));
   return std::get<OpHandle>(v);
 }
 
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                    CudaStream stream) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, false, cache, keys, block_ids, std::nullopt, true, stream));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt, true, stream));
   return std::get<OpHandle>(v);
 }
 
@@ -141,7 +151,7 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
                                     const std::optional<BlockKey>& parent, CudaStream stream,
                                     const BlockEventInfo* events, const BlockHint* hint) {
   KVTIER_ASSIGN_OR_RETURN(auto v,
-                          impl_->StartOp(false, false, cache, keys, block_ids, parent, true, stream, events, hint));
+                          impl_->StartOp(Impl::OpKind::kStore, false, cache, keys, block_ids, parent, true, stream, events, hint));
   return std::get<OpHandle>(v);
 }
 
@@ -149,7 +159,7 @@ Result<OpResult> Client::Wait(const OpHandle& op, std::chrono::milliseconds time
 Status Client::Cancel(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Cancel(op, timeout); }
 
 Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(true, true, cache, keys, block_ids, std::nullopt));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, true, cache, keys, block_ids, std::nullopt));
   return std::get<OpResult>(v);
 }
 
@@ -157,7 +167,7 @@ Result<OpResult> Client::Store(CacheId cache, std::span<const BlockKey> keys, st
                                const std::optional<BlockKey>& parent, const BlockEventInfo* events,
                                const BlockHint* hint) {
   KVTIER_ASSIGN_OR_RETURN(auto v,
-                          impl_->StartOp(false, true, cache, keys, block_ids, parent, false, nullptr, events, hint));
+                          impl_->StartOp(Impl::OpKind::kStore, true, cache, keys, block_ids, parent, false, nullptr, events, hint));
   return std::get<OpResult>(v);
 }
 

@@ -109,10 +109,12 @@ Result<uint32_t> Client::Impl::Prefetch(CacheId id, std::span<const BlockKey> ke
 }
 
 Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
-    bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
+    OpKind kind, bool wait, CacheId id, std::span<const BlockKey> keys,
     std::span<const uint32_t> block_ids, const std::optional<BlockKey>& parent, bool ordered,
     CudaStream stream, const BlockEventInfo* events, const BlockHint* hint) {
   MutexLock lock(&mu_);
+  const bool load = kind != OpKind::kStore;
+  const bool by_layer = kind == OpKind::kLoadByLayer;
   const BlockHint h = hint != nullptr ? *hint : BlockHint{};
   if (h.session_over) return Err(InvalidArgument("session_over is a hint for cached blocks (Hint), not a store's"));
   KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(h.priority, h.next_use_ms));
@@ -157,7 +159,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   }
   // From here on, a failure cancels the op's copies (which the daemon
   // may have started) before returning: the caller may reuse the blocks.
-  const OpFences::Fence fence = fences_->Open(daemon_);
+  const OpFences::Fence fence = fences_->Open(daemon_, by_layer);
   FlatBufferBuilder b(128 + keys.size() * 20);
   const std::vector<w::Key> wk = KeysToWire(keys);
   const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
@@ -166,7 +168,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   if (load) {
     bytes = ipc::FinishMessage(b, rid,
                                w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event,
-                                                   static_cast<int32_t>(fence.slot), fence.generation));
+                                                   static_cast<int32_t>(fence.slot), fence.generation, by_layer));
   } else {
     const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
     std::vector<uint8_t> hashes, parent_hash;
@@ -286,6 +288,24 @@ Status Client::Impl::Cancel(const OpHandle& op, std::chrono::milliseconds timeou
   }
   fences_->Untrack({op.connection, op.op});
   return Status::Ok();
+}
+
+Result<bool> Client::Impl::WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout) {
+  if (timeout.count() < 0) return Err(InvalidArgument("a WaitLayers timeout must be >= 0 ms (0: no limit)"));
+  // No lock of the client's calls: the progress word is in shared memory.
+  const std::optional<OpFences::Fence> fence = fences_->Find({op.connection, op.op});
+  if (!fence) return false;  // over (its result collected) or cancelled
+  if (!fence->by_layer) return Err(InvalidArgument("op " + std::to_string(op.op) + " is not a LoadLayersAsync"));
+  const auto deadline = timeout.count() > 0 ? std::chrono::steady_clock::now() + timeout
+                                            : std::chrono::steady_clock::time_point::max();
+  switch (fences_->AwaitLayers(*fence, layers, deadline)) {
+    case OpFences::LayerWait::kReached: return true;
+    case OpFences::LayerWait::kOver: return false;
+    case OpFences::LayerWait::kTimedOut: break;
+  }
+  return Err(Status(StatusCode::kDeadlineExceeded, std::to_string(layers) + " layers of op " + std::to_string(op.op) +
+                                                       " are not in place after " + std::to_string(timeout.count()) +
+                                                       " ms"));
 }
 
 Status Client::Impl::Abandon(std::optional<OpFences::Fence> fence, Status error) {

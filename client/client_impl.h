@@ -109,11 +109,12 @@ class Client::Impl {
 
   Result<uint32_t> Prefetch(CacheId id, std::span<const BlockKey> keys);
 
-  // Starts a Load or Store; with `wait`, returns its OpResult instead.
-  // `ordered` (GPU caches): the op is ordered against the engine's `stream`
-  // (which may be 0, the legacy default stream) through one of the cache's
-  // events (CudaExport).
-  Result<std::variant<OpHandle, OpResult>> StartOp(bool load, bool wait, CacheId id, std::span<const BlockKey> keys,
+  // Starts a Load (by layer: Load.by_layer) or Store; with `wait`, returns
+  // its OpResult instead. `ordered` (GPU caches): the op is ordered against
+  // the engine's `stream` (which may be 0, the legacy default stream)
+  // through one of the cache's events (CudaExport).
+  enum class OpKind : uint8_t { kLoad, kLoadByLayer, kStore };
+  Result<std::variant<OpHandle, OpResult>> StartOp(OpKind kind, bool wait, CacheId id, std::span<const BlockKey> keys,
                                                    std::span<const uint32_t> block_ids,
                                                    const std::optional<BlockKey>& parent, bool ordered = false,
                                                    CudaStream stream = nullptr,
@@ -129,6 +130,8 @@ class Client::Impl {
   Result<OpResult> WaitLocked(const OpHandle& op, std::chrono::milliseconds timeout) KVTIER_REQUIRES(mu_);
 
   Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout);
+
+  Result<bool> WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout);
 
   Result<DaemonStats> Stats();
 

@@ -46,7 +46,7 @@ std::shared_ptr<const UniqueFd> OpFences::PeerProcess(int fd) {
   return std::make_shared<const UniqueFd>(pidfd);
 }
 
-OpFences::Fence OpFences::Open(std::shared_ptr<const UniqueFd> daemon) {
+OpFences::Fence OpFences::Open(std::shared_ptr<const UniqueFd> daemon, bool by_layer) {
   MutexLock lock(&mu_);
   // The next free slot from the cursor; with none free, the one opened
   // longest ago (the smallest generation).
@@ -67,7 +67,7 @@ OpFences::Fence OpFences::Open(std::shared_ptr<const UniqueFd> daemon) {
   next_slot_ = (slot + 1) % FencePage::kSlots;
   open_[slot] = generation;
   page_.Open(slot, generation);
-  return Fence{slot, generation, std::move(daemon)};
+  return Fence{slot, generation, std::move(daemon), by_layer};
 }
 
 void OpFences::Close(const Fence& fence) {
@@ -113,6 +113,22 @@ bool OpFences::Cancel(const Fence& fence, std::chrono::steady_clock::time_point 
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
   }
   return true;
+}
+
+OpFences::LayerWait OpFences::AwaitLayers(const Fence& fence, uint32_t layers,
+                                          std::chrono::steady_clock::time_point deadline) {
+  // The daemon wakes the futex at each layer; a short sleep at most, so that
+  // a daemon that died is noticed without its wakeup.
+  constexpr auto kLongestSleep = std::chrono::milliseconds(20);
+  while (true) {
+    const std::optional<uint64_t> v = page_.ProgressOf(fence.slot, fence.generation);
+    if (!v) return LayerWait::kOver;
+    if ((*v & FencePage::kLayersMask) >= layers) return LayerWait::kReached;
+    if ((*v & FencePage::kOver) != 0 || Exited(fence.daemon)) return LayerWait::kOver;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return LayerWait::kTimedOut;
+    page_.SleepOnProgress(fence.slot, *v, std::min<std::chrono::nanoseconds>(deadline - now, kLongestSleep));
+  }
 }
 
 }  // namespace kvtier

@@ -37,6 +37,8 @@ class OpFences {
     // process has exited, no copy of the op runs (its threads are gone, and
     // its CUDA context with them), whatever its fence word says.
     std::shared_ptr<const UniqueFd> daemon;
+    // A load by layer: its progress word tells its layers (AwaitLayers).
+    bool by_layer = false;
   };
   // An op, as the client names it: (connection, op id).
   using OpKey = std::pair<uint64_t, uint64_t>;
@@ -48,7 +50,7 @@ class OpFences {
 
   // A slot for a new op to be sent to `daemon` (see Fence), opened (no
   // copies, not cancelled).
-  Fence Open(std::shared_ptr<const UniqueFd> daemon);
+  Fence Open(std::shared_ptr<const UniqueFd> daemon, bool by_layer = false);
   // Gives a slot back; no-op if it was reopened since.
   void Close(const Fence& fence);
 
@@ -65,6 +67,14 @@ class OpFences {
   // its daemon process has exited, leaving the count of copies it was in),
   // at most until `deadline`. True: none touches the op's memory from now on.
   bool Cancel(const Fence& fence, std::chrono::steady_clock::time_point deadline);
+
+  // Waits until the first `layers` layers of `fence`'s op (a by_layer load)
+  // are in place in every block it loads (kReached), or the op is over
+  // without them (kOver: its Wait says why), or its daemon has exited
+  // (kOver), at most until `deadline` (kTimedOut). A fence whose slot was
+  // reopened for another op since is over.
+  enum class LayerWait : uint8_t { kReached, kOver, kTimedOut };
+  LayerWait AwaitLayers(const Fence& fence, uint32_t layers, std::chrono::steady_clock::time_point deadline);
 
   // A pidfd of the process at the other end of connected socket `fd`, for
   // Open; null when there is none to be had.

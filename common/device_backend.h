@@ -137,6 +137,13 @@ struct CopyBatch {
   // touches the engine's memory only from a successful Enter to its entry's
   // release; refused, the batch fails with kCancelled and copies no more.
   OpFence fence = {};
+  // kSlotToEngine: copy layer by layer (every block's layer l before any
+  // block's layer l + 1) and report each layer once it is in place in every
+  // block through fence.Progress, so that the engine computes layer l while
+  // later layers are still being copied. A backend may copy a batch whole
+  // instead (and report nothing): the daemon reports every layer once the
+  // batch is done.
+  bool by_layer = false;
 };
 
 struct CopyResult {

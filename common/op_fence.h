@@ -24,13 +24,29 @@
 // The daemon never waits on a fence, and a client writing nonsense into its
 // own page can only fail its own ops.
 //
+// Layer progress (a Load with by_layer, docs/protocol.md "Layer-by-layer
+// loads"): the page's second 4 KiB hold one 64-bit word per slot,
+//
+//   bits 32-63  the low 32 bits of the op's generation (the client's, at Open)
+//   bit 31      over: the op finished, done or failed (the daemon's)
+//   bits 0-30   layers in place in every block the op loads (the daemon's,
+//               only ever raised)
+//
+// Its low half is a futex word: a client waiting for a layer sleeps on it,
+// and the daemon wakes it at each change. The daemon changes a word only
+// while it holds the op's generation, so a stale op's copies never speak for
+// the slot's next op. A page of only kFenceBytes (a client from before layer
+// progress) has no such words: by_layer loads are refused for it.
+//
 // FencePage and OpFence are thread-safe (atomic accesses to shared memory).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "common/memory_mapping.h"
@@ -39,8 +55,11 @@ namespace kvtier {
 
 class FencePage {
  public:
-  static constexpr size_t kBytes = 4096;
-  static constexpr uint32_t kSlots = kBytes / sizeof(uint64_t);
+  static constexpr size_t kFenceBytes = 4096;
+  static constexpr size_t kBytes = 2 * kFenceBytes;  // fence words, then progress words
+  static constexpr uint32_t kSlots = kFenceBytes / sizeof(uint64_t);
+  static constexpr uint64_t kOver = uint64_t{1} << 31;
+  static constexpr uint64_t kLayersMask = kOver - 1;
   static constexpr uint64_t kCancelled = uint64_t{1} << 63;
   static constexpr uint64_t kOneCopy = uint64_t{1} << 48;
   static constexpr uint64_t kCopiesMask = (kCancelled - 1) & ~(kOneCopy - 1);
@@ -71,9 +90,32 @@ class FencePage {
     }
   }
 
-  // The client's side. Opens `slot` for a new op (no copies, not cancelled).
-  // REQUIRES: 0 < generation <= kGenerationMask.
-  void Open(uint32_t slot, uint64_t generation) { word(slot).store(generation, std::memory_order_release); }
+  // Whether the page has layer progress words (kBytes mapped, not only
+  // kFenceBytes).
+  bool has_progress() const { return mapping_.size_bytes() >= kBytes; }
+
+  // The daemon's side, for an op of a page with progress: its first
+  // `layers` layers are in place (release: a client that reads them sees the
+  // copies' writes), and with `over`, the op is finished. Raises only; wakes
+  // the client's waiters. REQUIRES: has_progress(), slot < kSlots.
+  void Progress(uint32_t slot, uint64_t generation, uint32_t layers, bool over);
+
+  // The client's side. Opens `slot` for a new op (no copies, not cancelled,
+  // no layer in place). REQUIRES: 0 < generation <= kGenerationMask.
+  void Open(uint32_t slot, uint64_t generation) {
+    if (has_progress()) progress(slot).store(ProgressTag(generation), std::memory_order_release);
+    word(slot).store(generation, std::memory_order_release);
+  }
+  // The op's progress word (acquire), or nullopt once the slot serves
+  // another op. REQUIRES: has_progress().
+  std::optional<uint64_t> ProgressOf(uint32_t slot, uint64_t generation) {
+    const uint64_t v = progress(slot).load(std::memory_order_acquire);
+    if ((v & ~(kOver | kLayersMask)) != ProgressTag(generation)) return std::nullopt;
+    return v;
+  }
+  // Sleeps until the progress word of `slot` may no longer be `seen`, at
+  // most `timeout` (spurious wakeups allowed).
+  void SleepOnProgress(uint32_t slot, uint64_t seen, std::chrono::nanoseconds timeout);
   // Marks the op cancelled: no copy of it starts from now on. Returns
   // whether none is in progress (then none ever touches the op's memory
   // again); false: wait for Quiet.
@@ -92,9 +134,12 @@ class FencePage {
   }
 
  private:
+  static uint64_t ProgressTag(uint64_t generation) { return generation << 32; }
   std::atomic_ref<uint64_t> word(uint32_t slot) {
     return std::atomic_ref<uint64_t>(reinterpret_cast<uint64_t*>(mapping_.data())[slot]);
   }
+  uint64_t* progress_word(uint32_t slot) { return reinterpret_cast<uint64_t*>(mapping_.data()) + kSlots + slot; }
+  std::atomic_ref<uint64_t> progress(uint32_t slot) { return std::atomic_ref<uint64_t>(*progress_word(slot)); }
 
   MemoryMapping mapping_;
 };
@@ -139,6 +184,12 @@ class OpFence {
     uint32_t slot_ = 0;
     uint64_t generation_ = 0;
   };
+
+  // Layer progress of a by_layer load (FencePage::Progress); nothing for an
+  // empty fence or a page without progress words.
+  void Progress(uint32_t layers, bool over) const {
+    if (page_ != nullptr && page_->has_progress()) page_->Progress(slot_, generation_, layers, over);
+  }
 
   // Whether the op's copies may touch the engine's memory now; `entry` then
   // holds the fence until they are over. Always true for an empty fence.

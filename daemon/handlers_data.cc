@@ -177,6 +177,12 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  std::to_string(FencePage::kSlots) +
                                                  " and a generation of 1 to 2^48 - 1"));
   }
+  const bool by_layer = load && l->by_layer();
+  if (by_layer && (fence_slot < 0 || !(*ns)->fences->has_progress())) {
+    return ipc::ErrorMessage(id, InvalidArgument("a load by layer needs a fence slot in a fence page of " +
+                                                 std::to_string(FencePage::kBytes) +
+                                                 " bytes (its layer progress words)"));
+  }
   StoreHint hint;
   if (!load) {
     hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
@@ -233,8 +239,15 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   }
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec,
                       fence_slot < 0 ? OpFence()
-                                     : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation)};
-  OpDone done = [this, session = s.id, op, held = std::move(*held)](OpOutcome outcome) {
+                                     : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation),
+                      by_layer};
+  // A load by layer tells its client it is over through its progress word
+  // too (whether or not the session is still here), with every layer once
+  // it is done: a backend that copies it whole reports nothing before.
+  OpDone done = [this, session = s.id, op, held = std::move(*held),
+                 progress = by_layer ? target.fence : OpFence(),
+                 layers = (*ns)->layout->layout().spec().num_layers](OpOutcome outcome) {
+    progress.Progress(outcome.status.ok() ? layers : 0, /*over=*/true);
     OnOpDone(session, op, std::move(outcome));
   };
   uint32_t queued = 0;  // blocks whose copies were queued just now

@@ -1,6 +1,8 @@
 // The session's requests: Hello (who the peer is, which protocol and tenant)
 // and RegisterKvCache (a KV cache's layout, memory and codec; mapped off the
 // loop, the reply deferred until it is).
+#include <sys/stat.h>
+
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -191,8 +193,9 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     }
   }
   // A page sent with the message (`index` -1: none): the client's memfd,
-  // mapped shared.
-  auto map_page = [&](int index, const char* what, size_t bytes) -> Result<std::optional<MemoryMapping>> {
+  // mapped shared: `most` bytes where it holds them, else `least`.
+  auto map_page = [&](int index, const char* what, size_t least,
+                      size_t most) -> Result<std::optional<MemoryMapping>> {
     if (index < 0) return std::optional<MemoryMapping>();
     if (static_cast<size_t>(index) >= fds.size() || fd_used[static_cast<size_t>(index)]) {
       return Err(InvalidArgument(std::string(what) + ": its fd index does not name an unused descriptor"));
@@ -200,8 +203,10 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
     fd_used[static_cast<size_t>(index)] = true;
     ClientRegionHandle page;
     page.kind = ClientMemoryKind::kHostMemfd;
-    page.size_bytes = bytes;
     page.memfd = std::move(fds[static_cast<size_t>(index)]);
+    struct stat st {};
+    page.size_bytes =
+        ::fstat(page.memfd.get(), &st) == 0 && static_cast<uint64_t>(st.st_size) >= most ? most : least;
     KVTIER_ASSIGN_OR_RETURN(MemoryMapping mapped, HostBackend::MapSealedMemfd(page, what));
     return std::optional<MemoryMapping>(std::move(mapped));
   };
@@ -209,10 +214,11 @@ std::vector<uint8_t> Server::HandleRegister(Session& s, uint64_t id, const w::Re
   std::shared_ptr<FencePage> fences;
   {
     Result<std::optional<MemoryMapping>> page =
-        map_page(m.completion_fd_index(), "the completion page", CompletionPage::kBytes);
+        map_page(m.completion_fd_index(), "the completion page", CompletionPage::kBytes, CompletionPage::kBytes);
     if (!page) return ipc::ErrorMessage(id, page.error());
     if (*page) completions = std::make_shared<CompletionPage>(std::move(**page));
-    page = map_page(m.fence_fd_index(), "the fence page", FencePage::kBytes);
+    // A client from before layer progress sends a page of fence words only.
+    page = map_page(m.fence_fd_index(), "the fence page", FencePage::kFenceBytes, FencePage::kBytes);
     if (!page) return ipc::ErrorMessage(id, page.error());
     if (*page) fences = std::make_shared<FencePage>(std::move(**page));
   }

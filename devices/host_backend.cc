@@ -91,6 +91,9 @@ struct HostBackend::Batch {
   std::atomic<size_t> tasks_left{0};    // acq_rel: the last task sees every write
   Mutex mu;
   Status status KVTIER_GUARDED_BY(mu);  // the first failure of a task
+  // By layer: each layer's tasks not done yet, and the layers done in order.
+  std::vector<uint32_t> layer_tasks_left KVTIER_GUARDED_BY(mu);
+  uint32_t layers_done KVTIER_GUARDED_BY(mu) = 0;
 };
 
 struct HostBackend::Worker {
@@ -193,42 +196,78 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   auto b = std::make_shared<Batch>();
   const bool engine = batch.direction != CopyDirection::kSlotToSlot;
   const size_t n = engine ? batch.blocks.size() : batch.slot_copies.size();
+  // Coded blocks decode whole (one pass over a block per decode).
+  batch.by_layer = batch.by_layer && batch.direction == CopyDirection::kSlotToEngine &&
+                   std::ranges::none_of(batch.blocks, [](const BlockCopy& c) { return c.coded_bytes != 0; });
   if (batch.checksum_destination) b->checksums.assign(n, 0);
-  if (engine) b->plan = CopyPlan::Build(*batch.layout, MappedRegions{batch.mapping->region_bases()});
+  if (engine) b->plan = CopyPlan::Build(*batch.layout, MappedRegions{batch.mapping->region_bases()}, batch.by_layer);
   b->copies = std::move(batch);
   b->done = std::move(done);
   if (n == 0) {
     b->done(CopyResult{});
     return true;
   }
-  // A task's cost in its flow's share: the bytes it copies.
-  auto bytes = [&](size_t begin, size_t end) {
-    if (engine) return (end - begin) * b->plan.block_bytes();
-    uint64_t sum = 0;
-    for (size_t i = begin; i < end; ++i) sum += b->copies.slot_copies[i].size_bytes;
-    return sum;
-  };
-  // Split into about two tasks per worker so both cores work on one large
-  // request, while small requests stay one task; and into tasks of at most
-  // about kTaskBytes, so that a worker turns to another tenant's copies
-  // within one task's time (FairShareQueue), however large this batch.
-  const uint64_t per_copy = std::max<uint64_t>(1, bytes(0, n) / n);
-  const size_t most_per_task = std::max<uint64_t>(1, kTaskBytes / per_copy);
-  const size_t tasks = std::max(std::min(n, size_t{num_threads_} * 2), (n + most_per_task - 1) / most_per_task);
-  const size_t per_task = (n + tasks - 1) / tasks;
-  const size_t num_tasks = (n + per_task - 1) / per_task;
-  b->tasks_left.store(num_tasks, std::memory_order_relaxed);
+  uint64_t bytes = 0;
+  if (engine) {
+    bytes = n * b->plan.block_bytes();
+  } else {
+    for (const SlotCopy& c : b->copies.slot_copies) bytes += c.size_bytes;
+  }
+  std::vector<Task> tasks = SplitIntoTasks(b, n, std::max<uint64_t>(1, bytes / n));
+  b->tasks_left.store(tasks.size(), std::memory_order_relaxed);
   const auto priority = static_cast<size_t>(b->copies.priority);
   KVTIER_CHECK(priority < kNumCopyPriorities);
+  // A task's cost in its flow's share: the bytes it copies.
+  auto cost = [&](const Task& t) -> uint64_t {
+    if (engine) return (t.end - t.begin) * b->plan.block_bytes() / b->plan.num_layers();
+    uint64_t sum = 0;
+    for (size_t i = t.begin; i < t.end; ++i) sum += b->copies.slot_copies[i].size_bytes;
+    return sum;
+  };
   {
     MutexLock lock(&mu_);
-    for (size_t begin = 0; begin < n; begin += per_task) {
-      const size_t end = std::min(n, begin + per_task);
-      queues_[priority].Push(b->copies.flow, bytes(begin, end), Task{b, begin, end});
+    for (Task& t : tasks) {
+      const uint64_t c = cost(t);
+      queues_[priority].Push(b->copies.flow, c, std::move(t));
     }
   }
   work_cv_.SignalAll();
   return true;
+}
+
+std::vector<HostBackend::Task> HostBackend::SplitIntoTasks(const std::shared_ptr<Batch>& b, size_t n,
+                                                           uint64_t copy_bytes) const {
+  const uint32_t layers = b->copies.by_layer ? b->plan.num_layers() : 1;
+  const uint64_t per_copy = std::max<uint64_t>(1, copy_bytes / layers);
+  const size_t most_per_task = std::max<uint64_t>(1, kTaskBytes / per_copy);
+  const size_t num = std::max(std::min(n, size_t{num_threads_} * 2), (n + most_per_task - 1) / most_per_task);
+  const size_t per_task = (n + num - 1) / num;
+  std::vector<Task> tasks;
+  for (uint32_t layer = 0; layer < layers; ++layer) {
+    for (size_t begin = 0; begin < n; begin += per_task) {
+      tasks.push_back(Task{b, begin, std::min(n, begin + per_task), b->copies.by_layer ? layer : kAllLayers});
+    }
+  }
+  if (b->copies.by_layer) {
+    MutexLock lock(&b->mu);
+    b->layer_tasks_left.assign(layers, static_cast<uint32_t>(tasks.size() / layers));
+  }
+  return tasks;
+}
+
+void HostBackend::LayerCopied(Batch& b, uint32_t layer) {
+  uint32_t done = 0;
+  {
+    MutexLock lock(&b.mu);
+    if (!b.status.ok()) return;  // a failed batch reports no more layers
+    --b.layer_tasks_left[layer];
+    const uint32_t before = b.layers_done;
+    while (b.layers_done < b.layer_tasks_left.size() && b.layer_tasks_left[b.layers_done] == 0) ++b.layers_done;
+    if (b.layers_done == before) return;
+    done = b.layers_done;
+  }
+  // Raises only: reports from two workers may arrive in either order.
+  b.copies.fence.Progress(done, /*over=*/false);
 }
 
 void HostBackend::RunTask(const Task& task, Worker& worker) {
@@ -249,7 +288,9 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
         GatherBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot, checksum);
         break;
       case CopyDirection::kSlotToEngine:
-        if (c.blocks[i].coded_bytes == 0) {
+        if (task.layer != kAllLayers) {
+          ScatterBlockLayer(b.plan, c.blocks[i].engine_block, task.layer, c.blocks[i].slot);
+        } else if (c.blocks[i].coded_bytes == 0) {
           ScatterBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot);
         } else if (Status st = DecodeAndScatter(*worker.codec, c.codec,
                                                 std::span<const uint8_t>(c.blocks[i].slot, c.blocks[i].coded_bytes),
@@ -271,6 +312,7 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
     }
   }
   fenced = OpFence::Entry();
+  if (go && task.layer != kAllLayers) LayerCopied(b, task.layer);
   if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     // Let go of the client's mapping and layout before `done` runs: the
     // other tasks of the batch may still hold the Batch for a moment, and

@@ -11,7 +11,10 @@
 //
 // Workers take tasks (slices of a batch) by priority: loads, then stores,
 // then background moves; within a priority, flows (tenants, CopyBatch::flow)
-// by the bytes copied for them (FairShareQueue), each flow's in order.
+// by the bytes copied for them (FairShareQueue), each flow's in order. A
+// by_layer load's tasks each copy one layer of some blocks, queued layer
+// after layer; a layer is reported (OpFence::Progress) once its last task is
+// done. A load with coded blocks is copied whole.
 //
 // A batch releases its client mapping and layout before its `done` runs, so
 // a completion observer already sees the mapping's share of live_mappings()
@@ -64,18 +67,28 @@ class HostBackend final : public DeviceBackend {
 
  private:
   struct Batch;
+  static constexpr uint32_t kAllLayers = UINT32_MAX;
   struct Task {
     std::shared_ptr<Batch> batch;
     size_t begin = 0;  // range of copies (blocks or slot copies) in the batch
     size_t end = 0;
+    uint32_t layer = kAllLayers;  // a by_layer batch's: the one layer it copies
   };
 
   // A worker's own: its codec (zstd contexts) and a block of scratch.
   struct Worker;
 
   HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host);
+  // The tasks of a batch of `n` copies, in order: about two per worker so
+  // both cores work on one large request, and at most about kTaskBytes each,
+  // so that a worker turns to another tenant's copies within one task's time
+  // (FairShareQueue). A by_layer batch's, layer after layer.
+  std::vector<Task> SplitIntoTasks(const std::shared_ptr<Batch>& b, size_t n, uint64_t copy_bytes) const;
   void WorkerLoop(Worker& worker);
   static void RunTask(const Task& task, Worker& worker);
+  // A by_layer batch's task of `layer` is over, its copies done: reports the
+  // layers now in place in every block.
+  static void LayerCopied(Batch& b, uint32_t layer);
 
   Mutex mu_;
   CondVar work_cv_;

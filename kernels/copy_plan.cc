@@ -17,15 +17,20 @@ uint32_t CommonAlignment(std::initializer_list<uint64_t> values) {
 
 }  // namespace
 
-CopyPlan CopyPlan::Build(const KvCacheLayout& layout, const MappedRegions& regions) {
+CopyPlan CopyPlan::Build(const KvCacheLayout& layout, const MappedRegions& regions, bool by_layer) {
   KVTIER_CHECK(regions.region_bases.size() == layout.region_sizes_bytes().size());
   const LayoutSpec& spec = layout.layout().spec();
   CopyPlan plan;
   plan.num_blocks_ = layout.num_blocks();
   plan.block_bytes_ = layout.layout().block_bytes();
+  const uint32_t per_layer = KvCacheLayout::PiecesPerLayer(layout.layout());
+  plan.num_layers_ = by_layer ? spec.num_layers : 1;
+  plan.layer_begin_.push_back(0);
   uint64_t slot_offset = 0;
   for (uint32_t i = 0; i < layout.placements().size(); ++i) {
     const Placement& p = layout.placements()[i];
+    const bool layer_starts = by_layer && i > 0 && i % per_layer == 0;
+    if (layer_starts) plan.layer_begin_.push_back(static_cast<uint32_t>(plan.pieces_.size()));
     CopyPiece piece;
     piece.engine = reinterpret_cast<uint64_t>(regions.region_bases[p.region]) + p.offset_bytes;
     piece.block_stride = p.block_stride_bytes;
@@ -54,7 +59,7 @@ CopyPlan CopyPlan::Build(const KvCacheLayout& layout, const MappedRegions& regio
     slot_offset += piece.bytes();
     // A single-row piece right after the previous single-row piece, for every
     // block (same block stride), extends it.
-    if (!plan.pieces_.empty()) {
+    if (!plan.pieces_.empty() && !layer_starts) {
       CopyPiece& prev = plan.pieces_.back();
       if (prev.outer == 1 && prev.inner == 1 && piece.outer == 1 && piece.inner == 1 &&
           prev.block_stride == piece.block_stride && prev.engine + prev.row_bytes == piece.engine) {
@@ -65,6 +70,8 @@ CopyPlan CopyPlan::Build(const KvCacheLayout& layout, const MappedRegions& regio
     plan.pieces_.push_back(piece);
   }
   KVTIER_CHECK(slot_offset == plan.block_bytes_);
+  plan.layer_begin_.push_back(static_cast<uint32_t>(plan.pieces_.size()));
+  KVTIER_CHECK(plan.layer_begin_.size() == plan.num_layers_ + 1);
   for (CopyPiece& piece : plan.pieces_) {
     piece.align = CommonAlignment({piece.engine, piece.row_bytes, piece.slot_offset,
                                    plan.num_blocks_ > 1 ? piece.block_stride : 0,

@@ -16,7 +16,9 @@
 // back to back become one row per token, tokens that are back to back one row
 // per piece, and whole pieces that are back to back in the engine (a
 // contiguous or page-first cache) are merged, so a contiguous cache copies
-// one range per block.
+// one range per block. A plan built by layer merges pieces only within a
+// layer, so that each layer's pieces can be copied on their own (layer-by-
+// layer loads: layer_pieces).
 //
 // Value type; thread-compatible.
 #pragma once
@@ -58,9 +60,15 @@ class CopyPlan {
  public:
   // REQUIRES: one base per region of `layout` (KVTIER_CHECK: a violation is
   // a bug, not input). The placements were validated by KvCacheLayout.
-  static CopyPlan Build(const KvCacheLayout& layout, const MappedRegions& regions);
+  static CopyPlan Build(const KvCacheLayout& layout, const MappedRegions& regions, bool by_layer = false);
 
   const std::vector<CopyPiece>& pieces() const { return pieces_; }
+  uint32_t num_layers() const { return num_layers_; }
+  // The pieces of layer `layer` (a plan built by layer; otherwise layer 0
+  // has them all). REQUIRES: layer < num_layers().
+  std::span<const CopyPiece> layer_pieces(uint32_t layer) const {
+    return std::span<const CopyPiece>(pieces_).subspan(layer_begin_[layer], layer_begin_[layer + 1] - layer_begin_[layer]);
+  }
   uint32_t num_blocks() const { return num_blocks_; }
   uint64_t block_bytes() const { return block_bytes_; }
   // The largest piece, for sizing kernel grids.
@@ -68,6 +76,10 @@ class CopyPlan {
 
  private:
   std::vector<CopyPiece> pieces_;
+  // Index of each layer's first piece, and pieces_.size() last: by layer,
+  // num_layers_ + 1 entries; otherwise {0, pieces_.size()} (one "layer").
+  std::vector<uint32_t> layer_begin_;
+  uint32_t num_layers_ = 1;
   uint32_t num_blocks_ = 0;
   uint64_t block_bytes_ = 0;
   uint64_t max_piece_bytes_ = 0;

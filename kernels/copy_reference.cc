@@ -15,13 +15,13 @@ namespace {
 // while it is still in cache: the checksum then costs no extra memory pass.
 constexpr uint64_t kHashChunkBytes = 256 << 10;
 
-// Calls emit(engine_bytes, slot_offset, size_bytes) for each row of engine
-// block `block_id`, in canonical slot order. Gather and scatter share this
-// walk so they cannot disagree about where a byte goes.
+// Calls emit(engine_bytes, slot_offset, size_bytes) for each row of
+// `pieces` of engine block `block_id`, in canonical slot order. Gather and
+// scatter share this walk so they cannot disagree about where a byte goes.
 template <typename EmitFn>
-void ForEachRow(const CopyPlan& plan, uint32_t block_id, EmitFn emit) {
+void ForEachRow(const CopyPlan& plan, std::span<const CopyPiece> pieces, uint32_t block_id, EmitFn emit) {
   KVTIER_CHECK(block_id < plan.num_blocks());
-  for (const CopyPiece& p : plan.pieces()) {
+  for (const CopyPiece& p : pieces) {
     // KvCacheLayout::Create checked that the last byte of the last block is
     // inside its region without overflow, so no address below wraps.
     const uint64_t block = p.engine + uint64_t{block_id} * p.block_stride;
@@ -41,14 +41,14 @@ void ForEachRow(const CopyPlan& plan, uint32_t block_id, EmitFn emit) {
 void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_t* checksum) {
   KVTIER_CHECK(slot != nullptr);
   if (checksum == nullptr) {
-    ForEachRow(plan, block_id, [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+    ForEachRow(plan, plan.pieces(), block_id, [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
       std::memcpy(slot + slot_offset, engine, size_bytes);
     });
     return;
   }
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
-  ForEachRow(plan, block_id, [slot, &state](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+  ForEachRow(plan, plan.pieces(), block_id, [slot, &state](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
     for (uint64_t done = 0; done < size_bytes; done += kHashChunkBytes) {
       const uint64_t n = std::min(kHashChunkBytes, size_bytes - done);
       std::memcpy(slot + slot_offset + done, engine + done, n);
@@ -60,9 +60,17 @@ void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_
 
 void ScatterBlock(const CopyPlan& plan, uint32_t block_id, const uint8_t* slot) {
   KVTIER_CHECK(slot != nullptr);
-  ForEachRow(plan, block_id, [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+  ForEachRow(plan, plan.pieces(), block_id, [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
     std::memcpy(engine, slot + slot_offset, size_bytes);
   });
+}
+
+void ScatterBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, const uint8_t* slot) {
+  KVTIER_CHECK(slot != nullptr && layer < plan.num_layers());
+  ForEachRow(plan, plan.layer_pieces(layer), block_id,
+             [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+               std::memcpy(engine, slot + slot_offset, size_bytes);
+             });
 }
 
 void GatherBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,

@@ -23,6 +23,9 @@ void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_
 
 // Copies `slot` (canonical order) into engine block `block_id`.
 void ScatterBlock(const CopyPlan& plan, uint32_t block_id, const uint8_t* slot);
+// Only layer `layer` of it (a plan built by layer). REQUIRES: layer <
+// plan.num_layers().
+void ScatterBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, const uint8_t* slot);
 
 // The same for one block, building the plan on the way (tests, one-offs).
 void GatherBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,

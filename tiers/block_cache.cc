@@ -220,7 +220,8 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
                   .layout = target.layout,
                   .mapping = target.mapping,
                   .signal_event = target.event,
-                  .fence = target.fence};
+                  .fence = target.fence,
+                  .by_layer = target.by_layer};
   // Coded host blocks are decoded on their way (DecodesOnLoad): all of one
   // namespace, the target's.
   for (size_t i = 0; i < leased.size(); ++i) {

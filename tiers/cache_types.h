@@ -74,6 +74,9 @@ struct EngineTarget {
   // The op's fence (common/op_fence.h): its copies touch the engine's memory
   // only while the client has not cancelled it. Empty: none.
   OpFence fence = {};
+  // A load's copies layer by layer, each layer reported through the fence
+  // (CopyBatch::by_layer).
+  bool by_layer = false;
 };
 
 // What a store's engine said of its blocks (issue 19, docs/policy.md).

@@ -7,7 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -90,6 +92,66 @@ TEST(OpFenceTest, NoCopyTouchesTheMemoryOnceACancelReportsQuiet) {
     for (std::thread& t : copiers) t.join();
     EXPECT_EQ(writes.load(), seen) << "round " << round;
   }
+}
+
+TEST(OpFenceTest, LayerProgressOnlyRisesAndOnlyForItsOwnOp) {
+  auto page = NewPage();
+  ASSERT_TRUE(page->has_progress());
+  page->Open(9, 40);
+  EXPECT_EQ(page->ProgressOf(9, 40).value() & FencePage::kLayersMask, 0u) << "Open clears the layers";
+  const OpFence fence(page, 9, 40);
+  fence.Progress(3, false);
+  fence.Progress(2, false);  // a report from another worker, late
+  uint64_t v = page->ProgressOf(9, 40).value();
+  EXPECT_EQ(v & FencePage::kLayersMask, 3u);
+  EXPECT_EQ(v & FencePage::kOver, 0u);
+  // Reopened for the next op: the old op's late reports do not speak for it.
+  page->Open(9, 41);
+  EXPECT_FALSE(page->ProgressOf(9, 40).has_value());
+  fence.Progress(32, true);
+  v = page->ProgressOf(9, 41).value();
+  EXPECT_EQ(v & (FencePage::kLayersMask | FencePage::kOver), 0u);
+  // Over without every layer (a failed load), and never un-over.
+  const OpFence next(page, 9, 41);
+  next.Progress(5, true);
+  next.Progress(7, false);
+  v = page->ProgressOf(9, 41).value();
+  EXPECT_EQ(v & FencePage::kLayersMask, 7u);
+  EXPECT_NE(v & FencePage::kOver, 0u);
+
+  // A page of fence words only (a client from before layer progress).
+  auto old = std::make_shared<FencePage>(MemoryMapping::Anonymous(FencePage::kFenceBytes).value());
+  EXPECT_FALSE(old->has_progress());
+  old->Open(1, 1);
+  OpFence(old, 1, 1).Progress(4, true);  // nothing to report into: no write past the page
+}
+
+TEST(OpFenceTest, AWaiterSleepingOnProgressWakesAtEachLayer) {
+  auto page = NewPage();
+  page->Open(3, 7);
+  const OpFence fence(page, 3, 7);
+  constexpr uint32_t kLayers = 40;
+  std::vector<uint32_t> seen;
+  std::thread waiter([&] {
+    uint32_t want = 1;
+    while (want <= kLayers) {
+      const uint64_t v = page->ProgressOf(3, 7).value();
+      if ((v & FencePage::kLayersMask) >= want) {
+        seen.push_back(static_cast<uint32_t>(v & FencePage::kLayersMask));
+        want = static_cast<uint32_t>(v & FencePage::kLayersMask) + 1;
+        continue;
+      }
+      page->SleepOnProgress(3, v, std::chrono::seconds(10));  // a missed wakeup would hang here
+    }
+  });
+  for (uint32_t l = 1; l <= kLayers; ++l) {
+    fence.Progress(l, false);
+    if (l % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));
+  }
+  waiter.join();
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back(), kLayers);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
 }
 
 }  // namespace

@@ -28,6 +28,7 @@ namespace {
 using tiers_test::EngineMemory;
 using tiers_test::MakeMemfd;
 using tiers_test::MemfdHandle;
+using tiers_test::PatternFor;
 using tiers_test::SmallSpec;
 using tiers_test::WorkerGate;
 
@@ -340,6 +341,102 @@ TEST(HostBackendTest, GatherAndScatterThroughAClientMapping) {
     EXPECT_TRUE(engine.Holds(15 - b, KeyN(b)));
     EXPECT_TRUE(engine.IsZero(b));
   }
+}
+
+// A load by layer (CopyBatch::by_layer): layers reach the engine in order,
+// and each is reported through the fence once it is in place in every
+// block, while later layers are still being copied. A contiguous layout
+// keeps a block's layers in order in the engine too, so the first p layers
+// of each block are its first p * layer_bytes bytes.
+TEST(HostBackendTest, ALoadByLayerReportsEachLayerOnceEveryBlockHasIt) {
+  auto backend = MakeBackend(2);
+  constexpr uint32_t kLayers = 16, kBlocks = 256;
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(kLayers), kBlocks);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  const uint64_t bytes = engine.block_bytes();
+  const uint64_t layer_bytes = engine.layout()->layout().layer_bytes();
+  std::vector<uint8_t> slots(kBlocks * bytes);
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    PatternFor(KeyN(b), std::span<uint8_t>(slots.data() + b * bytes, bytes));
+  }
+  auto page = std::make_shared<FencePage>(MemoryMapping::Anonymous(FencePage::kBytes).value());
+  page->Open(5, 77);
+  CopyBatch load{.direction = CopyDirection::kSlotToEngine,
+                 .priority = CopyPriority::kLoad,
+                 .layout = engine.layout(),
+                 .mapping = engine.mapping(),
+                 .fence = OpFence(page, 5, 77),
+                 .by_layer = true};
+  // Reversed, so that engine block e gets slot kBlocks - 1 - e.
+  for (uint32_t b = 0; b < kBlocks; ++b) load.blocks.push_back(BlockCopy{kBlocks - 1 - b, slots.data() + b * bytes});
+  std::vector<uint32_t> seen;  // each new count of layers reported
+  std::string wrong;
+  std::atomic<bool> finished{false};
+  std::thread watcher([&] {
+    uint32_t checked = 0;
+    while (checked < kLayers) {
+      const bool last_look = finished.load();
+      const uint64_t v = page->ProgressOf(5, 77).value();
+      const auto layers = static_cast<uint32_t>(v & FencePage::kLayersMask);
+      if (layers == checked) {
+        if (last_look) break;  // the load is over: no layer comes any more
+        page->SleepOnProgress(5, v, std::chrono::milliseconds(100));
+        continue;
+      }
+      seen.push_back(layers);
+      // Layers below `layers` are in place in every block (only their bytes
+      // are read: later layers are being written meanwhile).
+      for (uint32_t b = 0; b < kBlocks && wrong.empty(); ++b) {
+        const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
+        if (std::memcmp(engine.block(b).data(), want, layers * layer_bytes) != 0) {
+          wrong = "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
+        }
+      }
+      checked = layers;
+    }
+  });
+  Completions c(1);
+  backend->Submit(std::move(load), c.Done(0));
+  c.Wait();
+  finished = true;
+  watcher.join();
+  ASSERT_TRUE(c.results()[0].status.ok()) << c.results()[0].status;
+  EXPECT_EQ(wrong, "");
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen.back(), kLayers);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(page->ProgressOf(5, 77).value() & FencePage::kOver, 0u) << "the daemon, not the backend, says over";
+  for (uint32_t b = 0; b < kBlocks; ++b) ASSERT_TRUE(engine.Holds(kBlocks - 1 - b, KeyN(b)));
+}
+
+// Cancelled before its copies ran: no layer is reported and none written.
+TEST(HostBackendTest, ALoadByLayerCancelledReportsNoLayer) {
+  auto backend = MakeBackend(1);
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(8), 8);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  engine.ZeroAll();
+  std::vector<uint8_t> slots(8 * engine.block_bytes(), 0x5a);
+  auto page = std::make_shared<FencePage>(MemoryMapping::Anonymous(FencePage::kBytes).value());
+  page->Open(0, 1);
+  CopyBatch load{.direction = CopyDirection::kSlotToEngine,
+                 .priority = CopyPriority::kLoad,
+                 .layout = engine.layout(),
+                 .mapping = engine.mapping(),
+                 .fence = OpFence(page, 0, 1),
+                 .by_layer = true};
+  for (uint32_t b = 0; b < 8; ++b) load.blocks.push_back(BlockCopy{b, slots.data() + b * engine.block_bytes()});
+  Completions c(1);
+  {
+    WorkerGate gate(*backend);
+    backend->Submit(std::move(load), c.Done(0));
+    ASSERT_TRUE(page->Cancel(0, 1));
+  }
+  c.Wait();
+  EXPECT_EQ(c.results()[0].status.code(), StatusCode::kCancelled);
+  EXPECT_EQ(page->ProgressOf(0, 1).value() & FencePage::kLayersMask, 0u);
+  for (uint32_t b = 0; b < 8; ++b) EXPECT_TRUE(engine.IsZero(b));
 }
 
 // A load of coded blocks (issue 18): each copy thread decodes them straight

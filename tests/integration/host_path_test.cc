@@ -122,6 +122,73 @@ TEST(HostPathTest, RoundTripThroughHbmAndHostIsByteExact) {
   EXPECT_EQ(s.Counter("bytes_cache_to_engine"), 400u * SmallLayout().block_bytes());
 }
 
+// A load by layer (Client::LoadLayersAsync): WaitLayers(l) returns once
+// every block's first l layers are in place, with no round trip; the load
+// ends as a whole load does. The cache is contiguous, so a block's first l
+// layers are its first l * layer_bytes bytes.
+TEST(HostPathTest, ALoadByLayerIsInPlaceLayerByLayer) {
+  Result<DaemonProcess> d = DaemonProcess::Start({});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  constexpr uint32_t kLayers = 12, kBlocks = 96;
+  const Layout layout =
+      Layout::Create(LayoutSpec{.model_id = "kvtier/by-layer", .num_layers = kLayers, .kv_kind = KvKind::kSeparateKv,
+                                .num_kv_heads = 2, .head_dim = 64, .dtype = DType::kBf16,
+                                .block_tokens = kBlockTokens, .tp_rank = 0, .tp_size = 1, .scale_bytes_per_layer = 0})
+          .value();
+  Result<ShmKvCache> cache = ShmKvCache::Create(layout, 2 * kBlocks);
+  ASSERT_TRUE(cache.has_value());
+  Result<CacheId> id = c->RegisterKvCache(*cache);
+  ASSERT_TRUE(id.has_value()) << id.error();
+  Result<std::vector<BlockKey>> keys = c->ComputeKeys(*id, Prompt(41, kBlocks));
+  ASSERT_TRUE(keys.has_value());
+  StoreFilled(*c, *id, *cache, *keys, 0);
+
+  for (uint32_t b = kBlocks; b < 2 * kBlocks; ++b) std::ranges::fill(cache->block(b), 0);
+  Result<OpHandle> op = c->LoadLayersAsync(*id, *keys, Range(kBlocks, kBlocks));
+  ASSERT_TRUE(op.has_value()) << op.error();
+  std::vector<uint8_t> want(layout.block_bytes());
+  for (uint32_t l = 1; l <= kLayers; ++l) {
+    Result<bool> in_place = c->WaitLayers(*op, l, std::chrono::seconds(30));
+    ASSERT_TRUE(in_place.has_value()) << in_place.error();
+    ASSERT_TRUE(*in_place) << "layer " << l;
+    for (uint32_t i = 0; i < kBlocks; ++i) {
+      FillFromKey((*keys)[i], want);
+      ASSERT_EQ(std::memcmp(cache->block(kBlocks + i).data(), want.data(), l * layout.layer_bytes()), 0)
+          << "block " << i << " lacks one of its first " << l << " layers";
+    }
+  }
+  Result<OpResult> r = c->Wait(*op);
+  ASSERT_TRUE(r.has_value()) << r.error();
+  EXPECT_EQ(r->blocks, kBlocks);
+  for (uint32_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(MatchesKey((*keys)[i], cache->block(kBlocks + i))) << i;
+  Result<bool> after = c->WaitLayers(*op, 1);
+  ASSERT_TRUE(after.has_value());
+  EXPECT_FALSE(*after) << "its result was collected: over";
+
+  // A load of keys never stored loads nothing: every block it loads (none)
+  // has its layers, and Wait says 0 blocks.
+  Result<std::vector<BlockKey>> missing = c->ComputeKeys(*id, Prompt(42, 4));
+  ASSERT_TRUE(missing.has_value());
+  Result<OpHandle> none = c->LoadLayersAsync(*id, *missing, Range(0, 4));
+  ASSERT_TRUE(none.has_value()) << none.error();
+  Result<bool> none_in_place = c->WaitLayers(*none, kLayers, std::chrono::seconds(30));
+  ASSERT_TRUE(none_in_place.has_value()) << none_in_place.error();
+  Result<OpResult> none_result = c->Wait(*none);
+  ASSERT_TRUE(none_result.has_value());
+  EXPECT_EQ(none_result->blocks, 0u);
+
+  // WaitLayers is for loads by layer only.
+  Result<OpHandle> whole = c->LoadAsync(*id, *keys, Range(kBlocks, kBlocks));
+  ASSERT_TRUE(whole.has_value());
+  Result<bool> refused = c->WaitLayers(*whole, 1);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->Wait(*whole).has_value());
+  EXPECT_FALSE(c->WaitLayers(*op, 1, std::chrono::milliseconds(-1)).has_value());
+}
+
 TEST(HostPathTest, EvictionDropsColdBlocksAndNeverServesWrongBytes) {
   // 64 KiB of host tier per ... a 1 MiB host tier holds 64 blocks; store 200.
   Result<DaemonProcess> d = DaemonProcess::Start({"tiers.host.bytes=1MiB"});

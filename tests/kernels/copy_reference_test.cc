@@ -166,6 +166,59 @@ TEST_P(CopyReferenceTest, RoundTripRestoresOnlyTheCopiedBlocks) {
   }
 }
 
+// A plan by layer (layer-by-layer loads): scattering layer after layer
+// writes, after layer l, exactly the bytes of layers 0..l that ScatterBlock
+// writes, and nothing else; the plan's layers cover the whole block.
+void ExpectLayerByLayerScatter(const CopyCase& c, const KvCacheLayout& kv, uint32_t block, uint64_t seed) {
+  SCOPED_TRACE("layer-by-layer scatter of block " + std::to_string(block));
+  const uint64_t block_bytes = kv.layout().block_bytes();
+  const uint64_t layer_bytes = kv.layout().layer_bytes();
+  const uint32_t layers = kv.layout().spec().num_layers;
+  std::vector<uint8_t> slot(block_bytes);
+  FillPattern(slot, seed);
+  Cache cache(c.region_sizes);
+  cache.Fill(seed + 1);
+  Cache expected(c.region_sizes);
+  expected.Fill(seed + 1);
+  const CopyPlan plan = CopyPlan::Build(kv, cache.Mapped(), /*by_layer=*/true);
+  ASSERT_EQ(plan.num_layers(), layers);
+  uint64_t covered = 0;
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (const CopyPiece& piece : plan.layer_pieces(l)) {
+      EXPECT_GE(piece.slot_offset, l * layer_bytes) << "layer " << l;
+      EXPECT_LE(piece.slot_offset + piece.bytes(), (l + 1) * layer_bytes) << "layer " << l;
+      covered += piece.bytes();
+    }
+  }
+  EXPECT_EQ(covered, block_bytes);
+  const std::vector<Loc> sources = SlotByteSources(c, block);
+  for (uint32_t l = 0; l < layers; ++l) {
+    ScatterBlockLayer(plan, block, l, slot.data());
+    for (uint64_t i = l * layer_bytes; i < (l + 1) * layer_bytes; ++i) expected.At(sources[i]) = slot[i];
+    for (size_t r = 0; r < cache.regions.size(); ++r) {
+      const std::optional<size_t> diff =
+          FirstDifference(cache.regions[r], expected.regions[r], cache.regions[r].size());
+      ASSERT_FALSE(diff.has_value()) << "after layer " << l << ": region " << r << " byte " << *diff;
+    }
+  }
+}
+
+TEST_P(CopyReferenceTest, LayerByLayerScatterWritesEachLayerAndNothingElse) {
+  for (uint32_t b : {0u, c_.num_blocks - 1}) {
+    ASSERT_NO_FATAL_FAILURE(ExpectLayerByLayerScatter(c_, *kv_, b, 2000 + b));
+  }
+}
+
+TEST(CopyReferenceRandomLayouts, LayerByLayerScatterWritesEachLayerAndNothingElse) {
+  for (uint64_t seed = 1; seed <= 100; ++seed) {
+    const CopyCase c = RandomCase(seed);
+    SCOPED_TRACE("RandomCase(" + std::to_string(seed) + "): " + c.description);
+    Result<KvCacheLayout> kv = MakeKvCacheLayout(c);
+    ASSERT_TRUE(kv.has_value()) << kv.error();
+    ASSERT_NO_FATAL_FAILURE(ExpectLayerByLayerScatter(c, *kv, c.num_blocks - 1, seed << 8));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, CopyReferenceTest,
                          ::testing::ValuesIn(layout_cases::NamedCases()),
                          [](const ::testing::TestParamInfo<NamedCase>& param_info) {

@@ -268,6 +268,21 @@ class Client {
   // without kvtier, and never takes what is in them for its old contents.
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys,
                              std::span<const uint32_t> block_ids);
+  // As LoadAsync, copied layer by layer: every block's layer l before any
+  // block's layer l + 1, so that the engine may compute layer l while later
+  // layers are still on their way (WaitLayers says when they are in place).
+  // On a GPU cache the layers are reported together, once the load is done.
+  Result<OpHandle> LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
+                                   std::span<const uint32_t> block_ids);
+  // Waits until the first `layers` layers (of the cache's layout) of every
+  // block a LoadLayersAsync op loads are in place: true. False once the op
+  // is over without them (its Wait gives its result: an error, or fewer
+  // blocks), or its result was collected. It takes no lock of the client's
+  // calls and no round trip: the daemon reports layers in shared memory.
+  // Errors: kDeadlineExceeded after `timeout` (0: no limit; the op runs on),
+  // kInvalidArgument for an op that is not a LoadLayersAsync.
+  Result<bool> WaitLayers(const OpHandle& op, uint32_t layers,
+                          std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // `events`: what KV events publish of these blocks (BlockEventInfo), or
   // null. Errors: kInvalidArgument when its sizes do not match the keys.
   // `hint`: the engine's retention hint for the new blocks (BlockHint), or

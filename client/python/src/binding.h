@@ -181,6 +181,14 @@ class PyOp {
     if (!st.ok()) Raise(st);  // a copy still in progress: cancel again
     client_.reset();
   }
+  // Whether the first `layers` layers of a load by layer are in place
+  // (False: it is over without them, or was waited for: wait() says why).
+  bool WaitLayers(uint32_t layers, std::optional<double> timeout_s) {
+    std::shared_ptr<Client> client = client_;
+    if (!client) return false;
+    const std::chrono::milliseconds timeout = TimeoutArg(timeout_s, "timeout", /*zero_ok=*/true);
+    return Must(Unlocked([&] { return client->WaitLayers(handle_, layers, timeout); }));
+  }
   bool waited() const { return !client_; }
 
  private:

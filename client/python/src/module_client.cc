@@ -248,15 +248,19 @@ void BindClient(py::module_& m) {
       .def(
           "load_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
-             const py::object& block_ids) {
+             const py::object& block_ids, bool by_layer) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::shared_ptr<Client> c = self.Get();
-            OpHandle h = WithoutGil([&] { return c->LoadAsync(cache.id, k, ids); });
+            OpHandle h = WithoutGil([&] {
+              return by_layer ? c->LoadLayersAsync(cache.id, k, ids) : c->LoadAsync(cache.id, k, ids);
+            });
             return PyOp(c, h, "load");
           },
-          py::arg("cache"), py::arg("keys"), py::arg("block_ids"),
-          "As load, returning an Op to wait() for.")
+          py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::kw_only(), py::arg("by_layer") = false,
+          "As load, returning an Op to wait() for. by_layer: copied layer by layer (every block's "
+          "layer l before any block's layer l + 1); Op.wait_layers(n) returns once the first n "
+          "layers are in place, so the engine computes them while the rest is copied.")
       .def(
           "store_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,

@@ -133,6 +133,11 @@ void BindTypes(py::module_& m) {
            "Once it returns, the daemon never touches the op's blocks again and the engine may reuse "
            "them. Raises DeadlineExceededError when a copy is still in progress after the timeout "
            "(kvtierd stopped in the middle of it): the blocks are not safe yet, cancel again.")
+      .def("wait_layers", &PyOp::WaitLayers, py::arg("layers"), py::arg("timeout") = py::none(),
+           "A load_async(by_layer=True): waits until the first `layers` layers of every block it "
+           "loads are in place (True), with no round trip to kvtierd. False once the op is over "
+           "without them (wait() gives its result: an error, or fewer blocks). Raises "
+           "DeadlineExceededError after the timeout (seconds; None = no limit).")
       .def_property_readonly("done", &PyOp::waited, "Whether wait() or cancel() has returned.");
 }
 

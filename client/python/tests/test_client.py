@@ -177,6 +177,29 @@ def test_async_ops_are_waited_for_once(client: kvtier.Client) -> None:
         client.load_async(cache, keys, [12, 13, 14, 15]).cancel(timeout=-1)
 
 
+def test_a_load_by_layer_is_waited_for_layer_by_layer(client: kvtier.Client) -> None:
+    layout = kvtier.Layout("test/by-layer", 6, 2, 16, "fp16", 4)
+    cpu = kvtier.CpuKvCache(layout, 16)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(23, 4))[:4]
+    blocks = np.asarray(cpu)
+    rng = np.random.default_rng(3)
+    blocks[:4] = rng.integers(0, 255, size=blocks[:4].shape, dtype=np.uint8)
+    assert client.store(cache, keys, [0, 1, 2, 3]).blocks == 4
+    op = client.load_async(cache, keys, [8, 9, 10, 11], by_layer=True)
+    layer_bytes = blocks.shape[1] // 6  # the canonical layout: a block's layers in order
+    for layers in range(1, 7):
+        assert op.wait_layers(layers, timeout=30) is True
+        assert np.array_equal(blocks[8:12, : layers * layer_bytes], blocks[0:4, : layers * layer_bytes]), layers
+    assert op.wait(timeout=10).blocks == 4
+    assert np.array_equal(blocks[8:12], blocks[0:4])
+    assert op.wait_layers(1) is False  # its result was taken: over
+    whole = client.load_async(cache, keys, [12, 13, 14, 15])
+    with pytest.raises(kvtier.InvalidArgumentError, match="LoadLayersAsync"):
+        whole.wait_layers(1)
+    assert whole.wait(timeout=10).blocks == 4
+
+
 def test_timeouts_must_be_finite_and_two_threads_may_wait_on_one_op(daemon: Daemon, client: kvtier.Client) -> None:
     cpu = kvtier.CpuKvCache(small_layout(), 16)
     cache = client.register_cpu_cache(cpu)

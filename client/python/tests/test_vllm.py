@@ -23,7 +23,7 @@ import os
 import pathlib
 import signal
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -50,6 +50,14 @@ KV_HEADS = 2
 HEAD = 32
 NUM_BLOCKS = 64
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def attention_waits(worker: Any) -> None:
+    """What vLLM's attention layers call in a forward pass before each
+    layer's attention (maybe_transfer_kv_layer): loads by layer are in
+    place layer by layer."""
+    for name in LAYER_NAMES:
+        worker.wait_for_layer_load(name)
 
 init_none_hash(sha256_cbor)
 
@@ -188,6 +196,7 @@ class Engine:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)
         worker.start_load_kv(None)  # type: ignore[arg-type]
+        attention_waits(worker)
         sampled: dict[str, list[int]] = {}
         computed: dict[str, int] = {}  # before this step
         for new in out.scheduled_new_reqs:
@@ -357,6 +366,7 @@ def test_a_failed_load_becomes_invalid_blocks_that_vllm_recomputes(
     worker = second.worker
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)  # type: ignore[arg-type]
+    attention_waits(worker)
     worker.wait_for_save()
     invalid = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
@@ -405,12 +415,71 @@ def test_the_worker_moves_bytes_exactly_for_every_vllm_layout(
 
     target.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("t", hashes, [1, 2, 9])]))
     target.worker.start_load_kv(None)  # type: ignore[arg-type]
+    attention_waits(target.worker)
     target.worker.clear_connector_metadata()
     assert target.worker.get_block_ids_with_load_errors() == set()
     for name in LAYER_NAMES:
         for src, dst in ((3, 1), (5, 2), (7, 9)):
             assert torch.equal(source.kv[name][src], target.kv[name][dst]), (name, src, dst)
         assert not target.kv[name][0].any()  # nothing else written
+
+
+def test_loads_by_layer_are_in_place_at_each_layers_wait_and_a_skipped_wait_means_recompute(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    """Each layer's blocks are in place when its attention's wait returns.
+    A forward pass that skips a layer's wait (a layer without vLLM's hooks)
+    may have read a layer not in place yet: the step's loaded blocks are
+    reported for recompute, and loads are whole from then on. With
+    layerwise_load off, start_load_kv loads every block before the pass."""
+    source = Engine(model_dir, daemon.socket)
+    engines.append(source)
+    generator = torch.Generator().manual_seed(9)
+    for tensor in source.kv.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    hashes = [bytes([i]) * 32 for i in range(40, 44)]
+    source.worker.bind_connector_metadata(KvtierMetadata(stores=[TransferSpec("s", hashes, [3, 4, 5, 6])]))
+    source.worker.wait_for_save()
+    source.worker.clear_connector_metadata()
+    for _ in range(100):
+        if source.worker.get_finished({"s"})[0] == {"s"}:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the store never finished")
+
+    def load(engine: Engine, waits: bool) -> set[int]:
+        for tensor in engine.kv.values():
+            tensor.zero_()
+        engine.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("t", hashes, [1, 2, 8, 9])]))
+        engine.worker.start_load_kv(None)  # type: ignore[arg-type]
+        if waits:
+            for name in LAYER_NAMES:
+                engine.worker.wait_for_layer_load(name)
+                for src, dst in ((3, 1), (4, 2), (5, 8), (6, 9)):
+                    assert torch.equal(source.kv[name][src], engine.kv[name][dst]), (name, src, dst)
+        engine.worker.wait_for_save()
+        engine.worker.clear_connector_metadata()
+        return engine.worker.get_block_ids_with_load_errors()
+
+    target = Engine(model_dir, daemon.socket)
+    engines.append(target)
+    assert load(target, waits=True) == set()
+    assert load(target, waits=False) == {1, 2, 8, 9}, "a layer not waited for: every loaded block recomputed"
+    # Whole loads from now on: in place when start_load_kv returns.
+    target.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("t", hashes, [1, 2, 8, 9])]))
+    target.worker.start_load_kv(None)  # type: ignore[arg-type]
+    for name in LAYER_NAMES:
+        assert torch.equal(source.kv[name][4], target.kv[name][2]), name
+    target.worker.wait_for_save()
+    target.worker.clear_connector_metadata()
+    assert target.worker.get_block_ids_with_load_errors() == set()
+
+    whole = Engine(model_dir, daemon.socket, layerwise_load=False)
+    engines.append(whole)
+    assert load(whole, waits=False) == set()
+    for name in LAYER_NAMES:
+        assert torch.equal(source.kv[name][6], whole.kv[name][9]), name
 
 
 def test_a_lookup_answered_in_time_is_used_in_the_step_it_was_asked(model_dir: pathlib.Path, daemon: Daemon) -> None:
@@ -526,6 +595,7 @@ def test_a_preempted_requests_stores_end_before_its_blocks_are_reused(
     engines.append(target)
     target.worker.bind_connector_metadata(KvtierMetadata(loads=[TransferSpec("q", hashes, [10, 11])]))
     target.worker.start_load_kv(None)  # type: ignore[arg-type]
+    attention_waits(target.worker)
     target.worker.clear_connector_metadata()
     assert target.worker.get_block_ids_with_load_errors() == set()
     for name, tensor in target.kv.items():

@@ -43,6 +43,9 @@ class _Settings:
     lookup_timeout_s: float
     lookup_wait_s: float
     op_timeout_s: float
+    # Loads copied layer by layer, each layer's attention waiting for its
+    # own layer only (wait_for_layer_load): CPU caches.
+    layerwise_load: bool = True
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -54,7 +57,15 @@ class _Settings:
             lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
             lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
             op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
+            layerwise_load=_flag(extra.get("layerwise_load", True)),
         )
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting, also from JSON strings ("false", "0")."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(value)
 
 
 @dataclass(frozen=True)

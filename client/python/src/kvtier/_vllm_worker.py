@@ -1,6 +1,7 @@
 """The vLLM connector's worker side (kvtier/vllm.py is its entry): vLLM's KV
-tensors registered in place, loads before the forward pass and stores after
-it, each bounded by op_timeout_s, and the requests' hints."""
+tensors registered in place, loads (layer by layer on CPU caches: each
+layer's attention waits for its own layer only) and stores after the
+forward pass, each bounded by op_timeout_s, and the requests' hints."""
 
 from __future__ import annotations
 
@@ -112,6 +113,17 @@ class _WorkerSide:
         self._finishing: set[str] = set()  # finished requests with stores
         self._hints: dict[str, list[TransferSpec]] = {}  # to send once their request's stores landed
         self._store_started: dict[int, float] = {}  # id(op) -> when get_finished first found it running
+        # This step's loads, until they are ended (_end_loads): by layer, the
+        # forward pass runs while they copy, each attention layer waiting
+        # for its own layer (wait_for_layer_load).
+        self._loads: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
+        self._loads_by_layer = False
+        self._layer_of = {name: (group.index, i) for group in groups for i, name in enumerate(group.layer_names)}
+        self._layers_waited: dict[int, int] = {}  # group -> its first layers waited for this step
+        self._wait_left_s = 0.0  # what op_timeout_s leaves for this step's loads
+        # Turned off for good when a step's forward pass skipped a layer's
+        # wait (its attention may have read a layer not in place yet).
+        self._layerwise = settings.layerwise_load and not self._by_request
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -167,6 +179,7 @@ class _WorkerSide:
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         # vLLM calls this every step, with or without a forward pass.
+        self._end_loads()  # a step that ended without collecting them
         self._end_window_stores()
         for spec in meta.hints:
             if self._stores.get(spec.req_id):
@@ -176,6 +189,10 @@ class _WorkerSide:
         if not meta.loads:
             return
         ready = self._ready()
+        # By layer on CPU caches: a GPU cache's loads are copied whole by
+        # kvtierd (its layers reported together), and vLLM's CUDA graphs
+        # would skip the per-layer waits.
+        by_layer = self._layerwise and not any(t.is_cuda for t in self._kv_caches.values())
         # Each request's loads, one op per piece the daemon takes at once.
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
@@ -185,16 +202,74 @@ class _WorkerSide:
                 try:
                     keys = _keys(client, cache, spec.block_hashes)
                     for piece in _pieces(len(keys), client):
-                        ops.append((client.load_async(cache, keys[piece], spec.block_ids[piece]), len(keys[piece])))
+                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer)
+                        ops.append((op, len(keys[piece])))
                 except kvtier.Error as error:
                     # No copy of it runs now (a failed start cancels them);
                     # the pieces started before it run on.
                     self._connection.note(error)
                     logger.info("kvtier: a load of %d blocks failed to start (%s); vLLM recomputes them", len(spec.block_ids), error)
             pending.append((spec, ops))
-        # The forward pass reads these blocks: every load ends, or is
-        # cancelled, before it starts.
-        deadline = time.monotonic() + self._settings.op_timeout_s
+        self._loads, self._loads_by_layer = pending, by_layer
+        self._layers_waited = {}
+        self._wait_left_s = self._settings.op_timeout_s
+        if not by_layer:
+            # The forward pass reads these blocks: every load ends, or is
+            # cancelled, before it starts.
+            self._end_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer_name's attention: this step's loads of its group
+        have that layer in place in every block, or are over without it
+        (their blocks recomputed: _end_loads), or are cancelled once what
+        op_timeout_s leaves of the step's waits is spent."""
+        if not self._loads_by_layer or not self._loads:
+            return
+        where = self._layer_of.get(layer_name)
+        if where is None:
+            return
+        group, index = where
+        if self._layers_waited.get(group, 0) > index:
+            return
+        started = time.monotonic()
+        for spec, ops in self._loads:
+            if spec.group != group:
+                continue
+            for op, size in ops:
+                if op.done:
+                    continue
+                try:
+                    # False: over without it; _end_loads collects why.
+                    op.wait_layers(index + 1, max(self._wait_left_s - (time.monotonic() - started), 0.0))
+                except kvtier.DeadlineExceededError as error:
+                    self._connection.note(error)
+                    logger.warning("kvtier: layer %d of a load of %d blocks is not in place in time (%s); cancelled", index, size, error)
+                    self._cancel(op)
+                except kvtier.Error as error:
+                    logger.info("kvtier: waiting for layer %d of a load failed (%s)", index, error)
+        self._layers_waited[group] = index + 1
+        self._wait_left_s -= time.monotonic() - started
+
+    def _end_loads(self) -> None:
+        """Collects this step's loads, within what op_timeout_s leaves, and
+        notes the blocks that did not arrive: vLLM recomputes them (with
+        several groups, the requests whose loads fell short)."""
+        pending, self._loads = self._loads, []
+        if not pending:
+            return
+        by_layer, self._loads_by_layer = self._loads_by_layer, False
+        # A layer whose attention did not wait may have read its blocks
+        # before they were in place: the step's loaded blocks are recomputed.
+        skipped = by_layer and any(
+            ops and self._layers_waited.get(spec.group, 0) < len(self._groups[spec.group].layer_names) for spec, ops in pending
+        )
+        if skipped and self._layerwise:
+            self._layerwise = False
+            logger.warning(
+                "kvtier: vLLM's forward pass did not wait for every layer of a load by layer (a layer without "
+                "the connector's hooks); its blocks are recomputed, and loads are whole from now on"
+            )
+        deadline = time.monotonic() + max(self._wait_left_s, 0.0)
         for spec, ops in pending:
             loaded, whole = 0, True  # leading blocks loaded
             for op, size in ops:
@@ -203,6 +278,8 @@ class _WorkerSide:
                 if whole:
                     loaded += got
                     whole = got == size
+            if skipped:
+                loaded = 0
             if not self._by_request:
                 self._invalid.update(spec.block_ids[loaded:])
                 continue
@@ -239,6 +316,7 @@ class _WorkerSide:
             op.cancel()
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
+        self._end_loads()  # the forward pass is over
         if not meta.stores:
             return
         if any(t.is_cuda for t in self._kv_caches.values()):
@@ -317,12 +395,14 @@ class _WorkerSide:
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """Requests whose stores landed, whose loads ended (with several
         groups), and of those whose loads fell short."""
+        self._end_loads()
         sending, _ = self.get_finished(finished_req_ids)
         received, self._received = self._received, set()
         failed, self._failed_receives = self._failed_receives, set()
         return sending or set(), received, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._end_loads()
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
         done: set[str] = set()
         for req_id in self._finishing:
@@ -359,10 +439,12 @@ class _WorkerSide:
             logger.info("kvtier: a hint for %d blocks failed (%s)", len(spec.block_hashes), error)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_loads()
         invalid, self._invalid = self._invalid, set()
         return invalid
 
     def shutdown(self) -> None:
+        self._end_loads()
         self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()
         self._end_window_stores()
