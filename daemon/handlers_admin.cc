@@ -170,6 +170,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"sessions_refused", sessions_refused_},
                         {"messages_rejected", messages_rejected_},
                         {"ops_cancelled", ops_cancelled_},
+                        {"loads_by_layer", loads_by_layer_},
                     });
     const NodeBudgetFigures node_maps = node_->maps.figures(), node_sessions = node_->sessions.figures(),
                             node_memory = node_->memory.figures();
@@ -395,6 +396,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.sessions_refused = sessions_refused_;
   m.messages_rejected = messages_rejected_;
   m.ops_cancelled = ops_cancelled_;
+  m.loads_by_layer = loads_by_layer_;
   m.lookup_latency = lookup_latency_;
   m.loop_turns = loop_turns_;
   m.loop_slow_turns = slow_turns_;

@@ -231,6 +231,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   const uint64_t op = started.first;
   SessionOp& o = *started.second;
   o.load = load;
+  if (by_layer) ++loads_by_layer_;
   if (wait) o.waiters.push_back(OpWaiter{.request = id, .deadline = std::nullopt});
   if (completion_slot >= 0) {
     o.completions = (*ns)->completions;

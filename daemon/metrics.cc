@@ -321,6 +321,9 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.loop_posted_deferred));
   f.Counter("kvtier_ops_cancelled_total", "Loads and stores whose copies their client cancelled (a fence).",
             static_cast<double>(s.ops_cancelled));
+  f.Counter("kvtier_loads_by_layer_total",
+            "Loads copied layer by layer, each layer reported to the engine once in place (Load.by_layer).",
+            static_cast<double>(s.loads_by_layer));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
     const TenantShare& ts = t.share;
     for (size_t i = 0; i < 3; ++i) {

@@ -67,6 +67,7 @@ struct MetricsSnapshot {
   uint64_t sessions_refused = 0;
   uint64_t messages_rejected = 0;
   uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
+  uint64_t loads_by_layer = 0;  // Loads copied layer by layer (Load.by_layer)
   LatencyHistogram loop_turns;       // the event loop's turns
   uint64_t loop_slow_turns = 0;      // past Server::kSlowTurn
   uint64_t loop_posted_deferred = 0;  // posted work past its slice (Server::RunPosted)

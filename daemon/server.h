@@ -225,6 +225,7 @@ class Server {
   uint64_t sessions_refused_ = 0;
   uint64_t messages_rejected_ = 0;
   uint64_t ops_cancelled_ = 0;  // ops that ended with kCancelled (their client's fence)
+  uint64_t loads_by_layer_ = 0;  // Load.by_layer ops started
   LatencyHistogram lookup_latency_;
   LatencyHistogram load_latency_;
   LatencyHistogram store_latency_;

@@ -143,6 +143,11 @@ def test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same(
     assert after_second["lookups"] > after_first["lookups"]
     assert after_second["hits_host"] - after_first["hits_host"] >= loaded
     assert after_second["misses"] > 0
+    # Loaded layer by layer (the connector's default on a CPU cache), each
+    # attention layer waiting for its own layer only; the preemption test
+    # loads whole blocks (layerwise_load off): both generate what vLLM alone does.
+    assert after_second["loads_by_layer"] - after_first["loads_by_layer"] > 0
+    assert "did not wait for every layer" not in second.log
 
     # An engine whose KV cache differs (bf16, blocks of 64 tokens) shares the
     # daemon and the model's name but never another's blocks.
@@ -174,8 +179,13 @@ def test_preemption_reuse_after_local_eviction_and_blocks_evicted_between_lookup
         loads.append(counters(kvtierd)["loads"])
 
     small = {"num_blocks": SMALL_CACHE_BLOCKS, "max_num_seqs": 8, "max_model_len": 1024, "max_num_batched_tokens": 1024}
-    run = run_engine(spec(model, kvtierd, phases, **small), on_pause=between)
+    # Whole-block loads, each ended before the forward pass (layer by layer:
+    # test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same).
+    whole = spec(model, kvtierd, phases, **small)
+    whole["kvtier"]["layerwise_load"] = False
+    run = run_engine(whole, on_pause=between)
     loads.append(counters(kvtierd)["loads"])
+    assert counters(kvtierd)["loads_by_layer"] == before["loads_by_layer"]
     assert run.counter(0, "num_preemptions") > 0, "the small KV cache should have preempted requests"
     for phase, name in [(0, "long"), (1, "flush0"), (2, "again"), (3, "flush1"), (4, "again")]:
         assert_same_outputs(run.phases[phase], reference[name], f"phase {phase} ({name})")
