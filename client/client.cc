@@ -99,19 +99,20 @@ Result<T> Split(const Client& client, std::span<const BlockKey> keys, Call call,
 
 }  // namespace
 
-Result<LookupResult> Client::Lookup(CacheId cache, std::span<const BlockKey> keys) {
+Result<LookupResult> Client::Lookup(CacheId cache, std::span<const BlockKey> keys, double prefill_tokens_per_s) {
   return Split<LookupResult>(
-      *this, keys, [&](auto part) { return impl_->Lookup(cache, part); },
+      *this, keys, [&](auto part) { return impl_->Lookup(cache, part, prefill_tokens_per_s); },
       [](LookupResult& total, LookupResult part, size_t n) {
         total.hits += part.hits;
         total.tiers.insert(total.tiers.end(), part.tiers.begin(), part.tiers.end());
+        total.recompute += part.recompute;
         return part.hits == n;
       });
 }
 
-Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys) {
+Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys, double prefill_tokens_per_s) {
   return Split<uint32_t>(
-      *this, keys, [&](auto part) { return impl_->Prefetch(cache, part); },
+      *this, keys, [&](auto part) { return impl_->Prefetch(cache, part, prefill_tokens_per_s); },
       [](uint32_t& total, uint32_t part, size_t n) {
         total += part;
         return part == n;

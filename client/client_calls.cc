@@ -63,17 +63,21 @@ Result<BlockKey> Client::Impl::KeyFromEngineHash(CacheId id, std::span<const uin
   return c->hasher->KeyFromEngineHash(hash);
 }
 
-Result<LookupResult> Client::Impl::Lookup(CacheId id, std::span<const BlockKey> keys) {
+Result<LookupResult> Client::Impl::Lookup(CacheId id, std::span<const BlockKey> keys, double prefill_tokens_per_s) {
   MutexLock lock(&mu_);
   KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
   FlatBufferBuilder b(64 + keys.size() * 16);
   const std::vector<w::Key> wk = KeysToWire(keys);
   const uint64_t rid = next_id_++;
-  KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreateLookupDirect(b, c->namespace_id, &wk)),
-                                        {}, rid, w::Body::LookupReply));
+  KVTIER_ASSIGN_OR_RETURN(
+      Reply r, Call(ipc::FinishMessage(b, rid,
+                                       w::CreateLookupDirect(b, c->namespace_id, &wk,
+                                                             static_cast<float>(prefill_tokens_per_s))),
+                    {}, rid, w::Body::LookupReply));
   const w::LookupReply* lr = r.msg->body_as_LookupReply();
   LookupResult out;
   out.hits = lr->hits();
+  out.recompute = lr->recompute();
   if (lr->tiers() != nullptr) {
     for (w::Tier t : *lr->tiers()) out.tiers.push_back(TierFromWire(t));
   }
@@ -97,14 +101,17 @@ Result<HintResult> Client::Impl::Hint(CacheId id, std::span<const BlockKey> keys
   return HintResult{.hinted = hr->hinted(), .refused = hr->refused()};
 }
 
-Result<uint32_t> Client::Impl::Prefetch(CacheId id, std::span<const BlockKey> keys) {
+Result<uint32_t> Client::Impl::Prefetch(CacheId id, std::span<const BlockKey> keys, double prefill_tokens_per_s) {
   MutexLock lock(&mu_);
   KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
   FlatBufferBuilder b(64 + keys.size() * 16);
   const std::vector<w::Key> wk = KeysToWire(keys);
   const uint64_t rid = next_id_++;
-  KVTIER_ASSIGN_OR_RETURN(Reply r, Call(ipc::FinishMessage(b, rid, w::CreatePrefetchDirect(b, c->namespace_id, &wk)),
-                                        {}, rid, w::Body::PrefetchReply));
+  KVTIER_ASSIGN_OR_RETURN(
+      Reply r, Call(ipc::FinishMessage(b, rid,
+                                       w::CreatePrefetchDirect(b, c->namespace_id, &wk,
+                                                               static_cast<float>(prefill_tokens_per_s))),
+                    {}, rid, w::Body::PrefetchReply));
   return r.msg->body_as_PrefetchReply()->resident();
 }
 

@@ -103,11 +103,11 @@ class Client::Impl {
 
   Result<BlockKey> KeyFromEngineHash(CacheId id, std::span<const uint8_t> hash);
 
-  Result<LookupResult> Lookup(CacheId id, std::span<const BlockKey> keys);
+  Result<LookupResult> Lookup(CacheId id, std::span<const BlockKey> keys, double prefill_tokens_per_s);
 
   Result<HintResult> Hint(CacheId id, std::span<const BlockKey> keys, const BlockHint& hint);
 
-  Result<uint32_t> Prefetch(CacheId id, std::span<const BlockKey> keys);
+  Result<uint32_t> Prefetch(CacheId id, std::span<const BlockKey> keys, double prefill_tokens_per_s);
 
   // Starts a Load (by layer: Load.by_layer) or Store; with `wait`, returns
   // its OpResult instead. `ordered` (GPU caches): the op is ordered against

@@ -171,6 +171,10 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"messages_rejected", messages_rejected_},
                         {"ops_cancelled", ops_cancelled_},
                         {"loads_by_layer", loads_by_layer_},
+                        {"recomputed_tokens_hbm", recomputed_tokens_[0]},
+                        {"recomputed_tokens_host", recomputed_tokens_[1]},
+                        {"recomputed_tokens_disk", recomputed_tokens_[2]},
+                        {"recomputed_tokens_remote", recomputed_tokens_[3]},
                     });
     const NodeBudgetFigures node_maps = node_->maps.figures(), node_sessions = node_->sessions.figures(),
                             node_memory = node_->memory.figures();
@@ -397,6 +401,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.messages_rejected = messages_rejected_;
   m.ops_cancelled = ops_cancelled_;
   m.loads_by_layer = loads_by_layer_;
+  m.recomputed_tokens = recomputed_tokens_;
   m.lookup_latency = lookup_latency_;
   m.loop_turns = loop_turns_;
   m.loop_slow_turns = slow_turns_;

@@ -61,35 +61,90 @@ std::vector<uint8_t> Server::HandleHint(Session& s, uint64_t id, const w::Hint& 
   return ipc::FinishMessage(b, id, w::CreateHintReply(b, hinted, refused));
 }
 
+LoadRates& Server::RatesOf(const Session& s, const SessionNamespace& ns) {
+  return load_rates_[{s.tenant->id, ns.fingerprint}];
+}
+
+namespace {
+
+LoadSource SourceOf(Tier t) {
+  switch (t) {
+    case Tier::kHbm: return LoadSource::kHbm;
+    case Tier::kHost: return LoadSource::kHost;
+    case Tier::kDisk: return LoadSource::kDisk;
+  }
+  return LoadSource::kHost;
+}
+
+// A fetch from the remote tier that began at `start` with `before` leading
+// blocks local and ended with `after`: a timing of the remote tier's loads.
+void ObserveFetch(LoadRates& rates, uint64_t block_bytes, std::chrono::steady_clock::time_point start,
+                  uint32_t before, uint32_t after) {
+  if (after <= before) return;
+  rates.Observe(LoadSource::kRemote, (after - before) * block_bytes,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
+
+}  // namespace
+
+uint32_t Server::ChooseLocalHits(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s,
+                                 std::span<const Tier> tiers) {
+  if (prefill_tokens_per_s <= 0 || tiers.empty()) return static_cast<uint32_t>(tiers.size());
+  std::vector<LoadSource> sources;
+  sources.reserve(tiers.size());
+  for (Tier t : tiers) sources.push_back(SourceOf(t));
+  const Layout& layout = ns.layout->layout();
+  const LoadRates::Choice c = RatesOf(s, ns).Choose(sources, layout.block_bytes(), layout.spec().block_tokens,
+                                                   prefill_tokens_per_s, std::chrono::steady_clock::now());
+  for (size_t i = 0; i < kNumLoadSources; ++i) recomputed_tokens_[i] += uint64_t{c.recomputed[i]} * layout.spec().block_tokens;
+  return c.load;
+}
+
+bool Server::RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s) {
+  const Layout& layout = ns.layout->layout();
+  return prefill_tokens_per_s <= 0 ||
+         RatesOf(s, ns).WorthLoading(LoadSource::kRemote, layout.block_bytes(), layout.spec().block_tokens,
+                                     prefill_tokens_per_s, std::chrono::steady_clock::now());
+}
+
 std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Lookup& m) {
   const auto start = std::chrono::steady_clock::now();
   Result<const SessionNamespace*> ns = FindNamespace(s, m.namespace_id());
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
-  const CacheLookup r = cache_->Lookup(s.tenant->id, *keys);
-  auto reply = [id, local = r](uint32_t remote_hits) {
+  CacheLookup r = cache_->Lookup(s.tenant->id, *keys);
+  const uint32_t found = r.hits;
+  r.hits = ChooseLocalHits(s, **ns, m.prefill_tokens_per_s(), r.tiers);
+  r.tiers.resize(r.hits);
+  // Remote hits (asked only after every local one) are reported when
+  // loading them is worth it, else counted as recomputed.
+  auto reply = [id, local = r, recompute = found - r.hits](uint32_t remote_hits, uint32_t remote_recompute) {
     std::vector<w::Tier> tiers;
     for (Tier t : local.tiers) tiers.push_back(TierToWire(t));
     tiers.insert(tiers.end(), remote_hits, w::Tier::Remote);
     FlatBufferBuilder b(64 + tiers.size());
-    const auto body = w::CreateLookupReplyDirect(b, local.hits + remote_hits, &tiers);
+    const auto body = w::CreateLookupReplyDirect(b, local.hits + remote_hits, &tiers, recompute + remote_recompute);
     return ipc::FinishMessage(b, id, body);
   };
-  if (remote_ == nullptr || r.hits == keys->size()) {
+  if (remote_ == nullptr || found == keys->size() || r.hits < found) {
     lookup_latency_.RecordSince(start);
-    return reply(0);
+    return reply(0, 0);
   }
   // The tail that missed locally goes to the remote tier (one pipelined
   // batch, a round trip per node); the reply follows its answer. A remote
   // tier that is slow or down only makes this a local answer: timeouts and
   // its breaker end the wait.
+  const bool worth = RemoteWorthAsking(s, **ns, m.prefill_tokens_per_s());
+  const uint32_t block_tokens = (*ns)->layout->layout().spec().block_tokens;
   std::vector<StoredKey> tail(keys->begin() + r.hits, keys->end());
-  remote_->Exists(std::move(tail), [this, session = s.id, start, reply](Result<uint32_t> remote) {
+  remote_->Exists(std::move(tail), [this, session = s.id, start, reply, worth, block_tokens](Result<uint32_t> remote) {
+    const uint32_t hits = remote ? *remote : 0;
+    if (!worth) recomputed_tokens_[static_cast<size_t>(LoadSource::kRemote)] += uint64_t{hits} * block_tokens;
     auto it = sessions_.find(session);
     if (it == sessions_.end()) return;  // the client is gone
     lookup_latency_.RecordSince(start);
-    Send(*it->second, reply(remote ? *remote : 0));
+    Send(*it->second, worth ? reply(hits, 0) : reply(0, hits));
   });
   return {};
 }
@@ -99,21 +154,43 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   if (!ns) return ipc::ErrorMessage(id, ns.error());
   Result<std::vector<StoredKey>> keys = StoredKeys(s, **ns, m.keys());
   if (!keys) return ipc::ErrorMessage(id, keys.error());
-  const std::pair<uint32_t, uint32_t> prefetched = cache_->Prefetch(s.tenant->id, *keys);
+  const float prefill = m.prefill_tokens_per_s();
+  uint32_t found = 0;
+  const std::pair<uint32_t, uint32_t> prefetched =
+      cache_->Prefetch(s.tenant->id, *keys, [&](std::span<const Tier> tiers) {
+        found = static_cast<uint32_t>(tiers.size());
+        return ChooseLocalHits(s, **ns, prefill, tiers);
+      });
   const uint32_t resident = prefetched.first;
-  auto reply = [id, queued = prefetched.second](uint32_t present) {
+  auto reply = [id, queued = prefetched.second](uint32_t present, uint32_t recompute) {
     FlatBufferBuilder b(64);
-    return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, present, queued));
+    return ipc::FinishMessage(b, id, w::CreatePrefetchReply(b, present, queued, recompute));
   };
-  if (remote_ == nullptr || resident == keys->size()) return reply(resident);
+  if (resident < found) return reply(resident, found - resident);
+  if (remote_ == nullptr || resident == keys->size()) return reply(resident, 0);
+  const uint32_t block_tokens = (*ns)->layout->layout().spec().block_tokens;
+  if (!RemoteWorthAsking(s, **ns, prefill)) {
+    // Not fetched: the remote hits are only counted, as left to compute.
+    std::vector<StoredKey> tail(keys->begin() + resident, keys->end());
+    remote_->Exists(std::move(tail), [this, session = s.id, reply, resident, block_tokens](Result<uint32_t> remote) {
+      const uint32_t hits = remote ? *remote : 0;
+      recomputed_tokens_[static_cast<size_t>(LoadSource::kRemote)] += uint64_t{hits} * block_tokens;
+      auto it = sessions_.find(session);
+      if (it != sessions_.end()) Send(*it->second, reply(resident, hits));
+    });
+    return {};
+  }
   // The tail no local tier holds is fetched from the remote tier into host
   // (a later load then finds it local); the reply counts it once it is there.
-  std::optional<uint32_t> local =
-      cache_->FetchFromRemote(s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys, [this, session = s.id, reply](uint32_t n) {
+  std::optional<uint32_t> local = cache_->FetchFromRemote(
+      s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
+      [this, session = s.id, reply, rates = &RatesOf(s, **ns), block_bytes = (*ns)->layout->layout().block_bytes(),
+       start = std::chrono::steady_clock::now(), resident](uint32_t n) {
+        ObserveFetch(*rates, block_bytes, start, resident, n);
         auto it = sessions_.find(session);
-        if (it != sessions_.end()) Send(*it->second, reply(n));
+        if (it != sessions_.end()) Send(*it->second, reply(n, 0));
       });
-  return local ? reply(*local) : std::vector<uint8_t>{};
+  return local ? reply(*local, 0) : std::vector<uint8_t>{};
 }
 
 std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool load, const w::Load* l,
@@ -245,10 +322,21 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   // A load by layer tells its client it is over through its progress word
   // too (whether or not the session is still here), with every layer once
   // it is done: a backend that copies it whole reports nothing before.
+  // A load's timing, of the tier it read from (load or recompute): from
+  // this request to its copies' end; a fetch from the remote tier is timed
+  // apart (ObserveFetch).
+  LoadRates* rates = load ? &RatesOf(s, **ns) : nullptr;
+  const uint64_t block_bytes = (*ns)->layout->layout().block_bytes();
+  auto fetched = std::make_shared<bool>(false);  // the load waited for a fetch: timed as the remote tier's
   OpDone done = [this, session = s.id, op, held = std::move(*held),
                  progress = by_layer ? target.fence : OpFence(),
-                 layers = (*ns)->layout->layout().spec().num_layers](OpOutcome outcome) {
+                 layers = (*ns)->layout->layout().spec().num_layers, rates, block_bytes, fetched,
+                 start = std::chrono::steady_clock::now()](OpOutcome outcome) {
     progress.Progress(outcome.status.ok() ? layers : 0, /*over=*/true);
+    if (rates != nullptr && outcome.status.ok() && !*fetched) {
+      rates->Observe(SourceOf(outcome.source), outcome.blocks * block_bytes,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     OnOpDone(session, op, std::move(outcome));
   };
   uint32_t queued = 0;  // blocks whose copies were queued just now
@@ -259,7 +347,10 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
     if (remote_ != nullptr) {
       local = cache_->FetchFromRemote(
           s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
-          [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done](uint32_t) {
+          [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done, rates, block_bytes,
+           start = std::chrono::steady_clock::now(), before = cache_->LeadingLocal(*keys), fetched](uint32_t n) {
+            ObserveFetch(*rates, block_bytes, start, before, n);
+            *fetched = n > before;
             cache_->Load(tenant, keys, ids, target, alive, done);
           });
     }

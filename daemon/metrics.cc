@@ -321,6 +321,12 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
             static_cast<double>(s.loop_posted_deferred));
   f.Counter("kvtier_ops_cancelled_total", "Loads and stores whose copies their client cancelled (a fence).",
             static_cast<double>(s.ops_cancelled));
+  for (size_t i = 0; i < s.recomputed_tokens.size(); ++i) {
+    f.Counter("kvtier_tokens_recomputed_by_choice_total",
+              "Tokens of hits that lookups left out for the engine to compute, as loading them from this tier was "
+              "expected to take longer (prefill_tokens_per_s; docs/policy.md \"Load or recompute\").",
+              static_cast<double>(s.recomputed_tokens[i]), L({{"tier", LoadSourceName(static_cast<LoadSource>(i))}}));
+  }
   f.Counter("kvtier_loads_by_layer_total",
             "Loads copied layer by layer, each layer reported to the engine once in place (Load.by_layer).",
             static_cast<double>(s.loads_by_layer));

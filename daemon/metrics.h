@@ -11,6 +11,7 @@
 // function is called on the exporter's own threads. ToFamilies is pure.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "daemon/kv_event_source.h"
+#include "daemon/load_rates.h"
 #include "daemon/node_budget.h"
 #include "common/latency_histogram.h"
 #include "common/status.h"
@@ -68,6 +70,8 @@ struct MetricsSnapshot {
   uint64_t messages_rejected = 0;
   uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
   uint64_t loads_by_layer = 0;  // Loads copied layer by layer (Load.by_layer)
+  // Tokens of hits left to compute as cheaper than loading, by LoadSource.
+  std::array<uint64_t, kNumLoadSources> recomputed_tokens = {};
   LatencyHistogram loop_turns;       // the event loop's turns
   uint64_t loop_slow_turns = 0;      // past Server::kSlowTurn
   uint64_t loop_posted_deferred = 0;  // posted work past its slice (Server::RunPosted)

@@ -13,6 +13,7 @@
 // Run() on one thread; Stop() is thread-safe.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -31,6 +32,7 @@
 #include "config/config_loader.h"
 #include "daemon/close_list.h"
 #include "daemon/kv_event_source.h"
+#include "daemon/load_rates.h"
 #include "daemon/metrics.h"
 #include "daemon/node_budget.h"
 #include "daemon/session.h"
@@ -167,6 +169,16 @@ class Server {
   std::vector<uint8_t> OpResultMessage(uint64_t id, uint64_t op, const SessionOp& o);
   Result<std::vector<StoredKey>> StoredKeys(const Session& s, const SessionNamespace& ns,
                                             const flatbuffers::Vector<const wire::Key*>* keys);
+  // --- load or recompute (load_rates.h): the rates of `s`'s tenant's loads
+  // into caches of `ns`'s layout.
+  LoadRates& RatesOf(const Session& s, const SessionNamespace& ns);
+  // Of a lookup's local hits (`tiers`), how many to report to an engine that
+  // computes `prefill_tokens_per_s`; the rest is counted as recomputed.
+  uint32_t ChooseLocalHits(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s,
+                           std::span<const Tier> tiers);
+  // Whether the remote tier is worth asking for the hits after the local
+  // ones (counted as recomputed where a lookup found `found` of them).
+  bool RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s);
 
   Options options_;
   // What a failed Setup created is removed when the Server goes: declared
@@ -226,6 +238,10 @@ class Server {
   uint64_t messages_rejected_ = 0;
   uint64_t ops_cancelled_ = 0;  // ops that ended with kCancelled (their client's fence)
   uint64_t loads_by_layer_ = 0;  // Load.by_layer ops started
+  // Load or recompute: per tenant and layout; tokens left to compute by
+  // choice, by the tier that held them.
+  std::map<std::pair<TenantId, LayoutFingerprint>, LoadRates> load_rates_;
+  std::array<uint64_t, kNumLoadSources> recomputed_tokens_{};
   LatencyHistogram lookup_latency_;
   LatencyHistogram load_latency_;
   LatencyHistogram store_latency_;

@@ -166,8 +166,9 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
     const auto n = static_cast<uint32_t>(leased.size());
-    return CopyToEngine(tenant, std::move(leased), std::move(ids), std::move(target),
-                        std::move(done))
+    const bool all_hbm = std::ranges::all_of(leased, [](const BlockEntry* e) { return e->tier == Tier::kHbm; });
+    return CopyToEngine(tenant, all_hbm && n > 0 ? Tier::kHbm : Tier::kHost, std::move(leased), std::move(ids),
+                        std::move(target), std::move(done))
                ? n
                : 0;
   }
@@ -201,14 +202,14 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
       // Too late for the event: the engine learned from OpStarted that it
       // was not recorded, and waits for the op instead.
       p->target.event = -1;
-      CopyToEngine(tenant, std::move(p->leased), std::move(p->ids), std::move(p->target),
+      CopyToEngine(tenant, Tier::kDisk, std::move(p->leased), std::move(p->ids), std::move(p->target),
                    std::move(p->done));
     });
   }
   return 0;
 }
 
-bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
+bool BlockCache::CopyToEngine(TenantId tenant, Tier source, std::vector<BlockEntry*> leased,
                               std::vector<uint32_t> block_ids, EngineTarget target, OpDone done) {
   if (leased.empty()) {
     options_.post([done = std::move(done)] { done(OpOutcome{}); });
@@ -230,7 +231,7 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
     if (e->coded_bytes != 0) batch.codec = namespaces_.FormatOf(e->ns).codec;
   }
   const uint64_t bytes = target.layout->layout().block_bytes() * leased.size();
-  return SubmitCopy(std::move(batch), [this, tenant, leased = std::move(leased), bytes,
+  return SubmitCopy(std::move(batch), [this, tenant, source, leased = std::move(leased), bytes,
                                        done = std::move(done)](CopyResult result) {
     std::vector<BlockEntry*> promote;
     for (BlockEntry* e : leased) {
@@ -257,7 +258,7 @@ bool BlockCache::CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
       mine.bytes_cache_to_engine += bytes;
       // Promote what was read from host, if hbm has room without evicting.
       for (BlockEntry* e : promote) MaybePromote(e);
-      done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size())});
+      done(OpOutcome{.status = Status::Ok(), .blocks = static_cast<uint32_t>(leased.size()), .source = source});
     } else {
       done(OpOutcome{.status = result.status});
     }
@@ -499,8 +500,8 @@ bool BlockCache::RegatherRaw(const std::shared_ptr<StoreJob>& job, CopyResult re
   return true;
 }
 
-std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
-                                                   std::span<const StoredKey> keys) {
+std::pair<uint32_t, uint32_t> BlockCache::Prefetch(
+    TenantId tenant, std::span<const StoredKey> keys, const std::function<uint32_t(std::span<const Tier>)>& choose) {
   // The leading present keys, counted as a lookup (engines such as vLLM's
   // connector ask only through prefetches) and touched deepest first (as
   // Lookup does) before anything moves.
@@ -511,8 +512,8 @@ std::pair<uint32_t, uint32_t> BlockCache::Prefetch(TenantId tenant,
     if (e == nullptr ? disk_only_.Find(key) == nullptr : !Servable(e)) break;
     tiers.push_back(e == nullptr ? Tier::kDisk : e->tier);
   }
-  const size_t present = tiers.size();
   CountLookup(tenant, tiers, keys.size());
+  const size_t present = choose ? std::min<size_t>(choose(tiers), tiers.size()) : tiers.size();
   for (size_t i = present; i-- > 0;) {
     if (BlockEntry* e = index_.Find(keys[i]); e != nullptr) Touch(e);
   }

@@ -244,7 +244,10 @@ class BlockCache {
   // Starts promoting the leading host-resident blocks of `keys` to hbm.
   // Returns how many of the leading keys are present, and how many moves
   // were queued. Counted as a lookup (lookups, hits per tier, misses).
-  std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys);
+  // `choose`, given the present keys' tiers, may take fewer of them (load or
+  // recompute): only those move, and their number is returned.
+  std::pair<uint32_t, uint32_t> Prefetch(TenantId tenant, std::span<const StoredKey> keys,
+                                         const std::function<uint32_t(std::span<const Tier>)>& choose = nullptr);
 
   // Leading keys some local tier holds (servable now), without counting a
   // lookup.
@@ -468,7 +471,7 @@ class BlockCache {
   std::string NoRoomReason() const;
   // Loads `leased` (all resident in memory tiers) into the engine. Returns
   // whether copies were queued (with target.event).
-  bool CopyToEngine(TenantId tenant, std::vector<BlockEntry*> leased,
+  bool CopyToEngine(TenantId tenant, Tier source, std::vector<BlockEntry*> leased,
                     std::vector<uint32_t> block_ids, EngineTarget target, OpDone done);
   // Starts a host -> hbm move of `e` if hbm has a free slot below its high
   // watermark and the owner's quota allows; returns whether it started.

@@ -89,6 +89,9 @@ struct OpOutcome {
   Status status = Status::Ok();
   uint32_t blocks = 0;   // blocks loaded or newly stored
   uint32_t already = 0;  // Store: keys already present or in flight
+  // A load's: the slowest tier its blocks were read from (kDisk where one
+  // came from disk; kHbm only where every block was in hbm).
+  Tier source = Tier::kHost;
 };
 using OpDone = std::function<void(OpOutcome)>;
 

@@ -104,6 +104,9 @@ Result<BlockTier> ParseBlockTier(std::string_view name);
 struct LookupResult {
   uint32_t hits = 0;              // leading keys cached
   std::vector<BlockTier> tiers;   // tier of each hit
+  // Given a prefill rate: keys cached past `hits` that kvtierd left out, as
+  // loading them was expected to take longer than computing them.
+  uint32_t recompute = 0;
 };
 
 // What a KV-aware router needs of the blocks of a Store (KV events,
@@ -256,10 +259,17 @@ class Client {
   // How many leading keys are cached, and in which tier, for any number of
   // keys: past max_keys_per_request(), one request per that many keys, the
   // next sent only while every key so far was a hit.
-  Result<LookupResult> Lookup(CacheId cache, std::span<const BlockKey> keys);
+  //
+  // Load or recompute (docs/policy.md): `prefill_tokens_per_s`, the rate at
+  // which the engine computes prefill as it measures it, has kvtierd leave
+  // out the hits it expects to load slower than the engine computes them,
+  // from its own timings of this layout's loads from each tier
+  // (LookupResult::recompute counts them). 0: every hit.
+  Result<LookupResult> Lookup(CacheId cache, std::span<const BlockKey> keys, double prefill_tokens_per_s = 0);
   // Starts moving cached blocks of `keys` to faster tiers. Returns how many
-  // leading keys are cached. Split as Lookup.
-  Result<uint32_t> Prefetch(CacheId cache, std::span<const BlockKey> keys);
+  // leading keys are cached (with a prefill rate: worth loading; only those
+  // move). Split as Lookup.
+  Result<uint32_t> Prefetch(CacheId cache, std::span<const BlockKey> keys, double prefill_tokens_per_s = 0);
 
   // Copies the blocks of `keys` into the engine's blocks `block_ids`. A load
   // that fails (its Wait's error, e.g. kCorruption for a coded block that

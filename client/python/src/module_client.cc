@@ -1,9 +1,20 @@
 // The binding's kvtier.Client: connecting, registering KV caches (CPU memory,
 // engines' tensors in place, CUDA tensors through CUDA IPC), keys, lookups,
 // hints, loads and stores, and the operator's calls.
+#include <cmath>
+
 #include "binding.h"
 
 namespace kvtier::python {
+namespace {
+
+void CheckPrefillRate(double tokens_per_s) {
+  if (!std::isfinite(tokens_per_s) || tokens_per_s < 0) {
+    RaiseInvalid("prefill_tokens_per_s must be >= 0 and finite (0: every hit)");
+  }
+}
+
+}  // namespace
 
 void BindClient(py::module_& m) {
   py::class_<PyClient, std::shared_ptr<PyClient>>(
@@ -168,25 +179,29 @@ void BindClient(py::module_& m) {
           "An engine's own block hash (16 or 32 bytes) as a key.")
       .def(
           "lookup",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys, double prefill_tokens_per_s) {
             self.Check(cache);
+            CheckPrefillRate(prefill_tokens_per_s);
             std::vector<BlockKey> k = Keys(keys);
             std::shared_ptr<Client> c = self.Get();
-            return WithoutGil([&] { return c->Lookup(cache.id, k); });
+            return WithoutGil([&] { return c->Lookup(cache.id, k, prefill_tokens_per_s); });
           },
-          py::arg("cache"), py::arg("keys"),
-          "How many leading keys are cached, and where. Pins nothing.")
+          py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("prefill_tokens_per_s") = 0.0,
+          "How many leading keys are cached, and where. Pins nothing. prefill_tokens_per_s (the "
+          "engine's prefill rate, as it measures it): hits kvtierd expects to load slower than the "
+          "engine computes them are left out (LookupResult.recompute counts them).")
       .def(
           "prefetch",
-          [](const PyClient& self, const KvCache& cache, const py::object& keys) {
+          [](const PyClient& self, const KvCache& cache, const py::object& keys, double prefill_tokens_per_s) {
             self.Check(cache);
+            CheckPrefillRate(prefill_tokens_per_s);
             std::vector<BlockKey> k = Keys(keys);
             std::shared_ptr<Client> c = self.Get();
-            return WithoutGil([&] { return c->Prefetch(cache.id, k); });
+            return WithoutGil([&] { return c->Prefetch(cache.id, k, prefill_tokens_per_s); });
           },
-          py::arg("cache"), py::arg("keys"),
+          py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("prefill_tokens_per_s") = 0.0,
           "Starts moving the cached blocks of keys to faster tiers; returns how many leading keys "
-          "are cached.")
+          "are cached (with prefill_tokens_per_s, as lookup: worth loading, and only those move).")
       .def(
           "load",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,

@@ -107,8 +107,12 @@ void BindTypes(py::module_& m) {
             return t;
           },
           "The tier of each hit: hbm, host or disk.")
+      .def_readonly("recompute", &LookupResult::recompute,
+                    "With prefill_tokens_per_s: keys cached past `hits`, left out as slower to load than to "
+                    "compute.")
       .def("__repr__", [](const LookupResult& r) {
-        return "kvtier.LookupResult(hits=" + std::to_string(r.hits) + ")";
+        return "kvtier.LookupResult(hits=" + std::to_string(r.hits) + ", recompute=" + std::to_string(r.recompute) +
+               ")";
       });
 
   py::class_<OpResult>(m, "OpResult")

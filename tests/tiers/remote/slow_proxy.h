@@ -7,6 +7,8 @@
 //              time with `interval` between reads, from a socket with a
 //              small receive buffer, so that the sender's writes wait.
 // Fault injection at the network seam, for what Redis cannot do itself.
+// set_interval changes the pace at once, for every connection (a link that
+// recovers: an interval of 0).
 //
 // For tests only. Stops (closing every connection) when destroyed.
 #pragma once
@@ -35,7 +37,7 @@ class SlowProxy {
 
   SlowProxy(NodeAddress target, size_t piece_bytes, std::chrono::milliseconds interval,
             Slow slow = Slow::kReplies)
-      : target_(std::move(target)), piece_bytes_(piece_bytes), interval_(interval), slow_(slow) {
+      : target_(std::move(target)), piece_bytes_(piece_bytes), interval_ms_(interval.count()), slow_(slow) {
     listener_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (slow_ == Slow::kRequests) {
       // Accepted sockets inherit it: the kernel holds little for the sender.
@@ -69,6 +71,7 @@ class SlowProxy {
   SlowProxy& operator=(const SlowProxy&) = delete;
 
   NodeAddress address() const { return NodeAddress{"127.0.0.1", port_}; }
+  void set_interval(std::chrono::milliseconds interval) { interval_ms_ = interval.count(); }
 
  private:
   void Accept() {
@@ -89,16 +92,17 @@ class SlowProxy {
       fds_.push_back(client);
       fds_.push_back(server);
       if (slow_ == Slow::kReplies) {
-        pumps_.emplace_back([this, client, server] { Pump(client, server, SIZE_MAX, {}); });
-        pumps_.emplace_back([this, client, server] { Pump(server, client, piece_bytes_, interval_); });
+        pumps_.emplace_back([this, client, server] { Pump(client, server, SIZE_MAX, false); });
+        pumps_.emplace_back([this, client, server] { Pump(server, client, piece_bytes_, true); });
       } else {
         pumps_.emplace_back([this, client, server] { SlowReads(client, server); });
-        pumps_.emplace_back([this, client, server] { Pump(server, client, SIZE_MAX, {}); });
+        pumps_.emplace_back([this, client, server] { Pump(server, client, SIZE_MAX, false); });
       }
     }
   }
-  // Copies `from` to `to`, `piece` bytes per write with `pause` between.
-  void Pump(int from, int to, size_t piece, std::chrono::milliseconds pause) {
+  // Copies `from` to `to`, `piece` bytes per write, with the interval
+  // between them where `paced`.
+  void Pump(int from, int to, size_t piece, bool paced) {
     std::vector<char> buf(64 << 10);
     while (!stopping_) {
       const ssize_t n = ::read(from, buf.data(), buf.size());
@@ -107,7 +111,7 @@ class SlowProxy {
         const size_t len = std::min<size_t>(piece, static_cast<size_t>(n - at));
         if (::send(to, buf.data() + at, len, MSG_NOSIGNAL) <= 0) return;
         at += static_cast<ssize_t>(len);
-        if (at < n) std::this_thread::sleep_for(pause);
+        if (paced && at < n) std::this_thread::sleep_for(interval());
       }
     }
     ::shutdown(to, SHUT_WR);
@@ -119,14 +123,16 @@ class SlowProxy {
       const ssize_t n = ::read(from, buf.data(), buf.size());
       if (n <= 0) break;
       if (::send(to, buf.data(), static_cast<size_t>(n), MSG_NOSIGNAL) != n) return;
-      std::this_thread::sleep_for(interval_);
+      std::this_thread::sleep_for(interval());
     }
     ::shutdown(to, SHUT_WR);
   }
 
+  std::chrono::milliseconds interval() const { return std::chrono::milliseconds(interval_ms_.load()); }
+
   const NodeAddress target_;
   const size_t piece_bytes_;
-  const std::chrono::milliseconds interval_;
+  std::atomic<int64_t> interval_ms_;
   const Slow slow_;
   int listener_ = -1;
   uint16_t port_ = 0;
