@@ -227,7 +227,10 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=receiving, invalid_block_ids=invalid
+                finished_sending=sending,
+                finished_recving=receiving,
+                invalid_block_ids=invalid,
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
             ),
         )
         self.scheduler.update_from_output(out, runner)
@@ -480,6 +483,25 @@ def test_loads_by_layer_are_in_place_at_each_layers_wait_and_a_skipped_wait_mean
     assert load(whole, waits=False) == set()
     for name in LAYER_NAMES:
         assert torch.equal(source.kv[name][6], whole.kv[name][9]), name
+
+
+def test_the_scheduler_learns_the_prefill_rate_from_the_workers_timed_forward_passes(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    """Each forward pass of at least 128 tokens is timed by the worker (its
+    waits for loads left out) and reaches the scheduler through vLLM's
+    worker metadata; lookups give kvtierd the rate (load or recompute)."""
+    engine = Engine(model_dir, daemon.socket)
+    engines.append(engine)
+    prefill = engine.scheduler.connector._scheduler._prefill
+    assert prefill.tokens_per_s == 0
+    engine.add("long", [(i * 7) % 100 + 1 for i in range(20 * BLOCK)])
+    engine.run_until_idle()
+    assert prefill.tokens_per_s > 0, "a prefill of 20 blocks was timed"
+    assert engine.scheduler.connector._scheduler._lookups._prefill is prefill  # what its prefetches give
+    off = Engine(model_dir, daemon.socket, load_or_recompute=False)
+    engines.append(off)
+    assert off.scheduler.connector._scheduler._lookups._prefill is None
 
 
 def test_a_lookup_answered_in_time_is_used_in_the_step_it_was_asked(model_dir: pathlib.Path, daemon: Daemon) -> None:

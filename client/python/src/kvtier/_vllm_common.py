@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # a vLLM whose workers send its connector nothing back
+    KVConnectorWorkerMetadata = object  # type: ignore[misc,assignment]
 from vllm.logger import init_logger
 
 import kvtier
@@ -46,6 +51,9 @@ class _Settings:
     # Loads copied layer by layer, each layer's attention waiting for its
     # own layer only (wait_for_layer_load): CPU caches.
     layerwise_load: bool = True
+    # Lookups give kvtierd the engine's prefill rate, as its forward passes
+    # take: hits slower to load than to compute are left to compute.
+    load_or_recompute: bool = True
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -58,6 +66,7 @@ class _Settings:
             lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
             op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
             layerwise_load=_flag(extra.get("layerwise_load", True)),
+            load_or_recompute=_flag(extra.get("load_or_recompute", True)),
         )
 
 
@@ -338,3 +347,20 @@ class KvtierMetadata(KVConnectorMetadata):
     stores: list[TransferSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     hints: list[TransferSpec] = field(default_factory=list)
+    scheduled_tokens: int = 0  # tokens this step computes, all requests together
+
+
+@dataclass
+class PrefillTiming(KVConnectorWorkerMetadata):
+    """A worker's forward pass, as it timed it: `tokens` computed in
+    `seconds`, its waits for loads left out. For the scheduler's prefill
+    rate (load or recompute); the ranks of a step take as long as the
+    slowest."""
+
+    tokens: int
+    seconds: float
+
+    def aggregate(self, other: Any) -> PrefillTiming:
+        if not isinstance(other, PrefillTiming):
+            return self
+        return PrefillTiming(max(self.tokens, other.tokens), max(self.seconds, other.seconds))

@@ -14,6 +14,7 @@ import kvtier
 
 from ._vllm_common import (
     KvtierMetadata,
+    PrefillTiming,
     RequestHint,
     TransferSpec,
     _Connection,
@@ -33,6 +34,25 @@ if TYPE_CHECKING:
 # Scheduler side.
 
 
+class _PrefillRate:
+    """How fast the engine computes prefill, from its workers' timings of
+    forward passes of at least _MIN_TOKENS tokens (PrefillTiming): a moving
+    average, each timing weighing _WEIGHT. 0 until the first. Written by the
+    scheduler thread, read by the lookups' (a float: no lock)."""
+
+    _MIN_TOKENS = 128
+    _WEIGHT = 0.3
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+
+    def observe(self, timing: PrefillTiming) -> None:
+        if timing.tokens < self._MIN_TOKENS or timing.seconds <= 0:
+            return
+        rate = timing.tokens / timing.seconds
+        self.tokens_per_s = rate if self.tokens_per_s == 0 else (1 - self._WEIGHT) * self.tokens_per_s + self._WEIGHT * rate
+
+
 @dataclass
 class _Lookup:
     num_blocks: int  # leading hashes asked about
@@ -45,8 +65,12 @@ class _Lookups:
     daemon at most lookup_wait_s per request. Called by the scheduler thread
     (result, forget)."""
 
-    def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[list[kvtier.Layout]]) -> None:
+    def __init__(
+        self, settings: _Settings, groups: list[_Group], layouts: list[list[kvtier.Layout]], prefill: _PrefillRate | None = None
+    ) -> None:
         self._settings = settings
+        # Given to kvtierd with each prefetch (load or recompute), when known.
+        self._prefill = prefill if settings.load_or_recompute else None
         self._windows = [group.window_blocks for group in groups]
         self._layouts = layouts  # by group, one per distinct shard of a block (_Shards)
         self._lock = threading.Lock()
@@ -104,12 +128,15 @@ class _Lookups:
         last of them. A window that lacks a block moves the end before that
         block, and the windows are asked again."""
         # Full attention: as far as every shard is cached; each prefetch
-        # asks only about what the ones before it hold.
+        # asks only about what the ones before it hold, and, given the
+        # engine's prefill rate, only about the hits worth loading.
+        rate = self._prefill.tokens_per_s if self._prefill is not None else 0.0
         hits = len(hashes)
         for window, shards in zip(self._windows, caches):
             if window is None:
                 for cache in shards:
-                    hits = client.prefetch(cache, _keys(client, cache, hashes[:hits])) if hits else 0
+                    keys = _keys(client, cache, hashes[:hits])
+                    hits = client.prefetch(cache, keys, prefill_tokens_per_s=rate) if hits else 0
         tries = 0
         settled = False
         while hits and not settled:
@@ -119,7 +146,7 @@ class _Lookups:
                     continue
                 for cache in shards:
                     start = max(0, hits - window)
-                    held = client.prefetch(cache, _keys(client, cache, hashes[start:hits]))
+                    held = client.prefetch(cache, _keys(client, cache, hashes[start:hits]), prefill_tokens_per_s=rate)
                     if start + held < hits:
                         hits, settled = start + held, False
                         tries += 1
@@ -191,7 +218,8 @@ class _SchedulerSide:
     def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[list[kvtier.Layout]]) -> None:
         self._block_tokens = layouts[0][0].block_tokens
         self._windows = [group.window_blocks for group in groups]
-        self._lookups = _Lookups(settings, groups, layouts)
+        self._prefill = _PrefillRate()
+        self._lookups = _Lookups(settings, groups, layouts, self._prefill)
         # With several KV cache groups vLLM takes load failures only per
         # request, for loads it waits for (asynchronous): each hit's load is
         # one then, and a request whose load fell short is recomputed whole,
@@ -246,7 +274,10 @@ class _SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
         meta = KvtierMetadata(
-            loads=self._loads, preempted=set(scheduler_output.preempted_req_ids or ()), hints=self._hints
+            loads=self._loads,
+            preempted=set(scheduler_output.preempted_req_ids or ()),
+            hints=self._hints,
+            scheduled_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
         )
         self._loads, self._hints = [], []
         for new in scheduler_output.scheduled_new_reqs:
@@ -301,6 +332,11 @@ class _SchedulerSide:
                 )
         state.stored = blocks
         state.has_stores = True
+
+    def prefill_timed(self, timing: Any) -> None:
+        """The workers' timing of a step's forward pass (or None)."""
+        if isinstance(timing, PrefillTiming):
+            self._prefill.observe(timing)
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """Requests whose loads fell short (vLLM recomputes them whole):

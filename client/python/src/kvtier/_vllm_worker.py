@@ -12,6 +12,7 @@ import kvtier
 
 from ._vllm_common import (
     KvtierMetadata,
+    PrefillTiming,
     RequestHint,
     TransferSpec,
     _Connection,
@@ -124,6 +125,13 @@ class _WorkerSide:
         # Turned off for good when a step's forward pass skipped a layer's
         # wait (its attention may have read a layer not in place yet).
         self._layerwise = settings.layerwise_load and not self._by_request
+        # This step's forward pass, timed for the scheduler's prefill rate
+        # (load or recompute): from its metadata's binding to wait_for_save,
+        # less the time spent waiting for loads.
+        self._step_started = 0.0
+        self._step_tokens = 0
+        self._step_waited = 0.0
+        self._timing: PrefillTiming | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -176,6 +184,17 @@ class _WorkerSide:
             return None
         client = self._connection.client()
         return None if len(caches) < len(self._groups) or client is None else (client, caches)
+
+    def step_started(self, meta: KvtierMetadata) -> None:
+        """vLLM bound this step's metadata: its forward pass is next."""
+        self._step_started = time.monotonic()
+        self._step_tokens = meta.scheduled_tokens
+        self._step_waited = 0.0
+
+    def prefill_timing(self) -> PrefillTiming | None:
+        """The last step's timing, once (build_connector_worker_meta)."""
+        timing, self._timing = self._timing, None
+        return timing
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         # vLLM calls this every step, with or without a forward pass.
@@ -248,7 +267,9 @@ class _WorkerSide:
                 except kvtier.Error as error:
                     logger.info("kvtier: waiting for layer %d of a load failed (%s)", index, error)
         self._layers_waited[group] = index + 1
-        self._wait_left_s -= time.monotonic() - started
+        waited = time.monotonic() - started
+        self._wait_left_s -= waited
+        self._step_waited += waited
 
     def _end_loads(self) -> None:
         """Collects this step's loads, within what op_timeout_s leaves, and
@@ -269,7 +290,8 @@ class _WorkerSide:
                 "kvtier: vLLM's forward pass did not wait for every layer of a load by layer (a layer without "
                 "the connector's hooks); its blocks are recomputed, and loads are whole from now on"
             )
-        deadline = time.monotonic() + max(self._wait_left_s, 0.0)
+        started = time.monotonic()
+        deadline = started + max(self._wait_left_s, 0.0)
         for spec, ops in pending:
             loaded, whole = 0, True  # leading blocks loaded
             for op, size in ops:
@@ -286,6 +308,7 @@ class _WorkerSide:
             self._received.add(spec.req_id)
             if loaded < len(spec.block_ids):
                 self._failed_receives.add(spec.req_id)
+        self._step_waited += time.monotonic() - started
 
     def _finish(self, op: kvtier.Op, timeout: float, what: str) -> kvtier.OpResult | None:
         """The op's result within `timeout`, else None once it is cancelled:
@@ -317,6 +340,7 @@ class _WorkerSide:
 
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         self._end_loads()  # the forward pass is over
+        self._time_step()
         if not meta.stores:
             return
         if any(t.is_cuda for t in self._kv_caches.values()):
@@ -345,6 +369,16 @@ class _WorkerSide:
             except kvtier.Error as error:
                 self._connection.note(error)
                 logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)
+
+    def _time_step(self) -> None:
+        """Times the forward pass that just ended (CPU caches: a GPU's
+        forward pass may still be running when wait_for_save is called)."""
+        if self._step_started == 0 or any(t.is_cuda for t in self._kv_caches.values()):
+            return
+        seconds = time.monotonic() - self._step_started - self._step_waited
+        if self._step_tokens > 0 and seconds > 0:
+            self._timing = PrefillTiming(self._step_tokens, seconds)
+        self._step_started = 0.0
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its

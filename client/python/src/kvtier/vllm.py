@@ -176,6 +176,14 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvtierMetadata):
+            self._worker.step_started(connector_metadata)
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.prefill_timing() if self._worker is not None else None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())
@@ -208,6 +216,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.loads_failed(connector_output.failed_recving)
+        self._scheduler.prefill_timed(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
