@@ -1,7 +1,8 @@
 """A Redis Cluster of a test's own, from Debian's redis-server and redis-cli:
 masters with a replica each on loopback ports, joined by
-`redis-cli --cluster create`, persistence off; killed when stopped. (The C++
-tests have the same in tools/redis_cluster_process.h.)"""
+`redis-cli --cluster create`, persistence off; killed when stopped; or one
+standalone node (standalone=True). (The C++ tests have the same in
+tools/redis_cluster_process.h.)"""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ class RedisCluster:
     # each attempt's node and the end of its log.
     ATTEMPTS = 3
 
-    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, standalone: bool = False) -> None:
+        self.standalone = standalone
+        if standalone:
+            masters, replicas = 1, 0
         for exe in (REDIS_SERVER, REDIS_CLI):
             if not os.access(exe, os.X_OK):
                 raise RuntimeError(f"{exe} is missing: tools/setup-deps.sh installs redis-server")
@@ -62,18 +66,21 @@ class RedisCluster:
             for port in self.ports:
                 node_dir = os.path.join(self.directory, str(port))
                 os.makedirs(node_dir)
+                cluster = [] if self.standalone else [
+                    "--cluster-enabled", "yes", "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
+                    "--cluster-node-timeout", "1500", "--cluster-require-full-coverage", "no"]
                 self.processes.append(
                     subprocess.Popen(
                         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                          "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", node_dir,
-                         "--logfile", os.path.join(node_dir, "redis.log"), "--cluster-enabled", "yes",
-                         "--cluster-config-file", os.path.join(node_dir, "nodes.conf"),
-                         "--cluster-node-timeout", "1500", "--cluster-require-full-coverage", "no"],
+                         "--logfile", os.path.join(node_dir, "redis.log"), *cluster],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     )
                 )
             for port, process in zip(self.ports, self.processes):
                 self._wait_for_node(port, process)
+            if self.standalone:
+                return
             subprocess.run(
                 [REDIS_CLI, "--cluster", "create", *self.seeds, "--cluster-replicas", str(replicas), "--cluster-yes"],
                 check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=60,
