@@ -139,6 +139,10 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
                                                       .lora_name = events->lora_name.size()}));
   }
   KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
+  if (by_layer && !layer_progress_) {
+    return Err(Status(StatusCode::kUnimplemented,
+                      "kvtierd " + daemon_release_ + " does not report a load's layers: load whole (LoadAsync)"));
+  }
   if (ordered && c->cuda == nullptr) {
     return Err(InvalidArgument("a CUDA stream was given for a cache that is not in GPU memory"));
   }

@@ -211,6 +211,7 @@ class Client::Impl {
   std::chrono::steady_clock::time_point next_attempt_ KVTIER_GUARDED_BY(mu_);
   std::string tenant_ KVTIER_GUARDED_BY(mu_);
   std::string daemon_release_ KVTIER_GUARDED_BY(mu_);
+  bool layer_progress_ KVTIER_GUARDED_BY(mu_) = false;  // Welcome.layer_progress
   // The Welcome's limits.max_keys_per_request (at least 1), of the last
   // daemon reached.
   uint32_t max_keys_per_request_ KVTIER_GUARDED_BY(mu_) = 1;

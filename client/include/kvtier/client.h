@@ -282,6 +282,8 @@ class Client {
   // block's layer l + 1, so that the engine may compute layer l while later
   // layers are still on their way (WaitLayers says when they are in place).
   // On a GPU cache the layers are reported together, once the load is done.
+  // Errors: kUnimplemented from a kvtierd that does not report layers (a
+  // release before them): load whole.
   Result<OpHandle> LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
                                    std::span<const uint32_t> block_ids);
   // Waits until the first `layers` layers (of the cache's layout) of every

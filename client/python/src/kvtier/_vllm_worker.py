@@ -223,6 +223,11 @@ class _WorkerSide:
                     for piece in _pieces(len(keys), client):
                         op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer)
                         ops.append((op, len(keys[piece])))
+                except kvtier.UnimplementedError as error:
+                    # A kvtierd from before loads by layer: whole loads from
+                    # now on (this request's blocks are recomputed).
+                    logger.warning("kvtier: %s; loading whole blocks from now on", error)
+                    self._layerwise = False
                 except kvtier.Error as error:
                     # No copy of it runs now (a failed start cancels them);
                     # the pieces started before it run on.
