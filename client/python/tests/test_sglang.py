@@ -278,6 +278,10 @@ def test_leading_hits_and_misses(make_store: Callable[..., KvtierStore], allocat
     assert torch.equal(page_kv(pool, 6), before[0]) and torch.equal(page_kv(pool, 7), before[1])
     assert store.batch_get_v1([unknown], slots([4])) == [False]
     assert store.batch_get_v1([], slots([])) == []
+    # Given a prefill rate, host hits (a memcpy away) are still hits.
+    rated = make_store(pool, kvtier_prefill_tokens_per_s=1000.0)
+    rated.batch_get_v1([k0, k1], slots([5, 6]))  # timed: host loads
+    assert rated.batch_exists([k0, k1, k2, odd]) == 4
 
 
 def test_unsupported_paths_raise_not_implemented(
@@ -328,6 +332,9 @@ def test_bad_input_is_a_clear_exception(daemon: Daemon, make_store: Callable[...
         KvtierStore(storage_config(daemon.socket, kvtier_bounce_bytes=0))
     with pytest.raises(ValueError, match="kvtier_timeout_s"):
         KvtierStore(storage_config(daemon.socket, kvtier_timeout_s=0))
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kvtier_prefill_tokens_per_s"):
+            KvtierStore(storage_config(daemon.socket, kvtier_prefill_tokens_per_s=bad))
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         KvtierStore(storage_config(daemon.socket)).batch_exists(page_keys("early", 1))
     wrong_shape = host_pool("page_first", 4)

@@ -305,6 +305,12 @@ class KvtierStore(HiCacheStorage):
         timeout_s = float(extra.get("kvtier_timeout_s", DEFAULT_TIMEOUT_S))
         if not timeout_s > 0:
             raise ValueError(f"kvtier_timeout_s must be positive, not {timeout_s}")
+        # Load or recompute (docs/policy.md): HiCache tells a storage backend
+        # nothing of the engine's prefill rate, so an operator may give it.
+        prefill = float(extra.get("kvtier_prefill_tokens_per_s", 0))
+        if not prefill >= 0 or prefill == float("inf"):
+            raise ValueError(f"kvtier_prefill_tokens_per_s must be 0 (every hit) or a positive rate, not {prefill}")
+        self._prefill_tokens_per_s = prefill
         self._config = storage_config
         # Unnamed: kvtier.default_socket() ($KVTIER_SOCKET, else where a
         # kvtierd listens), resolved again at each attempt to connect.
@@ -398,7 +404,8 @@ class KvtierStore(HiCacheStorage):
         client, cache = ready
         try:
             # The client splits a long lookup into requests the daemon takes.
-            hits = client.lookup(cache, [client.key_from_engine_hash(cache, h) for h in hashes]).hits
+            keys = [client.key_from_engine_hash(cache, h) for h in hashes]
+            hits = client.lookup(cache, keys, prefill_tokens_per_s=self._prefill_tokens_per_s).hits
         except kvtier.Error as error:
             self._report(error)
             return 0

@@ -51,8 +51,8 @@ LONG_ENGINE = {"max_model_len": LONG_TOKENS + 64, "max_num_seqs": 2}
 # The lookups test: a prompt of 8 full blocks.
 LOOKUP_PROMPT = ids(702, 8 * BLOCK + 5)
 # Past the 64 that used to leave every lookup a miss (a session's limit of
-# registered caches, which each reconnect added to), by half again.
-LOOKUP_TIMEOUT_CYCLES = 96
+# registered caches, which each reconnect added to), by an eighth.
+LOOKUP_TIMEOUT_CYCLES = 72
 
 
 @pytest.fixture(scope="module")
