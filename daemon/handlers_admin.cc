@@ -175,6 +175,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"recomputed_tokens_host", recomputed_tokens_[1]},
                         {"recomputed_tokens_disk", recomputed_tokens_[2]},
                         {"recomputed_tokens_remote", recomputed_tokens_[3]},
+                        {"load_rates_layouts", load_rates_.size()},
                     });
     const NodeBudgetFigures node_maps = node_->maps.figures(), node_sessions = node_->sessions.figures(),
                             node_memory = node_->memory.figures();

@@ -62,7 +62,22 @@ std::vector<uint8_t> Server::HandleHint(Session& s, uint64_t id, const w::Hint& 
 }
 
 LoadRates& Server::RatesOf(const Session& s, const SessionNamespace& ns) {
-  return load_rates_[{s.tenant->id, ns.fingerprint}];
+  const RatesKey key{s.tenant->id, ns.fingerprint};
+  if (auto it = load_rates_.find(key); it != load_rates_.end()) return it->second;
+  // The tenant's entries are contiguous (the key's first part): counted only
+  // when a new layout comes, at most the limit.
+  const auto first = load_rates_.lower_bound(RatesKey{s.tenant->id, LayoutFingerprint{}});
+  size_t held = 0;
+  for (auto it = first; it != load_rates_.end() && it->first.first == s.tenant->id; ++it) ++held;
+  if (held >= std::max<uint32_t>(options_.config.limits.max_namespaces_per_tenant, 1)) load_rates_.erase(first);
+  return load_rates_[key];
+}
+
+void Server::ObserveLoad(const RatesKey& key, LoadSource source, uint64_t bytes,
+                         std::chrono::steady_clock::time_point start) {
+  auto it = load_rates_.find(key);
+  if (it == load_rates_.end()) return;
+  it->second.Observe(source, bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 namespace {
@@ -74,15 +89,6 @@ LoadSource SourceOf(Tier t) {
     case Tier::kDisk: return LoadSource::kDisk;
   }
   return LoadSource::kHost;
-}
-
-// A fetch from the remote tier that began at `start` with `before` leading
-// blocks local and ended with `after`: a timing of the remote tier's loads.
-void ObserveFetch(LoadRates& rates, uint64_t block_bytes, std::chrono::steady_clock::time_point start,
-                  uint32_t before, uint32_t after) {
-  if (after <= before) return;
-  rates.Observe(LoadSource::kRemote, (after - before) * block_bytes,
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 }  // namespace
@@ -184,9 +190,11 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   // (a later load then finds it local); the reply counts it once it is there.
   std::optional<uint32_t> local = cache_->FetchFromRemote(
       s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
-      [this, session = s.id, reply, rates = &RatesOf(s, **ns), block_bytes = (*ns)->layout->layout().block_bytes(),
-       start = std::chrono::steady_clock::now(), resident](uint32_t n) {
-        ObserveFetch(*rates, block_bytes, start, resident, n);
+      [this, session = s.id, reply, key = RatesKey{s.tenant->id, (*ns)->fingerprint},
+       block_bytes = (*ns)->layout->layout().block_bytes(), start = std::chrono::steady_clock::now(),
+       resident](uint32_t n) {
+        // A fetch from the remote tier: a timing of its loads.
+        if (n > resident) ObserveLoad(key, LoadSource::kRemote, (n - resident) * block_bytes, start);
         auto it = sessions_.find(session);
         if (it != sessions_.end()) Send(*it->second, reply(n, 0));
       });
@@ -324,18 +332,18 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   // it is done: a backend that copies it whole reports nothing before.
   // A load's timing, of the tier it read from (load or recompute): from
   // this request to its copies' end; a fetch from the remote tier is timed
-  // apart (ObserveFetch).
-  LoadRates* rates = load ? &RatesOf(s, **ns) : nullptr;
+  // apart, as the remote tier's.
+  if (load) RatesOf(s, **ns);  // kept from now on (within the tenant's bound)
+  const RatesKey rates{s.tenant->id, (*ns)->fingerprint};
   const uint64_t block_bytes = (*ns)->layout->layout().block_bytes();
   auto fetched = std::make_shared<bool>(false);  // the load waited for a fetch: timed as the remote tier's
   OpDone done = [this, session = s.id, op, held = std::move(*held),
                  progress = by_layer ? target.fence : OpFence(),
-                 layers = (*ns)->layout->layout().spec().num_layers, rates, block_bytes, fetched,
+                 layers = (*ns)->layout->layout().spec().num_layers, load, rates, block_bytes, fetched,
                  start = std::chrono::steady_clock::now()](OpOutcome outcome) {
     progress.Progress(outcome.status.ok() ? layers : 0, /*over=*/true);
-    if (rates != nullptr && outcome.status.ok() && !*fetched) {
-      rates->Observe(SourceOf(outcome.source), outcome.blocks * block_bytes,
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (load && outcome.status.ok() && !*fetched) {
+      ObserveLoad(rates, SourceOf(outcome.source), outcome.blocks * block_bytes, start);
     }
     OnOpDone(session, op, std::move(outcome));
   };
@@ -349,7 +357,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
           s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
           [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done, rates, block_bytes,
            start = std::chrono::steady_clock::now(), before = cache_->LeadingLocal(*keys), fetched](uint32_t n) {
-            ObserveFetch(*rates, block_bytes, start, before, n);
+            if (n > before) ObserveLoad(rates, LoadSource::kRemote, (n - before) * block_bytes, start);
             *fetched = n > before;
             cache_->Load(tenant, keys, ids, target, alive, done);
           });

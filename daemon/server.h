@@ -170,8 +170,13 @@ class Server {
   Result<std::vector<StoredKey>> StoredKeys(const Session& s, const SessionNamespace& ns,
                                             const flatbuffers::Vector<const wire::Key*>* keys);
   // --- load or recompute (load_rates.h): the rates of `s`'s tenant's loads
-  // into caches of `ns`'s layout.
+  // into caches of `ns`'s layout. A tenant keeps those of at most
+  // limits.max_namespaces_per_tenant layouts: a new one past that drops one
+  // of its own. Async completions hold the key, never the entry.
+  using RatesKey = std::pair<TenantId, LayoutFingerprint>;
   LoadRates& RatesOf(const Session& s, const SessionNamespace& ns);
+  // A timing for `key`'s rates, if they are still kept.
+  void ObserveLoad(const RatesKey& key, LoadSource source, uint64_t bytes, std::chrono::steady_clock::time_point start);
   // Of a lookup's local hits (`tiers`), how many to report to an engine that
   // computes `prefill_tokens_per_s`; the rest is counted as recomputed.
   uint32_t ChooseLocalHits(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s,
@@ -240,7 +245,7 @@ class Server {
   uint64_t loads_by_layer_ = 0;  // Load.by_layer ops started
   // Load or recompute: per tenant and layout; tokens left to compute by
   // choice, by the tier that held them.
-  std::map<std::pair<TenantId, LayoutFingerprint>, LoadRates> load_rates_;
+  std::map<RatesKey, LoadRates> load_rates_;
   std::array<uint64_t, kNumLoadSources> recomputed_tokens_{};
   LatencyHistogram lookup_latency_;
   LatencyHistogram load_latency_;

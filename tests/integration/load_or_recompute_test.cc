@@ -122,5 +122,34 @@ TEST_F(LoadOrRecomputeTest, ASlowRemoteTierIsRecomputedWhileHostHitsLoadAndIsLoa
   EXPECT_EQ(wrong, 0u);
 }
 
+// A tenant that registers layout after layout keeps the rates of at most
+// limits.max_namespaces_per_tenant of them: a co-tenant cannot grow kvtierd
+// without bound by asking about ever new layouts.
+TEST(LoadOrRecomputeBoundTest, ATenantKeepsTheRatesOfAtMostItsLayoutsLimit) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"limits.max_namespaces_per_tenant=3", "tiers.disk.enabled=false"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  Result<std::unique_ptr<Client>> c = Client::Connect({.socket_path = d->socket_path(), .client_name = "bound"});
+  ASSERT_TRUE(c.has_value()) << c.error();
+  std::vector<ShmKvCache> caches;
+  for (uint32_t i = 0; i < 8; ++i) {
+    const Layout layout = Layout::Create(LayoutSpec{.model_id = "kvtier/rates-" + std::to_string(i), .num_layers = 1,
+                                                    .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 1, .head_dim = 64,
+                                                    .dtype = DType::kBf16, .block_tokens = 16, .tp_rank = 0,
+                                                    .tp_size = 1, .scale_bytes_per_layer = 0})
+                              .value();
+    Result<ShmKvCache> cache = ShmKvCache::Create(layout, 4);
+    ASSERT_TRUE(cache.has_value());
+    caches.push_back(std::move(*cache));
+    Result<CacheId> id = (*c)->RegisterKvCache(caches.back());
+    ASSERT_TRUE(id.has_value()) << id.error();
+    Result<std::vector<BlockKey>> keys = (*c)->ComputeKeys(*id, PseudoTokens(i, 32));
+    ASSERT_TRUE(keys.has_value());
+    ASSERT_TRUE((*c)->Load(*id, *keys, Range(0, 2)).has_value());  // a load keeps its layout's rates
+    Result<DaemonStats> s = (*c)->Stats();
+    ASSERT_TRUE(s.has_value());
+    EXPECT_EQ(s->Counter("load_rates_layouts"), std::min<uint64_t>(i + 1, 3)) << i;
+  }
+}
+
 }  // namespace
 }  // namespace kvtier::testing
