@@ -2,10 +2,12 @@
 of more blocks than kvtierd takes in one request, a 100k-token prompt, and
 lookups that time out again and again.
 
-Each test compares what an engine with kvtier generated with what vLLM alone
-generated for the same requests (greedy tokens, logprobs within rounding),
-and checks that the engine loaded the blocks an earlier one stored. See
-test_real_vllm.py for the engines' set-up.
+Each test compares what an engine generated from blocks it loaded with what
+an engine that loaded nothing (so computed what vLLM alone computes, which
+test_real_vllm.py checks of such engines) generated for the same requests
+(greedy tokens, logprobs within rounding), and checks that the engine loaded
+the blocks an earlier one stored. See test_real_vllm.py for the engines'
+set-up.
 """
 
 from __future__ import annotations
@@ -61,45 +63,38 @@ def long_model() -> Iterator[pathlib.Path]:
         yield tiny_model.build(pathlib.Path(directory), **LONG_MODEL)
 
 
-@pytest.fixture(scope="module")
-def long_reference(long_model: pathlib.Path) -> list[Phase]:
-    """vLLM alone on both prompts."""
-    phases = [{"requests": [request(PAST_MAX_KEYS)]}, {"requests": [request(LONG_PROMPT)]}]
-    return run_engine({"model": str(long_model), "kvtier": None, "phases": phases, **LONG_ENGINE}).phases
-
-
-def first_then_second_engine(model: pathlib.Path, d: Daemon, prompt: list[int], **engine: Any) -> tuple[Phase, int]:
+def first_then_second_engine(
+    model: pathlib.Path, d: Daemon, prompt: list[int], **engine: Any
+) -> tuple[Phase, Phase, int]:
     """A first engine stores `prompt`'s blocks; a second engine (a process
-    of its own) runs it again. Returns the second's phase and the blocks
-    kvtierd loaded for it."""
+    of its own) runs it again. Returns the first's phase (computed whole,
+    with nothing to load: what vLLM alone computes, as the other tests
+    check of such engines), the second's, and the blocks kvtierd loaded for
+    it."""
     first = run_engine(spec(model, d, [{"requests": [request(prompt)]}], **engine))
     assert first.counter(0, "external_prefix_cache_hits") == 0
     before = counters(d)
     second = run_engine(spec(model, d, [{"requests": [request(prompt)]}], **engine))
-    return second.phases[0], counters(d)["loads"] - before["loads"]
+    return first.phases[0], second.phases[0], counters(d)["loads"] - before["loads"]
 
 
-def test_a_prompt_of_more_blocks_than_kvtierd_takes_in_one_request_hits_in_full(
-    long_model: pathlib.Path, long_reference: list[Phase]
-) -> None:
+def test_a_prompt_of_more_blocks_than_kvtierd_takes_in_one_request_hits_in_full(long_model: pathlib.Path) -> None:
     with kvtierd([f"limits.max_keys_per_request={SMALL_MAX_KEYS}"]) as d:
         blocks = (len(PAST_MAX_KEYS) - 1) // BLOCK
         assert blocks > 2 * SMALL_MAX_KEYS
-        second, loaded = first_then_second_engine(long_model, d, PAST_MAX_KEYS, **LONG_ENGINE)
-        assert_same_outputs(second, long_reference[0], f"a prompt of {blocks} blocks, {SMALL_MAX_KEYS} keys per request")
+        first, second, loaded = first_then_second_engine(long_model, d, PAST_MAX_KEYS, **LONG_ENGINE)
+        assert_same_outputs(second, first, f"a prompt of {blocks} blocks, {SMALL_MAX_KEYS} keys per request")
         assert second.requests[0]["num_cached_tokens"] == blocks * BLOCK
         assert loaded == blocks
         assert counters(d)["stores"] == blocks
         assert "exceed limits.max_keys_per_request" not in d.log()
 
 
-def test_a_100k_token_prompt_hits_in_full_at_the_daemons_defaults(
-    long_model: pathlib.Path, long_reference: list[Phase]
-) -> None:
+def test_a_100k_token_prompt_hits_in_full_at_the_daemons_defaults(long_model: pathlib.Path) -> None:
     with kvtierd([]) as d:
         blocks = (LONG_TOKENS - 1) // BLOCK
-        second, loaded = first_then_second_engine(long_model, d, LONG_PROMPT, **LONG_ENGINE)
-        assert_same_outputs(second, long_reference[1], f"a prompt of {LONG_TOKENS} tokens")
+        first, second, loaded = first_then_second_engine(long_model, d, LONG_PROMPT, **LONG_ENGINE)
+        assert_same_outputs(second, first, f"a prompt of {LONG_TOKENS} tokens")
         assert second.requests[0]["num_cached_tokens"] == blocks * BLOCK
         assert loaded == blocks
 
