@@ -187,7 +187,10 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
     return {};
   }
   // The tail no local tier holds is fetched from the remote tier into host
-  // (a later load then finds it local); the reply counts it once it is there.
+  // (a later load then finds it local); the reply counts it once it is there,
+  // and the fetch is a timing of the remote tier (its rates kept from now on,
+  // also for a prefetch that gave no prefill rate).
+  RatesOf(s, **ns);
   std::optional<uint32_t> local = cache_->FetchFromRemote(
       s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
       [this, session = s.id, reply, key = RatesKey{s.tenant->id, (*ns)->fingerprint},
