@@ -73,6 +73,10 @@ LoadRates& Server::RatesOf(const Session& s, const SessionNamespace& ns) {
   return load_rates_[key];
 }
 
+void Server::CountRecomputed(LoadSource source, uint32_t blocks, uint32_t block_tokens) {
+  recomputed_tokens_[static_cast<size_t>(source)] += uint64_t{blocks} * block_tokens;
+}
+
 void Server::ObserveLoad(const RatesKey& key, LoadSource source, uint64_t bytes,
                          std::chrono::steady_clock::time_point start) {
   auto it = load_rates_.find(key);
@@ -102,7 +106,9 @@ uint32_t Server::ChooseLocalHits(const Session& s, const SessionNamespace& ns, f
   const Layout& layout = ns.layout->layout();
   const LoadRates::Choice c = RatesOf(s, ns).Choose(sources, layout.block_bytes(), layout.spec().block_tokens,
                                                    prefill_tokens_per_s, std::chrono::steady_clock::now());
-  for (size_t i = 0; i < kNumLoadSources; ++i) recomputed_tokens_[i] += uint64_t{c.recomputed[i]} * layout.spec().block_tokens;
+  for (size_t i = 0; i < kNumLoadSources; ++i) {
+    CountRecomputed(static_cast<LoadSource>(i), c.recomputed[i], layout.spec().block_tokens);
+  }
   return c.load;
 }
 
@@ -146,7 +152,7 @@ std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Look
   std::vector<StoredKey> tail(keys->begin() + r.hits, keys->end());
   remote_->Exists(std::move(tail), [this, session = s.id, start, reply, worth, block_tokens](Result<uint32_t> remote) {
     const uint32_t hits = remote ? *remote : 0;
-    if (!worth) recomputed_tokens_[static_cast<size_t>(LoadSource::kRemote)] += uint64_t{hits} * block_tokens;
+    if (!worth) CountRecomputed(LoadSource::kRemote, hits, block_tokens);
     auto it = sessions_.find(session);
     if (it == sessions_.end()) return;  // the client is gone
     lookup_latency_.RecordSince(start);
@@ -180,7 +186,7 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
     std::vector<StoredKey> tail(keys->begin() + resident, keys->end());
     remote_->Exists(std::move(tail), [this, session = s.id, reply, resident, block_tokens](Result<uint32_t> remote) {
       const uint32_t hits = remote ? *remote : 0;
-      recomputed_tokens_[static_cast<size_t>(LoadSource::kRemote)] += uint64_t{hits} * block_tokens;
+      CountRecomputed(LoadSource::kRemote, hits, block_tokens);
       auto it = sessions_.find(session);
       if (it != sessions_.end()) Send(*it->second, reply(resident, hits));
     });
@@ -194,10 +200,10 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   std::optional<uint32_t> local = cache_->FetchFromRemote(
       s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
       [this, session = s.id, reply, key = RatesKey{s.tenant->id, (*ns)->fingerprint},
-       block_bytes = (*ns)->layout->layout().block_bytes(), start = std::chrono::steady_clock::now(),
-       resident](uint32_t n) {
+       block_bytes = (*ns)->layout->layout().block_bytes(),
+       start = std::chrono::steady_clock::now()](uint32_t n, uint32_t fetched) {
         // A fetch from the remote tier: a timing of its loads.
-        if (n > resident) ObserveLoad(key, LoadSource::kRemote, (n - resident) * block_bytes, start);
+        if (fetched > 0) ObserveLoad(key, LoadSource::kRemote, fetched * block_bytes, start);
         auto it = sessions_.find(session);
         if (it != sessions_.end()) Send(*it->second, reply(n, 0));
       });
@@ -359,9 +365,9 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
       local = cache_->FetchFromRemote(
           s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
           [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done, rates, block_bytes,
-           start = std::chrono::steady_clock::now(), before = cache_->LeadingLocal(*keys), fetched](uint32_t n) {
-            if (n > before) ObserveLoad(rates, LoadSource::kRemote, (n - before) * block_bytes, start);
-            *fetched = n > before;
+           start = std::chrono::steady_clock::now(), fetched](uint32_t, uint32_t brought) {
+            if (brought > 0) ObserveLoad(rates, LoadSource::kRemote, brought * block_bytes, start);
+            *fetched = brought > 0;
             cache_->Load(tenant, keys, ids, target, alive, done);
           });
     }

@@ -181,6 +181,8 @@ class Server {
   // computes `prefill_tokens_per_s`; the rest is counted as recomputed.
   uint32_t ChooseLocalHits(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s,
                            std::span<const Tier> tiers);
+  // Hits left to compute by choice, counted as their tier's tokens.
+  void CountRecomputed(LoadSource source, uint32_t blocks, uint32_t block_tokens);
   // Whether the remote tier is worth asking for the hits after the local
   // ones (counted as recomputed where a lookup found `found` of them).
   bool RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s);

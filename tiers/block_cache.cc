@@ -661,8 +661,7 @@ void BlockCache::CancelFlush() { disk_->CancelFlush(); }
 uint64_t BlockCache::pending_disk_writes() const { return disk_->pending_disk_writes(); }
 
 std::optional<uint32_t> BlockCache::FetchFromRemote(TenantId tenant, const Layout& layout, const CodecParams& codec,
-                                                    std::span<const StoredKey> keys,
-                                                    std::function<void(uint32_t)> done) {
+                                                    std::span<const StoredKey> keys, FetchDone done) {
   return remote_->FetchFromRemote(tenant, layout, codec, keys, std::move(done));
 }
 

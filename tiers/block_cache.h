@@ -257,10 +257,11 @@ class BlockCache {
   // remote tier had, as host blocks of `tenant` (a remote hit is promoted).
   // Returns the leading local count when there is nothing to fetch (no
   // remote tier, every key local, no host room); else nullopt, and `done`
-  // runs on the owner thread with the leading keys held locally then.
+  // runs on the owner thread with the leading keys held locally then, and
+  // how many of them the fetch brought.
+  using FetchDone = std::function<void(uint32_t leading, uint32_t fetched)>;
   std::optional<uint32_t> FetchFromRemote(TenantId tenant, const Layout& layout, const CodecParams& codec,
-                                          std::span<const StoredKey> keys,
-                                          std::function<void(uint32_t)> done);
+                                          std::span<const StoredKey> keys, FetchDone done);
 
   // Queues a write to disk of every host block that has no disk record
   // (kvtierctl flush, and at stop), at most disk_max_writes_in_flight at a

@@ -15,7 +15,7 @@ namespace kvtier {
 
 std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layout& layout,
                                                     const CodecParams& codec, std::span<const StoredKey> keys,
-                                                    std::function<void(uint32_t)> done) {
+                                                    BlockCache::FetchDone done) {
   const uint32_t local = cache_.LeadingLocal(keys);
   if (cache_.options_.remote == nullptr || local == keys.size()) return local;
   Result<uint32_t> ns = cache_.namespaces_.IdFor(cache_.NamespaceOf(layout, codec), [&] { return layout.ToString(); });
@@ -71,7 +71,7 @@ std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layo
             cache_.Drop(e);  // a miss, an error or the breaker: never served
           }
         }
-        done(local + n);
+        done(local + n, n);
         cache_.MaybeDemote();
       },
       checksums_out, stored_codec);

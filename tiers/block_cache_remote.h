@@ -44,7 +44,7 @@ class CacheRemote {
 
   // BlockCache::FetchFromRemote.
   std::optional<uint32_t> FetchFromRemote(TenantId tenant, const Layout& layout, const CodecParams& codec,
-                                          std::span<const StoredKey> keys, std::function<void(uint32_t)> done);
+                                          std::span<const StoredKey> keys, BlockCache::FetchDone done);
   // Whether host blocks are put to the remote tier as they leave host.
   bool RemoteWriteBack() const;
   // Whether `policy` wants host block `e` put to the remote tier (it is
