@@ -100,6 +100,7 @@ class _WorkerSide:
         self._connection = _Connection(settings, f"vllm-worker-{tp_rank}", call_timeout_s=settings.op_timeout_s)
         self._caches: list[kvtier.KvCache] = []  # by group, as they are registered
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._on_gpu = False  # vLLM's KV tensors are CUDA tensors
         self._invalid: set[int] = set()
         # With several groups, block ids name a block only within a group:
         # vLLM takes failed loads per request then (its loads asynchronous,
@@ -135,6 +136,7 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
+        self._on_gpu = any(t.is_cuda for t in kv_caches.values())
         self._ensure_registered()
 
     def _ensure_registered(self) -> list[kvtier.KvCache]:
@@ -211,7 +213,7 @@ class _WorkerSide:
         # By layer on CPU caches: a GPU cache's loads are copied whole by
         # kvtierd (its layers reported together), and vLLM's CUDA graphs
         # would skip the per-layer waits.
-        by_layer = self._layerwise and not any(t.is_cuda for t in self._kv_caches.values())
+        by_layer = self._layerwise and not self._on_gpu
         # Each request's loads, one op per piece the daemon takes at once.
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
@@ -348,7 +350,7 @@ class _WorkerSide:
         self._time_step()
         if not meta.stores:
             return
-        if any(t.is_cuda for t in self._kv_caches.values()):
+        if self._on_gpu:
             # The daemon copies from the GPU on its own stream: the forward
             # pass that wrote these blocks must be over first.
             torch.cuda.current_stream().synchronize()
@@ -378,7 +380,7 @@ class _WorkerSide:
     def _time_step(self) -> None:
         """Times the forward pass that just ended (CPU caches: a GPU's
         forward pass may still be running when wait_for_save is called)."""
-        if self._step_started == 0 or any(t.is_cuda for t in self._kv_caches.values()):
+        if self._step_started == 0 or self._on_gpu:
             return
         seconds = time.monotonic() - self._step_started - self._step_waited
         if self._step_tokens > 0 and seconds > 0:
