@@ -97,7 +97,9 @@ def test_a_slow_remote_tier_is_recomputed_while_host_hits_load_and_loaded_again_
 
     phases: list[dict[str, Any]] = [{"requests": [request(WARM)]}]
     phases += [{"requests": [request(p)], "reset_prefix_cache": True} for p in PROMPTS]
-    run = run_engine(spec(model, b, phases), on_pause=between)
+    choosing = spec(model, b, phases)
+    choosing["kvtier"]["load_or_recompute"] = True  # the default, which the other tests turn off
+    run = run_engine(choosing, on_pause=between)
     seen.append(counters(b))
     cached = [r["num_cached_tokens"] for phase in run.phases for r in phase.requests]
     for i in range(len(PROMPTS)):
