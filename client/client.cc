@@ -142,6 +142,16 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
   return std::get<OpHandle>(v);
 }
 
+Result<OpHandle> Client::StoreLayersAsync(CacheId cache, std::span<const BlockKey> keys,
+                                         std::span<const uint32_t> block_ids, const std::optional<BlockKey>& parent,
+                                         const BlockEventInfo* events, const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(
+      auto v, impl_->StartOp(Impl::OpKind::kStoreByLayer, false, cache, keys, block_ids, parent, false, nullptr, events, hint));
+  return std::get<OpHandle>(v);
+}
+
+Status Client::LayersWritten(const OpHandle& op, uint32_t layers) { return impl_->LayersWritten(op, layers); }
+
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                    CudaStream stream) {
   KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt, true, stream));

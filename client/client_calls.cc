@@ -1,14 +1,17 @@
 // Client::Impl's data path (client_impl.h): registering KV caches (CPU memory
 // through memfds, GPU memory through CUDA IPC), chain keys, Lookup, Hint,
 // Prefetch, Load and Store (ordered against an engine's CUDA stream through
-// the cache's events), Wait and Cancel, and abandoning an op's copies through
+// the cache's events; by layer), Wait and Cancel, and abandoning an op's copies through
 // its fence when its call failed.
 #include "client/client_impl.h"
 
 #include <fcntl.h>
+#include <poll.h>
 
 #include <cerrno>
 #include <climits>
+
+#include "ipc/seqpacket.h"
 
 namespace kvtier {
 
@@ -120,8 +123,9 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
     std::span<const uint32_t> block_ids, const std::optional<BlockKey>& parent, bool ordered,
     CudaStream stream, const BlockEventInfo* events, const BlockHint* hint) {
   MutexLock lock(&mu_);
-  const bool load = kind != OpKind::kStore;
+  const bool load = kind == OpKind::kLoad || kind == OpKind::kLoadByLayer;
   const bool by_layer = kind == OpKind::kLoadByLayer;
+  const bool store_by_layer = kind == OpKind::kStoreByLayer;
   const BlockHint h = hint != nullptr ? *hint : BlockHint{};
   if (h.session_over) return Err(InvalidArgument("session_over is a hint for cached blocks (Hint), not a store's"));
   KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(h.priority, h.next_use_ms));
@@ -142,6 +146,10 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   if (by_layer && !layer_progress_) {
     return Err(Status(StatusCode::kUnimplemented,
                       "kvtierd " + daemon_release_ + " does not report a load's layers: load whole (LoadAsync)"));
+  }
+  if (store_by_layer && !layer_stores_) {
+    return Err(Status(StatusCode::kUnimplemented,
+                      "kvtierd " + daemon_release_ + " copies stores whole: store whole (StoreAsync)"));
   }
   if (ordered && c->cuda == nullptr) {
     return Err(InvalidArgument("a CUDA stream was given for a cache that is not in GPU memory"));
@@ -170,7 +178,8 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   }
   // From here on, a failure cancels the op's copies (which the daemon
   // may have started) before returning: the caller may reuse the blocks.
-  const OpFences::Fence fence = fences_->Open(daemon_, by_layer);
+  OpFences::Fence fence = fences_->Open(daemon_, by_layer);
+  fence.store_by_layer = store_by_layer;
   FlatBufferBuilder b(128 + keys.size() * 20);
   const std::vector<w::Key> wk = KeysToWire(keys);
   const std::vector<uint32_t> ids(block_ids.begin(), block_ids.end());
@@ -198,7 +207,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
                              parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
                              events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str(),
                              static_cast<int8_t>(h.priority), h.next_use_ms, h.last_partial,
-                             static_cast<int32_t>(fence.slot), fence.generation));
+                             static_cast<int32_t>(fence.slot), fence.generation, store_by_layer));
   }
   if (wait) {
     Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);
@@ -298,6 +307,44 @@ Status Client::Impl::Cancel(const OpHandle& op, std::chrono::milliseconds timeou
                       " ms (kvtierd stopped or died in the middle of it): its blocks are not safe to reuse yet");
   }
   fences_->Untrack({op.connection, op.op});
+  if (fence->store_by_layer && mu_.TryLock()) {
+    // Its copies not run yet need not wait for the layers (they find the
+    // fence cancelled): the daemon lets go of its host room now rather than
+    // at limits.store_layers_timeout_ms. Not while a call holds the
+    // connection: this must not wait on kvtierd.
+    if (fd_.valid() && op.connection == connection_) (void)SendStoreLayers(op.op, UINT32_MAX);
+    mu_.Unlock();
+  }
+  return Status::Ok();
+}
+
+Status Client::Impl::LayersWritten(const OpHandle& op, uint32_t layers) {
+  const std::optional<OpFences::Fence> fence = fences_->Find({op.connection, op.op});
+  if (!fence) return Status::Ok();  // over (its result collected), or cancelled
+  if (!fence->store_by_layer) {
+    return InvalidArgument("op " + std::to_string(op.op) + " is not a StoreLayersAsync");
+  }
+  MutexLock lock(&mu_);
+  // A lost connection lost the op with it: the daemon gave it up.
+  if (!fd_.valid() || op.connection != connection_) return Status::Ok();
+  return SendStoreLayers(op.op, layers);
+}
+
+Status Client::Impl::SendStoreLayers(uint64_t op, uint32_t layers) {
+  // Never waits on kvtierd (the engine's forward pass calls this): a daemon
+  // that has stopped reading gives the store up at its timeout.
+  pollfd pfd{.fd = fd_.get(), .events = POLLOUT, .revents = 0};
+  if (::poll(&pfd, 1, 0) != 1 || (pfd.revents & POLLOUT) == 0) {
+    return Status(StatusCode::kDeadlineExceeded, "kvtierd is not reading its connection: a store's layers not sent");
+  }
+  FlatBufferBuilder b(64);
+  // No reply unless refused, which a later call skips as another's.
+  const uint64_t rid = next_id_++;
+  if (Status st = ipc::SendMessage(fd_.get(), ipc::FinishMessage(b, rid, w::CreateStoreLayers(b, op, layers)), {});
+      !st.ok()) {
+    Disconnect();
+    return Unavailable("lost kvtierd: " + st.message());
+  }
   return Status::Ok();
 }
 

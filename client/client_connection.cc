@@ -73,6 +73,7 @@ Status Client::Impl::Reconnect() {
   tenant_ = welcome->tenant() != nullptr ? welcome->tenant()->str() : "";
   daemon_release_ = welcome->release() != nullptr ? welcome->release()->str() : "";
   layer_progress_ = welcome->layer_progress();
+  layer_stores_ = welcome->layer_stores();
   max_keys_per_request_ = std::max<uint32_t>(welcome->max_keys_per_request(), 1);
   for (auto& cache : caches_) {
     if (Status st = RegisterOne(*cache); !st.ok()) {

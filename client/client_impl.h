@@ -113,7 +113,7 @@ class Client::Impl {
   // its OpResult instead. `ordered` (GPU caches): the op is ordered against
   // the engine's `stream` (which may be 0, the legacy default stream)
   // through one of the cache's events (CudaExport).
-  enum class OpKind : uint8_t { kLoad, kLoadByLayer, kStore };
+  enum class OpKind : uint8_t { kLoad, kLoadByLayer, kStore, kStoreByLayer };
   Result<std::variant<OpHandle, OpResult>> StartOp(OpKind kind, bool wait, CacheId id, std::span<const BlockKey> keys,
                                                    std::span<const uint32_t> block_ids,
                                                    const std::optional<BlockKey>& parent, bool ordered = false,
@@ -132,6 +132,9 @@ class Client::Impl {
   Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout);
 
   Result<bool> WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout);
+  Status LayersWritten(const OpHandle& op, uint32_t layers);
+  // Sends StoreLayers (no reply awaited).
+  Status SendStoreLayers(uint64_t op, uint32_t layers) KVTIER_REQUIRES(mu_);
 
   Result<DaemonStats> Stats();
 
@@ -212,6 +215,7 @@ class Client::Impl {
   std::string tenant_ KVTIER_GUARDED_BY(mu_);
   std::string daemon_release_ KVTIER_GUARDED_BY(mu_);
   bool layer_progress_ KVTIER_GUARDED_BY(mu_) = false;  // Welcome.layer_progress
+  bool layer_stores_ KVTIER_GUARDED_BY(mu_) = false;    // Welcome.layer_stores
   // The Welcome's limits.max_keys_per_request (at least 1), of the last
   // daemon reached.
   uint32_t max_keys_per_request_ KVTIER_GUARDED_BY(mu_) = 1;

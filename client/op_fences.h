@@ -39,6 +39,8 @@ class OpFences {
     std::shared_ptr<const UniqueFd> daemon;
     // A load by layer: its progress word tells its layers (AwaitLayers).
     bool by_layer = false;
+    // A store by layer (Client::LayersWritten): set by the caller of Open.
+    bool store_by_layer = false;
   };
   // An op, as the client names it: (connection, op id).
   using OpKey = std::pair<uint64_t, uint64_t>;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/kv_cache_layout.h"
+#include "common/layer_gate.h"
 #include "common/op_fence.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -144,6 +145,11 @@ struct CopyBatch {
   // instead (and report nothing): the daemon reports every layer once the
   // batch is done.
   bool by_layer = false;
+  // kEngineToSlot, a store by layer (GatesStoreLayers): layer l of the
+  // engine's blocks is written only once the gate has opened l + 1 layers,
+  // and is copied then, while later layers compute. A gate that aborts
+  // fails the batch with kCancelled (nothing copied after is of use).
+  std::shared_ptr<LayerGate> gate = nullptr;
 };
 
 struct CopyResult {
@@ -192,6 +198,10 @@ class DeviceBackend {
   // on their way into the engine's pages (no raw copy of them in between).
   // A decode that fails fails the batch with kCorruption.
   virtual bool DecodesOnLoad(CodecKind kind) const { return kind == CodecKind::kNone; }
+
+  // Whether a kEngineToSlot batch may carry a LayerGate (CopyBatch::gate):
+  // stores by layer. A backend without them is never given one.
+  virtual bool GatesStoreLayers() const { return false; }
 
   // Whether a kEngineToSlot batch may ask for blocks coded by `kind` into
   // slots of their coded size (BlockCopy::coded_bytes), coded on the copy's

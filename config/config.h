@@ -188,6 +188,9 @@ struct Config {
     uint32_t max_keys_per_request = 4096;
     uint32_t max_sessions_per_tenant = 256;
     uint32_t max_inflight_ops_per_session = 1024;
+    // A store by layer whose layers are not all written by then is given up
+    // (kCancelled; its host room freed): a forward pass takes far less.
+    uint32_t store_layers_timeout_ms = 60000;
     // Layouts one tenant may hold blocks in at once (BlockCache).
     uint32_t max_namespaces_per_tenant = 256;
     // Evict and ListNamespaces calls per second of a tenant that is no

@@ -74,6 +74,8 @@ void ReadAll(Context* ctx, const YAML::Node& root, Config* c) {
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 16, v); });
     m.Read("max_inflight_ops_per_session", &l.max_inflight_ops_per_session,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 20, v); });
+    m.Read("store_layers_timeout_ms", &l.store_layers_timeout_ms,
+           [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 10, 3600000, v); });
     m.Read("max_namespaces_per_tenant", &l.max_namespaces_per_tenant,
            [](const YAML::Node& n, uint32_t* v) { return ParseU32(n, 1, 1u << 16, v); });
     m.Read("bulk_calls_per_second", &l.bulk_calls_per_second,

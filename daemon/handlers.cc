@@ -53,6 +53,9 @@ void Server::Handle(Session& s, const w::Message& msg, std::vector<UniqueFd> fds
     case w::Body::Store:
       reply = HandleLoadOrStore(s, id, false, nullptr, msg.body_as_Store());
       break;
+    case w::Body::StoreLayers:
+      reply = HandleStoreLayers(s, id, *msg.body_as_StoreLayers());
+      break;
     case w::Body::Wait:
       reply = HandleWaitOrPoll(s, id, msg.body_as_Wait()->op(), msg.body_as_Wait()->timeout_ms());
       break;

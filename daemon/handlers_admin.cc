@@ -171,6 +171,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"messages_rejected", messages_rejected_},
                         {"ops_cancelled", ops_cancelled_},
                         {"loads_by_layer", loads_by_layer_},
+                        {"stores_by_layer", stores_by_layer_},
+                        {"stores_by_layer_expired", stores_by_layer_expired_},
                         {"recomputed_tokens_hbm", recomputed_tokens_[0]},
                         {"recomputed_tokens_host", recomputed_tokens_[1]},
                         {"recomputed_tokens_disk", recomputed_tokens_[2]},
@@ -402,6 +404,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.messages_rejected = messages_rejected_;
   m.ops_cancelled = ops_cancelled_;
   m.loads_by_layer = loads_by_layer_;
+  m.stores_by_layer = stores_by_layer_;
   m.recomputed_tokens = recomputed_tokens_;
   m.lookup_latency = lookup_latency_;
   m.loop_turns = loop_turns_;

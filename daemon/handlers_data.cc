@@ -277,6 +277,12 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
                                                  std::to_string(FencePage::kBytes) +
                                                  " bytes (its layer progress words)"));
   }
+  const bool store_by_layer = !load && st->by_layer();
+  if (store_by_layer && !backend_->GatesStoreLayers()) {
+    return ipc::ErrorMessage(id, Status(StatusCode::kUnimplemented,
+                                        std::string("the ") + std::string(backend_->name()) +
+                                            " device backend copies stores whole (Welcome.layer_stores)"));
+  }
   StoreHint hint;
   if (!load) {
     hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
@@ -326,6 +332,12 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   SessionOp& o = *started.second;
   o.load = load;
   if (by_layer) ++loads_by_layer_;
+  if (store_by_layer) {
+    ++stores_by_layer_;
+    o.gate = std::make_shared<LayerGate>((*ns)->layout->layout().spec().num_layers);
+    o.gate_deadline = gate_deadlines_.emplace(
+        o.started + std::chrono::milliseconds(options_.config.limits.store_layers_timeout_ms), PendingGate{s.id, op});
+  }
   if (wait) o.waiters.push_back(OpWaiter{.request = id, .deadline = std::nullopt});
   if (completion_slot >= 0) {
     o.completions = (*ns)->completions;
@@ -335,7 +347,7 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   EngineTarget target{(*ns)->layout, (*ns)->mapping, event, (*ns)->codec,
                       fence_slot < 0 ? OpFence()
                                      : OpFence((*ns)->fences, static_cast<uint32_t>(fence_slot), fence_generation),
-                      by_layer};
+                      by_layer, o.gate};
   // A load by layer tells its client it is over through its progress word
   // too (whether or not the session is still here), with every layer once
   // it is done: a backend that copies it whole reports nothing before.
@@ -404,6 +416,7 @@ void Server::OnOpDone(uint64_t session_id, uint64_t op_id, OpOutcome outcome) {
   Session& s = *sit->second;
   SessionOp* o = s.ops.Finish(op_id, std::move(outcome));
   if (o == nullptr) return;
+  if (o->gate_deadline) gate_deadlines_.erase(*std::exchange(o->gate_deadline, std::nullopt));
   (o->load ? load_latency_ : store_latency_).RecordSince(o->started);
   // Over, whether it succeeded or not: an engine stream waiting for the value
   // must never hang on a failed store.
@@ -422,6 +435,18 @@ std::vector<uint8_t> Server::OpResultMessage(uint64_t id, uint64_t op, const Ses
   const auto body = w::CreateOpResult(b, op, o.done, ipc::CodeToWire(o.outcome.status.code()), message,
                                       o.outcome.blocks, o.outcome.already);
   return ipc::FinishMessage(b, id, body);
+}
+
+std::vector<uint8_t> Server::HandleStoreLayers(Session& s, uint64_t id, const w::StoreLayers& m) {
+  Result<SessionOp*> found = s.ops.Find(m.op());
+  // Over already (a store whose blocks were all present, or one that
+  // failed): the layers have nothing left to open.
+  if (!found || (*found)->done) return {};
+  if ((*found)->gate == nullptr) {
+    return ipc::ErrorMessage(id, InvalidArgument("op " + std::to_string(m.op()) + " is not a store by layer"));
+  }
+  (*found)->gate->Open(m.layers());
+  return {};
 }
 
 std::vector<uint8_t> Server::HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,

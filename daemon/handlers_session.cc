@@ -77,7 +77,8 @@ std::vector<uint8_t> Server::HandleHello(Session& s, uint64_t id, const w::Hello
   const auto body = w::CreateWelcome(b, ipc::kProtocolVersion, b.CreateString(t.config.name), s.id,
                                      secret, l.max_message_bytes, l.max_keys_per_request,
                                      l.max_inflight_ops_per_session, b.CreateString(backend_->name()),
-                                     b.CreateString(kVersion), /*layer_progress=*/true);
+                                     b.CreateString(kVersion), /*layer_progress=*/true,
+                                     /*layer_stores=*/backend_->GatesStoreLayers());
   return ipc::FinishMessage(b, id, body);
 }
 

@@ -330,6 +330,9 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_loads_by_layer_total",
             "Loads copied layer by layer, each layer reported to the engine once in place (Load.by_layer).",
             static_cast<double>(s.loads_by_layer));
+  f.Counter("kvtier_stores_by_layer_total",
+            "Stores copied layer by layer, each layer as soon as the engine wrote it (Store.by_layer).",
+            static_cast<double>(s.stores_by_layer));
   for (const MetricsSnapshot::TenantRow& t : s.tenants) {
     const TenantShare& ts = t.share;
     for (size_t i = 0; i < 3; ++i) {

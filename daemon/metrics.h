@@ -70,6 +70,7 @@ struct MetricsSnapshot {
   uint64_t messages_rejected = 0;
   uint64_t ops_cancelled = 0;  // Loads and Stores whose client cancelled their copies
   uint64_t loads_by_layer = 0;  // Loads copied layer by layer (Load.by_layer)
+  uint64_t stores_by_layer = 0;  // Stores copied as the engine wrote each layer (Store.by_layer)
   // Tokens of hits left to compute as cheaper than loading, by LoadSource.
   std::array<uint64_t, kNumLoadSources> recomputed_tokens = {};
   LatencyHistogram loop_turns;       // the event loop's turns

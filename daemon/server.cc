@@ -266,6 +266,7 @@ int Server::NextTimeoutMs() const {
     if (!next || t < *next) next = t;
   };
   if (!wait_deadlines_.empty()) consider(wait_deadlines_.begin()->first);
+  if (!gate_deadlines_.empty()) consider(gate_deadlines_.begin()->first);
   if (!hello_deadlines_.empty()) consider(hello_deadlines_.front().first);
   if (accept_paused_until_) consider(*accept_paused_until_);
   if (!readable_.empty()) return 0;  // requests left from the last turn
@@ -572,6 +573,9 @@ void Server::CloseSession(uint64_t id, const char* why) {
     for (const OpWaiter& w : o.waiters) {
       if (w.deadline) wait_deadlines_.erase(*w.deadline);
     }
+    // A store by layer not written whole aborts with its gate, which the
+    // session's ops hold.
+    if (o.gate_deadline) gate_deadlines_.erase(*o.gate_deadline);
   });
   // Dropping the session drops `alive` (so its in-flight stores are discarded
   // when they finish) and its namespaces; each mapping goes once the last
@@ -581,6 +585,21 @@ void Server::CloseSession(uint64_t id, const char* why) {
 
 void Server::ExpireWaits() {
   const auto now = std::chrono::steady_clock::now();
+  while (!gate_deadlines_.empty() && gate_deadlines_.begin()->first <= now) {
+    // Its op, running (one that is over, or whose session closed, took
+    // its entry along).
+    const PendingGate g = gate_deadlines_.begin()->second;
+    gate_deadlines_.erase(gate_deadlines_.begin());
+    auto sit = sessions_.find(g.session);
+    KVTIER_CHECK(sit != sessions_.end());
+    Result<SessionOp*> op = sit->second->ops.Find(g.op);
+    KVTIER_CHECK(op && !(*op)->done && (*op)->gate != nullptr);
+    (*op)->gate_deadline.reset();
+    if ((*op)->gate->open() < (*op)->gate->layers()) {
+      ++stores_by_layer_expired_;
+      (*op)->gate->Abort();
+    }
+  }
   while (!wait_deadlines_.empty() && wait_deadlines_.begin()->first <= now) {
     const WaitDeadlines::iterator entry = wait_deadlines_.begin();
     const PendingWait w = entry->second;

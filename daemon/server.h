@@ -147,6 +147,8 @@ class Server {
   std::vector<uint8_t> HandlePrefetch(Session& s, uint64_t id, const wire::Prefetch& m);
   std::vector<uint8_t> HandleLoadOrStore(Session& s, uint64_t id, bool load,
                                          const wire::Load* l, const wire::Store* st);
+  // No reply (an empty vector) unless refused.
+  std::vector<uint8_t> HandleStoreLayers(Session& s, uint64_t id, const wire::StoreLayers& m);
   std::vector<uint8_t> HandleWaitOrPoll(Session& s, uint64_t id, uint64_t op,
                                         std::optional<uint32_t> timeout_ms);
   std::vector<uint8_t> HandleStats(Session& s, uint64_t id);
@@ -245,6 +247,7 @@ class Server {
   uint64_t messages_rejected_ = 0;
   uint64_t ops_cancelled_ = 0;  // ops that ended with kCancelled (their client's fence)
   uint64_t loads_by_layer_ = 0;  // Load.by_layer ops started
+  uint64_t stores_by_layer_ = 0;  // Store.by_layer ops started
   // Load or recompute: per tenant and layout; tokens left to compute by
   // choice, by the tier that held them.
   std::map<RatesKey, LoadRates> load_rates_;
@@ -258,6 +261,8 @@ class Server {
   // Timed Waits still pending; each waiter holds its entry and erases it
   // when the Wait is answered, times out or its session closes.
   WaitDeadlines wait_deadlines_;
+  GateDeadlines gate_deadlines_;
+  uint64_t stores_by_layer_expired_ = 0;  // given up: not written whole in time
   CloseList closing_;  // sessions to close after the current handler
   // Sessions that must have said Hello by then (FIFO: deadlines only grow).
   std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> hello_deadlines_;

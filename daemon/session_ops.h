@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/layer_gate.h"
 #include "common/status.h"
 #include "tiers/block_cache.h"
 
@@ -35,6 +36,13 @@ struct PendingWait {
   uint64_t request;
 };
 using WaitDeadlines = std::multimap<std::chrono::steady_clock::time_point, PendingWait>;
+// Stores by layer, by when they are given up if not written whole
+// (limits.store_layers_timeout_ms; Server::ExpireWaits aborts them).
+struct PendingGate {
+  uint64_t session;
+  uint64_t op;
+};
+using GateDeadlines = std::multimap<std::chrono::steady_clock::time_point, PendingGate>;
 
 // A request to answer with an op's result: a Wait, or a Load/Store with wait=true.
 struct OpWaiter {
@@ -54,6 +62,11 @@ struct SessionOp {
   std::shared_ptr<CompletionPage> completions = nullptr;
   uint32_t completion_slot = 0;
   uint32_t completion_value = 0;
+  // A store by layer's: opened by StoreLayers. Its last owner (this op, or
+  // its session) letting go before every layer is written aborts the store.
+  std::shared_ptr<LayerGate> gate = nullptr;
+  // Its entry in the server's GateDeadlines, erased when it is over.
+  std::optional<GateDeadlines::iterator> gate_deadline;
 };
 
 class SessionOps {

@@ -540,6 +540,7 @@ bool CudaBackend::Submit(CopyBatch batch, CopyDone done) {
   auto* mapping = engine ? dynamic_cast<CudaClientMapping*>(batch.mapping.get()) : nullptr;
   KVTIER_CHECK_MSG(!engine || mapping != nullptr, "a batch with a mapping the cuda backend did not make");
   KVTIER_CHECK_MSG(batch.wait_event < 0 || batch.signal_event < 0, "a batch with both events");
+  KVTIER_CHECK_MSG(batch.gate == nullptr, "a store by layer on the cuda backend (GatesStoreLayers is false)");
 
   Pending p;
   p.done = std::move(done);

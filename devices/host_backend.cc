@@ -94,6 +94,12 @@ struct HostBackend::Batch {
   // By layer: each layer's tasks not done yet, and the layers done in order.
   std::vector<uint32_t> layer_tasks_left KVTIER_GUARDED_BY(mu);
   uint32_t layers_done KVTIER_GUARDED_BY(mu) = 0;
+  // A store by layer (CopyBatch::gate): its copy tasks not done yet, then
+  // its checksum tasks' ranges (queued when they are); whether its gate
+  // aborted (no copy runs after).
+  std::atomic<size_t> copy_tasks_left{0};
+  std::vector<std::pair<size_t, size_t>> checksum_ranges;
+  std::atomic<bool> aborted{false};
 };
 
 struct HostBackend::Worker {
@@ -193,12 +199,19 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   KVTIER_CHECK_MSG(batch.direction != CopyDirection::kEngineToSlot ||
                        std::ranges::none_of(batch.blocks, [](const BlockCopy& b) { return b.coded_bytes != 0; }),
                    "a coded store on the host backend, which codes none on the way (EncodesOnStore)");
+  KVTIER_CHECK_MSG(batch.gate == nullptr || batch.direction == CopyDirection::kEngineToSlot,
+                   "a layer gate on a batch that is not a store");
+  // Held by the gate's opener from here on, not by the batch: the op's
+  // owner lets go of the gate, which then aborts if it is not open yet.
+  const std::shared_ptr<LayerGate> gate = std::move(batch.gate);
   auto b = std::make_shared<Batch>();
   const bool engine = batch.direction != CopyDirection::kSlotToSlot;
   const size_t n = engine ? batch.blocks.size() : batch.slot_copies.size();
   // Coded blocks decode whole (one pass over a block per decode).
-  batch.by_layer = batch.by_layer && batch.direction == CopyDirection::kSlotToEngine &&
-                   std::ranges::none_of(batch.blocks, [](const BlockCopy& c) { return c.coded_bytes != 0; });
+  batch.by_layer = gate != nullptr || (batch.by_layer && batch.direction == CopyDirection::kSlotToEngine &&
+                                       std::ranges::none_of(batch.blocks, [](const BlockCopy& c) {
+                                         return c.coded_bytes != 0;
+                                       }));
   if (batch.checksum_destination) b->checksums.assign(n, 0);
   if (engine) b->plan = CopyPlan::Build(*batch.layout, MappedRegions{batch.mapping->region_bases()}, batch.by_layer);
   b->copies = std::move(batch);
@@ -214,25 +227,67 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
     for (const SlotCopy& c : b->copies.slot_copies) bytes += c.size_bytes;
   }
   std::vector<Task> tasks = SplitIntoTasks(b, n, std::max<uint64_t>(1, bytes / n));
-  b->tasks_left.store(tasks.size(), std::memory_order_relaxed);
-  const auto priority = static_cast<size_t>(b->copies.priority);
+  if (gate == nullptr) {
+    b->tasks_left.store(tasks.size(), std::memory_order_relaxed);
+    Queue(std::move(tasks));
+    return true;
+  }
+  // Checksums once every layer is in the slots, in tasks of about the same
+  // number of blocks as the copies'.
+  const size_t per_task = tasks.front().end - tasks.front().begin;
+  if (b->copies.checksum_destination) {
+    for (size_t begin = 0; begin < n; begin += per_task) b->checksum_ranges.emplace_back(begin, std::min(n, begin + per_task));
+  }
+  b->copy_tasks_left.store(tasks.size(), std::memory_order_relaxed);
+  b->tasks_left.store(tasks.size() + b->checksum_ranges.size(), std::memory_order_relaxed);
+  Hold(b, std::move(tasks), *gate);
+  return true;
+}
+
+void HostBackend::Queue(std::vector<Task> tasks) {
+  if (tasks.empty()) return;
+  const Batch& b = *tasks.front().batch;
+  const bool engine = b.copies.direction != CopyDirection::kSlotToSlot;
+  const auto priority = static_cast<size_t>(b.copies.priority);
   KVTIER_CHECK(priority < kNumCopyPriorities);
   // A task's cost in its flow's share: the bytes it copies.
   auto cost = [&](const Task& t) -> uint64_t {
-    if (engine) return (t.end - t.begin) * b->plan.block_bytes() / b->plan.num_layers();
+    if (engine) return (t.end - t.begin) * b.plan.block_bytes() / (t.layer < kChecksums ? b.plan.num_layers() : 1);
     uint64_t sum = 0;
-    for (size_t i = t.begin; i < t.end; ++i) sum += b->copies.slot_copies[i].size_bytes;
+    for (size_t i = t.begin; i < t.end; ++i) sum += b.copies.slot_copies[i].size_bytes;
     return sum;
   };
   {
     MutexLock lock(&mu_);
     for (Task& t : tasks) {
       const uint64_t c = cost(t);
-      queues_[priority].Push(b->copies.flow, c, std::move(t));
+      queues_[priority].Push(b.copies.flow, c, std::move(t));
     }
   }
   work_cv_.SignalAll();
-  return true;
+}
+
+void HostBackend::Hold(const std::shared_ptr<Batch>& b, std::vector<Task> tasks, LayerGate& gate) {
+  // SplitIntoTasks: the same number of tasks for each layer, in layer order.
+  const size_t per_layer = tasks.size() / b->plan.num_layers();
+  auto held = std::make_shared<std::vector<Task>>(std::move(tasks));
+  gate.Attach([this, b, held, per_layer, queued = size_t{0}](uint32_t open, bool aborted) mutable {
+    if (aborted) {
+      b->aborted.store(true, std::memory_order_release);
+      MutexLock lock(&b->mu);
+      if (b->status.ok()) {
+        b->status = Status(StatusCode::kCancelled, "the engine did not write every layer of the store (its session ended, or "
+                                 "limits.store_layers_timeout_ms passed, or it cancelled the store)");
+      }
+    }
+    // Aborted: the rest go too, and copy nothing (RunTask).
+    const size_t upto = aborted ? held->size() : std::min(held->size(), open * per_layer);
+    if (upto <= queued) return;
+    std::vector<Task> now(std::make_move_iterator(held->begin() + static_cast<std::ptrdiff_t>(queued)),
+                          std::make_move_iterator(held->begin() + static_cast<std::ptrdiff_t>(upto)));
+    queued = upto;
+    Queue(std::move(now));
+  });
 }
 
 std::vector<HostBackend::Task> HostBackend::SplitIntoTasks(const std::shared_ptr<Batch>& b, size_t n,
@@ -273,10 +328,45 @@ void HostBackend::LayerCopied(Batch& b, uint32_t layer) {
 void HostBackend::RunTask(const Task& task, Worker& worker) {
   Batch& b = *task.batch;
   const CopyBatch& c = b.copies;
+  if (task.layer == kChecksums) {
+    // Slots only (no engine memory): after every layer's copy.
+    bool ok = false;
+    {
+      MutexLock lock(&b.mu);
+      ok = b.status.ok();
+    }
+    for (size_t i = task.begin; ok && i < task.end; ++i) {
+      b.checksums[i] = ChecksumOf(c.blocks[i].slot, b.plan.block_bytes());
+    }
+  } else {
+    CopyTask(task, worker);
+  }
+  if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    // Let go of the client's mapping and layout before `done` runs: the
+    // other tasks of the batch may still hold the Batch for a moment, and
+    // whoever learns of the completion must see the mapping released
+    // (live_mappings of a dead client reaches 0 with its last completion).
+    CopyDone done = std::move(b.done);
+    Status status;
+    {
+      MutexLock lock(&b.mu);
+      status = std::move(b.status);
+    }
+    CopyResult result{.status = std::move(status), .checksums = std::move(b.checksums)};
+    b.copies = CopyBatch{};
+    done(std::move(result));
+  }
+}
+
+void HostBackend::CopyTask(const Task& task, Worker& worker) {
+  Batch& b = *task.batch;
+  const CopyBatch& c = b.copies;
   // Held across this task's copies: a client that cancels the op waits for
-  // them, and none starts once it has.
+  // them, and none starts once it has. A store whose gate aborted copies
+  // nothing more.
   OpFence::Entry fenced;
-  const bool go = c.direction == CopyDirection::kSlotToSlot || c.fence.Enter(fenced);
+  const bool go = c.direction == CopyDirection::kSlotToSlot ||
+                  (!b.aborted.load(std::memory_order_acquire) && c.fence.Enter(fenced));
   if (!go) {
     MutexLock lock(&b.mu);
     if (b.status.ok()) b.status = Status(StatusCode::kCancelled, "the client cancelled the op");
@@ -285,7 +375,11 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
     uint64_t* checksum = c.checksum_destination ? &b.checksums[i] : nullptr;
     switch (c.direction) {
       case CopyDirection::kEngineToSlot:
-        GatherBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot, checksum);
+        if (task.layer != kAllLayers) {
+          GatherBlockLayer(b.plan, c.blocks[i].engine_block, task.layer, c.blocks[i].slot);
+        } else {
+          GatherBlock(b.plan, c.blocks[i].engine_block, c.blocks[i].slot, checksum);
+        }
         break;
       case CopyDirection::kSlotToEngine:
         if (task.layer != kAllLayers) {
@@ -312,21 +406,13 @@ void HostBackend::RunTask(const Task& task, Worker& worker) {
     }
   }
   fenced = OpFence::Entry();
-  if (go && task.layer != kAllLayers) LayerCopied(b, task.layer);
-  if (b.tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    // Let go of the client's mapping and layout before `done` runs: the
-    // other tasks of the batch may still hold the Batch for a moment, and
-    // whoever learns of the completion must see the mapping released
-    // (live_mappings of a dead client reaches 0 with its last completion).
-    CopyDone done = std::move(b.done);
-    Status status;
-    {
-      MutexLock lock(&b.mu);
-      status = std::move(b.status);
-    }
-    CopyResult result{.status = std::move(status), .checksums = std::move(b.checksums)};
-    b.copies = CopyBatch{};
-    done(std::move(result));
+  if (c.direction == CopyDirection::kSlotToEngine) {
+    if (go && task.layer != kAllLayers) LayerCopied(b, task.layer);
+  } else if (task.layer != kAllLayers && b.copy_tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    // A store by layer's last copy: every layer is in the slots.
+    std::vector<Task> checksums;
+    for (const auto& [begin, end] : b.checksum_ranges) checksums.push_back(Task{task.batch, begin, end, kChecksums});
+    Queue(std::move(checksums));
   }
 }
 

@@ -14,7 +14,11 @@
 // by the bytes copied for them (FairShareQueue), each flow's in order. A
 // by_layer load's tasks each copy one layer of some blocks, queued layer
 // after layer; a layer is reported (OpFence::Progress) once its last task is
-// done. A load with coded blocks is copied whole.
+// done. A load with coded blocks is copied whole. A store by layer
+// (CopyBatch::gate) is split the same way, and a layer's tasks are queued
+// only once the gate opens it; once every layer is copied, its blocks are
+// checksummed (in tasks of their own). A gate given to Submit must not
+// outlive the backend.
 //
 // A batch releases its client mapping and layout before its `done` runs, so
 // a completion observer already sees the mapping's share of live_mappings()
@@ -63,16 +67,20 @@ class HostBackend final : public DeviceBackend {
                                                          std::vector<IpcEventHandle> events) override;
   bool Submit(CopyBatch batch, CopyDone done) override;
   bool DecodesOnLoad(CodecKind /*kind*/) const override { return true; }
+  bool GatesStoreLayers() const override { return true; }
   uint64_t live_mappings() const override;
 
  private:
   struct Batch;
   static constexpr uint32_t kAllLayers = UINT32_MAX;
+  static constexpr uint32_t kChecksums = UINT32_MAX - 1;
   struct Task {
     std::shared_ptr<Batch> batch;
     size_t begin = 0;  // range of copies (blocks or slot copies) in the batch
     size_t end = 0;
-    uint32_t layer = kAllLayers;  // a by_layer batch's: the one layer it copies
+    // A by_layer batch's: the one layer it copies; kChecksums: a store by
+    // layer's checksums of its slots, once every layer is in them.
+    uint32_t layer = kAllLayers;
   };
 
   // A worker's own: its codec (zstd contexts) and a block of scratch.
@@ -84,8 +92,14 @@ class HostBackend final : public DeviceBackend {
   // so that a worker turns to another tenant's copies within one task's time
   // (FairShareQueue). A by_layer batch's, layer after layer.
   std::vector<Task> SplitIntoTasks(const std::shared_ptr<Batch>& b, size_t n, uint64_t copy_bytes) const;
+  // Queues the tasks (one batch's) by the batch's priority and flow.
+  void Queue(std::vector<Task> tasks);
+  // A store by layer: its tasks, queued layer by layer as `gate` opens.
+  void Hold(const std::shared_ptr<Batch>& b, std::vector<Task> tasks, LayerGate& gate);
   void WorkerLoop(Worker& worker);
-  static void RunTask(const Task& task, Worker& worker);
+  void RunTask(const Task& task, Worker& worker);
+  // A task's copies (RunTask, for any task but kChecksums).
+  void CopyTask(const Task& task, Worker& worker);
   // A by_layer batch's task of `layer` is over, its copies done: reports the
   // layers now in place in every block.
   static void LayerCopied(Batch& b, uint32_t layer);

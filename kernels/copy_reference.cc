@@ -58,6 +58,14 @@ void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_
   *checksum = XXH3_64bits_digest(&state);
 }
 
+void GatherBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, uint8_t* slot) {
+  KVTIER_CHECK(slot != nullptr && layer < plan.num_layers());
+  ForEachRow(plan, plan.layer_pieces(layer), block_id,
+             [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+               std::memcpy(slot + slot_offset, engine, size_bytes);
+             });
+}
+
 void ScatterBlock(const CopyPlan& plan, uint32_t block_id, const uint8_t* slot) {
   KVTIER_CHECK(slot != nullptr);
   ForEachRow(plan, plan.pieces(), block_id, [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {

@@ -21,6 +21,12 @@ namespace kvtier {
 // REQUIRES: block_id < plan.num_blocks() (KVTIER_CHECK: a violation is a bug).
 void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_t* checksum = nullptr);
 
+// Only layer `layer` of it (a plan built by layer), with no checksum: a
+// block gathered layer by layer is checksummed once every layer is in its
+// slot (ChecksumOf the slot, the same value). REQUIRES: layer <
+// plan.num_layers().
+void GatherBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, uint8_t* slot);
+
 // Copies `slot` (canonical order) into engine block `block_id`.
 void ScatterBlock(const CopyPlan& plan, uint32_t block_id, const uint8_t* slot);
 // Only layer `layer` of it (a plan built by layer). REQUIRES: layer <

@@ -336,7 +336,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
                   .checksum_destination = true,
                   .wait_event = target.event,
                   .codec = target.codec,
-                  .fence = target.fence};
+                  .fence = target.fence,
+                  .gate = std::move(target.gate)};  // the backend's alone: the job's target keeps none
   const StoredKey* prev = parent ? &*parent : nullptr;
   // Where the chain stands: the parent's depth when the index has it.
   const BlockEntry* parent_entry = parent ? index_.Find(*parent) : nullptr;

@@ -77,6 +77,9 @@ struct EngineTarget {
   // A load's copies layer by layer, each layer reported through the fence
   // (CopyBatch::by_layer).
   bool by_layer = false;
+  // A store by layer's: the layers the engine has written so far
+  // (CopyBatch::gate). REQUIRES: the backend GatesStoreLayers.
+  std::shared_ptr<LayerGate> gate = nullptr;
 };
 
 // What a store's engine said of its blocks (issue 19, docs/policy.md).

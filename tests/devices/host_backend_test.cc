@@ -439,6 +439,85 @@ TEST(HostBackendTest, ALoadByLayerCancelledReportsNoLayer) {
   for (uint32_t b = 0; b < 8; ++b) EXPECT_TRUE(engine.IsZero(b));
 }
 
+// A store by layer (CopyBatch::gate): the engine writes layer l of every
+// block and then opens it. Each layer's copies wait for it: every engine
+// block holds nonsense until its layers are written, so a copy run early
+// would store nonsense. The store is over only once every layer is in, with
+// each slot's checksum that of its whole block.
+TEST(HostBackendTest, AStoreByLayerCopiesEachLayerOnlyOnceItsGateOpensIt) {
+  auto backend = MakeBackend(2);
+  constexpr uint32_t kLayers = 8, kBlocks = 64;
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(kLayers), kBlocks);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  const uint64_t bytes = engine.block_bytes();
+  const uint64_t layer_bytes = engine.layout()->layout().layer_bytes();
+  std::vector<uint8_t> want(kBlocks * bytes);
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    PatternFor(KeyN(b), std::span<uint8_t>(want.data() + b * bytes, bytes));
+    std::memset(engine.block(b).data(), 0x5a, bytes);
+  }
+  std::vector<uint8_t> slots(kBlocks * bytes, 0);
+  auto gate = std::make_shared<LayerGate>(kLayers);
+  CopyBatch store{.direction = CopyDirection::kEngineToSlot,
+                  .priority = CopyPriority::kStore,
+                  .layout = engine.layout(),
+                  .mapping = engine.mapping(),
+                  .checksum_destination = true,
+                  .gate = gate};
+  for (uint32_t b = 0; b < kBlocks; ++b) store.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
+  Completions c(1);
+  ASSERT_TRUE(backend->Submit(std::move(store), c.Done(0)));
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // time for any copy run too early
+    EXPECT_TRUE(c.order().empty()) << "over before layer " << l << " was written";
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      std::memcpy(engine.block(b).data() + l * layer_bytes, want.data() + b * bytes + l * layer_bytes, layer_bytes);
+    }
+    gate->Open(l + 1);
+  }
+  c.Wait();
+  ASSERT_TRUE(c.results()[0].status.ok()) << c.results()[0].status;
+  ASSERT_EQ(c.results()[0].checksums.size(), kBlocks);
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    ASSERT_EQ(std::memcmp(slots.data() + b * bytes, want.data() + b * bytes, bytes), 0) << "block " << b;
+    EXPECT_EQ(c.results()[0].checksums[b], XXH3_64bits(want.data() + b * bytes, bytes)) << "block " << b;
+  }
+}
+
+// Its gate let go of (the session ended) with 2 of 8 layers written: the
+// store fails kCancelled and no layer past those is copied.
+TEST(HostBackendTest, AStoreByLayerWhoseGateAbortsCopiesNoLayerPastThoseWritten) {
+  auto backend = MakeBackend(2);
+  constexpr uint32_t kLayers = 8, kBlocks = 16;
+  Result<std::unique_ptr<EngineMemory>> engine_or = EngineMemory::Create(*backend, SmallSpec(kLayers), kBlocks);
+  ASSERT_TRUE(engine_or.has_value()) << engine_or.error();
+  EngineMemory& engine = **engine_or;
+  const uint64_t bytes = engine.block_bytes();
+  const uint64_t layer_bytes = engine.layout()->layout().layer_bytes();
+  for (uint32_t b = 0; b < kBlocks; ++b) std::memset(engine.block(b).data(), 0x5a, bytes);
+  std::vector<uint8_t> slots(kBlocks * bytes, 0);
+  auto gate = std::make_shared<LayerGate>(kLayers);
+  CopyBatch store{.direction = CopyDirection::kEngineToSlot,
+                  .priority = CopyPriority::kStore,
+                  .layout = engine.layout(),
+                  .mapping = engine.mapping(),
+                  .checksum_destination = true,
+                  .gate = gate};
+  for (uint32_t b = 0; b < kBlocks; ++b) store.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
+  Completions c(1);
+  ASSERT_TRUE(backend->Submit(std::move(store), c.Done(0)));
+  gate->Open(2);
+  gate.reset();
+  c.Wait();
+  EXPECT_EQ(c.results()[0].status.code(), StatusCode::kCancelled) << c.results()[0].status;
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    const uint8_t* past = slots.data() + b * bytes + 2 * layer_bytes;
+    const uint8_t* end = slots.data() + (b + 1) * bytes;
+    EXPECT_TRUE(std::all_of(past, end, [](uint8_t x) { return x == 0; })) << "block " << b;
+  }
+}
+
 // A load of coded blocks (issue 18): each copy thread decodes them straight
 // into the engine's pages, next to raw ones; a corrupt one fails the load and
 // writes nothing of itself into the engine.

@@ -189,6 +189,110 @@ TEST(HostPathTest, ALoadByLayerIsInPlaceLayerByLayer) {
   EXPECT_FALSE(c->WaitLayers(*op, 1, std::chrono::milliseconds(-1)).has_value());
 }
 
+// A store by layer (Client::StoreLayersAsync): the engine's blocks hold
+// nonsense until each layer is written, and LayersWritten hands each layer
+// over as it is; what is stored is the blocks as written. A store never
+// written whole is given up at limits.store_layers_timeout_ms, one cancelled
+// at once, one whose session ends with it: none stores anything, and none
+// keeps an op or host room.
+TEST(HostPathTest, AStoreByLayerStoresEachLayerAsWrittenAndOneNeverWrittenWholeStoresNothing) {
+  Result<DaemonProcess> d = DaemonProcess::Start({"limits.store_layers_timeout_ms=300"});
+  ASSERT_TRUE(d.has_value()) << d.error();
+  std::unique_ptr<Client> c = MustConnect(*d);
+  ASSERT_NE(c, nullptr);
+  constexpr uint32_t kLayers = 12, kBlocks = 64;
+  const Layout layout =
+      Layout::Create(LayoutSpec{.model_id = "kvtier/store-by-layer", .num_layers = kLayers,
+                                .kv_kind = KvKind::kSeparateKv, .num_kv_heads = 2, .head_dim = 64,
+                                .dtype = DType::kBf16, .block_tokens = kBlockTokens, .tp_rank = 0, .tp_size = 1,
+                                .scale_bytes_per_layer = 0})
+          .value();
+  Result<ShmKvCache> cache = ShmKvCache::Create(layout, 2 * kBlocks);
+  ASSERT_TRUE(cache.has_value());
+  Result<CacheId> id = c->RegisterKvCache(*cache);
+  ASSERT_TRUE(id.has_value()) << id.error();
+  Result<std::vector<BlockKey>> keys = c->ComputeKeys(*id, Prompt(51, kBlocks));
+  ASSERT_TRUE(keys.has_value());
+  for (uint32_t b = 0; b < kBlocks; ++b) std::ranges::fill(cache->block(b), 0x5a);
+  Result<OpHandle> op = c->StoreLayersAsync(*id, *keys, Range(0, kBlocks));
+  ASSERT_TRUE(op.has_value()) << op.error();
+  std::vector<uint8_t> want(layout.block_bytes());
+  const uint64_t layer_bytes = layout.layer_bytes();
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (uint32_t i = 0; i < kBlocks; ++i) {
+      FillFromKey((*keys)[i], want);
+      std::memcpy(cache->block(i).data() + l * layer_bytes, want.data() + l * layer_bytes, layer_bytes);
+    }
+    ASSERT_TRUE(c->LayersWritten(*op, l + 1).ok());
+  }
+  Result<OpResult> stored = c->Wait(*op, std::chrono::seconds(30));
+  ASSERT_TRUE(stored.has_value()) << stored.error();
+  EXPECT_EQ(stored->blocks, kBlocks);
+  EXPECT_TRUE(c->LayersWritten(*op, kLayers).ok()) << "over: nothing to do";
+  Result<OpResult> loaded = c->Load(*id, *keys, Range(kBlocks, kBlocks));
+  ASSERT_TRUE(loaded.has_value()) << loaded.error();
+  ASSERT_EQ(loaded->blocks, kBlocks);
+  for (uint32_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(MatchesKey((*keys)[i], cache->block(kBlocks + i))) << i;
+
+  // Written up to layer 3, then never again: given up after 300 ms.
+  Result<std::vector<BlockKey>> stalled = c->ComputeKeys(*id, Prompt(52, 8));
+  ASSERT_TRUE(stalled.has_value());
+  Result<OpHandle> half = c->StoreLayersAsync(*id, *stalled, Range(kBlocks, 8));
+  ASSERT_TRUE(half.has_value()) << half.error();
+  ASSERT_TRUE(c->LayersWritten(*half, 3).ok());
+  Result<OpResult> given_up = c->Wait(*half, std::chrono::seconds(30));
+  ASSERT_FALSE(given_up.has_value());
+  EXPECT_EQ(given_up.error().code(), StatusCode::kCancelled) << given_up.error();
+  EXPECT_EQ(c->Lookup(*id, *stalled).value().hits, 0u);
+
+  // Cancelled: the client opens its layers for the daemon to find the fence
+  // cancelled (no copy), so it is over before the timeout (which would count
+  // it as given up).
+  Result<std::vector<BlockKey>> cancelled = c->ComputeKeys(*id, Prompt(53, 8));
+  ASSERT_TRUE(cancelled.has_value());
+  Result<OpHandle> dropped = c->StoreLayersAsync(*id, *cancelled, Range(kBlocks, 8));
+  ASSERT_TRUE(dropped.has_value()) << dropped.error();
+  ASSERT_TRUE(c->Cancel(*dropped).ok());
+  const DaemonStats after_cancel = StatsWhen(*c, [](const DaemonStats& s) { return s.inflight_ops == 0; });
+  EXPECT_EQ(after_cancel.inflight_ops, 0u);
+  EXPECT_EQ(after_cancel.Counter("stores_by_layer_expired"), 1u) << "the cancelled store waited for the timeout";
+
+  // Its session ends with it half written.
+  {
+    std::unique_ptr<Client> gone = MustConnect(*d);
+    ASSERT_NE(gone, nullptr);
+    Result<CacheId> gone_id = gone->RegisterKvCache(*cache);
+    ASSERT_TRUE(gone_id.has_value()) << gone_id.error();
+    Result<std::vector<BlockKey>> its = gone->ComputeKeys(*gone_id, Prompt(54, 8));
+    ASSERT_TRUE(its.has_value());
+    Result<OpHandle> left = gone->StoreLayersAsync(*gone_id, *its, Range(kBlocks, 8));
+    ASSERT_TRUE(left.has_value()) << left.error();
+    ASSERT_TRUE(gone->LayersWritten(*left, 5).ok());
+  }
+  // Its ops go with the session; their blocks once the backend has run
+  // their (aborted) copies.
+  auto host_blocks = [](const DaemonStats& x) {
+    for (const TierStats& t : x.tiers) {
+      if (t.tier == BlockTier::kHost) return t.blocks;
+    }
+    return uint64_t{0};
+  };
+  const DaemonStats s = StatsWhen(
+      *c, [&](const DaemonStats& x) { return x.sessions == 1 && x.inflight_ops == 0 && host_blocks(x) == kBlocks; });
+  EXPECT_EQ(s.inflight_ops, 0u);
+  EXPECT_EQ(host_blocks(s), kBlocks) << "a store given up keeps no host room";
+  EXPECT_EQ(c->Lookup(*id, *c->ComputeKeys(*id, Prompt(54, 8))).value().hits, 0u);
+  EXPECT_EQ(s.Counter("stores_by_layer"), 4u);
+  EXPECT_EQ(s.Counter("stores_by_layer_expired"), 1u);
+  EXPECT_EQ(s.Counter("stores"), kBlocks) << "only the store written whole";
+
+  // LayersWritten is for stores by layer only.
+  Result<OpHandle> whole = c->StoreAsync(*id, *keys, Range(0, kBlocks));
+  ASSERT_TRUE(whole.has_value());
+  EXPECT_EQ(c->LayersWritten(*whole, 1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->Wait(*whole).has_value());
+}
+
 TEST(HostPathTest, EvictionDropsColdBlocksAndNeverServesWrongBytes) {
   // 64 KiB of host tier per ... a 1 MiB host tier holds 64 blocks; store 200.
   Result<DaemonProcess> d = DaemonProcess::Start({"tiers.host.bytes=1MiB"});

@@ -203,6 +203,46 @@ void ExpectLayerByLayerScatter(const CopyCase& c, const KvCacheLayout& kv, uint3
   }
 }
 
+// A store by layer (HostBackend, LayerGate): each layer gathered into its
+// own bytes of the slot, and once every layer is in, the slot is what a
+// whole gather writes, with the same checksum.
+void ExpectLayerByLayerGather(const KvCacheLayout& kv, const CopyCase& c, uint32_t block, uint64_t seed) {
+  SCOPED_TRACE("layer-by-layer gather of block " + std::to_string(block));
+  const uint64_t block_bytes = kv.layout().block_bytes();
+  const uint64_t layer_bytes = kv.layout().layer_bytes();
+  Cache cache(c.region_sizes);
+  cache.Fill(seed);
+  std::vector<uint8_t> whole(block_bytes);
+  uint64_t checksum = 0;
+  GatherBlock(CopyPlan::Build(kv, cache.Mapped()), block, whole.data(), &checksum);
+  const CopyPlan plan = CopyPlan::Build(kv, cache.Mapped(), /*by_layer=*/true);
+  std::vector<uint8_t> slot(block_bytes, 0xee);
+  for (uint32_t l = 0; l < kv.layout().spec().num_layers; ++l) {
+    GatherBlockLayer(plan, block, l, slot.data());
+    ASSERT_EQ(std::memcmp(slot.data(), whole.data(), (l + 1) * layer_bytes), 0) << "after layer " << l;
+    ASSERT_TRUE(std::all_of(slot.begin() + static_cast<std::ptrdiff_t>((l + 1) * layer_bytes), slot.end(),
+                            [](uint8_t x) { return x == 0xee; }))
+        << "layer " << l << " wrote past its bytes";
+  }
+  EXPECT_EQ(ChecksumOf(slot.data(), block_bytes), checksum);
+}
+
+TEST_P(CopyReferenceTest, LayerByLayerGatherFillsEachLayerAndSumsAsAWholeGather) {
+  for (uint32_t b : {0u, c_.num_blocks - 1}) {
+    ASSERT_NO_FATAL_FAILURE(ExpectLayerByLayerGather(*kv_, c_, b, 3000 + b));
+  }
+}
+
+TEST(CopyReferenceRandomLayouts, LayerByLayerGatherFillsEachLayerAndSumsAsAWholeGather) {
+  for (uint64_t seed = 1; seed <= 100; ++seed) {
+    const CopyCase c = RandomCase(seed);
+    SCOPED_TRACE("RandomCase(" + std::to_string(seed) + "): " + c.description);
+    Result<KvCacheLayout> kv = MakeKvCacheLayout(c);
+    ASSERT_TRUE(kv.has_value()) << kv.error();
+    ASSERT_NO_FATAL_FAILURE(ExpectLayerByLayerGather(*kv, c, c.num_blocks - 1, seed << 9));
+  }
+}
+
 TEST_P(CopyReferenceTest, LayerByLayerScatterWritesEachLayerAndNothingElse) {
   for (uint32_t b : {0u, c_.num_blocks - 1}) {
     ASSERT_NO_FATAL_FAILURE(ExpectLayerByLayerScatter(c_, *kv_, b, 2000 + b));

@@ -303,6 +303,23 @@ class Client {
                               std::span<const uint32_t> block_ids,
                               const std::optional<BlockKey>& parent = std::nullopt,
                               const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
+  // As StoreAsync, for blocks the engine is still writing, layer after
+  // layer (its forward pass): the daemon copies layer l of every block once
+  // LayersWritten says more than l layers are written, so the store runs
+  // while later layers compute. Until then it holds the blocks' host room;
+  // one not written whole within limits.store_layers_timeout_ms ends
+  // kCancelled. Host (CPU) caches. Errors: kUnimplemented from a kvtierd
+  // whose backend copies stores whole (Welcome.layer_stores): store whole.
+  Result<OpHandle> StoreLayersAsync(CacheId cache, std::span<const BlockKey> keys,
+                                    std::span<const uint32_t> block_ids,
+                                    const std::optional<BlockKey>& parent = std::nullopt,
+                                    const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);
+  // The first `layers` layers of a StoreLayersAsync op's blocks are written
+  // (more than num_layers: all of them). One message, no reply awaited. Ok
+  // for an op that is over, cancelled, or whose connection was lost (the
+  // daemon gave it up then). Errors: kInvalidArgument for an op that is not
+  // a StoreLayersAsync.
+  Status LayersWritten(const OpHandle& op, uint32_t layers);
   // GPU caches: as LoadAsync, and when the daemon could queue the copies at
   // once (OpHandle::event set), `stream` is made to wait for them on the GPU
   // before this returns, so the engine's next kernels on it read the loaded

@@ -189,6 +189,11 @@ class PyOp {
     const std::chrono::milliseconds timeout = TimeoutArg(timeout_s, "timeout", /*zero_ok=*/true);
     return Must(Unlocked([&] { return client->WaitLayers(handle_, layers, timeout); }));
   }
+  void LayersWritten(uint32_t layers) {
+    std::shared_ptr<Client> client = client_;
+    if (!client) return;
+    if (Status st = Unlocked([&] { return client->LayersWritten(handle_, layers); }); !st.ok()) Raise(st);
+  }
   bool waited() const { return !client_; }
 
  private:

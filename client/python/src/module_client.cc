@@ -281,7 +281,7 @@ void BindClient(py::module_& m) {
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
              const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
              const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
-             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial) {
+             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial, bool by_layer) {
             self.Check(cache);
             const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
@@ -289,17 +289,21 @@ void BindClient(py::module_& m) {
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
             std::shared_ptr<Client> c = self.Get();
             const std::optional<BlockEventInfo> info = ev ? std::optional(ev->info()) : std::nullopt;
-            OpHandle h =
-                WithoutGil([&] { return c->StoreAsync(cache.id, k, ids, p, info ? &*info : nullptr, &hint); });
+            OpHandle h = WithoutGil([&] {
+              return by_layer ? c->StoreLayersAsync(cache.id, k, ids, p, info ? &*info : nullptr, &hint)
+                              : c->StoreAsync(cache.id, k, ids, p, info ? &*info : nullptr, &hint);
+            });
             return PyOp(c, h, "store");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::arg("parent") = py::none(),
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
           py::arg("token_ids") = py::none(), py::arg("block_size") = 0,
           py::arg("lora_name") = py::none(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
-          py::arg("last_partial") = false,
+          py::arg("last_partial") = false, py::arg("by_layer") = false,
           "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
-          "then.")
+          "then. by_layer: the engine is still writing them, layer after layer; each layer is "
+          "copied once Op.layers_written(n) says it is written (CPU caches; UnimplementedError from "
+          "a kvtierd that copies stores whole).")
       .def(
           "stats",
           [](const PyClient& self) {

@@ -142,6 +142,11 @@ void BindTypes(py::module_& m) {
            "loads are in place (True), with no round trip to kvtierd. False once the op is over "
            "without them (wait() gives its result: an error, or fewer blocks). Raises "
            "DeadlineExceededError after the timeout (seconds; None = no limit).")
+      .def("layers_written", &PyOp::LayersWritten, py::arg("layers"),
+           "A store_async(by_layer=True): the first `layers` layers of its blocks are written "
+           "(more than the model has: all). One message to kvtierd, no reply awaited; nothing for an "
+           "op that is over or cancelled. Raises DeadlineExceededError when kvtierd is not reading "
+           "(the store is then given up by kvtierd).")
       .def_property_readonly("done", &PyOp::waited, "Whether wait() or cancel() has returned.");
 }
 
