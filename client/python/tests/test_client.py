@@ -200,6 +200,32 @@ def test_a_load_by_layer_is_waited_for_layer_by_layer(client: kvtier.Client) -> 
     assert whole.wait(timeout=10).blocks == 4
 
 
+def test_a_store_by_layer_copies_each_layer_once_written(client: kvtier.Client) -> None:
+    layout = kvtier.Layout("test/store-by-layer", 6, 2, 16, "fp16", 4)
+    cpu = kvtier.CpuKvCache(layout, 16)
+    cache = client.register_cpu_cache(cpu)
+    keys = client.compute_keys(cache, prompt(24, 4))[:4]
+    blocks = np.asarray(cpu)
+    rng = np.random.default_rng(4)
+    written = rng.integers(0, 255, size=blocks[:4].shape, dtype=np.uint8)
+    blocks[:4] = 0x5A  # nonsense until each layer is written
+    op = client.store_async(cache, keys, [0, 1, 2, 3], by_layer=True)
+    layer_bytes = blocks.shape[1] // 6
+    for layer in range(6):
+        span = slice(layer * layer_bytes, (layer + 1) * layer_bytes)
+        blocks[:4, span] = written[:, span]
+        op.layers_written(layer + 1)
+    assert op.wait(timeout=10).blocks == 4
+    op.layers_written(6)  # over: nothing to do
+    assert client.load(cache, keys, [8, 9, 10, 11]).blocks == 4
+    assert np.array_equal(blocks[8:12], written)
+    assert client.stats()["counters"]["stores_by_layer"] >= 1
+    whole = client.store_async(cache, keys, [0, 1, 2, 3])
+    with pytest.raises(kvtier.InvalidArgumentError, match="StoreLayersAsync"):
+        whole.layers_written(1)
+    assert whole.wait(timeout=10).already == 4
+
+
 def test_timeouts_must_be_finite_and_two_threads_may_wait_on_one_op(daemon: Daemon, client: kvtier.Client) -> None:
     cpu = kvtier.CpuKvCache(small_layout(), 16)
     cache = client.register_cpu_cache(cpu)

@@ -196,7 +196,6 @@ class Engine:
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)
         worker.start_load_kv(None)  # type: ignore[arg-type]
-        attention_waits(worker)
         sampled: dict[str, list[int]] = {}
         computed: dict[str, int] = {}  # before this step
         for new in out.scheduled_new_reqs:
@@ -209,13 +208,19 @@ class Engine:
                 self.block_ids[req_id] = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 self.block_ids[req_id].extend(new_ids[0])
+        # The forward pass, layer after layer as vLLM's attention layers run
+        # (maybe_transfer_kv_layer): each waits for its loads, writes its
+        # KV, then hands it over to stores by layer.
+        for layer, name in enumerate(LAYER_NAMES):
+            worker.wait_for_layer_load(name)
+            for req_id, count in out.num_scheduled_tokens.items():
+                tokens = list(self.scheduler.requests[req_id].all_token_ids)
+                for position in range(computed[req_id], computed[req_id] + count):
+                    self.write(self.block_ids[req_id], tokens, position, layer)
+            worker.save_kv_layer(name, self.kv[name], None)
         for req_id, count in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            tokens = list(request.all_token_ids)
-            start = computed[req_id]
-            for position in range(start, start + count):
-                self.write(self.block_ids[req_id], tokens, position)
-            sampled[req_id] = [7] if start + count >= request.num_tokens else []
+            sampled[req_id] = [7] if computed[req_id] + count >= request.num_tokens else []
         worker.wait_for_save()
         sending, receiving = worker.get_finished(out.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
@@ -236,10 +241,9 @@ class Engine:
         self.scheduler.update_from_output(out, runner)
         return out
 
-    def write(self, block_ids: list[int], tokens: list[int], position: int) -> None:
+    def write(self, block_ids: list[int], tokens: list[int], position: int, layer: int) -> None:
         block, slot = block_ids[position // BLOCK], position % BLOCK
-        for layer, name in enumerate(LAYER_NAMES):
-            self.kv[name][block, :, slot, :] = expected_kv(tokens, position, layer)
+        self.kv[LAYER_NAMES[layer]][block, :, slot, :] = expected_kv(tokens, position, layer)
 
     def holds(self, block_id: int, tokens: list[int], block_index: int) -> bool:
         """Whether engine block `block_id` holds block `block_index` of `tokens`."""
@@ -298,10 +302,20 @@ def test_the_connector_is_a_real_vllm_connector(model_dir: pathlib.Path, daemon:
         engine.close()
 
 
+def stores_by_layer(daemon: Daemon) -> int:
+    with kvtier.Client.connect(daemon.socket, name="pytest-stats") as client:
+        return int(client.stats()["counters"]["stores_by_layer"])
+
+
+@pytest.mark.parametrize("layerwise_store", [True, False], ids=["stores-by-layer", "whole-stores"])
 def test_a_second_request_with_the_same_prefix_is_loaded_from_kvtier(
-    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], layerwise_store: bool
 ) -> None:
-    first = Engine(model_dir, daemon.socket)
+    # The first engine's forward pass writes each layer's KV only in that
+    # layer's turn: a store by layer that copied a layer before its
+    # save_kv_layer would store nothing of it, and the second engine's
+    # blocks would differ.
+    first = Engine(model_dir, daemon.socket, layerwise_store=layerwise_store)
     engines.append(first)
     prompt_a = PREFIX + [1, 2, 3, 4]
     first.add("a", prompt_a)
@@ -309,6 +323,7 @@ def test_a_second_request_with_the_same_prefix_is_loaded_from_kvtier(
     assert new.num_computed_tokens == 0  # an empty cache: nothing to load
     first.run_until_idle()  # a's blocks stay held until its stores are done
     assert "a" not in first.scheduler.requests
+    assert (stores_by_layer(daemon) > 0) == layerwise_store
 
     # Another engine (another process, or node): only kvtier has the prefix.
     # Its scheduler never waits for an answer (lookup_wait_ms 0), so the

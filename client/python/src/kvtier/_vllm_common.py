@@ -51,6 +51,9 @@ class _Settings:
     # Loads copied layer by layer, each layer's attention waiting for its
     # own layer only (wait_for_layer_load): CPU caches.
     layerwise_load: bool = True
+    # Stores handed over layer by layer, each layer as soon as its attention
+    # wrote it (save_kv_layer): CPU caches.
+    layerwise_store: bool = True
     # Lookups give kvtierd the engine's prefill rate, as its forward passes
     # take: hits slower to load than to compute are left to compute.
     load_or_recompute: bool = True
@@ -66,6 +69,7 @@ class _Settings:
             lookup_wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000,
             op_timeout_s=float(extra.get("op_timeout_s", 10.0)),
             layerwise_load=_flag(extra.get("layerwise_load", True)),
+            layerwise_store=_flag(extra.get("layerwise_store", True)),
             load_or_recompute=_flag(extra.get("load_or_recompute", True)),
         )
 

@@ -1,7 +1,8 @@
 """The vLLM connector's worker side (kvtier/vllm.py is its entry): vLLM's KV
-tensors registered in place, loads (layer by layer on CPU caches: each
-layer's attention waits for its own layer only) and stores after the
-forward pass, each bounded by op_timeout_s, and the requests' hints."""
+tensors registered in place, loads and stores (layer by layer on CPU
+caches: each layer's attention waits for its own layer only, and each
+layer's blocks are handed over as soon as it wrote them), each bounded by
+op_timeout_s, and the requests' hints."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from ._vllm_common import (
 
 # --------------------------------------------------------------------------
 # Worker side.
+
+# Op.layers_written: every layer (more than any model has).
+_ALL_LAYERS = 2**32 - 1
 
 
 def _regions(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -126,6 +130,12 @@ class _WorkerSide:
         # Turned off for good when a step's forward pass skipped a layer's
         # wait (its attention may have read a layer not in place yet).
         self._layerwise = settings.layerwise_load and not self._by_request
+        # This step's stores by layer, started at its first layer's
+        # save_kv_layer and told of each layer written after (CPU caches,
+        # one group): the daemon copies a layer while later ones compute.
+        self._layer_stores: list[kvtier.Op] = []
+        self._stores_started = False  # this step's stores (by layer or whole)
+        self._layerwise_store = settings.layerwise_store and not self._by_request
         # This step's forward pass, timed for the scheduler's prefill rate
         # (load or recompute): from its metadata's binding to wait_for_save,
         # less the time spent waiting for loads.
@@ -189,6 +199,7 @@ class _WorkerSide:
 
     def step_started(self, meta: KvtierMetadata) -> None:
         """vLLM bound this step's metadata: its forward pass is next."""
+        self._stores_started = False
         self._step_started = time.monotonic()
         self._step_tokens = meta.scheduled_tokens
         self._step_waited = 0.0
@@ -345,15 +356,52 @@ class _WorkerSide:
             logger.error("kvtier: kvtierd stopped in the middle of a copy; waiting for it before vLLM reuses the blocks")
             op.cancel()
 
+    def save_kv_layer(self, layer_name: str, meta: KvtierMetadata) -> None:
+        """After layer_name's attention wrote its KV: this step's stores
+        start at its first layer, by layer, and each layer is handed over
+        as it is written (a layer whose hook is skipped is handed over with
+        the next, or at wait_for_save)."""
+        if not self._layerwise_store or self._on_gpu or not meta.stores:
+            return
+        where = self._layer_of.get(layer_name)
+        if where is None:
+            return
+        if not self._stores_started:
+            self._start_stores(meta, by_layer=True)
+        for op in self._layer_stores:
+            self._layers_written(op, where[1] + 1)
+
+    def _layers_written(self, op: kvtier.Op, layers: int) -> None:
+        try:
+            op.layers_written(layers)
+        except kvtier.Error as error:
+            # kvtierd is not reading: the store is given up (by kvtierd at
+            # its timeout, or here once op_timeout_s passes, _poll_store).
+            self._connection.note(error)
+            logger.info("kvtier: layers of a store by layer not handed over (%s)", error)
+
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         self._end_loads()  # the forward pass is over
         self._time_step()
         if not meta.stores:
             return
+        if self._stores_started:
+            # By layer: every layer is written now, including any whose
+            # hook the forward pass skipped.
+            ops, self._layer_stores = self._layer_stores, []
+            for op in ops:
+                self._layers_written(op, _ALL_LAYERS)
+            return
         if self._on_gpu:
             # The daemon copies from the GPU on its own stream: the forward
             # pass that wrote these blocks must be over first.
             torch.cuda.current_stream().synchronize()
+        self._start_stores(meta, by_layer=False)
+
+    def _start_stores(self, meta: KvtierMetadata, by_layer: bool) -> None:
+        """Starts this step's stores, whole (the forward pass is over) or by
+        layer (it is at its first layer: _layer_stores)."""
+        self._stores_started = True
         ready = self._ready()
         for spec in meta.stores:
             # Every rank reports the request's stores done (vLLM waits for
@@ -368,11 +416,22 @@ class _WorkerSide:
             try:
                 keys = _keys(client, cache, spec.block_hashes)
                 for piece in _pieces(len(keys), client):
-                    ops.append(
-                        client.store_async(
-                            cache, keys[piece], spec.block_ids[piece], priority=hint.priority, next_use_ms=hint.next_use_ms
-                        )
+                    op = client.store_async(
+                        cache,
+                        keys[piece],
+                        spec.block_ids[piece],
+                        priority=hint.priority,
+                        next_use_ms=hint.next_use_ms,
+                        by_layer=by_layer,
                     )
+                    ops.append(op)
+                    if by_layer:
+                        self._layer_stores.append(op)
+            except kvtier.UnimplementedError as error:
+                # A kvtierd whose backend copies stores whole: whole stores
+                # from the next step on (this one's are not stored).
+                logger.warning("kvtier: %s; storing whole blocks from now on", error)
+                self._layerwise_store = False
             except kvtier.Error as error:
                 self._connection.note(error)
                 logger.info("kvtier: a store of %d blocks failed to start (%s)", len(spec.block_ids), error)

@@ -193,7 +193,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # wait_for_save stores whole blocks after the forward pass
+        assert self._worker is not None
+        self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
