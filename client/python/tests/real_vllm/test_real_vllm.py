@@ -120,6 +120,11 @@ def test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same(
     assert first.counter(0, "external_prefix_cache_hits") == 0
     after_first = counters(kvtierd)
     assert after_first["stores"] > 0
+    # Stored layer by layer (the connector's default on a CPU cache), each
+    # layer handed over as its attention wrote it; the preemption test stores
+    # whole blocks: the second engine here and that test's loads generate
+    # what vLLM alone does.
+    assert after_first["stores_by_layer"] > 0
     assert "kvtier: registered vLLM's KV cache" in first.log, "the connector's INFO lines must show in vLLM's log"
 
     # A second engine process gets all 16 at once: 8 are whole prompts it has
@@ -179,13 +184,15 @@ def test_preemption_reuse_after_local_eviction_and_blocks_evicted_between_lookup
         loads.append(counters(kvtierd)["loads"])
 
     small = {"num_blocks": SMALL_CACHE_BLOCKS, "max_num_seqs": 8, "max_model_len": 1024, "max_num_batched_tokens": 1024}
-    # Whole-block loads, each ended before the forward pass (layer by layer:
+    # Whole-block loads, each ended before the forward pass, and whole-block
+    # stores after it (layer by layer:
     # test_a_second_engine_loads_the_first_ones_blocks_and_generates_the_same).
     whole = spec(model, kvtierd, phases, **small)
-    whole["kvtier"]["layerwise_load"] = False
+    whole["kvtier"].update(layerwise_load=False, layerwise_store=False)
     run = run_engine(whole, on_pause=between)
     loads.append(counters(kvtierd)["loads"])
     assert counters(kvtierd)["loads_by_layer"] == before["loads_by_layer"]
+    assert counters(kvtierd)["stores_by_layer"] == before["stores_by_layer"]
     assert run.counter(0, "num_preemptions") > 0, "the small KV cache should have preempted requests"
     for phase, name in [(0, "long"), (1, "flush0"), (2, "again"), (3, "flush1"), (4, "again")]:
         assert_same_outputs(run.phases[phase], reference[name], f"phase {phase} ({name})")
