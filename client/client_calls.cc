@@ -89,6 +89,7 @@ Result<LookupResult> Client::Impl::Lookup(CacheId id, std::span<const BlockKey> 
 
 Result<HintResult> Client::Impl::Hint(CacheId id, std::span<const BlockKey> keys, const BlockHint& hint) {
   if (hint.last_partial) return Err(InvalidArgument("last_partial is a store's hint, not one for cached blocks"));
+  if (hint.engine_holds) return Err(InvalidArgument("engine_holds is a store's hint, not one for cached blocks"));
   KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(hint.priority, hint.next_use_ms));
   MutexLock lock(&mu_);
   KVTIER_ASSIGN_OR_RETURN(Cache * c, ConnectedCache(id));
@@ -98,7 +99,7 @@ Result<HintResult> Client::Impl::Hint(CacheId id, std::span<const BlockKey> keys
   KVTIER_ASSIGN_OR_RETURN(
       Reply r, Call(ipc::FinishMessage(b, rid,
                                        w::CreateHintDirect(b, c->namespace_id, &wk, static_cast<int8_t>(hint.priority),
-                                                           hint.next_use_ms, hint.session_over)),
+                                                           hint.next_use_ms, hint.session_over, hint.engine_dropped)),
                     {}, rid, w::Body::HintReply));
   const w::HintReply* hr = r.msg->body_as_HintReply();
   return HintResult{.hinted = hr->hinted(), .refused = hr->refused()};
@@ -128,6 +129,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   const bool store_by_layer = kind == OpKind::kStoreByLayer;
   const BlockHint h = hint != nullptr ? *hint : BlockHint{};
   if (h.session_over) return Err(InvalidArgument("session_over is a hint for cached blocks (Hint), not a store's"));
+  if (h.engine_dropped) return Err(InvalidArgument("engine_dropped is a hint for cached blocks (Hint), not a store's"));
   KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(h.priority, h.next_use_ms));
   if (keys.size() != block_ids.size()) {
     return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
@@ -207,7 +209,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
                              parent_hash.empty() ? nullptr : &parent_hash, tokens.empty() ? nullptr : &tokens,
                              events != nullptr ? events->block_size : 0, lora.empty() ? nullptr : lora.c_str(),
                              static_cast<int8_t>(h.priority), h.next_use_ms, h.last_partial,
-                             static_cast<int32_t>(fence.slot), fence.generation, store_by_layer));
+                             static_cast<int32_t>(fence.slot), fence.generation, store_by_layer, h.engine_holds));
   }
   if (wait) {
     Result<Reply> r = Call(std::move(bytes), {}, rid, w::Body::OpResult);

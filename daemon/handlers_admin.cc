@@ -150,6 +150,8 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_writes_pending", cache_->pending_disk_writes()},
                         {"hinted", c.hinted},
                         {"hints_refused", c.hints_refused},
+                        {"engine_held", c.engine_held},
+                        {"engine_dropped", c.engine_dropped},
                         {"partial_not_admitted", c.partial_not_admitted},
                         {"codec_encoded", c.codec_encoded},
                         {"codec_not_worth_it", c.codec_not_worth_it},

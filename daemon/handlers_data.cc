@@ -54,7 +54,10 @@ std::vector<uint8_t> Server::HandleHint(Session& s, uint64_t id, const w::Hint& 
   if (Status bad = ipc::CheckRetentionHint(m.priority(), m.next_use_ms()); !bad.ok()) {
     return ipc::ErrorMessage(id, bad);
   }
-  const RetentionHint hint{.priority = m.priority(), .next_use_ms = m.next_use_ms(), .session_over = m.session_over()};
+  const RetentionHint hint{.priority = m.priority(),
+                           .next_use_ms = m.next_use_ms(),
+                           .session_over = m.session_over(),
+                           .engine_dropped = m.engine_dropped()};
   uint32_t refused = 0;
   const uint32_t hinted = cache_->Hint(*keys, hint, &refused);
   FlatBufferBuilder b(64);
@@ -285,7 +288,10 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
   }
   StoreHint hint;
   if (!load) {
-    hint = StoreHint{.retention = {.priority = st->priority(), .next_use_ms = st->next_use_ms(), .session_over = false},
+    hint = StoreHint{.retention = {.priority = st->priority(),
+                                   .next_use_ms = st->next_use_ms(),
+                                   .session_over = false,
+                                   .engine_holds = st->engine_holds()},
                      .last_partial = st->last_partial()};
     if (Status bad = ipc::CheckRetentionHint(st->priority(), st->next_use_ms()); !bad.ok()) {
       return ipc::ErrorMessage(id, bad);

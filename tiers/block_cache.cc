@@ -309,6 +309,8 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
   }
   const RetentionHint& hint = store_hint.retention;
   const bool hinted = hint.priority != 0 || hint.next_use_ms != 0 || hint.session_over;
+  // The engine keeps a copy, and no hint says otherwise: evicted first.
+  const bool held = hint.engine_holds && !hinted;
   const uint32_t now = hinted ? NowMs() : 0;
   const Layout& layout = target.layout->layout();
   // A new layout takes a namespace id while ids and the tenant's bound last.
@@ -384,6 +386,9 @@ uint32_t BlockCache::Store(TenantId tenant, std::span<const StoredKey> keys,
     if (hinted) {
       ++counters_.hinted;
       if (!policy_->HintBlock(filled, hint, now)) ++counters_.hints_refused;
+    } else if (held) {
+      ++counters_.engine_held;
+      index_.Hint(filled, hint, now);
     }
     job->block_ids.push_back(block_ids[i]);
     batch.blocks.push_back(BlockCopy{block_ids[i], slot, static_cast<uint32_t>(slot_coded)});

@@ -38,6 +38,18 @@ bool CachePolicy::HintBlock(BlockEntry* e, const RetentionHint& hint, uint32_t n
 uint32_t CachePolicy::Hint(std::span<const StoredKey> keys, const RetentionHint& hint, uint32_t* refused) {
   const uint32_t now = cache_.NowMs();
   uint32_t took = 0, kept_none = 0;
+  if (hint.engine_dropped) {
+    // Only blocks held for their engine take it.
+    for (const StoredKey& k : keys) {
+      BlockEntry* e = cache_.index_.Find(k);
+      if (e == nullptr || !EvictionOrder::EngineHeld(e)) continue;
+      ++took;
+      cache_.index_.Hint(e, hint, now);
+    }
+    cache_.counters_.engine_dropped += took;
+    if (refused != nullptr) *refused = 0;
+    return took;
+  }
   for (const StoredKey& k : keys) {
     BlockEntry* e = cache_.index_.Find(k);
     if (e == nullptr) continue;

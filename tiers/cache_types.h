@@ -180,6 +180,11 @@ struct CacheCounters : RequestCounters {
   uint64_t hinted = 0;
   uint64_t hints_refused = 0;
   uint64_t partial_not_admitted = 0;
+  // Exclusive caching (issue 47): blocks stored while their engine keeps a
+  // copy (evicted first), and blocks whose engine let go of its copy since
+  // (back among the policy's, the only copy).
+  uint64_t engine_held = 0;
+  uint64_t engine_dropped = 0;
   uint64_t extents_reclaimed = 0;  // slot extents emptied for another block size
   // Slots (blocks) looked at to empty extents for another block size: a few
   // extents' worth per try, however many blocks the tier holds.

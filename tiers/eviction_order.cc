@@ -35,6 +35,21 @@ uint64_t EvictionOrder::protected_size() const {
 
 bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, bool linked,
                          KeepLimits limits) {
+  if (hint.engine_dropped) {
+    // The only copy now: among the policy's blocks, at the hot end, as if it
+    // had just arrived from the engine's cache.
+    if (!EngineHeld(e)) return true;
+    if (linked) Unlink(e);
+    e->hint_bits = kLevelNone;
+    if (linked) Link(e, /*hot=*/true);
+    return true;
+  }
+  if (hint.engine_holds && !hint.session_over && hint.priority == 0 && hint.next_use_ms == 0) {
+    if (linked) Unlink(e);
+    e->hint_bits = kLevelOver | kEngineHeldBit;
+    if (linked) Link(e, /*hot=*/false);
+    return true;
+  }
   uint8_t level = hint.session_over  ? kLevelOver
                   : hint.priority < 0 ? kLevelLow
                   : hint.priority > 0 ? kLevelHigh

@@ -26,7 +26,11 @@
 // queues into queues of their own, LRU each, which the scan asks in this
 // order:
 //   low     priority -1, and blocks whose session is over (at its cold end;
-//           a hit undoes "over");
+//           a hit undoes "over"), and blocks an engine holds a copy of in
+//           its own cache (engine_holds, at the cold end: the engine has
+//           them; a hit, or the engine's word that it let go of its copy,
+//           engine_dropped, puts them back among the policy's blocks at the
+//           hot end, as the only copy: exclusive caching);
 //   the policy's queues (blocks without a hint);
 //   high    priority +1;
 //   kept    a next use expected within next_use_ms: kept until that use (a
@@ -68,6 +72,13 @@ struct RetentionHint {
   int8_t priority = 0;       // -1: evict before unhinted blocks; 0: no hint; +1: keep over them
   uint32_t next_use_ms = 0;  // expected next use within this many ms; 0: none
   bool session_over = false;  // no use expected: evict first (priority and next_use ignored)
+  // A store's blocks of which the storing engine keeps a copy in its own
+  // cache: evicted first, unless hinted otherwise (priority or next_use).
+  bool engine_holds = false;
+  // A Hint: the engine let go of its own copy. Blocks held for it go back
+  // among the policy's (others are left as they are; the rest of the hint
+  // is not read).
+  bool engine_dropped = false;
 };
 
 // What a victim scan's caller says of a candidate.
@@ -145,6 +156,8 @@ class EvictionOrder {
   }
   // Blocks in the low queue.
   uint64_t low_size() const { return count_[kLow]; }
+  // Whether `e` is low as its engine holds a copy (engine_holds).
+  static bool EngineHeld(const BlockEntry* e) { return (e->hint_bits & kEngineHeldBit) != 0; }
 
   uint64_t size() const { return total_; }
   // What a block carries for its place in an order: its two links, the
@@ -177,11 +190,14 @@ class EvictionOrder {
   static constexpr int kKept = 4;  // kKept + class, class < kKeptClasses
   static constexpr int kKeptClasses = 13;
   static constexpr int kQueues = kKept + kKeptClasses;
-  // hint_bits: the level (2 bits), whether it is kept, and the kept class.
+  // hint_bits: the level (2 bits), whether it is kept, the kept class (4
+  // bits), and whether it is low as an engine holds it (level Over).
   static constexpr uint8_t kLevelMask = 0x3;
   static constexpr uint8_t kLevelNone = 0, kLevelLow = 1, kLevelHigh = 2, kLevelOver = 3;
   static constexpr uint8_t kKeptBit = 0x4;
   static constexpr uint8_t kKeptClassShift = 3;
+  static constexpr uint8_t kKeptClassMask = 0xf;
+  static constexpr uint8_t kEngineHeldBit = 0x80;
   static uint8_t LevelOf(const BlockEntry* e) { return e->hint_bits & kLevelMask; }
   static bool Hinted(const BlockEntry* e) { return e->hint_bits != 0; }
   static int KeptClass(uint32_t next_use_ms);
@@ -196,7 +212,7 @@ class EvictionOrder {
     BlockEntry* hottest = nullptr;
   };
   int QueueOf(const BlockEntry* e) const {
-    if ((e->hint_bits & kKeptBit) != 0) return kKept + (e->hint_bits >> kKeptClassShift);
+    if ((e->hint_bits & kKeptBit) != 0) return kKept + ((e->hint_bits >> kKeptClassShift) & kKeptClassMask);
     switch (LevelOf(e)) {
       case kLevelLow:
       case kLevelOver: return kLow;

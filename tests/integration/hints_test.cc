@@ -1,7 +1,8 @@
 // The engine's retention hints (issue 19, docs/policy.md) end to end: a real
 // kvtierd with a small host tier and a real client. A hinted workload keeps
 // what was hinted while unhinted blocks of the same age go; a finished
-// session's blocks go before older ones; a partial tail block is never
+// session's blocks go before older ones, and so do blocks their engine
+// keeps a copy of (exclusive caching); a partial tail block is never
 // stored; bad hints are refused with what is wrong.
 #include <gtest/gtest.h>
 
@@ -125,6 +126,39 @@ TEST_F(HintsTest, AFinishedSessionGoesBeforeOlderBlocks) {
   auto none = client_->Hint(id_, Keys(999), BlockHint{.priority = -1});
   ASSERT_TRUE(none.has_value());
   EXPECT_EQ(none->hinted, 0u);
+}
+
+// Exclusive caching: a store's blocks the engine keeps a copy of go before
+// older blocks; those whose engine let go of its copy since are kvtier's
+// only copies, and stay as long as any unhinted block.
+TEST_F(HintsTest, BlocksTheEngineHoldsGoFirstAndThoseItLetGoOfStay) {
+  const auto held = Keys(1), let_go = Keys(2), older = Keys(3);
+  EXPECT_EQ(Store(older), kPrompt);
+  const BlockHint holds{.engine_holds = true};
+  EXPECT_EQ(Store(held, &holds), kPrompt);
+  EXPECT_EQ(Store(let_go, &holds), kPrompt);
+  auto dropped = client_->Hint(id_, let_go, BlockHint{.engine_dropped = true});
+  ASSERT_TRUE(dropped.has_value()) << dropped.error();
+  EXPECT_EQ(dropped->hinted, kPrompt);
+  auto again = client_->Hint(id_, older, BlockHint{.engine_dropped = true});
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->hinted, 0u) << "not held for an engine: nothing to let go of";
+  // Fill the tier, then a prompt more: the held blocks go, not the older
+  // ones nor those let go of.
+  Flood(100, kHostBlocks - 3 * kPrompt + kPrompt);
+  EXPECT_EQ(Hits(held), 0u);
+  EXPECT_EQ(Hits(let_go), kPrompt);
+  EXPECT_EQ(Hits(older), kPrompt);
+  const DaemonStats s = client_->Stats().value();
+  EXPECT_EQ(s.Counter("engine_held"), 2 * kPrompt);
+  EXPECT_EQ(s.Counter("engine_dropped"), kPrompt);
+  EXPECT_EQ(s.Counter("hinted"), 0u) << "an engine's copy is no application's hint";
+  // Each is for one call only.
+  EXPECT_EQ(client_->Hint(id_, older, BlockHint{.engine_holds = true}).error().code(), StatusCode::kInvalidArgument);
+  const BlockHint wrong{.engine_dropped = true};
+  auto store = client_->Store(id_, older, Range(0, kPrompt), std::nullopt, nullptr, &wrong);
+  ASSERT_FALSE(store.has_value());
+  EXPECT_EQ(store.error().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(HintsTest, KeepHintsHoldAtMostTheirShareOfTheTier) {

@@ -186,6 +186,43 @@ TEST_P(HintTest, LowGoesFirstHighAndKeptLastLongestNextUseFirstOfThem) {
   }
 }
 
+// Exclusive caching: blocks whose engine keeps a copy go first; once the
+// engine lets go of its copy, kvtier's is the only one, back among the
+// policy's at the hot end. The word that it let go touches no other block,
+// and an engine's copy gives way to a hint of the application's.
+TEST_P(HintTest, BlocksAnEngineHoldsGoFirstUntilItLetsGoOfThem) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 6; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  const uint32_t now = 50;
+  const RetentionHint holds{.engine_holds = true};
+  const RetentionHint dropped{.engine_dropped = true};
+  for (uint32_t i : {1u, 3u, 4u}) EXPECT_TRUE(index.Hint(index.Find(K(i)), holds, now));
+  // Its application's hint wins over the engine's copy.
+  EXPECT_TRUE(index.Hint(index.Find(K(5)), {.priority = 1, .engine_holds = true}, now));
+  EXPECT_EQ(order.low_size(), 3u);
+  EXPECT_EQ(order.protected_size(), 1u);
+  EXPECT_TRUE(EvictionOrder::EngineHeld(index.Find(K(3))));
+  EXPECT_FALSE(EvictionOrder::EngineHeld(index.Find(K(5))));
+  // The engine let go of 3 (and of 0 and 5, which were not held for it:
+  // unchanged).
+  for (uint32_t i : {3u, 0u, 5u}) index.Hint(index.Find(K(i)), dropped, now);
+  EXPECT_FALSE(EvictionOrder::EngineHeld(index.Find(K(3))));
+  EXPECT_EQ(order.low_size(), 2u);
+  EXPECT_EQ(order.protected_size(), 1u) << "5 stays kept over the unhinted";
+  // A hit is a use: 4 leaves the low queue too.
+  index.Touch(index.Find(K(4)));
+  EXPECT_EQ(order.low_size(), 1u);
+  const std::vector<int64_t> got = Drain(index);
+  ASSERT_EQ(got.size(), 6u);
+  EXPECT_EQ(got.front(), 1) << "the one block still held goes first";
+  EXPECT_EQ(got.back(), 5);
+  if (GetParam() == PolicyKind::kLru) {
+    // 3 let go of last among the unhinted: hottest of them but 4, hit after.
+    EXPECT_EQ(got, (std::vector<int64_t>{1, 0, 2, 3, 4, 5}));
+  }
+}
+
 TEST_P(HintTest, KeptEndsAtItsUseOrTwiceItsTimeAndAHitUndoesSessionOver) {
   BlockIndex index(GetParam());
   for (uint32_t i = 0; i < 4; ++i) index.Insert(K(i), Tier::kHost, nullptr);

@@ -140,6 +140,15 @@ struct BlockHint {
   // Store only: the last key's block covers part of a block's tokens. It is
   // not stored (partial blocks are almost never reused).
   bool last_partial = false;
+  // Store only: the engine keeps a copy of these blocks in its own cache;
+  // kvtier evicts them first (unless priority or next_use_ms say
+  // otherwise) until a hit, or a Hint with engine_dropped (docs/policy.md,
+  // "Exclusive caching").
+  bool engine_holds = false;
+  // Hint only: the engine let go of its own copies: those stored with
+  // engine_holds are kvtier's only copies now (the other fields are not
+  // read). HintResult::hinted says how many.
+  bool engine_dropped = false;
 };
 
 struct HintResult {

@@ -27,6 +27,7 @@ LABELS = {
     "native-offloading": "vLLM OffloadingConnector",
     "native-simple-cpu": "vLLM SimpleCPUOffloadConnector",
     "kvtier": "kvtier, host tier",
+    "kvtier-duplicates": "kvtier, host tier, no exclusive caching",
     "kvtier-disk": "kvtier, host and disk tiers",
 }
 

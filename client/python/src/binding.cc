@@ -223,11 +223,14 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
   return {std::move(k), std::move(ids)};
 }
 
-BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial) {
+BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial, bool engine_holds,
+                   bool engine_dropped) {
   return BlockHint{.priority = priority,
                    .next_use_ms = next_use_ms,
                    .session_over = session_over,
-                   .last_partial = last_partial};
+                   .last_partial = last_partial,
+                   .engine_holds = engine_holds,
+                   .engine_dropped = engine_dropped};
 }
 
 void AppendEngineHash(const py::handle& h, const char* what, std::vector<uint8_t>& out, uint32_t& width) {

@@ -224,7 +224,8 @@ std::pair<std::vector<BlockKey>, std::vector<uint32_t>> KeysAndIds(const KvCache
                                                                    const py::object& block_ids);
 
 // A retention hint from Python's arguments (the client checks it).
-BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial);
+BlockHint MakeHint(int priority, uint32_t next_use_ms, bool session_over, bool last_partial,
+                   bool engine_holds = false, bool engine_dropped = false);
 
 // A store's KV-event arguments (BlockEventInfo), owned. engine_hashes: one
 // per key, each bytes (all of one length, 1-32) or an int (its low 64 bits,

@@ -219,9 +219,9 @@ void BindClient(py::module_& m) {
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
              const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
              const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
-             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial) {
+             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial, bool engine_holds) {
             self.Check(cache);
-            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial);
+            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial, engine_holds);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
@@ -233,20 +233,22 @@ void BindClient(py::module_& m) {
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
           py::arg("token_ids") = py::none(), py::arg("block_size") = 0,
           py::arg("lora_name") = py::none(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
-          py::arg("last_partial") = false,
+          py::arg("last_partial") = false, py::arg("engine_holds") = false,
           "Copies engine blocks block_ids out under keys (parent: the key of the block before the "
           "first). For KV events (docs/kv-events.md), optionally: the engine's hash of each block "
           "(bytes, or an int sent as its low 64 bits), of the block before the first, the blocks' "
           "token ids (block_size per key, flat) and the LoRA adapter's name. A retention hint "
           "(docs/policy.md), optionally: priority -1 (evict first), 0 or 1 (keep over unhinted "
           "blocks); next_use_ms, when the engine expects to use them again (kept until then, at "
-          "most twice as long); last_partial, the last key's block is partial (not stored).")
+          "most twice as long); last_partial, the last key's block is partial (not stored); "
+          "engine_holds, the engine keeps a copy in its own cache (evicted first until a hit or "
+          "hint(engine_dropped=True)).")
       .def(
           "hint",
           [](const PyClient& self, const KvCache& cache, const py::object& keys, int priority,
-             uint32_t next_use_ms, bool session_over) {
+             uint32_t next_use_ms, bool session_over, bool engine_dropped) {
             self.Check(cache);
-            const BlockHint hint = MakeHint(priority, next_use_ms, session_over, false);
+            const BlockHint hint = MakeHint(priority, next_use_ms, session_over, false, false, engine_dropped);
             std::vector<BlockKey> k = Keys(keys);
             std::shared_ptr<Client> c = self.Get();
             HintResult r = WithoutGil([&] { return c->Hint(cache.id, k, hint); });
@@ -256,9 +258,10 @@ void BindClient(py::module_& m) {
             return d;
           },
           py::arg("cache"), py::arg("keys"), py::kw_only(), py::arg("priority") = 0,
-          py::arg("next_use_ms") = 0, py::arg("session_over") = false,
+          py::arg("next_use_ms") = 0, py::arg("session_over") = false, py::arg("engine_dropped") = false,
           "A retention hint for the cached blocks of keys (a request's, or a finished session's: "
-          "session_over=True), replacing theirs. Returns {'hinted': blocks that took it, "
+          "session_over=True), replacing theirs; or engine_dropped=True: the engine let go of its own "
+          "copies, and those stored with engine_holds are kvtier's only ones now. Returns {'hinted': blocks that took it, "
           "'refused': of which hinted to be kept past the tier's share}.")
       .def(
           "load_async",
@@ -281,9 +284,10 @@ void BindClient(py::module_& m) {
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
              const py::object& block_ids, const py::object& parent, const py::object& engine_hashes,
              const py::object& parent_hash, const py::object& token_ids, uint32_t block_size,
-             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial, bool by_layer) {
+             const py::object& lora_name, int priority, uint32_t next_use_ms, bool last_partial, bool by_layer,
+             bool engine_holds) {
             self.Check(cache);
-            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial);
+            const BlockHint hint = MakeHint(priority, next_use_ms, false, last_partial, engine_holds);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::optional<BlockKey> p = OptionalKey(parent);
             std::optional<PyBlockEvents> ev = BlockEvents(engine_hashes, parent_hash, token_ids, block_size, lora_name);
@@ -299,7 +303,7 @@ void BindClient(py::module_& m) {
           py::kw_only(), py::arg("engine_hashes") = py::none(), py::arg("parent_hash") = py::none(),
           py::arg("token_ids") = py::none(), py::arg("block_size") = 0,
           py::arg("lora_name") = py::none(), py::arg("priority") = 0, py::arg("next_use_ms") = 0,
-          py::arg("last_partial") = false, py::arg("by_layer") = false,
+          py::arg("last_partial") = false, py::arg("by_layer") = false, py::arg("engine_holds") = false,
           "As store, returning an Op to wait() for. The engine must not overwrite the blocks until "
           "then. by_layer: the engine is still writing them, layer after layer; each layer is "
           "copied once Op.layers_written(n) says it is written (CPU caches; UnimplementedError from "

@@ -302,9 +302,38 @@ def test_the_connector_is_a_real_vllm_connector(model_dir: pathlib.Path, daemon:
         engine.close()
 
 
-def stores_by_layer(daemon: Daemon) -> int:
+def daemon_counters(daemon: Daemon) -> dict[str, int]:
     with kvtier.Client.connect(daemon.socket, name="pytest-stats") as client:
-        return int(client.stats()["counters"]["stores_by_layer"])
+        return dict(client.stats()["counters"])
+
+
+def stores_by_layer(daemon: Daemon) -> int:
+    return daemon_counters(daemon)["stores_by_layer"]
+
+
+@pytest.mark.parametrize("exclusive", [True, False], ids=["exclusive", "duplicates"])
+def test_kvtierd_learns_which_blocks_vllms_own_cache_holds_and_lets_go_of(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], exclusive: bool
+) -> None:
+    # 12 prompts of 6 full blocks each, one after the other, through a cache
+    # of 64 blocks: vLLM reuses the blocks of the first prompts for the
+    # last ones, letting go of what it held there.
+    engine = Engine(model_dir, daemon.socket, exclusive_caching=exclusive)
+    engines.append(engine)
+    for p in range(12):
+        engine.add(f"p{p}", [3 + (31 * p + t) % 450 for t in range(6 * BLOCK + 1)])
+        engine.run_until_idle()
+    stored = 12 * 6
+    deadline = time.monotonic() + 30
+    while (c := daemon_counters(daemon))["stores"] < stored or (exclusive and c["engine_dropped"] == 0):
+        assert time.monotonic() < deadline, c
+        engine.step()  # the hints go out with the steps' metadata
+        time.sleep(0.05)
+    # Every block stored while vLLM held it; those of the blocks vLLM gave
+    # to later prompts let go of: some, never more than were stored, and
+    # not the last prompt's (still in vLLM's cache).
+    assert c["engine_held"] == (stored if exclusive else 0)
+    assert (0 < c["engine_dropped"] <= stored - 6) if exclusive else c["engine_dropped"] == 0
 
 
 @pytest.mark.parametrize("layerwise_store", [True, False], ids=["stores-by-layer", "whole-stores"])

@@ -186,6 +186,7 @@ class Client:
         priority: int = 0,
         next_use_ms: int = 0,
         last_partial: bool = False,
+        engine_holds: bool = False,
     ) -> OpResult: ...
     def hint(
         self,
@@ -195,6 +196,7 @@ class Client:
         priority: int = 0,
         next_use_ms: int = 0,
         session_over: bool = False,
+        engine_dropped: bool = False,
     ) -> dict[str, int]: ...
     def load_async(self, cache: KvCache, keys: Sequence[bytes], block_ids: BlockIds, *, by_layer: bool = False) -> Op: ...
     def store_async(
@@ -213,6 +215,7 @@ class Client:
         next_use_ms: int = 0,
         last_partial: bool = False,
         by_layer: bool = False,
+        engine_holds: bool = False,
     ) -> Op: ...
     def stats(self) -> dict[str, Any]: ...
     def evict(self, tenant: str = "", tier: str | None = None) -> int: ...

@@ -57,6 +57,10 @@ class _Settings:
     # Lookups give kvtierd the engine's prefill rate, as its forward passes
     # take: hits slower to load than to compute are left to compute.
     load_or_recompute: bool = True
+    # Exclusive caching: stores say vLLM keeps a copy (kvtier evicts those
+    # first), and the scheduler tells kvtierd which blocks vLLM's own cache
+    # let go of since (kvtier's copy the only one then).
+    exclusive_caching: bool = True
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -71,6 +75,7 @@ class _Settings:
             layerwise_load=_flag(extra.get("layerwise_load", True)),
             layerwise_store=_flag(extra.get("layerwise_store", True)),
             load_or_recompute=_flag(extra.get("load_or_recompute", True)),
+            exclusive_caching=_flag(extra.get("exclusive_caching", True)),
         )
 
 

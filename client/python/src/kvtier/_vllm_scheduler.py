@@ -60,6 +60,40 @@ class _Lookup:
     hits: int | None = None  # None while in flight
 
 
+@dataclass
+class _Dropped:
+    """Hashes of blocks vLLM's own cache let go of (_EngineCache)."""
+
+    hashes: list[bytes]
+
+
+class _EngineCache:
+    """What vLLM's own cache holds, as far as the scheduler's outputs show
+    it (exclusive caching): the hash each block id holds once full. A block
+    id vLLM gives a request for other content than it held (a new block, or
+    one past the blocks the request matched) means vLLM let go of what it
+    held there: dropped, for kvtierd (Hint.engine_dropped). Bounded by vLLM's
+    block count; each step looks only at the blocks it gave or filled."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, bytes] = {}
+        self.dropped: list[bytes] = []
+
+    def seen(self, ids: list[int], start: int, hashes: list[bytes]) -> None:
+        """A request's block ids from `start` on: the first of them hold
+        `hashes` (once this step has run); those after, new content."""
+        for position in range(start, len(ids)):
+            block = ids[position]
+            now = hashes[position - start] if position - start < len(hashes) else None
+            held = self._held.get(block)
+            if held is not None and held != now:
+                self.dropped.append(held)
+            if now is None:
+                self._held.pop(block, None)
+            else:
+                self._held[block] = now
+
+
 class _Lookups:
     """Prefetches on a thread of their own, so the scheduler waits on the
     daemon at most lookup_wait_s per request. Called by the scheduler thread
@@ -76,13 +110,16 @@ class _Lookups:
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._entries: dict[str, _Lookup] = {}
-        self._queue: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int] | _Dropped | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
         self._thread.start()
 
-    def result(self, req_id: str, hashes: list[bytes]) -> int | None:
+    def result(self, req_id: str, hashes: list[bytes], local: int = 0) -> int | None:
         """Leading blocks of `hashes` cached, or None while the answer is not
-        there. The first call starts the lookup and waits for its answer for
+        there. With full attention only, the first `local` blocks (vLLM's
+        own hit) are not asked about: taken as cached, and not touched in
+        kvtierd (its copies of what vLLM holds stay first to go: exclusive
+        caching), nor timed for load or recompute. The first call starts the lookup and waits for its answer for
         at most lookup_wait_s (a round trip takes a fraction of that), so
         that a request is scheduled in the step it arrives in, not a step
         later, behind whatever that step computes. A lookup unanswered after
@@ -92,7 +129,7 @@ class _Lookups:
             entry = self._entries.get(req_id)
             if entry is None or entry.num_blocks != len(hashes):
                 entry = self._entries[req_id] = _Lookup(len(hashes), now)
-                self._queue.put((req_id, hashes))
+                self._queue.put((req_id, hashes, local))
                 if self._settings.lookup_wait_s > 0:
                     self._answered.wait_for(lambda: entry.hits is not None, self._settings.lookup_wait_s)
                 return entry.hits
@@ -104,6 +141,11 @@ class _Lookups:
     def forget(self, req_id: str) -> None:
         with self._lock:
             self._entries.pop(req_id, None)
+
+    def engine_dropped(self, hashes: list[bytes]) -> None:
+        """Blocks vLLM's own cache let go of: told to kvtierd on this
+        thread (Hint.engine_dropped), after the lookups queued before."""
+        self._queue.put(_Dropped(hashes))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -172,9 +214,19 @@ class _Lookups:
         caches: list[list[kvtier.KvCache]] = []  # by group and shard, as self._layouts
         cpus: list[kvtier.CpuKvCache] = []
         while (item := self._queue.get()) is not None:
-            req_id, hashes = item
+            if isinstance(item, _Dropped):
+                client = connection.client() if caches else None
+                try:
+                    for cache in caches[0] if client is not None else []:
+                        client.hint(cache, _keys(client, cache, item.hashes), engine_dropped=True)
+                except kvtier.Error as error:
+                    refusals.note(error, f"a hint that vLLM let go of {len(item.hashes)} blocks")
+                continue
+            req_id, hashes, local = item
             if self._stale(req_id, hashes):
                 continue
+            if any(window is not None for window in self._windows):
+                local = 0  # the windows before the hit's end are asked about whole
             hits = 0
             try:
                 client = connection.client()
@@ -185,7 +237,7 @@ class _Lookups:
                     if not caches:
                         rest = iter(registered)
                         caches = [[next(rest) for _ in shards] for shards in self._layouts]
-                    hits = self._hits(client, caches, hashes)
+                    hits = local + self._hits(client, caches, hashes[local:])
             except kvtier.Error as error:
                 hits = 0
                 registered_all = len(registered) == len(layouts)
@@ -207,6 +259,7 @@ class _Request:
     block_ids: list[list[int]] = field(default_factory=list)  # by KV cache group
     stored: int = 0  # leading blocks known cached or already sent to be stored
     has_stores: bool = False
+    recorded: int = 0  # leading blocks whose hash _EngineCache knows vLLM holds
 
 
 # vLLM's null block: where a sliding-window group holds no block (outside
@@ -231,6 +284,8 @@ class _SchedulerSide:
         self._hits: dict[str, int] = {}
         self._loads: list[TransferSpec] = []
         self._hints: list[TransferSpec] = []  # of requests over, for the next step
+        # One full-attention group: vLLM's own copies, for exclusive caching.
+        self._engine = _EngineCache() if settings.exclusive_caching and self._windows == [None] else None
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -246,7 +301,7 @@ class _SchedulerSide:
         if blocks * self._block_tokens <= num_computed_tokens or request.request_id in self._failed_loads:
             return 0, False
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[:blocks]]
-        hits = self._lookups.result(request.request_id, hashes)
+        hits = self._lookups.result(request.request_id, hashes, num_computed_tokens // self._block_tokens)
         if hits is None:
             return None, False
         self._local_tokens[request.request_id] = num_computed_tokens
@@ -294,11 +349,15 @@ class _SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
+                state.recorded = 0
             elif new_ids:
                 for ids, more in zip(state.block_ids, new_ids):
                     ids.extend(more)
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_stores(meta, state, computed)
+        if self._engine is not None and self._engine.dropped:
+            self._lookups.engine_dropped(self._engine.dropped)
+            self._engine.dropped = []
         return meta
 
     def _plan_stores(self, meta: KvtierMetadata, state: _Request, computed_tokens: int) -> None:
@@ -314,6 +373,10 @@ class _SchedulerSide:
         publishable = getattr(request, "num_publishable_block_hashes", None)
         if publishable is not None:
             blocks = min(blocks, publishable)
+        if self._engine is not None:
+            held = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.recorded : blocks]]
+            self._engine.seen(state.block_ids[0], state.recorded, held)
+            state.recorded = max(state.recorded, blocks)
         if blocks <= state.stored:
             return
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.stored : blocks]]

@@ -423,6 +423,7 @@ class _WorkerSide:
                         priority=hint.priority,
                         next_use_ms=hint.next_use_ms,
                         by_layer=by_layer,
+                        engine_holds=self._settings.exclusive_caching,
                     )
                     ops.append(op)
                     if by_layer:
