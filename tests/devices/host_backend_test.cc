@@ -439,6 +439,21 @@ TEST(HostBackendTest, ALoadByLayerCancelledReportsNoLayer) {
   for (uint32_t b = 0; b < 8; ++b) EXPECT_TRUE(engine.IsZero(b));
 }
 
+// A store by layer of every block of `engine` into `slots`, block b into
+// bytes [b * block_bytes, (b + 1) * block_bytes), held by `gate`.
+CopyBatch StoreByLayer(EngineMemory& engine, std::vector<uint8_t>& slots, std::shared_ptr<LayerGate> gate) {
+  CopyBatch store{.direction = CopyDirection::kEngineToSlot,
+                  .priority = CopyPriority::kStore,
+                  .layout = engine.layout(),
+                  .mapping = engine.mapping(),
+                  .checksum_destination = true,
+                  .gate = std::move(gate)};
+  for (uint32_t b = 0; b < engine.num_blocks(); ++b) {
+    store.blocks.push_back(BlockCopy{b, slots.data() + uint64_t{b} * engine.block_bytes()});
+  }
+  return store;
+}
+
 // A store by layer (CopyBatch::gate): the engine writes layer l of every
 // block and then opens it. Each layer's copies wait for it: every engine
 // block holds nonsense until its layers are written, so a copy run early
@@ -459,15 +474,8 @@ TEST(HostBackendTest, AStoreByLayerCopiesEachLayerOnlyOnceItsGateOpensIt) {
   }
   std::vector<uint8_t> slots(kBlocks * bytes, 0);
   auto gate = std::make_shared<LayerGate>(kLayers);
-  CopyBatch store{.direction = CopyDirection::kEngineToSlot,
-                  .priority = CopyPriority::kStore,
-                  .layout = engine.layout(),
-                  .mapping = engine.mapping(),
-                  .checksum_destination = true,
-                  .gate = gate};
-  for (uint32_t b = 0; b < kBlocks; ++b) store.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
   Completions c(1);
-  ASSERT_TRUE(backend->Submit(std::move(store), c.Done(0)));
+  ASSERT_TRUE(backend->Submit(StoreByLayer(engine, slots, gate), c.Done(0)));
   for (uint32_t l = 0; l < kLayers; ++l) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));  // time for any copy run too early
     EXPECT_TRUE(c.order().empty()) << "over before layer " << l << " was written";
@@ -498,15 +506,8 @@ TEST(HostBackendTest, AStoreByLayerWhoseGateAbortsCopiesNoLayerPastThoseWritten)
   for (uint32_t b = 0; b < kBlocks; ++b) std::memset(engine.block(b).data(), 0x5a, bytes);
   std::vector<uint8_t> slots(kBlocks * bytes, 0);
   auto gate = std::make_shared<LayerGate>(kLayers);
-  CopyBatch store{.direction = CopyDirection::kEngineToSlot,
-                  .priority = CopyPriority::kStore,
-                  .layout = engine.layout(),
-                  .mapping = engine.mapping(),
-                  .checksum_destination = true,
-                  .gate = gate};
-  for (uint32_t b = 0; b < kBlocks; ++b) store.blocks.push_back(BlockCopy{b, slots.data() + b * bytes});
   Completions c(1);
-  ASSERT_TRUE(backend->Submit(std::move(store), c.Done(0)));
+  ASSERT_TRUE(backend->Submit(StoreByLayer(engine, slots, gate), c.Done(0)));
   gate->Open(2);
   gate.reset();
   c.Wait();
