@@ -10,7 +10,8 @@
 //   kvtier-bench host --events [--blocks 64] [--block-tokens 16] [--reps 7]
 //       the same, events off vs on (tools/bench_events.h)
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
-//       KV cache, next to a single-thread memcpy of the same bytes
+//       KV cache, next to a memcpy of the same bytes on one thread and on as
+//       many as kvtierd copies with; stores next to loads
 //   kvtier-bench redis  [--blocks 64] [--reps 7] [--socket PATH]
 //       the same store then load through kvtierd and through a Redis the
 //       bench starts on a unix socket (pipelined SET/GET; tools/bench_redis.h)
@@ -37,6 +38,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -148,6 +150,32 @@ using kvtier::bench::Llama8BLayout;
 using kvtier::bench::Register;
 using kvtier::bench::Tokens;
 
+// The copy threads a kvtierd runs, from its Stats ("host: 2 copy
+// thread(s)"); `fallback` where it does not say.
+uint32_t CopyThreadsOf(kvtier::Client& client, uint32_t fallback) {
+  const kvtier::Result<kvtier::DaemonStats> s = client.Stats();
+  if (!s) return fallback;
+  const std::string& b = s->backend;
+  const size_t at = b.find(" copy thread");
+  if (at == std::string::npos) return fallback;
+  size_t digits = at;
+  while (digits > 0 && std::isdigit(static_cast<unsigned char>(b[digits - 1])) != 0) --digits;
+  return digits == at ? fallback : static_cast<uint32_t>(std::stoul(b.substr(digits, at - digits)));
+}
+
+// memcpy of `bytes` from `src` to `dst` on `threads` threads, each a
+// contiguous slice (as kvtierd's copy threads split a batch).
+void ParallelMemcpy(uint8_t* dst, const uint8_t* src, uint64_t bytes, uint32_t threads) {
+  std::vector<std::thread> workers;
+  const uint64_t slice = (bytes + threads - 1) / threads;
+  for (uint32_t t = 0; t < threads; ++t) {
+    const uint64_t begin = std::min(bytes, uint64_t{t} * slice);
+    const uint64_t n = std::min(bytes, begin + slice) - begin;
+    workers.emplace_back([=] { std::memcpy(dst + begin, src + begin, n); });
+  }
+  for (std::thread& w : workers) w.join();
+}
+
 int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::string& daemon, const std::string& json) {
   const kvtier::Layout layout = Llama8BLayout();
   const uint64_t block_bytes = layout.block_bytes();
@@ -156,47 +184,68 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
   const std::optional<kvtier::CacheId> registered = Register(client, *cache);
   if (!registered) return 1;
   const kvtier::CacheId id = *registered;
-  const double bytes = 2.0 * blocks * static_cast<double>(block_bytes);  // stored + loaded
-  std::printf("config:   %u blocks of %.1f MiB per op, store then load, %u reps (+1 warm-up)\n", blocks,
-              static_cast<double>(block_bytes) / (1 << 20), reps);
+  const uint32_t threads = CopyThreadsOf(client, std::max(1u, std::thread::hardware_concurrency()));
+  const double one_way = blocks * static_cast<double>(block_bytes);
+  const double bytes = 2.0 * one_way;  // stored + loaded
+  std::printf("config:   %u blocks of %.1f MiB per op, store then load, %u reps (+1 warm-up); kvtierd copies "
+              "with %u thread(s)\n",
+              blocks, static_cast<double>(block_bytes) / (1 << 20), reps, threads);
   std::fflush(stdout);
 
-  std::vector<double> kv_gbps, memcpy_gbps;
+  std::vector<double> kv_gbps, store_gbps, load_gbps, memcpy_gbps, memcpy_n_gbps;
   uint64_t mismatches = 0;
+  uint8_t* const out = cache->block(0).data();
+  uint8_t* const back = cache->block(blocks).data();
+  const uint64_t span = blocks * block_bytes;
   for (uint32_t rep = 0; rep <= reps; ++rep) {
     const std::vector<kvtier::BlockKey> keys = client.ComputeKeys(id, Tokens(rep + 1, blocks * 16)).value();
     for (uint32_t i = 0; i < blocks; ++i) kvtier::FillFromKey(keys[i], cache->block(i));
     const auto t0 = Clock::now();
     auto stored = client.Store(id, keys, Iota(0, blocks));
-    auto loaded = client.Load(id, keys, Iota(blocks, blocks));
     const auto t1 = Clock::now();
+    auto loaded = client.Load(id, keys, Iota(blocks, blocks));
+    const auto t2 = Clock::now();
     if (!stored || !loaded || stored->blocks != blocks || loaded->blocks != blocks) {
       std::fprintf(stderr, "kvtier-bench: store/load failed: %s\n",
                    (!stored ? stored.error() : !loaded ? loaded.error() : kvtier::Status()).ToString().c_str());
       return 1;
     }
     for (uint32_t i = 0; i < blocks; ++i) mismatches += !kvtier::MatchesKey(keys[i], cache->block(blocks + i));
-    // Baseline: the same bytes copied by one thread, out and back.
+    // Baselines: the same bytes copied out and back by one thread, then by
+    // as many threads as kvtierd copies with (the machine's limit).
     const auto m0 = Clock::now();
-    std::memcpy(cache->block(blocks).data(), cache->block(0).data(), blocks * block_bytes);
-    std::memcpy(cache->block(0).data(), cache->block(blocks).data(), blocks * block_bytes);
+    std::memcpy(back, out, span);
+    std::memcpy(out, back, span);
     const auto m1 = Clock::now();
+    ParallelMemcpy(back, out, span, threads);
+    ParallelMemcpy(out, back, span, threads);
+    const auto m2 = Clock::now();
     (void)client.Evict();  // keep the host tier from filling across reps
     if (rep == 0) continue;  // warm-up: first touches of the arenas
-    kv_gbps.push_back(bytes / Seconds(t1 - t0) / 1e9);
+    kv_gbps.push_back(bytes / Seconds(t2 - t0) / 1e9);
+    store_gbps.push_back(one_way / Seconds(t1 - t0) / 1e9);
+    load_gbps.push_back(one_way / Seconds(t2 - t1) / 1e9);
     memcpy_gbps.push_back(bytes / Seconds(m1 - m0) / 1e9);
-    std::printf("rep %u/%u: %.2f GB/s (memcpy %.2f GB/s)\n", rep, reps, kv_gbps.back(), memcpy_gbps.back());
+    memcpy_n_gbps.push_back(bytes / Seconds(m2 - m1) / 1e9);
+    std::printf("rep %u/%u: %.2f GB/s (store %.2f, load %.2f; memcpy %.2f, on %u threads %.2f GB/s)\n", rep, reps,
+                kv_gbps.back(), store_gbps.back(), load_gbps.back(), memcpy_gbps.back(), threads,
+                memcpy_n_gbps.back());
     std::fflush(stdout);
   }
-  const std::vector<Comparison> cs = {{"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_gbps),
-                                       "single-thread memcpy, out and back", "GB/s"}};
+  const std::string on_threads = "memcpy on " + std::to_string(threads) + " thread(s) (kvtierd's copy threads), out and back";
+  const std::vector<Comparison> cs = {
+      {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_gbps), "single-thread memcpy, out and back",
+       "GB/s"},
+      {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_n_gbps), on_threads, "GB/s"},
+      {"store 2 MiB blocks via kvtierd", Median(store_gbps), Median(load_gbps), "load of the same blocks, same run",
+       "GB/s"}};
   PrintComparisons(cs);
   std::printf("verified: %lu of %lu loaded blocks byte-exact\n", uint64_t{blocks} * reps + blocks - mismatches,
               uint64_t{blocks} * (reps + 1));
   if (!json.empty() &&
       !WriteJson(json, {{"workload", "host"}, {"blocks", std::to_string(blocks)},
                         {"block_bytes", std::to_string(block_bytes)}, {"reps", std::to_string(reps)},
-                        {"daemon", daemon}},
+                        {"copy_threads", std::to_string(threads)}, {"daemon", daemon}},
                  cs)) {
     std::fprintf(stderr, "kvtier-bench: cannot write %s\n", json.c_str());
     return 1;
