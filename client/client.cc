@@ -145,8 +145,8 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
 Result<OpHandle> Client::StoreLayersAsync(CacheId cache, std::span<const BlockKey> keys,
                                          std::span<const uint32_t> block_ids, const std::optional<BlockKey>& parent,
                                          const BlockEventInfo* events, const BlockHint* hint) {
-  KVTIER_ASSIGN_OR_RETURN(
-      auto v, impl_->StartOp(Impl::OpKind::kStoreByLayer, false, cache, keys, block_ids, parent, false, nullptr, events, hint));
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kStoreByLayer, false, cache, keys, block_ids, parent,
+                                                 false, nullptr, events, hint));
   return std::get<OpHandle>(v);
 }
 

@@ -236,7 +236,9 @@ bool HostBackend::Submit(CopyBatch batch, CopyDone done) {
   // number of blocks as the copies'.
   const size_t per_task = tasks.front().end - tasks.front().begin;
   if (b->copies.checksum_destination) {
-    for (size_t begin = 0; begin < n; begin += per_task) b->checksum_ranges.emplace_back(begin, std::min(n, begin + per_task));
+    for (size_t begin = 0; begin < n; begin += per_task) {
+      b->checksum_ranges.emplace_back(begin, std::min(n, begin + per_task));
+    }
   }
   b->copy_tasks_left.store(tasks.size(), std::memory_order_relaxed);
   b->tasks_left.store(tasks.size() + b->checksum_ranges.size(), std::memory_order_relaxed);
@@ -276,8 +278,9 @@ void HostBackend::Hold(const std::shared_ptr<Batch>& b, std::vector<Task> tasks,
       b->aborted.store(true, std::memory_order_release);
       MutexLock lock(&b->mu);
       if (b->status.ok()) {
-        b->status = Status(StatusCode::kCancelled, "the engine did not write every layer of the store (its session ended, or "
-                                 "limits.store_layers_timeout_ms passed, or it cancelled the store)");
+        b->status = Status(StatusCode::kCancelled,
+                           "the engine did not write every layer of the store (its session ended, or "
+                           "limits.store_layers_timeout_ms passed, or it cancelled the store)");
       }
     }
     // Aborted: the rest go too, and copy nothing (RunTask).

@@ -232,7 +232,8 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
                 memcpy_n_gbps.back());
     std::fflush(stdout);
   }
-  const std::string on_threads = "memcpy on " + std::to_string(threads) + " thread(s) (kvtierd's copy threads), out and back";
+  const std::string on_threads =
+      "memcpy on " + std::to_string(threads) + " thread(s) (kvtierd's copy threads), out and back";
   const std::vector<Comparison> cs = {
       {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_gbps), "single-thread memcpy, out and back",
        "GB/s"},
