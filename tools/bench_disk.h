@@ -1,7 +1,9 @@
 // kvtier-bench disk: demotion (host -> disk) and promotion (disk -> host,
 // disk -> engine) of 2 MiB blocks through kvtierd, next to fio with the same
 // bytes, block size, queues and depth (writes ending in an fsync) and a
-// file-per-block store; the median of several repetitions.
+// file-per-block store; the median of several repetitions. Each part follows
+// the same preconditioning write, and fio and kvtier take turns going
+// first; fio's spread is printed.
 #pragma once
 
 #include <cstdint>
