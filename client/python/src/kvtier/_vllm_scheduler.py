@@ -119,7 +119,8 @@ class _Lookups:
         there. With full attention only, the first `local` blocks (vLLM's
         own hit) are not asked about: taken as cached, and not touched in
         kvtierd (its copies of what vLLM holds stay first to go: exclusive
-        caching), nor timed for load or recompute. The first call starts the lookup and waits for its answer for
+        caching), nor timed for load or recompute. The first call starts
+        the lookup and waits for its answer for
         at most lookup_wait_s (a round trip takes a fraction of that), so
         that a request is scheduled in the step it arrives in, not a step
         later, behind whatever that step computes. A lookup unanswered after
