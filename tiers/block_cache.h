@@ -362,6 +362,12 @@ class BlockCache {
   void MakeReady(BlockEntry* e);
   void MoveToTier(BlockEntry* e, Tier to);
   void SetOnDisk(BlockEntry* e, bool on_disk);
+  // The remote tier holds it (a put landed, or it was fetched from there).
+  void SetOnRemote(BlockEntry* e);
+  // Marks e in its tier's order when the tier below host holds it (its
+  // disk record, or without a disk tier its remote copy): clean, found by
+  // clean-only victim scans without walking past dirty blocks.
+  void MarkClean(BlockEntry* e) { index_.Mark(e, options_.disk != nullptr ? e->on_disk : e->on_remote); }
   // The cluster holds it (a put answered, or a read from it) or this node
   // forgets that it does.
   void SetRemotePresent(BlockEntry* e, bool present);

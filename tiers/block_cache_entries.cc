@@ -130,7 +130,13 @@ void BlockCache::MoveToTier(BlockEntry* e, Tier to) {
 void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {
   if (e->on_disk == on_disk) return;
   e->on_disk = on_disk;
+  MarkClean(e);
   if (e->state == EntryState::kReady) Tell(on_disk, e, Tier::kDisk);
+}
+
+void BlockCache::SetOnRemote(BlockEntry* e) {
+  e->on_remote = true;
+  MarkClean(e);
 }
 
 void BlockCache::SetRemotePresent(BlockEntry* e, bool present) {
@@ -258,6 +264,7 @@ BlockEntry* BlockCache::Materialize(const StoredKey& key) {
   e->disk_gate = copy.disk_gate;
   e->state = EntryState::kReady;
   e->on_disk = true;
+  MarkClean(e);
   e->disk = options_.disk->LocationOf(RecordRefOf(copy));
   e->disk_payload_bytes = copy.block_bytes;
   // Written again (its record lost) as it was, or coded when its namespace

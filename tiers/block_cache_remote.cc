@@ -62,7 +62,7 @@ std::optional<uint32_t> CacheRemote::FetchFromRemote(TenantId tenant, const Layo
           if (i < n) {
             e->checksum = (*checksums)[i];  // as the remote tier checked it
             e->has_checksum = true;
-            e->on_remote = true;
+            cache_.SetOnRemote(e);
             cache_.MakeReady(e);
             cache_.SetRemotePresent(e, true);
             ++cache_.counters_.remote_promotions;
@@ -282,7 +282,7 @@ void CacheRemote::FinishRemotePut(const std::vector<std::pair<BlockEntry*, bool>
     e->remote_put = RemotePut::kNone;
     switch (outcomes[i]) {
       case RemotePutOutcome::kStored:
-        e->on_remote = true;  // only now: a block is clean only where it landed
+        cache_.SetOnRemote(e);  // only now: a block is clean only where it landed
         cache_.SetRemotePresent(e, true);
         ++cache_.counters_.remote_writes;
         stored_any = true;

@@ -101,12 +101,16 @@ BlockEntry* RoomGate::PickVictim(Tier t, uint64_t block_bytes, std::optional<Ten
         }
         if (owner && e->owner != *owner) return Candidate::kSkip;
         if (clean_only && !(cache_.options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
-        if (cache_.options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t) && !(moves_down && ChildrenLeaving(e, t))) {
-          return Candidate::kLastResort;
+        if (cache_.options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t)) {
+          // hbm's parents go as leaves once their children are all moving
+          // down; host's stay behind theirs until they have left, set aside
+          // meanwhile (issue 48: write-back walked past them once a victim).
+          if (moves_down && ChildrenLeaving(e, t)) return Candidate::kEvict;
+          return t == Tier::kHost ? Candidate::kHeld : Candidate::kLastResort;
         }
         return Candidate::kEvict;
       },
-      &last_resort);
+      &last_resort, /*marked_only=*/clean_only);
   if (last_resort) ++cache_.counters_.prefix_fallbacks;
   return victim;
 }

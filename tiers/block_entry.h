@@ -50,10 +50,19 @@ struct BlockEntry {
   // The learned NVMe gate's tag (tiers/disk_gate.h: its request's class,
   // and whether it is a sample), set at its store when the gate is on.
   uint8_t disk_gate = 0;
+  // Its place in its tier's eviction order, continued (owned by
+  // EvictionOrder; in holes the fields around leave): whether it is set
+  // aside as held by its children, and marked (the caller's mark: the
+  // blocks the tier below holds, in a list of their own)...
+  uint8_t order_flags = 0;
   // Lookups and loads that found it (saturating) since it was last written
   // to disk: disk admission asks for some, and a reclaim carries forward a
   // block that has any.
   uint16_t hits = 0;
+  // ... and the position it was linked at (48 bits, rising towards hot):
+  // a queue's two lists merge by it.
+  uint16_t order_seq_high = 0;
+  uint32_t order_seq_low = 0;
   // Its disk record, while on_disk. A block read up from disk keeps its record
   // (until the region is reclaimed), so leaving host again costs no write.
   DiskLocation disk;

@@ -60,6 +60,7 @@ void BlockIndex::Erase(BlockEntry* e) {
   // Detach from the parent.
   if (BlockEntry* p = e->parent; p != nullptr) {
     --p->children_in_tier[static_cast<size_t>(e->tier)];
+    MaybeRelease(p);
     if (e->prev_sibling != nullptr) e->prev_sibling->next_sibling = e->next_sibling;
     else p->first_child = e->next_sibling;
     if (e->next_sibling != nullptr) e->next_sibling->prev_sibling = e->prev_sibling;
@@ -82,6 +83,7 @@ void BlockIndex::ChangeTier(BlockEntry* e, Tier to) {
   if (e->parent != nullptr) {
     --e->parent->children_in_tier[static_cast<size_t>(e->tier)];
     ++e->parent->children_in_tier[static_cast<size_t>(to)];
+    MaybeRelease(e->parent);
   }
   e->tier = to;
   if (e->parked) {
@@ -111,6 +113,10 @@ void BlockIndex::ReleaseLease(BlockEntry* e) {
   KVTIER_CHECK(e->leases > 0 && total_leases_ > 0);
   --e->leases;
   --total_leases_;
+}
+
+void BlockIndex::MaybeRelease(BlockEntry* p) {
+  if (EvictionOrder::Held(p) && !HasChildrenAtOrAbove(p, p->tier)) order(p->tier).Release(p);
 }
 
 bool BlockIndex::HasChildrenAtOrAbove(const BlockEntry* e, Tier t) {

@@ -59,6 +59,8 @@ class BlockIndex {
   // Takes `e` out of its tier's order while it moves; Unpark puts it back,
   // at the hot or the cold end of its place there.
   void Park(BlockEntry* e);
+  // Marks `e` in its tier's order, or clears its mark (EvictionOrder::Mark).
+  void Mark(BlockEntry* e, bool marked) { order(e->tier).Mark(e, marked, !e->parked); }
   void Unpark(BlockEntry* e, bool hot);
 
   // A tier's eviction order (its victim scan: EvictionOrder::PickVictim).
@@ -75,6 +77,8 @@ class BlockIndex {
   OpenTableStats table_stats() const { return table_.stats(); }
 
   // True when `e` has cached children in tier `t` or any tier above it.
+  // A block its order set aside as held by its children (Candidate::kHeld)
+  // is released when this turns false for its own tier.
   static bool HasChildrenAtOrAbove(const BlockEntry* e, Tier t);
 
   // f(BlockEntry*) once for every entry, in no particular order. f must not
@@ -93,6 +97,7 @@ class BlockIndex {
   }
 
  private:
+  void MaybeRelease(BlockEntry* parent);
 
   // Entries live in entries_ (stable addresses, iteration); lookups go
   // through table_, a compact open-addressed key -> entry table (24-byte

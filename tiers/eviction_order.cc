@@ -81,13 +81,14 @@ bool EvictionOrder::Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_
 void EvictionOrder::Expire(uint32_t now_ms) {
   uint32_t budget = kExpirePerCall;
   for (int c = 0; c < kKeptClasses && budget > 0; ++c) {
-    Queue& q = queues_[kKept + c];
-    while (q.coldest != nullptr && budget > 0 && static_cast<int32_t>(now_ms - q.coldest->keep_until_ms) >= 0) {
-      BlockEntry* e = q.coldest;
-      Unlink(e);
-      e->hint_bits &= kLevelMask;
-      Link(e, /*hot=*/false);
-      --budget;
+    for (List& l : lists_[kKept + c]) {
+      while (l.coldest != nullptr && budget > 0 && static_cast<int32_t>(now_ms - l.coldest->keep_until_ms) >= 0) {
+        BlockEntry* e = l.coldest;
+        Unlink(e);
+        e->hint_bits &= kLevelMask;
+        Link(e, /*hot=*/false);
+        --budget;
+      }
     }
   }
 }
@@ -184,8 +185,9 @@ void EvictionOrder::Touch(BlockEntry* e) {
     Link(e, /*hot=*/true);
     return;
   }
+  // A set-aside block counts its hit and stays aside (Keep reads it later).
   const uint8_t hits = HitsOf(e);
-  if (hits < kMaxHits) Set(e, QueueOf(e), static_cast<uint8_t>(hits + 1));
+  if (hits < kMaxHits) Set(e, LevelQueueOf(e), static_cast<uint8_t>(hits + 1));
 }
 
 void EvictionOrder::Remove(BlockEntry* e, bool gone) {
@@ -202,6 +204,32 @@ void EvictionOrder::Remove(BlockEntry* e, bool gone) {
 }
 
 void EvictionOrder::Return(BlockEntry* e, bool hot) { Link(e, hot); }
+
+void EvictionOrder::Hold(BlockEntry* e) {
+  Unlink(e);
+  e->order_flags |= kHeldFlag;
+  Link(e, /*hot=*/true);
+}
+
+void EvictionOrder::Release(BlockEntry* e) {
+  if (!Held(e)) return;
+  Unlink(e);
+  Link(e, /*hot=*/false);
+}
+
+void EvictionOrder::Mark(BlockEntry* e, bool marked, bool linked) {
+  if (Marked(e) == marked) return;
+  if (!linked) {
+    e->order_flags ^= kMarkedFlag;
+    return;
+  }
+  Take(ListOf(e), e);
+  e->order_flags ^= kMarkedFlag;
+  List& to = ListOf(e);
+  BlockEntry* pos = to.hottest;
+  for (uint32_t steps = 0; pos != nullptr && Seq(pos) > Seq(e) && steps < kPlaceSteps; ++steps) pos = Colder(pos);
+  PutAfter(to, pos, e);
+}
 
 bool EvictionOrder::Keep(BlockEntry* e) {
   if (kind_ != PolicyKind::kS3Fifo || Hinted(e) || HitsOf(e) == 0) return false;
@@ -220,18 +248,45 @@ void EvictionOrder::Adapt(bool grow_small) {
 
 void EvictionOrder::Link(BlockEntry* e, bool hot) {
   const int q = QueueOf(e);
-  Queue& l = queues_[q];
-  BlockEntry*& end = hot ? l.hottest : l.coldest;  // where e goes
-  BlockEntry*& other = hot ? l.coldest : l.hottest;
-  const uint32_t id = pool_->IdOf(e);
-  (hot ? e->lru_prev : e->lru_next) = end != nullptr ? pool_->IdOf(end) : 0;
-  (hot ? e->lru_next : e->lru_prev) = 0;
-  if (end != nullptr) (hot ? end->lru_next : end->lru_prev) = id;
-  end = e;
-  if (other == nullptr) other = e;
+  List& l = ListOf(e);
+  SetSeq(e, hot ? ++hot_seq_ : --cold_seq_);
+  PutAfter(l, hot ? l.hottest : nullptr, e);
   ++count_[q];
   ++total_;
   if (Protects(q)) CountProtected(e, true);
+}
+
+void EvictionOrder::PutAfter(List& l, BlockEntry* pos, BlockEntry* e) {
+  const uint32_t id = pool_->IdOf(e);
+  BlockEntry* next = pos != nullptr ? Hotter(pos) : l.coldest;
+  e->lru_prev = pos != nullptr ? pool_->IdOf(pos) : 0;
+  e->lru_next = next != nullptr ? pool_->IdOf(next) : 0;
+  if (pos != nullptr) {
+    pos->lru_next = id;
+  } else {
+    l.coldest = e;
+  }
+  if (next != nullptr) {
+    next->lru_prev = id;
+  } else {
+    l.hottest = e;
+  }
+}
+
+void EvictionOrder::Take(List& l, BlockEntry* e) {
+  BlockEntry* prev = Colder(e);
+  BlockEntry* next = Hotter(e);
+  if (prev != nullptr) {
+    prev->lru_next = e->lru_next;
+  } else {
+    l.coldest = next;
+  }
+  if (next != nullptr) {
+    next->lru_prev = e->lru_prev;
+  } else {
+    l.hottest = prev;
+  }
+  e->lru_prev = e->lru_next = 0;
 }
 
 void EvictionOrder::CountProtected(const BlockEntry* e, bool in) {
@@ -247,20 +302,8 @@ void EvictionOrder::CountProtected(const BlockEntry* e, bool in) {
 
 void EvictionOrder::Unlink(BlockEntry* e) {
   const int q = QueueOf(e);
-  Queue& l = queues_[q];
-  BlockEntry* prev = pool_->At(e->lru_prev);
-  BlockEntry* next = pool_->At(e->lru_next);
-  if (prev != nullptr) {
-    prev->lru_next = e->lru_next;
-  } else {
-    l.coldest = next;
-  }
-  if (next != nullptr) {
-    next->lru_prev = e->lru_prev;
-  } else {
-    l.hottest = prev;
-  }
-  e->lru_prev = e->lru_next = 0;
+  Take(ListOf(e), e);
+  e->order_flags &= static_cast<uint8_t>(~kHeldFlag);
   --count_[q];
   --total_;
   if (Protects(q)) CountProtected(e, false);

@@ -22,6 +22,23 @@
 // `judge` of PickVictim); the order only says in which order to ask and
 // which of the willing to keep.
 //
+// A parent whose children are still in its tier goes only as a last resort
+// (prefix order: the leaves first). The scan sets it aside (kHeld) in a
+// queue of its own, in the order it met them, so that the next scans do
+// not walk past it again; BlockIndex releases it to the cold end of its
+// queue once its last child in the tier or above has left. Set-aside
+// blocks count as looked at: a scan walks the queues for `limit` blocks
+// less those set aside, and takes the coldest set-aside one when it finds
+// no leaf, as the walk over the same parents at the cold end would have.
+// Each block is looked at once per stay at the cold end, not once per
+// victim (issue 48: write-back looked at 600 blocks a victim).
+//
+// The caller may mark blocks (BlockCache marks those the tier below holds:
+// clean, free to let go). Each queue keeps its marked blocks in a list of
+// their own, and a scan merges the two by the position each block was
+// linked at (a 48-bit sequence number), so that a scan of marked blocks
+// only walks no other block, and every other scan sees one order.
+//
 // The engine's hints (RetentionHint, Hint) take blocks out of the policy's
 // queues into queues of their own, LRU each, which the scan asks in this
 // order:
@@ -86,6 +103,9 @@ enum class Candidate : uint8_t {
   kSkip,        // cannot go now
   kEvict,       // may go
   kLastResort,  // may go, but only when no kEvict one is found (a parent of cached blocks)
+  // As kLastResort, and it stays so until it has no children in its tier
+  // or above (BlockIndex::HasChildrenAtOrAbove): set aside until then.
+  kHeld,
 };
 
 class EvictionOrder {
@@ -122,14 +142,31 @@ class EvictionOrder {
   // `e` comes back after Remove(e, false): its queue and hits as they were,
   // at its queue's hot or cold end.
   void Return(BlockEntry* e, bool hot);
+  // `e`, set aside as held by its children (Candidate::kHeld), has none in
+  // its tier or above now: back at the cold end of its queue. Others are
+  // left as they are.
+  void Release(BlockEntry* e);
 
   // The first candidate, in the policy's order, that `judge` (Candidate
   // (const BlockEntry*)) says may go, or else the first it says may go as a
   // last resort (*last_resort set), or null; at most `limit` candidates are
-  // looked at. s3fifo keeps (moves) the willing that were hit meanwhile.
-  // `judge` must not change the order.
+  // looked at (set-aside ones count: see above). s3fifo keeps (moves) the
+  // willing that were hit meanwhile. `judge` must not change the order.
+  // `marked_only`: only marked blocks are candidates.
   template <typename F>
-  BlockEntry* PickVictim(uint32_t limit, F&& judge, bool* last_resort);
+  BlockEntry* PickVictim(uint32_t limit, F&& judge, bool* last_resort, bool marked_only = false);
+
+  // Marks `e`, or clears its mark. `linked`: e is in this order (else
+  // only its flag changes, and Insert or Return places it). Linked, it
+  // moves to the other list of its queue at its place by position, looked
+  // for from the hot end for at most kPlaceSteps blocks (the blocks marked
+  // are mostly ones whose write just ended, near the hot end); past that it
+  // goes where the look stopped, a little hotter than its place.
+  static constexpr uint32_t kPlaceSteps = 64;
+  void Mark(BlockEntry* e, bool marked, bool linked);
+  static bool Marked(const BlockEntry* e) { return (e->order_flags & kMarkedFlag) != 0; }
+  // Whether `e` is set aside as held by its children (Candidate::kHeld).
+  static bool Held(const BlockEntry* e) { return (e->order_flags & kHeldFlag) != 0; }
 
   // The engine's hint for `e`, replacing any it had (a hint of none clears
   // it); `linked`: e is in this order (not parked), else only its bits
@@ -154,17 +191,20 @@ class EvictionOrder {
   uint64_t protected_bytes_of(TenantId owner) const {
     return owner < protected_by_owner_.size() ? protected_by_owner_[owner] : 0;
   }
-  // Blocks in the low queue.
+  // Blocks in the low queue, and set aside as held by their children.
   uint64_t low_size() const { return count_[kLow]; }
+  uint64_t held_size() const { return count_[kHeld]; }
   // Whether `e` is low as its engine holds a copy (engine_holds).
   static bool EngineHeld(const BlockEntry* e) { return (e->hint_bits & kEngineHeldBit) != 0; }
 
   uint64_t size() const { return total_; }
   // What a block carries for its place in an order: its two links, the
-  // policy's bits, the hint's bits and the time it is kept until.
+  // policy's bits, the hint's bits, the time it is kept until, its flags
+  // and its position.
   static constexpr size_t kMetadataBytesPerBlock =
       sizeof(BlockEntry::lru_prev) + sizeof(BlockEntry::lru_next) + sizeof(BlockEntry::policy_bits) +
-      sizeof(BlockEntry::hint_bits) + sizeof(BlockEntry::keep_until_ms);
+      sizeof(BlockEntry::hint_bits) + sizeof(BlockEntry::keep_until_ms) + sizeof(BlockEntry::order_flags) +
+      sizeof(BlockEntry::order_seq_high) + sizeof(BlockEntry::order_seq_low);
   // Whether the tier let go of a block of this key lately (s3fifo and
   // classes keep ghosts; lru none).
   bool Remembers(const StoredKey& key) const {
@@ -174,9 +214,10 @@ class EvictionOrder {
   // s3fifo: blocks in S, and S's target share of the tier (0 for lru).
   uint64_t small_size() const { return kind_ == PolicyKind::kS3Fifo ? count_[kSmall] : 0; }
   double small_share() const { return kind_ == PolicyKind::kS3Fifo ? small_share_ : 0.0; }
-  // The first block of a queue from its cold end, and the next hotter one
-  // (tests, and the order's own scan).
-  BlockEntry* Coldest(bool main_queue = false) const { return queues_[main_queue ? kMain : kSmall].coldest; }
+  // The first block of a queue's unmarked list from its cold end, and the
+  // next hotter and colder ones in its list (tests, and the order's own
+  // scan).
+  BlockEntry* Coldest(bool main_queue = false) const { return lists_[main_queue ? kMain : kSmall][0].coldest; }
   BlockEntry* Hotter(const BlockEntry* e) const { return pool_->At(e->lru_next); }
   BlockEntry* Colder(const BlockEntry* e) const { return pool_->At(e->lru_prev); }
 
@@ -189,7 +230,8 @@ class EvictionOrder {
   static constexpr int kHigh = 3;
   static constexpr int kKept = 4;  // kKept + class, class < kKeptClasses
   static constexpr int kKeptClasses = 13;
-  static constexpr int kQueues = kKept + kKeptClasses;
+  static constexpr int kHeld = kKept + kKeptClasses;  // set aside (Held)
+  static constexpr int kQueues = kHeld + 1;
   // hint_bits: the level (2 bits), whether it is kept, the kept class (4
   // bits), and whether it is low as an engine holds it (level Over).
   static constexpr uint8_t kLevelMask = 0x3;
@@ -207,11 +249,40 @@ class EvictionOrder {
   static constexpr uint8_t kHitsShift = 1;
   static constexpr uint8_t kMaxHits = 3;
 
-  struct Queue {
+  // order_flags.
+  static constexpr uint8_t kHeldFlag = 0x1;
+  static constexpr uint8_t kMarkedFlag = 0x2;
+  // A queue is two lists, unmarked (0) and marked (1), each coldest to
+  // hottest by position.
+  struct List {
     BlockEntry* coldest = nullptr;
     BlockEntry* hottest = nullptr;
   };
-  int QueueOf(const BlockEntry* e) const {
+  List& ListOf(const BlockEntry* e) { return lists_[QueueOf(e)][Marked(e) ? 1 : 0]; }
+  static uint64_t Seq(const BlockEntry* e) { return (uint64_t{e->order_seq_high} << 32) | e->order_seq_low; }
+  static void SetSeq(BlockEntry* e, uint64_t seq) {
+    e->order_seq_high = static_cast<uint16_t>(seq >> 32);
+    e->order_seq_low = static_cast<uint32_t>(seq);
+  }
+  // Positions start mid-range: links at the hot end count up, at the cold
+  // end down (2^47 each way: centuries at millions a second).
+  static constexpr uint64_t kSeqStart = uint64_t{1} << 47;
+  // `e` into list `l` just hotter than `pos` (null: at its cold end), and
+  // out of it.
+  void PutAfter(List& l, BlockEntry* pos, BlockEntry* e);
+  void Take(List& l, BlockEntry* e);
+  // The colder of the two lists' next blocks a and b (either may be null),
+  // stepping that list's cursor on.
+  BlockEntry* NextOf(BlockEntry*& a, BlockEntry*& b) const {
+    const bool take_a = b == nullptr || (a != nullptr && Seq(a) < Seq(b));
+    BlockEntry*& cursor = take_a ? a : b;
+    BlockEntry* e = cursor;
+    cursor = Hotter(e);
+    return e;
+  }
+  int QueueOf(const BlockEntry* e) const { return Held(e) ? kHeld : LevelQueueOf(e); }
+  // Its queue when not set aside.
+  int LevelQueueOf(const BlockEntry* e) const {
     if ((e->hint_bits & kKeptBit) != 0) return kKept + ((e->hint_bits >> kKeptClassShift) & kKeptClassMask);
     switch (LevelOf(e)) {
       case kLevelLow:
@@ -239,8 +310,18 @@ class EvictionOrder {
   }
   static bool Protects(int queue) { return queue == kHigh || queue >= kKept; }
   // Moves a block into, or out of, its queue; keeps the protected bytes.
+  // Unlink ends its being set aside.
   void Link(BlockEntry* e, bool hot);
   void Unlink(BlockEntry* e);
+  // PickVictim's parts: the queues in the scan's order for at most
+  // `budget` blocks (kHeld ones set aside: Hold), returning the first the
+  // judge lets go and keeping the first last resort in *fallback; and the
+  // coldest set-aside block the judge does not skip.
+  template <typename F>
+  BlockEntry* Scan(uint32_t budget, F& judge, BlockEntry** fallback, bool marked_only);
+  template <typename F>
+  BlockEntry* ColdestHeld(uint32_t limit, F& judge, bool marked_only);
+  void Hold(BlockEntry* e);
   void CountProtected(const BlockEntry* e, bool in);
   // s3fifo: whether the scan keeps willing block `e` (hit since it entered
   // its queue), and moves it.
@@ -249,7 +330,9 @@ class EvictionOrder {
 
   const PolicyKind kind_;
   const ChunkedPool<BlockEntry>* pool_;
-  Queue queues_[kQueues];
+  List lists_[kQueues][2];
+  uint64_t hot_seq_ = kSeqStart;
+  uint64_t cold_seq_ = kSeqStart;
   uint64_t count_[kQueues] = {};
   uint64_t total_ = 0;
   uint64_t protected_bytes_ = 0;
@@ -267,8 +350,24 @@ class EvictionOrder {
 };
 
 template <typename F>
-BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_resort) {
+BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_resort, bool marked_only) {
+  const uint64_t held = count_[kHeld];
   BlockEntry* fallback = nullptr;
+  BlockEntry* victim =
+      Scan(held < limit ? static_cast<uint32_t>(limit - held) : 0, judge, &fallback, marked_only);
+  if (victim == nullptr) {
+    // The set-aside parents were colder than what the scan walked.
+    if (BlockEntry* h = ColdestHeld(limit, judge, marked_only); h != nullptr) fallback = h;
+    // None the judge takes (another owner's, leased): the queues get the
+    // whole limit.
+    if (fallback == nullptr && held > 0) victim = Scan(limit, judge, &fallback, marked_only);
+  }
+  if (last_resort != nullptr) *last_resort = victim == nullptr && fallback != nullptr;
+  return victim != nullptr ? victim : fallback;
+}
+
+template <typename F>
+BlockEntry* EvictionOrder::Scan(uint32_t budget, F& judge, BlockEntry** fallback, bool marked_only) {
   uint32_t scanned = 0;
   int first = kSmall;
   if (kind_ == PolicyKind::kS3Fifo &&
@@ -276,23 +375,32 @@ BlockEntry* EvictionOrder::PickVictim(uint32_t limit, F&& judge, bool* last_reso
        count_[kSmall] == 0)) {
     first = kMain;
   }
-  int order[kQueues] = {kLow, first, 1 - first, kHigh};
+  int order[kHeld] = {kLow, first, 1 - first, kHigh};
   for (int c = 0; c < kKeptClasses; ++c) order[4 + c] = kKept + kKeptClasses - 1 - c;
   for (int q : order) {
-    if (queues_[q].coldest == nullptr) continue;
-    for (BlockEntry* e = queues_[q].coldest; e != nullptr && scanned < limit; ++scanned) {
-      BlockEntry* next = Hotter(e);  // before Keep moves it
+    BlockEntry* unmarked = marked_only ? nullptr : lists_[q][0].coldest;
+    BlockEntry* marked = lists_[q][1].coldest;
+    while ((unmarked != nullptr || marked != nullptr) && scanned < budget) {
+      ++scanned;
+      BlockEntry* e = NextOf(unmarked, marked);  // steps on before Keep or Hold moves it
       const Candidate c = judge(static_cast<const BlockEntry*>(e));
-      if (c == Candidate::kEvict && !Keep(e)) {
-        if (last_resort != nullptr) *last_resort = false;
-        return e;
-      }
-      if (c == Candidate::kLastResort && fallback == nullptr) fallback = e;
-      e = next;
+      if (c == Candidate::kEvict && !Keep(e)) return e;
+      if (c == Candidate::kLastResort && *fallback == nullptr) *fallback = e;
+      if (c == Candidate::kHeld) Hold(e);
     }
   }
-  if (last_resort != nullptr) *last_resort = fallback != nullptr;
-  return fallback;
+  return nullptr;
+}
+
+template <typename F>
+BlockEntry* EvictionOrder::ColdestHeld(uint32_t limit, F& judge, bool marked_only) {
+  BlockEntry* unmarked = marked_only ? nullptr : lists_[kHeld][0].coldest;
+  BlockEntry* marked = lists_[kHeld][1].coldest;
+  for (uint32_t scanned = 0; (unmarked != nullptr || marked != nullptr) && scanned < limit; ++scanned) {
+    BlockEntry* e = NextOf(unmarked, marked);
+    if (judge(static_cast<const BlockEntry*>(e)) != Candidate::kSkip) return e;
+  }
+  return nullptr;
 }
 
 }  // namespace kvtier

@@ -26,6 +26,7 @@ using trace::TraceRequest;
 constexpr uint64_t kSlotAlignBytes = 4096;  // SlotPool::kSlotAlignBytes: memory tiers' slot stride
 constexpr double kLagTargetMs = 10;         // the loop lag's p99 under load, at most
 constexpr double kLagMaxTargetMs = 20;      // and its largest
+constexpr double kScansPerVictimTarget = 8;  // blocks victim scans look at per victim (issue 48)
 
 struct Capacity {
   uint64_t hbm = 0, host = 0, disk = 0;  // blocks: slots and records the tiers hold
@@ -139,6 +140,17 @@ int64_t Delta(const DaemonStats& before, const DaemonStats& after, std::string_v
   return static_cast<int64_t>(after.Counter(name)) - static_cast<int64_t>(before.Counter(name));
 }
 
+// Blocks the victim scans found: moved out of hbm or host (demoted,
+// written back, back to their disk record) or let go of there.
+int64_t Victims(const DaemonStats& b, const DaemonStats& a) {
+  return Delta(b, a, "demotions") + Delta(b, a, "disk_demotions") + Delta(b, a, "disk_returns") +
+         Delta(b, a, "evictions_hbm") + Delta(b, a, "evictions_host");
+}
+
+double ScansPerVictim(const DaemonStats& b, const DaemonStats& a) {
+  return static_cast<double>(Delta(b, a, "victim_scan_blocks")) / static_cast<double>(std::max<int64_t>(1, Victims(b, a)));
+}
+
 void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
                  const DaemonStats& a) {
   const auto requests = static_cast<double>(sum.requests);
@@ -202,10 +214,12 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " (kvtier_loop_turn_duration_seconds)\n",
               Delta(b, a, "loop_turns"), Delta(b, a, "loop_turns_over_1ms"), Delta(b, a, "loop_turns_over_5ms"),
               Delta(b, a, "loop_turns_over_10ms"), Delta(b, a, "loop_turns_over_25ms"));
-  std::printf("          victim scans looked at %" PRId64 " blocks; background scans deferred %" PRId64
-              " times; posted work past its slice %" PRId64 " times\n",
-              Delta(b, a, "victim_scan_blocks"), Delta(b, a, "scan_budget_deferrals"),
-              Delta(b, a, "loop_posted_deferred"));
+  std::printf("          victim scans looked at %" PRId64 " blocks, %.2f per block moved or let go (%" PRId64
+              "); background scans deferred %" PRId64 " times; posted work past its slice %" PRId64 " times\n",
+              Delta(b, a, "victim_scan_blocks"), ScansPerVictim(b, a), Victims(b, a),
+              Delta(b, a, "scan_budget_deferrals"), Delta(b, a, "loop_posted_deferred"));
+  std::printf("target (informational): victim scans look at <= %.0f blocks per block moved or let go: %s\n",
+              kScansPerVictimTarget, ScansPerVictim(b, a) <= kScansPerVictimTarget ? "met" : "NOT met");
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
