@@ -54,6 +54,9 @@ BlockCache::BlockCache(Options options)
       self_(std::make_shared<BlockCache*>(this)) {
   if (!options_.clock) options_.clock = [] { return std::chrono::steady_clock::now(); };
   created_ = options_.clock();
+  // A clean-only victim scan takes marked blocks among as many coldest as
+  // any scan looks at.
+  for (size_t t = 0; t < kNumTiers; ++t) index_.order(static_cast<Tier>(t)).SetWindow(options_.eviction_scan_limit);
   room_ = std::make_unique<RoomGate>(*this);
   policy_ = std::make_unique<CachePolicy>(*this);
   codec_ = std::make_unique<CacheCodec>(*this);

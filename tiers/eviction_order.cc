@@ -223,12 +223,12 @@ void EvictionOrder::Mark(BlockEntry* e, bool marked, bool linked) {
     e->order_flags ^= kMarkedFlag;
     return;
   }
-  Take(ListOf(e), e);
+  const int q = QueueOf(e);
+  Take(q, SideOf(e), e);
   e->order_flags ^= kMarkedFlag;
-  List& to = ListOf(e);
-  BlockEntry* pos = to.hottest;
+  BlockEntry* pos = ListOf(e).hottest;
   for (uint32_t steps = 0; pos != nullptr && Seq(pos) > Seq(e) && steps < kPlaceSteps; ++steps) pos = Colder(pos);
-  PutAfter(to, pos, e);
+  PutAfter(q, SideOf(e), pos, e);
 }
 
 bool EvictionOrder::Keep(BlockEntry* e) {
@@ -248,15 +248,69 @@ void EvictionOrder::Adapt(bool grow_small) {
 
 void EvictionOrder::Link(BlockEntry* e, bool hot) {
   const int q = QueueOf(e);
-  List& l = ListOf(e);
-  SetSeq(e, hot ? ++hot_seq_ : --cold_seq_);
-  PutAfter(l, hot ? l.hottest : nullptr, e);
+  SetSeq(e, hot || count_[q] == 0 ? ++hot_seq_ : ColdestSeq(q) - 1);
+  PutAfter(q, SideOf(e), hot ? ListOf(e).hottest : nullptr, e);
   ++count_[q];
   ++total_;
   if (Protects(q)) CountProtected(e, true);
 }
 
-void EvictionOrder::PutAfter(List& l, BlockEntry* pos, BlockEntry* e) {
+uint64_t EvictionOrder::ColdestSeq(int q) const {
+  const BlockEntry* a = lists_[q][0].coldest;
+  const BlockEntry* b = lists_[q][1].coldest;
+  return a == nullptr ? Seq(b) : b == nullptr ? Seq(a) : std::min(Seq(a), Seq(b));
+}
+
+void EvictionOrder::SetWindow(uint32_t n) {
+  window_ = n;
+  for (int q = 0; q < kQueues; ++q) {
+    windows_[q] = Window{};
+    WindowFill(q);
+  }
+}
+
+void EvictionOrder::WindowFill(int q) {
+  Window& w = windows_[q];
+  while (w.inside < window_) {
+    BlockEntry* next[2];
+    for (int side = 0; side < 2; ++side) {
+      next[side] = w.edge[side] != nullptr ? Hotter(w.edge[side]) : lists_[q][side].coldest;
+    }
+    if (next[0] == nullptr && next[1] == nullptr) return;
+    const int side = next[1] == nullptr || (next[0] != nullptr && Seq(next[0]) < Seq(next[1])) ? 0 : 1;
+    w.edge[side] = next[side];
+    ++w.inside;
+  }
+}
+
+void EvictionOrder::WindowGained(int q, int side, BlockEntry* e) {
+  Window& w = windows_[q];
+  if (!InWindow(q, e)) {
+    WindowFill(q);  // hotter than the window: in it only while it is short
+    return;
+  }
+  // Colder than the window's hottest: in it, the hottest of its list there
+  // when it lies past its list's edge (the next block of that list is past
+  // the window).
+  if (w.edge[side] == nullptr || Seq(e) > Seq(w.edge[side])) w.edge[side] = e;
+  ++w.inside;
+  // One over: the hottest inside leaves it.
+  if (w.inside > window_) {
+    const int hottest = w.edge[1] == nullptr || (w.edge[0] != nullptr && Seq(w.edge[0]) > Seq(w.edge[1])) ? 0 : 1;
+    w.edge[hottest] = Colder(w.edge[hottest]);
+    --w.inside;
+  }
+}
+
+void EvictionOrder::WindowLosing(int q, int side, const BlockEntry* e) {
+  Window& w = windows_[q];
+  if (!InWindow(q, e)) return;
+  if (w.edge[side] == e) w.edge[side] = Colder(e);
+  --w.inside;
+}
+
+void EvictionOrder::PutAfter(int q, int side, BlockEntry* pos, BlockEntry* e) {
+  List& l = lists_[q][side];
   const uint32_t id = pool_->IdOf(e);
   BlockEntry* next = pos != nullptr ? Hotter(pos) : l.coldest;
   e->lru_prev = pos != nullptr ? pool_->IdOf(pos) : 0;
@@ -271,9 +325,12 @@ void EvictionOrder::PutAfter(List& l, BlockEntry* pos, BlockEntry* e) {
   } else {
     l.hottest = e;
   }
+  WindowGained(q, side, e);
 }
 
-void EvictionOrder::Take(List& l, BlockEntry* e) {
+void EvictionOrder::Take(int q, int side, BlockEntry* e) {
+  WindowLosing(q, side, e);
+  List& l = lists_[q][side];
   BlockEntry* prev = Colder(e);
   BlockEntry* next = Hotter(e);
   if (prev != nullptr) {
@@ -287,6 +344,7 @@ void EvictionOrder::Take(List& l, BlockEntry* e) {
     l.hottest = prev;
   }
   e->lru_prev = e->lru_next = 0;
+  WindowFill(q);
 }
 
 void EvictionOrder::CountProtected(const BlockEntry* e, bool in) {
@@ -302,7 +360,7 @@ void EvictionOrder::CountProtected(const BlockEntry* e, bool in) {
 
 void EvictionOrder::Unlink(BlockEntry* e) {
   const int q = QueueOf(e);
-  Take(ListOf(e), e);
+  Take(q, SideOf(e), e);
   e->order_flags &= static_cast<uint8_t>(~kHeldFlag);
   --count_[q];
   --total_;

@@ -152,7 +152,10 @@ class EvictionOrder {
   // last resort (*last_resort set), or null; at most `limit` candidates are
   // looked at (set-aside ones count: see above). s3fifo keeps (moves) the
   // willing that were hit meanwhile. `judge` must not change the order.
-  // `marked_only`: only marked blocks are candidates.
+  // `marked_only`: only marked blocks are candidates, and only those among
+  // the window's coldest blocks of their queue (SetWindow): a scan of
+  // marked blocks stops at the first past them, as a walk of that many
+  // blocks over both lists would have.
   template <typename F>
   BlockEntry* PickVictim(uint32_t limit, F&& judge, bool* last_resort, bool marked_only = false);
 
@@ -165,6 +168,11 @@ class EvictionOrder {
   static constexpr uint32_t kPlaceSteps = 64;
   void Mark(BlockEntry* e, bool marked, bool linked);
   static bool Marked(const BlockEntry* e) { return (e->order_flags & kMarkedFlag) != 0; }
+  // Each queue keeps track of its `n` coldest blocks (a boundary in each
+  // list, moved by a step or two at each link and unlink): the window of a
+  // marked-only scan. Default 1024; set before blocks arrive (else it is
+  // built again once, walking n blocks a queue).
+  void SetWindow(uint32_t n);
   // Whether `e` is set aside as held by its children (Candidate::kHeld).
   static bool Held(const BlockEntry* e) { return (e->order_flags & kHeldFlag) != 0; }
 
@@ -214,10 +222,16 @@ class EvictionOrder {
   // s3fifo: blocks in S, and S's target share of the tier (0 for lru).
   uint64_t small_size() const { return kind_ == PolicyKind::kS3Fifo ? count_[kSmall] : 0; }
   double small_share() const { return kind_ == PolicyKind::kS3Fifo ? small_share_ : 0.0; }
-  // The first block of a queue's unmarked list from its cold end, and the
-  // next hotter and colder ones in its list (tests, and the order's own
-  // scan).
-  BlockEntry* Coldest(bool main_queue = false) const { return lists_[main_queue ? kMain : kSmall][0].coldest; }
+  // The first block of a queue's unmarked (or marked) list from its cold
+  // end, and the next hotter and colder ones in its list (tests, and the
+  // order's own scan).
+  BlockEntry* Coldest(bool main_queue = false, bool marked = false) const {
+    return lists_[main_queue ? kMain : kSmall][marked ? 1 : 0].coldest;
+  }
+  // Its position: lower is colder within a queue (tests).
+  static uint64_t Position(const BlockEntry* e) { return Seq(e); }
+  // Whether linked block `e` lies in its queue's window (SetWindow).
+  bool InWindow(const BlockEntry* e) const { return InWindow(QueueOf(e), e); }
   BlockEntry* Hotter(const BlockEntry* e) const { return pool_->At(e->lru_next); }
   BlockEntry* Colder(const BlockEntry* e) const { return pool_->At(e->lru_prev); }
 
@@ -258,19 +272,45 @@ class EvictionOrder {
     BlockEntry* coldest = nullptr;
     BlockEntry* hottest = nullptr;
   };
-  List& ListOf(const BlockEntry* e) { return lists_[QueueOf(e)][Marked(e) ? 1 : 0]; }
+  static int SideOf(const BlockEntry* e) { return Marked(e) ? 1 : 0; }
+  List& ListOf(const BlockEntry* e) { return lists_[QueueOf(e)][SideOf(e)]; }
   static uint64_t Seq(const BlockEntry* e) { return (uint64_t{e->order_seq_high} << 32) | e->order_seq_low; }
   static void SetSeq(BlockEntry* e, uint64_t seq) {
     e->order_seq_high = static_cast<uint16_t>(seq >> 32);
     e->order_seq_low = static_cast<uint32_t>(seq);
   }
-  // Positions start mid-range: links at the hot end count up, at the cold
-  // end down (2^47 each way: centuries at millions a second).
+  // Positions start mid-range: links at the hot end count up (2^47:
+  // centuries at millions a second); a link at the cold end takes one
+  // below its queue's coldest.
   static constexpr uint64_t kSeqStart = uint64_t{1} << 47;
-  // `e` into list `l` just hotter than `pos` (null: at its cold end), and
-  // out of it.
-  void PutAfter(List& l, BlockEntry* pos, BlockEntry* e);
-  void Take(List& l, BlockEntry* e);
+  // The position of queue q's coldest block (either list); REQUIRES: q
+  // holds a block.
+  uint64_t ColdestSeq(int q) const;
+  // A queue's window: its `window_` coldest blocks are those up to edge[0]
+  // in its unmarked list and up to edge[1] in its marked one (null: none of
+  // that list), `inside` of them.
+  struct Window {
+    BlockEntry* edge[2] = {nullptr, nullptr};
+    uint64_t inside = 0;
+  };
+  // Whether `e` lies in queue q's window: at or below the hotter edge's
+  // position (every block of either list up to there is in it).
+  bool InWindow(int q, const BlockEntry* e) const {
+    const Window& w = windows_[q];
+    for (const BlockEntry* edge : w.edge) {
+      if (edge != nullptr && Seq(e) <= Seq(edge)) return true;
+    }
+    return false;
+  }
+  // The window after e entered or left list (q, side): it takes in the
+  // next hotter block while short, gives back its hottest while over.
+  void WindowGained(int q, int side, BlockEntry* e);
+  void WindowLosing(int q, int side, const BlockEntry* e);
+  void WindowFill(int q);
+  // `e` into list (q, side) just hotter than `pos` (null: at its cold
+  // end), and out of it.
+  void PutAfter(int q, int side, BlockEntry* pos, BlockEntry* e);
+  void Take(int q, int side, BlockEntry* e);
   // The colder of the two lists' next blocks a and b (either may be null),
   // stepping that list's cursor on.
   BlockEntry* NextOf(BlockEntry*& a, BlockEntry*& b) const {
@@ -331,8 +371,9 @@ class EvictionOrder {
   const PolicyKind kind_;
   const ChunkedPool<BlockEntry>* pool_;
   List lists_[kQueues][2];
+  Window windows_[kQueues];
+  uint32_t window_ = 1024;
   uint64_t hot_seq_ = kSeqStart;
-  uint64_t cold_seq_ = kSeqStart;
   uint64_t count_[kQueues] = {};
   uint64_t total_ = 0;
   uint64_t protected_bytes_ = 0;
@@ -381,6 +422,7 @@ BlockEntry* EvictionOrder::Scan(uint32_t budget, F& judge, BlockEntry** fallback
     BlockEntry* unmarked = marked_only ? nullptr : lists_[q][0].coldest;
     BlockEntry* marked = lists_[q][1].coldest;
     while ((unmarked != nullptr || marked != nullptr) && scanned < budget) {
+      if (marked_only && !InWindow(q, marked)) break;
       ++scanned;
       BlockEntry* e = NextOf(unmarked, marked);  // steps on before Keep or Hold moves it
       const Candidate c = judge(static_cast<const BlockEntry*>(e));
