@@ -1,6 +1,9 @@
 #include "tiers/disk/record.h"
 
 #include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>  // AVX2 where the CPU has it, for the payloads' checksums
+#endif
 
 #include <algorithm>
 #include <cstring>
