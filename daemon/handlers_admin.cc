@@ -85,6 +85,7 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
     counters = RequestCounterList(c);
   } else {
     const CacheCounters c = cache_->counters();
+    const IoEngineStats io = io_engine_ ? io_engine_->stats() : IoEngineStats{};
     leases = cache_->leases();
     // Every live mapping, including dead clients' that wait for their copies.
     mappings = backend_->live_mappings();
@@ -138,6 +139,16 @@ std::vector<uint8_t> Server::HandleStats(Session& s, uint64_t id) {
                         {"disk_index_recoveries", disk_ ? disk_->counters().index_recoveries : 0},
                         {"disk_index_stopped", disk_ && disk_->index_stopped() ? 1u : 0u},
                         {"disk_free_regions", disk_ ? disk_->free_regions() : 0},
+                        // The I/O threads (IoEngineStats): what the device
+                        // was asked, the depth it saw, the threads' idle time.
+                        {"disk_io_reads", io.reads},
+                        {"disk_io_writes", io.writes},
+                        {"disk_io_syncs", io.syncs},
+                        {"disk_io_read_bytes", io.read_bytes},
+                        {"disk_io_write_bytes", io.write_bytes},
+                        {"disk_io_depth_sum", io.depth_sum},
+                        {"disk_io_idle_us", io.idle_ns / 1000},
+                        {"disk_io_thread_us", io.thread_ns / 1000},
                         {"loop_turns", loop_turns_.count()},
                         {"loop_turns_over_1ms", TurnsOver(loop_turns_, 1e-3)},
                         {"loop_turns_over_5ms", TurnsOver(loop_turns_, 5e-3)},

@@ -81,7 +81,25 @@ struct DiskRep {
   double fio_write = 0, fio_read = 0, fpb_write = 0, fpb_read = 0;
   uint64_t group_commits = 0;
   uint64_t mismatches = 0;
+  // How kvtierd's I/O threads and fio's jobs drove the device in each part.
+  IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape;
 };
+
+// kvtierd's I/O threads between two Stats (its disk_io_* counters): in
+// `read` direction or else the writes (and their syncs).
+IoShape ShapeBetween(const kvtier::DaemonStats& a, const kvtier::DaemonStats& b, bool read) {
+  auto d = [&](const char* name) { return static_cast<double>(b.Counter(name) - a.Counter(name)); };
+  const double ops = d(read ? "disk_io_reads" : "disk_io_writes");
+  const double bytes = d(read ? "disk_io_read_bytes" : "disk_io_write_bytes");
+  const double all_ops = d("disk_io_reads") + d("disk_io_writes") + d("disk_io_syncs");
+  IoShape s;
+  s.depth = all_ops > 0 ? d("disk_io_depth_sum") / all_ops : 0;
+  s.size_kib = ops > 0 ? bytes / ops / 1024 : 0;
+  s.syncs_per_gb = !read && bytes > 0 ? d("disk_io_syncs") / (bytes / 1e9) : 0;
+  const double thread_us = d("disk_io_thread_us");
+  s.idle_pct = thread_us > 0 ? 100 * d("disk_io_idle_us") / thread_us : 0;
+  return s;
+}
 
 // The same disk state before kvtier's part of a repetition and before
 // fio's: a write of as many bytes as either writes, through fio, made
@@ -90,7 +108,7 @@ struct DiskRep {
 void Precondition(const DiskConfig& config, uint64_t bytes, uint64_t record_bytes) {
   const std::string file = config.dir + "/precondition.dat";
   std::filesystem::remove(file);
-  (void)Fio(file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
+  (void)Fio(file, "write", bytes, record_bytes, config.queue_depth, config.io_threads).mbps;
   std::filesystem::remove(file);
 }
 
@@ -136,6 +154,8 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
   if (!WaitForCounter(client, "disk_demotions", at_start.Counter("disk_demotions") + blocks))
     return false;
   out->write = mb / Seconds(Clock::now() - w0);
+  const kvtier::DaemonStats written = client.Stats().value();
+  out->write_shape = ShapeBetween(at_start, written, /*read=*/false);
 
   // Every block is now on disk only. Promotion: prefetch them all (disk ->
   // host) and time until every read is done.
@@ -147,9 +167,12 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
   if (!WaitForCounter(client, "disk_promotions", at_start.Counter("disk_promotions") + blocks))
     return false;
   out->promote = mb / Seconds(Clock::now() - p0);
+  const kvtier::DaemonStats promoted = client.Stats().value();
+  out->promote_shape = ShapeBetween(written, promoted, /*read=*/true);
   // Back to disk only (the host copies are clean: dropping them costs no
   // write), then load everything into the engine, all requests in flight.
   if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
+  const kvtier::DaemonStats evicted = client.Stats().value();
   const auto r0 = Clock::now();
   std::vector<kvtier::OpHandle> ops;
   for (uint32_t i = 0; i < blocks; i += 32) {
@@ -169,6 +192,7 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
     }
   }
   out->load = mb / Seconds(Clock::now() - r0);
+  out->load_shape = ShapeBetween(evicted, client.Stats().value(), /*read=*/true);
   for (uint32_t i = 0; i < blocks; ++i)
     out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
   out->group_commits =
@@ -188,9 +212,12 @@ void BaselinesOnce(const DiskConfig& config, DiskRep* out) {
   const std::string fio_file = config.dir + "/fio-baseline.dat";
   std::filesystem::remove(fio_file);
   const uint64_t bytes = uint64_t{blocks} * record_bytes;
-  out->fio_write =
-      Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
-  out->fio_read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads);
+  const FioRun write = Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
+  const FioRun read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads);
+  out->fio_write = write.mbps;
+  out->fio_write_shape = write.shape;
+  out->fio_read = read.mbps;
+  out->fio_read_shape = read.shape;
   std::filesystem::remove(fio_file);
   std::tie(out->fpb_write, out->fpb_read) =
       FilePerBlock(config.dir + "/file-per-block", blocks, block_bytes);
@@ -284,6 +311,28 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
               median_ratio(&DiskRep::write, &DiskRep::fio_write),
               median_ratio(&DiskRep::promote, &DiskRep::fio_read),
               median_ratio(&DiskRep::load, &DiskRep::fio_read));
+  // How each drove the device, medians over the reps.
+  auto shape = [&runs](IoShape DiskRep::*part) {
+    IoShape m;
+    for (auto [field, out] : {std::pair{&IoShape::depth, &m.depth}, {&IoShape::size_kib, &m.size_kib},
+                              {&IoShape::syncs_per_gb, &m.syncs_per_gb}, {&IoShape::idle_pct, &m.idle_pct}}) {
+      std::vector<double> v;
+      for (const DiskRep& r : runs) v.push_back((r.*part).*field);
+      *out = Median(v);
+    }
+    return m;
+  };
+  std::printf("\nhow the device was driven (medians): mean depth as each operation started, mean operation size,\n"
+              "syncs per GB, I/O threads' idle time (fio: its depth buckets' lower bounds, 100%% less its CPU)\n");
+  for (const auto& [name, part] : {std::pair{"demotion write", &DiskRep::write_shape},
+                                   {"fio write", &DiskRep::fio_write_shape},
+                                   {"promotion read", &DiskRep::promote_shape},
+                                   {"load read", &DiskRep::load_shape},
+                                   {"fio read", &DiskRep::fio_read_shape}}) {
+    const IoShape m = shape(part);
+    std::printf("  %-16s depth %5.1f, %7.0f KiB, %5.1f syncs/GB, idle %3.0f%%\n", name, m.depth, m.size_kib,
+                m.syncs_per_gb, m.idle_pct);
+  }
   std::printf(
       "group commits: median %.0f for %u records; verified %lu of %lu loaded blocks byte-exact\n",
       median(&DiskRep::group_commits), config.blocks, uint64_t{config.blocks} * reps - mismatches,

@@ -9,21 +9,46 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 namespace kvtier::bench {
 
-double FioMbps(std::string_view json, std::string_view rw) {
-  // "read": {... "bw_bytes" : N ...}, "write": {...}: the section of this direction.
-  const std::string section = "\"" + std::string(rw) + "\" : {";
-  const size_t at = json.find(section);
-  const size_t bw = at == std::string_view::npos ? at : json.find("\"bw_bytes\"", at);
-  if (bw == std::string_view::npos) return 0;
-  const size_t colon = json.find(':', bw);
+namespace {
+
+// The number after `"key" :` at or after `from` in fio's JSON, or 0.
+double JsonNumber(std::string_view json, std::string_view key, size_t from = 0) {
+  const size_t at = json.find("\"" + std::string(key) + "\"", from);
+  if (at == std::string_view::npos) return 0;
+  const size_t colon = json.find(':', at);
   if (colon == std::string_view::npos) return 0;
-  return std::strtod(std::string(json.substr(colon + 1, 32)).c_str(), nullptr) / 1e6;
+  return std::strtod(std::string(json.substr(colon + 1, 32)).c_str(), nullptr);
 }
 
-double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
+// The mean depth of fio's "iodepth_level" buckets (percent of the run at
+// depths 1, 2, 4-7, 8-15, ...), each at its lower bound.
+double FioDepth(std::string_view json) {
+  const size_t at = json.find("\"iodepth_level\"");
+  if (at == std::string_view::npos) return 0;
+  double sum = 0, weight = 0;
+  for (const auto& [key, depth] : {std::pair{"1", 1.0}, {"2", 2.0}, {"4", 4.0}, {"8", 8.0}, {"16", 16.0},
+                                   {"32", 32.0}, {">=64", 64.0}}) {
+    const double pct = JsonNumber(json, key, at);
+    sum += pct * depth;
+    weight += pct;
+  }
+  return weight > 0 ? sum / weight : 0;
+}
+
+}  // namespace
+
+double FioMbps(std::string_view json, std::string_view rw) {
+  // "read": {... "bw_bytes" : N ...}, "write": {...}: the section of this direction.
+  const size_t at = json.find("\"" + std::string(rw) + "\" : {");
+  return at == std::string_view::npos ? 0 : JsonNumber(json, "bw_bytes", at) / 1e6;
+}
+
+
+FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
            uint32_t queue_depth, uint32_t jobs) {
   const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;
   const std::string cmd =
@@ -34,12 +59,18 @@ double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, 
       " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
       " --ioengine=io_uring --direct=1 --output-format=json 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return 0;
+  if (p == nullptr) return {};
   std::string out;
   char buf[4096];
   for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, n);
   ::pclose(p);
-  return FioMbps(out, rw);
+  FioRun run;
+  run.mbps = FioMbps(out, rw);
+  run.shape.depth = FioDepth(out);
+  run.shape.size_kib = static_cast<double>(block_bytes) / 1024;
+  run.shape.syncs_per_gb = rw == "write" ? static_cast<double>(jobs) / (static_cast<double>(per_job * jobs) / 1e9) : 0;
+  run.shape.idle_pct = 100 - (JsonNumber(out, "usr_cpu") + JsonNumber(out, "sys_cpu"));
+  return run;
 }
 
 BackgroundFio::BackgroundFio(const std::string& dir) : file_(dir + "/contend.fio"), output_(dir + "/contend.json") {

@@ -15,12 +15,30 @@ namespace kvtier::bench {
 // in MB/s (1e6 bytes), all jobs together; 0 when it is not there.
 double FioMbps(std::string_view json, std::string_view rw);
 
-// fio's bandwidth in MB/s, all jobs together; 0 if fio fails.
-// `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread, each with
-// its own ring of that depth), over disjoint parts of one file, and for
-// writes an fsync at the end inside the timed run, since a demotion counts
-// only once it is durable.
-double Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
+// How the device was driven during a run, kvtierd's I/O threads or fio's
+// jobs alike: the mean number of operations in flight as each started, the
+// mean operation size, syncs per GB moved, and the share of the threads'
+// time spent idle (waiting for work or completions).
+struct IoShape {
+  double depth = 0;
+  double size_kib = 0;
+  double syncs_per_gb = 0;
+  double idle_pct = 0;
+};
+
+struct FioRun {
+  double mbps = 0;  // all jobs together; 0 if fio failed
+  // fio's own figures: depth from its iodepth_level buckets (each counted
+  // at its lower bound: 16 stands for 16-31), size its block size, syncs
+  // one per job (end_fsync) on writes, idle 100% less its jobs' CPU.
+  IoShape shape;
+};
+
+// fio's run: `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread,
+// each with its own ring of that depth), over disjoint parts of one file,
+// and for writes an fsync at the end inside the timed run, since a
+// demotion counts only once it is durable.
+FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
            uint32_t queue_depth, uint32_t jobs);
 
 // fio writing to a file of its own in `dir`, from construction until Stop

@@ -32,6 +32,7 @@ using io_internal::ClassifyTransfer;
 using io_internal::Describe;
 using io_internal::FinishOp;
 using io_internal::HasChunksToStart;
+using io_internal::IoCounters;
 using io_internal::IsRead;
 using io_internal::kMaxRetries;
 using io_internal::kMaxTransferBytes;
@@ -48,8 +49,9 @@ class ThreadPoolEngine final : public IoEngine {
  public:
   explicit ThreadPoolEngine(const Options& options)
       : max_write_chunk_bytes_(options.max_write_chunk_bytes),
-        reads_per_write_(options.reads_per_write) {
-    for (uint32_t i = 0; i < options.threads; ++i) threads_.emplace_back([this] { Work(); });
+        reads_per_write_(options.reads_per_write),
+        counters_(options.threads) {
+    for (uint32_t i = 0; i < options.threads; ++i) threads_.emplace_back([this, i] { Work(&counters_[i]); });
   }
 
   ~ThreadPoolEngine() override {
@@ -62,6 +64,12 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
   const char* name() const override { return "threadpool"; }
+
+  IoEngineStats stats() const override {
+    IoEngineStats s;
+    for (const IoCounters& c : counters_) c.AddTo(&s);
+    return s;
+  }
 
   // pread/pwrite take any buffer: nothing to register.
   Status RegisterBuffers(std::span<const std::span<uint8_t>>) override { return Status::Ok(); }
@@ -80,7 +88,7 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
  private:
-  void Work() {
+  void Work(IoCounters* counters) {
     mu_.Lock();
     for (;;) {
       // Ops with nothing (left) to start, empty or failed while queued, go
@@ -97,7 +105,9 @@ class ThreadPoolEngine final : public IoEngine {
           PickNextChunk(!reads_.empty(), !writes_.empty(), reads_in_a_row_, reads_per_write_);
       if (pick.turn == Turn::kNone) {
         if (stopping_) break;
+        counters->WaitBegins();
         work_cv_.Wait(&mu_);
+        counters->WaitEnds();
         continue;
       }
       reads_in_a_row_ = pick.reads_in_a_row;
@@ -105,10 +115,12 @@ class ThreadPoolEngine final : public IoEngine {
       Op* op = queue->front().get();
       const Chunk chunk = TakeChunk(op, max_write_chunk_bytes_);
       if (!HasChunksToStart(*op)) PopLocked(queue);
+      counters->Started(op->request.op, chunk.length, ++busy_);
       // The request's fields never change once queued: read them unlocked.
       mu_.Unlock();
       Status status = Execute(op->request, chunk);
       mu_.Lock();
+      --busy_;
       --op->in_flight;
       if (!status.ok() && op->error.ok()) op->error = std::move(status);
       if (!op->queued && op->in_flight == 0) FinishLocked(std::unique_ptr<Op>(op));
@@ -160,6 +172,7 @@ class ThreadPoolEngine final : public IoEngine {
 
   const uint64_t max_write_chunk_bytes_;
   const uint32_t reads_per_write_;
+  std::vector<IoCounters> counters_;  // a thread's each; thread-safe
   Mutex mu_;
   CondVar work_cv_;  // signalled when work is queued or stopping_ is set
   std::deque<std::unique_ptr<Op>> reads_ KVTIER_GUARDED_BY(mu_);
@@ -167,6 +180,7 @@ class ThreadPoolEngine final : public IoEngine {
   // Read chunks started in a row while writes waited (PickNextChunk).
   uint32_t reads_in_a_row_ KVTIER_GUARDED_BY(mu_) = 0;
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
+  uint32_t busy_ KVTIER_GUARDED_BY(mu_) = 0;  // threads in a system call: the depth the device sees
   std::vector<std::thread> threads_;
 };
 

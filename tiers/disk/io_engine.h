@@ -43,6 +43,23 @@ struct IoRequest {
   std::function<void(Result<uint64_t>)> done = nullptr;  // bytes transferred, or the error
 };
 
+// What an engine's threads did since it started (IoEngine::stats): device
+// operations started (a request split into chunks counts each chunk; a
+// short transfer's rest does not count again), their bytes, the operations
+// in flight on the starting thread as each started (itself included:
+// depth_sum / operations is the mean depth the device saw from it), and
+// the threads' time waiting for work or completions against their lifetime.
+struct IoEngineStats {
+  uint64_t reads = 0;
+  uint64_t writes = 0;
+  uint64_t syncs = 0;
+  uint64_t read_bytes = 0;
+  uint64_t write_bytes = 0;
+  uint64_t depth_sum = 0;
+  uint64_t idle_ns = 0;
+  uint64_t thread_ns = 0;
+};
+
 class IoEngine {
  public:
   struct Options {
@@ -83,6 +100,9 @@ class IoEngine {
   // callback on an engine thread). During destruction, done runs inline with
   // kCancelled instead.
   virtual void Submit(IoRequest request) = 0;
+
+  // Thread-safe; each figure exact, the set taken a few operations apart.
+  virtual IoEngineStats stats() const = 0;
 };
 
 // One transfer attempt: returns bytes moved (>= 0) or -errno.

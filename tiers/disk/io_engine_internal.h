@@ -9,7 +9,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -134,6 +136,53 @@ constexpr Pick PickNextChunk(bool read_ready, bool write_ready, uint32_t reads_i
   if (!read_ready || reads_in_a_row >= reads_per_write) return {Turn::kWrite, 0};
   return {Turn::kRead, reads_in_a_row + 1};
 }
+
+// IoEngineStats as one engine thread counts them: updated by that thread,
+// read by any (relaxed atomics). A wait under way counts as idle so far.
+class IoCounters {
+ public:
+  void Started(IoOp op, uint64_t bytes, uint32_t depth) {
+    ops_[static_cast<size_t>(op)].fetch_add(1, std::memory_order_relaxed);
+    if (op != IoOp::kSync) bytes_[static_cast<size_t>(op)].fetch_add(bytes, std::memory_order_relaxed);
+    depth_sum_.fetch_add(depth, std::memory_order_relaxed);
+  }
+  // Around the thread's waits for work or completions.
+  void WaitBegins() { wait_start_ns_.store(Now(), std::memory_order_relaxed); }
+  void WaitEnds() {
+    const uint64_t start = wait_start_ns_.exchange(0, std::memory_order_relaxed);
+    idle_ns_.fetch_add(Now() - start, std::memory_order_relaxed);
+  }
+  // Adds this thread's figures to `s`.
+  void AddTo(IoEngineStats* s) const {
+    // Idle first, then a wait under way: a wait that ends in between is
+    // missed here (and counted by the next), never counted twice.
+    const uint64_t idle = idle_ns_.load(std::memory_order_relaxed);
+    const uint64_t waiting_since = wait_start_ns_.load(std::memory_order_relaxed);
+    const uint64_t now = Now();
+    s->idle_ns += idle + (waiting_since != 0 && now > waiting_since ? now - waiting_since : 0);
+    s->thread_ns += now - start_ns_;
+    s->reads += ops_[static_cast<size_t>(IoOp::kRead)].load(std::memory_order_relaxed);
+    s->writes += ops_[static_cast<size_t>(IoOp::kWrite)].load(std::memory_order_relaxed);
+    s->syncs += ops_[static_cast<size_t>(IoOp::kSync)].load(std::memory_order_relaxed);
+    s->read_bytes += bytes_[static_cast<size_t>(IoOp::kRead)].load(std::memory_order_relaxed);
+    s->write_bytes += bytes_[static_cast<size_t>(IoOp::kWrite)].load(std::memory_order_relaxed);
+    s->depth_sum += depth_sum_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  static uint64_t Now() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+  }
+
+  std::atomic<uint64_t> ops_[3] = {};
+  std::atomic<uint64_t> bytes_[2] = {};
+  std::atomic<uint64_t> depth_sum_ = 0;
+  std::atomic<uint64_t> idle_ns_ = 0;
+  std::atomic<uint64_t> wait_start_ns_ = 0;  // 0: not waiting
+  const uint64_t start_ns_ = Now();
+};
 
 // A piece of an Op: bytes [begin, begin + length) of its request.
 struct Chunk {

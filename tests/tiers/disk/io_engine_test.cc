@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <latch>
 #include <memory>
@@ -442,6 +443,51 @@ TEST_P(IoEngineTest, SyncReportsSuccess) {
   Result<uint64_t> sync = RunSync(*engine_, IoRequest{.op = IoOp::kSync, .fd = fd_.get()});
   ASSERT_TRUE(sync.has_value()) << sync.error();
   EXPECT_EQ(*sync, 0u);
+}
+
+// What the engine reports of its threads: each chunk it started, its bytes
+// and the depth it started at, its syncs, and idle time that includes a wait
+// still under way (an engine with nothing to do is idle all along).
+TEST_P(IoEngineTest, StatsCountChunksBytesDepthSyncsAndIdleTime) {
+  constexpr uint64_t kChunk = 256 << 10;
+  KVTIER_INIT_OR_SKIP((IoEngine::Options{.threads = 2, .queue_depth = 8, .max_write_chunk_bytes = kChunk}));
+  const IoEngineStats before = engine_->stats();
+  EXPECT_EQ(before.reads + before.writes + before.syncs, 0u);
+  // A 1 MiB write (4 chunks), a sync, then four 256 KiB reads at once.
+  FillPattern({buffer_.data(), 1 << 20}, 0, 5);
+  ASSERT_TRUE(RunSync(*engine_, Request(IoOp::kWrite, 0, 0, 1 << 20)).has_value());
+  ASSERT_TRUE(RunSync(*engine_, IoRequest{.op = IoOp::kSync, .fd = fd_.get()}).has_value());
+  std::latch reads(4);
+  for (uint64_t i = 0; i < 4; ++i) {
+    engine_->Submit(IoRequest{.op = IoOp::kRead,
+                              .fd = fd_.get(),
+                              .offset = i * kChunk,
+                              .buffer = buffer_.data() + (2 << 20) + i * kChunk,
+                              .length = kChunk,
+                              .done = [&](Result<uint64_t> got) {
+                                EXPECT_TRUE(got.has_value());
+                                reads.count_down();
+                              }});
+  }
+  reads.wait();
+  const IoEngineStats after = engine_->stats();
+  EXPECT_EQ(after.writes, 4u);
+  EXPECT_EQ(after.write_bytes, uint64_t{1} << 20);
+  EXPECT_EQ(after.syncs, 1u);
+  EXPECT_EQ(after.reads, 4u);
+  EXPECT_EQ(after.read_bytes, 4 * kChunk);
+  EXPECT_GE(after.depth_sum, after.reads + after.writes + after.syncs) << "each at depth 1 at least";
+  EXPECT_LE(after.depth_sum, 8 * (after.reads + after.writes + after.syncs)) << "never past the queue depth";
+  EXPECT_LE(after.idle_ns, after.thread_ns);
+  // Nothing to do for 100 ms: both threads idle nearly all of it, though
+  // neither wait has ended yet.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const IoEngineStats idle = engine_->stats();
+  const double thread_ms = static_cast<double>(idle.thread_ns - after.thread_ns) / 1e6;
+  const double idle_ms = static_cast<double>(idle.idle_ns - after.idle_ns) / 1e6;
+  EXPECT_GE(thread_ms, 2 * 100.0);
+  EXPECT_GE(idle_ms, 0.9 * thread_ms);
+  EXPECT_LE(idle_ms, thread_ms);
 }
 
 // A large write is split into chunks; a read submitted while it runs gets in
