@@ -206,6 +206,14 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
       Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
       Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
       Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"), Delta(b, a, "disk_writes_missed"));
+  const double io_ops = static_cast<double>(Delta(b, a, "disk_io_reads") + Delta(b, a, "disk_io_writes") +
+                                            Delta(b, a, "disk_io_syncs"));
+  const double io_thread_us = static_cast<double>(Delta(b, a, "disk_io_thread_us"));
+  std::printf("          I/O threads: %" PRId64 " writes, %" PRId64 " reads, %" PRId64
+              " syncs; mean depth %.1f as each started; idle %.0f%% of their time\n",
+              Delta(b, a, "disk_io_writes"), Delta(b, a, "disk_io_reads"), Delta(b, a, "disk_io_syncs"),
+              io_ops > 0 ? static_cast<double>(Delta(b, a, "disk_io_depth_sum")) / io_ops : 0,
+              io_thread_us > 0 ? 100 * static_cast<double>(Delta(b, a, "disk_io_idle_us")) / io_thread_us : 0);
   std::printf("          reads: %" PRId64 " failed their checks or I/O, %" PRId64 " waited for host room, %" PRId64
               " found none, %" PRId64 " found their record reclaimed meanwhile\n",
               Delta(b, a, "disk_read_failures"), Delta(b, a, "disk_reads_waited_for_room"),
