@@ -84,8 +84,6 @@ Status Unavailable(int err, std::string_view during) {
 // user_data values that are not Chunk pointers (which are 8-aligned).
 constexpr uint64_t kEventTag = 1;
 constexpr uint64_t kCancelTag = 2;
-// The stretch of a file whose reads one ring takes (UringEngine::Submit).
-constexpr uint64_t kReadStreamBytes = uint64_t{64} << 20;
 
 // One I/O thread and the ring it owns. Enqueue, RunOnThread and Stop are
 // thread-safe; everything under "Owned by the I/O thread" is touched only by
@@ -480,15 +478,8 @@ class UringEngine final : public IoEngine {
   }
 
   void Submit(IoRequest request) override {
-    // Reads go to a ring by where they read (kReadStreamBytes of a file to
-    // each in turn), so that reads of neighbouring records, such as a
-    // prefix's blocks written together, stream from one ring in order as
-    // fio's jobs do; spread over the rings one by one they interleaved, and
-    // two rings read 0.6-0.8x fio's two jobs (issue 48). Writes and syncs
-    // take the rings in turn (relaxed: the counter only spreads them).
-    const uint32_t i = request.op == IoOp::kRead
-                           ? static_cast<uint32_t>((request.offset / kReadStreamBytes) % workers_.size())
-                           : next_.fetch_add(1, std::memory_order_relaxed) % workers_.size();
+    // Relaxed: the counter only spreads requests over the rings.
+    const uint32_t i = next_.fetch_add(1, std::memory_order_relaxed) % workers_.size();
     std::unique_ptr<Op> refused = workers_[i]->Enqueue(std::make_unique<Op>(std::move(request)));
     if (refused) CancelOp(std::move(refused->request));
   }

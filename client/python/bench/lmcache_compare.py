@@ -321,7 +321,7 @@ def kvtier_host(args: argparse.Namespace, buffer: torch.Tensor, token_sets: list
     import kvtier
 
     chunks = args.chunks
-    with tempfile.TemporaryDirectory(prefix="kvtier-lmcache-") as directory:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as directory:
         path = os.path.join(directory, "kvtierd.sock")
         disk = ["tiers.disk.enabled=false"]
         if disk_dir is not None:
@@ -424,11 +424,11 @@ def timed_reps(
 
 
 def tier_bytes(args: argparse.Namespace) -> int:
-    """What LMCache's CPU backend and kvtier's host tier hold: --tier-reps
-    repetitions' chunks, so that both are full and evicting once the
-    warm-ups are over, as a cache is most of its life; with --tier-reps 0,
-    room for every repetition (nothing is evicted; first stores into memory
-    never touched before)."""
+    """What the memory tiers (kvtier's host tier, the other cache's CPU
+    cache) hold: --tier-reps repetitions' chunks, so that both are full and
+    evicting once the warm-ups are over, as a cache is most of its life; with
+    --tier-reps 0, room for every repetition (nothing is evicted; first
+    stores into memory never touched before)."""
     reps = args.tier_reps or warmups(args) + args.reps
     return chunk_bytes(args.chunk_tokens) * args.chunks * reps + (64 << 20)
 
@@ -499,6 +499,39 @@ def direct_io_seconds(directory: str, size: int, piece: int, reps: int) -> tuple
     return writes, reads
 
 
+def find_kvtierd() -> str | None:
+    """$KVTIER_PROGRAMS_DIR's kvtierd, else the Release build's, else the Debug build's."""
+    candidates = [os.environ.get("KVTIER_PROGRAMS_DIR", ""), str(ROOT / "build/release/bin"), str(ROOT / "build/debug/bin")]
+    return next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Linux {platform.release()}"
+
+
+def print_table(results: dict[str, tuple[list[float], list[float]]], size: int, memcpy: list[float]) -> None:
+    """The median GB/s of each row's stores and retrieves of `size` bytes,
+    with memcpy's (seconds of `memcpy`) as the baseline."""
+    mem = statistics.median(memcpy)
+    print()
+    print(f"{'':<24} {'store GB/s':>11} {'retrieve GB/s':>14} {'store+retrieve GB/s':>20}")
+    for name, (stores, loads) in results.items():
+        s, l = statistics.median(stores), statistics.median(loads)
+        print(f"{name:<24} {size / s / 1e9:11.2f} {size / l / 1e9:14.2f} {2 * size / (s + l) / 1e9:20.2f}")
+    print(f"{'memcpy (torch copy_)':<24} {size / mem / 1e9:11.2f} {size / mem / 1e9:14.2f} {size / mem / 1e9:20.2f}")
+    print()
+
+
+def print_ratios(results: dict[str, tuple[list[float], list[float]]], pairs: list[tuple[str, str, str]]) -> None:
+    """For each (mine, other, goal) whose rows ran: other's median
+    store+retrieve seconds over mine's."""
+    for mine, name, goal in pairs:
+        if mine in results and name in results:
+            k = statistics.median(results[mine][0]) + statistics.median(results[mine][1])
+            other = statistics.median(results[name][0]) + statistics.median(results[name][1])
+            print(f"{mine} / {name}, store+retrieve: {other / k:.2f}x (goal {goal})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kvtierd", default=None)
@@ -513,11 +546,9 @@ def main() -> int:
     parser.add_argument("--no-disk", action="store_true", help="leave the disk tiers out")
     parser.add_argument("--disk-dir", default=str(ROOT / "build"), help="where the disk tiers go (O_DIRECT: not tmpfs)")
     args = parser.parse_args()
+    args.kvtierd = args.kvtierd or find_kvtierd()
     if args.kvtierd is None:
-        candidates = [os.environ.get("KVTIER_PROGRAMS_DIR", ""), str(ROOT / "build/release/bin"), str(ROOT / "build/debug/bin")]
-        args.kvtierd = next((str(pathlib.Path(c) / "kvtierd") for c in candidates if c and (pathlib.Path(c) / "kvtierd").exists()), None)
-        if args.kvtierd is None:
-            parser.error("no kvtierd found: pass --kvtierd")
+        parser.error("no kvtierd found: pass --kvtierd")
     torch.set_num_threads(args.threads)
     import lmcache
 
@@ -526,7 +557,7 @@ def main() -> int:
     fill(buffer, 0)
     token_sets = [[(rep * tokens + i) % 120000 + 1 for i in range(tokens)] for rep in range(warmups(args) + args.reps)]
     size = chunk_bytes(args.chunk_tokens) * args.chunks
-    print(f"machine:  {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Linux {platform.release()}")
+    print(f"machine:  {machine()}")
     print(f"config:   {args.chunks} chunks of {args.chunk_tokens} tokens ({chunk_bytes(args.chunk_tokens) >> 20} MiB, "
           f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB ({'full, evicting' if args.tier_reps else 'room for all'}); torch threads {args.threads}; "
           f"LMCache {lmcache.__version__ if hasattr(lmcache, '__version__') else '0.5.6'}; kvtierd {args.kvtierd}")
@@ -545,21 +576,10 @@ def main() -> int:
             results["O_DIRECT file, 2 MiB I/O"] = direct_io_seconds(directory, size, chunk_bytes(args.chunk_tokens), args.reps)
     if not args.no_server:
         results["LMCache server (shm)"] = lmcache_server(args, args.log_dir)
-    mem = statistics.median(memcpy_seconds(buffer, args.reps))
-    print()
-    print(f"{'':<24} {'store GB/s':>11} {'retrieve GB/s':>14} {'store+retrieve GB/s':>20}")
-    for name, (stores, loads) in results.items():
-        s, l = statistics.median(stores), statistics.median(loads)
-        print(f"{name:<24} {size / s / 1e9:11.2f} {size / l / 1e9:14.2f} {2 * size / (s + l) / 1e9:20.2f}")
-    print(f"{'memcpy (torch copy_)':<24} {size / mem / 1e9:11.2f} {size / mem / 1e9:14.2f} {size / mem / 1e9:20.2f}")
-    print()
-    for mine, name, goal in (("kvtier host tier", "LMCache in-process CPU", ">= 1x at the same thread count"),
-                             ("kvtier host tier", "LMCache server (shm)", ">= 3x"),
-                             ("kvtier host+disk, disk", "LMCache disk (O_DIRECT)", ">= 1x, writes as durable")):
-        if name in results:
-            k = statistics.median(results[mine][0]) + statistics.median(results[mine][1])
-            other = statistics.median(results[name][0]) + statistics.median(results[name][1])
-            print(f"{mine} / {name}, store+retrieve: {other / k:.2f}x (goal {goal})")
+    print_table(results, size, memcpy_seconds(buffer, args.reps))
+    print_ratios(results, [("kvtier host tier", "LMCache in-process CPU", ">= 1x at the same thread count"),
+                           ("kvtier host tier", "LMCache server (shm)", ">= 3x"),
+                           ("kvtier host+disk, disk", "LMCache disk (O_DIRECT)", ">= 1x, writes as durable")])
     return 0
 
 
