@@ -82,19 +82,17 @@ from lmcache_compare import (
     HEAD_DIM,
     HEADS,
     LAYERS,
-    ROOT,
+    add_arguments,
     chunk_bytes,
     direct_io_seconds,
     fill,
-    find_kvtierd,
     kvtier_host,
-    machine,
     memcpy_seconds,
+    prepare,
     print_ratios,
     print_table,
     tier_bytes,
     timed_reps,
-    warmups,
 )
 
 
@@ -255,31 +253,11 @@ def drop_page_cache(directory: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kvtierd", default=None)
-    parser.add_argument("--chunk-tokens", type=int, default=16)
-    parser.add_argument("--chunks", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tier-reps", type=int, default=2, help="repetitions' chunks the tiers hold (0: room for all)")
-    parser.add_argument("--no-disk", action="store_true", help="leave the disk tiers out")
-    parser.add_argument("--disk-dir", default=str(ROOT / "build"), help="where the disk tiers go (O_DIRECT: not tmpfs)")
+    add_arguments(parser)
     args = parser.parse_args()
-    args.kvtierd = args.kvtierd or find_kvtierd()
-    if args.kvtierd is None:
-        parser.error("no kvtierd found: pass --kvtierd")
-    torch.set_num_threads(args.threads)
     import aibrix_kvcache
 
-    tokens = args.chunk_tokens * args.chunks
-    buffer = torch.empty((LAYERS, 2, tokens, HEADS, HEAD_DIM), dtype=DTYPE)
-    fill(buffer, 0)
-    token_sets = [[(rep * tokens + i) % 120000 + 1 for i in range(tokens)] for rep in range(warmups(args) + args.reps)]
-    size = chunk_bytes(args.chunk_tokens) * args.chunks
-    print(f"machine:  {machine()}")
-    print(f"config:   {args.chunks} chunks of {args.chunk_tokens} tokens ({chunk_bytes(args.chunk_tokens) >> 20} MiB, "
-          f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB "
-          f"({'full, evicting' if args.tier_reps else 'room for all'}); torch threads {args.threads}; "
-          f"aibrix-kvcache {aibrix_kvcache.__version__}; kvtierd {args.kvtierd}")
+    buffer, token_sets, size = prepare(parser, args, f"aibrix-kvcache {aibrix_kvcache.__version__}")
     results = {}
     # kvtier first, then AIBrix (whose cache manager lives in this process).
     results["kvtier host tier"] = kvtier_host(args, buffer, token_sets)

@@ -532,35 +532,51 @@ def print_ratios(results: dict[str, tuple[list[float], list[float]]], pairs: lis
             print(f"{mine} / {name}, store+retrieve: {other / k:.2f}x (goal {goal})")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every comparison takes (this one and aibrix_compare.py)."""
     parser.add_argument("--kvtierd", default=None)
     parser.add_argument("--chunk-tokens", type=int, default=16)
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tier-reps", type=int, default=2, help="repetitions' chunks the tiers hold (0: room for all)")
-    parser.add_argument("--server-chunk-tokens", type=int, default=256, help="lmcache server's --chunk-size (its default)")
-    parser.add_argument("--no-server", action="store_true", help="leave LMCache's server out")
-    parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="where lmcache-server.log goes")
     parser.add_argument("--no-disk", action="store_true", help="leave the disk tiers out")
     parser.add_argument("--disk-dir", default=str(ROOT / "build"), help="where the disk tiers go (O_DIRECT: not tmpfs)")
-    args = parser.parse_args()
+
+
+def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            peer: str) -> tuple[torch.Tensor, list[list[int]], int]:
+    """Finds kvtierd, sets torch's threads, makes the engine's KV buffer and
+    every repetition's tokens, and prints the machine and the config (`peer`:
+    the other cache and its version). Returns the buffer, the token sets and
+    a repetition's bytes."""
     args.kvtierd = args.kvtierd or find_kvtierd()
     if args.kvtierd is None:
         parser.error("no kvtierd found: pass --kvtierd")
     torch.set_num_threads(args.threads)
-    import lmcache
-
     tokens = args.chunk_tokens * args.chunks
     buffer = torch.empty((LAYERS, 2, tokens, HEADS, HEAD_DIM), dtype=DTYPE)
     fill(buffer, 0)
     token_sets = [[(rep * tokens + i) % 120000 + 1 for i in range(tokens)] for rep in range(warmups(args) + args.reps)]
-    size = chunk_bytes(args.chunk_tokens) * args.chunks
     print(f"machine:  {machine()}")
     print(f"config:   {args.chunks} chunks of {args.chunk_tokens} tokens ({chunk_bytes(args.chunk_tokens) >> 20} MiB, "
-          f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB ({'full, evicting' if args.tier_reps else 'room for all'}); torch threads {args.threads}; "
-          f"LMCache {lmcache.__version__ if hasattr(lmcache, '__version__') else '0.5.6'}; kvtierd {args.kvtierd}")
+          f"Llama-8B KV) a rep, {args.reps} reps after {warmups(args)} warm-ups; tiers of {tier_bytes(args) >> 20} MiB "
+          f"({'full, evicting' if args.tier_reps else 'room for all'}); torch threads {args.threads}; "
+          f"{peer}; kvtierd {args.kvtierd}")
+    return buffer, token_sets, chunk_bytes(args.chunk_tokens) * args.chunks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--server-chunk-tokens", type=int, default=256, help="lmcache server's --chunk-size (its default)")
+    parser.add_argument("--no-server", action="store_true", help="leave LMCache's server out")
+    parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="where lmcache-server.log goes")
+    args = parser.parse_args()
+    import lmcache
+
+    buffer, token_sets, size = prepare(
+        parser, args, f"LMCache {lmcache.__version__ if hasattr(lmcache, '__version__') else '0.5.6'}")
     results = {}
     # kvtier first, then LMCache (whose engine stays in this process).
     results["kvtier host tier"] = kvtier_host(args, buffer, token_sets)
