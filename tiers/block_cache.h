@@ -273,6 +273,17 @@ class BlockCache {
   void CancelFlush();
   // Disk writes in flight or waiting in line.
   uint64_t pending_disk_writes() const;
+  // Walks every entry (O(blocks): tests and audits, never a request's
+  // path) and says the first where the eviction orders' own state is not
+  // what it stands for: a block set aside as held by its children with no
+  // child left in its tier or above, or a block marked clean (or not) that
+  // the tier below does not hold (or does). Else how many are set aside and
+  // marked.
+  struct OrderCounts {
+    uint64_t held = 0;
+    uint64_t marked = 0;
+  };
+  Result<OrderCounts> CheckOrders();
 
   // Drops unleased, settled blocks matching `filter`. With tier = host, a
   // block that also has its disk record stays on disk. Runs in the

@@ -134,6 +134,26 @@ void BlockCache::SetOnDisk(BlockEntry* e, bool on_disk) {
   if (e->state == EntryState::kReady) Tell(on_disk, e, Tier::kDisk);
 }
 
+Result<BlockCache::OrderCounts> BlockCache::CheckOrders() {
+  OrderCounts counts;
+  Status first;
+  index_.ForEach([&](BlockEntry* e) {
+    if (!first.ok()) return;
+    const bool clean = options_.disk != nullptr ? e->on_disk : e->on_remote;
+    if (EvictionOrder::Held(e) && !BlockIndex::HasChildrenAtOrAbove(e, e->tier)) {
+      first = Status(StatusCode::kInternal, "block " + e->key.ToHex() + " in " + TierName(e->tier) +
+                                                 " is held by children it no longer has there");
+    } else if (EvictionOrder::Marked(e) != clean) {
+      first = Status(StatusCode::kInternal, "block " + e->key.ToHex() + " in " + TierName(e->tier) + " is marked " +
+                                                 (clean ? "dirty" : "clean") + " but is " + (clean ? "clean" : "dirty"));
+    }
+    counts.held += EvictionOrder::Held(e) ? 1 : 0;
+    counts.marked += EvictionOrder::Marked(e) ? 1 : 0;
+  });
+  if (!first.ok()) return Err(std::move(first));
+  return counts;
+}
+
 void BlockCache::SetOnRemote(BlockEntry* e) {
   e->on_remote = true;
   MarkClean(e);

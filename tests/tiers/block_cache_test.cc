@@ -1052,6 +1052,10 @@ TEST_F(BlockCacheTest, RandomOpsKeepTheInvariants) {
   };
 
   for (int step = 0; step < 3000; ++step) {
+    if (step % 100 == 0) {
+      const Result<BlockCache::OrderCounts> orders = cache_->CheckOrders();
+      ASSERT_TRUE(orders.has_value()) << "step " << step << ": " << orders.error();
+    }
     const std::vector<StoredKey>& chain = chains[rng() % kChains];
     const size_t start = rng() % 2 ? 0 : rng() % kLen;  // requests mostly start at a chain's head
     const size_t len = 1 + rng() % std::min<size_t>(4, kLen - start);

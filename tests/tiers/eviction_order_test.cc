@@ -483,7 +483,15 @@ TEST(EvictionOrderTest, AParentHeldByItsChildIsSetAsideOnceAndBackAtTheColdEndWh
   EXPECT_EQ(order.held_size(), 1u);
   index.Touch(index.Find(K(0)));
   EXPECT_EQ(order.held_size(), 0u);
-  EXPECT_EQ(Drain(index).back(), 0) << "hottest after its hit";
+  // Set aside again once colder than its child; its child let go of
+  // (erased) releases it too.
+  index.Erase(index.Find(K(2)));
+  for (uint32_t k : {3u, 4u, 5u}) index.Touch(index.Find(K(k)));
+  EXPECT_EQ(order.PickVictim(1024, prefix, &last_resort), index.Find(K(3)));
+  EXPECT_EQ(order.held_size(), 1u);
+  index.Erase(index.Find(K(5)));
+  EXPECT_EQ(order.held_size(), 0u);
+  EXPECT_EQ(Drain(index), (std::vector<int64_t>{0, 3, 4})) << "the released parent at the cold end";
 }
 
 // Set-aside parents count as looked at: once they fill the scan's limit the

@@ -604,6 +604,42 @@ TEST_F(DiskTierTest, WriteThroughStaysWarmWhileTheDiskWraps) {
     EXPECT_TRUE(LoadExact(k)) << "a write-through block in host was not on disk";
 }
 
+// The eviction orders' own state stays what it stands for while every tier
+// fills and the disk wraps: blocks set aside as held by their children have
+// children in their tier, and the blocks marked clean are those the disk
+// holds (read up from disk, written through a flush, their records
+// reclaimed under them).
+TEST_F(DiskTierTest, TheEvictionOrdersStayTrueWhileEveryTierWraps) {
+  Open(/*hbm_slots=*/0, /*host_slots=*/8);
+  std::mt19937_64 rng(48);
+  std::vector<std::vector<StoredKey>> chains;
+  uint64_t held = 0, marked = 0;  // the most seen at once
+  for (int step = 0; step < 160; ++step) {
+    if (chains.empty() || rng() % 3 != 0) {
+      chains.push_back(NewKeys(4));
+      StoreRequest(chains.back());
+    } else {
+      const std::vector<StoredKey>& chain = chains[rng() % chains.size()];
+      for (const StoredKey& k : chain) {
+        if (!LoadExact(k)) break;  // evicted: the prefix ends there
+      }
+    }
+    if (step % 20 == 19) {
+      cache_->FlushToDisk();
+      ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+    }
+    const Result<BlockCache::OrderCounts> orders = cache_->CheckOrders();
+    ASSERT_TRUE(orders.has_value()) << "step " << step << ": " << orders.error();
+    held = std::max(held, orders->held);
+    marked = std::max(marked, orders->marked);
+  }
+  EXPECT_GT(held, 0u) << "parents were set aside";
+  EXPECT_GT(marked, 0u) << "clean blocks were marked";
+  EXPECT_GT(disk_->counters().regions_reclaimed, 0u) << "the disk wrapped";
+  EXPECT_GT(cache_->counters().disk_promotions, 0u) << "blocks were read up from disk (clean in host)";
+  EXPECT_GT(cache_->counters().disk_demotions, 0u) << "blocks were written back";
+}
+
 TEST_F(DiskTierTest, ABlockReadFromDiskStaysInHostOnlyOnceItIsHot) {
   promotion_min_hits_ = 4;
   Open();
