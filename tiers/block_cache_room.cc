@@ -103,10 +103,11 @@ BlockEntry* RoomGate::PickVictim(Tier t, uint64_t block_bytes, std::optional<Ten
         if (clean_only && !(cache_.options_.disk != nullptr ? e->on_disk : e->on_remote)) return Candidate::kSkip;
         if (cache_.options_.prefix_aware && BlockIndex::HasChildrenAtOrAbove(e, t)) {
           // hbm's parents go as leaves once their children are all moving
-          // down; host's stay behind theirs until they have left, set aside
-          // meanwhile (issue 48: write-back walked past them once a victim).
+          // down (a demotion); otherwise a parent stays behind its children
+          // until they have left its tier, set aside meanwhile (issue 48:
+          // the scans walked past the same parents for every victim).
           if (moves_down && ChildrenLeaving(e, t)) return Candidate::kEvict;
-          return t == Tier::kHost ? Candidate::kHeld : Candidate::kLastResort;
+          return Candidate::kHeld;
         }
         return Candidate::kEvict;
       },

@@ -75,10 +75,10 @@ class RoomGate {
   // being demoted (issue 32: those scans held the event loop for
   // milliseconds a turn). Host's write-back keeps strict prefix order:
   // written back early, a parent's record is reclaimed before its
-  // children's, and the replay hit 2 points less. Host's parents are set
-  // aside by the order until their children have left (Candidate::kHeld),
-  // and host's clean blocks are marked (BlockCache::MarkClean), so that
-  // neither write-back nor a clean-only scan walks past the same blocks
+  // children's, and the replay hit 2 points less. Parents are set aside
+  // by the order until their children have left the tier
+  // (Candidate::kHeld), and host's clean blocks are marked
+  // (BlockCache::MarkClean), so that no scan walks past the same blocks
   // again for each victim (issue 48). Picks; lets nothing go.
   BlockEntry* PickVictim(Tier t, uint64_t block_bytes, std::optional<TenantId> owner, bool clean_only = false,
                          bool moves_down = false);

@@ -227,7 +227,17 @@ void EvictionOrder::Mark(BlockEntry* e, bool marked, bool linked) {
   Take(q, SideOf(e), e);
   e->order_flags ^= kMarkedFlag;
   BlockEntry* pos = ListOf(e).hottest;
-  for (uint32_t steps = 0; pos != nullptr && Seq(pos) > Seq(e) && steps < kPlaceSteps; ++steps) pos = Colder(pos);
+  for (uint32_t steps = 0; pos != nullptr && Seq(pos) > Seq(e); ++steps) {
+    if (steps == kPlaceSteps) {
+      // Too deep to look for: at the hot end, as a hit would put it. Each
+      // list stays in order of position, which the merge and the window
+      // rely on.
+      SetSeq(e, ++hot_seq_);
+      PutAfter(q, SideOf(e), ListOf(e).hottest, e);
+      return;
+    }
+    pos = Colder(pos);
+  }
   PutAfter(q, SideOf(e), pos, e);
 }
 

@@ -163,8 +163,9 @@ class EvictionOrder {
   // only its flag changes, and Insert or Return places it). Linked, it
   // moves to the other list of its queue at its place by position, looked
   // for from the hot end for at most kPlaceSteps blocks (the blocks marked
-  // are mostly ones whose write just ended, near the hot end); past that it
-  // goes where the look stopped, a little hotter than its place.
+  // are mostly ones whose write just ended, near the hot end); deeper, it
+  // goes to the hot end with a new position, as a hit would put it, so that
+  // every list stays in order of position.
   static constexpr uint32_t kPlaceSteps = 64;
   void Mark(BlockEntry* e, bool marked, bool linked);
   static bool Marked(const BlockEntry* e) { return (e->order_flags & kMarkedFlag) != 0; }

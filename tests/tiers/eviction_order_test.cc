@@ -386,8 +386,9 @@ TEST_P(HintTest, MarksChangeNoScansOrderAndAMarkedOnlyScanWalksNoOtherBlock) {
 
 // The window a marked-only scan stops at holds exactly the `n` coldest
 // blocks of a queue by position, through every kind of move: arrivals hot
-// and cold, hits, marks given and taken back, parks, set-asides and
-// departures, in random order.
+// and cold, hits, marks given and taken back (near the hot end, and deeper
+// than a mark looks for its place), parks and departures, in random order.
+// Each list stays in order of position.
 TEST(EvictionOrderTest, TheWindowHoldsTheQueuesColdestBlocksThroughEveryMove) {
   BlockIndex index(PolicyKind::kLru);
   EvictionOrder& order = index.order(Tier::kHost);
@@ -401,8 +402,8 @@ TEST(EvictionOrderTest, TheWindowHoldsTheQueuesColdestBlocksThroughEveryMove) {
     return rng % n;
   };
   std::vector<BlockEntry*> parked;
-  for (int step = 0; step < 4000; ++step) {
-    const uint32_t k = static_cast<uint32_t>(next(64));
+  for (int step = 0; step < 6000; ++step) {
+    const uint32_t k = static_cast<uint32_t>(next(3 * EvictionOrder::kPlaceSteps));
     BlockEntry* e = index.Find(K(k));
     switch (next(6)) {
       case 0:
@@ -432,7 +433,12 @@ TEST(EvictionOrderTest, TheWindowHoldsTheQueuesColdestBlocksThroughEveryMove) {
     }
     std::vector<const BlockEntry*> linked;
     for (bool marked : {false, true}) {
-      for (const BlockEntry* b = order.Coldest(false, marked); b != nullptr; b = order.Hotter(b)) linked.push_back(b);
+      for (const BlockEntry* b = order.Coldest(false, marked); b != nullptr; b = order.Hotter(b)) {
+        const BlockEntry* hotter = order.Hotter(b);
+        ASSERT_TRUE(hotter == nullptr || EvictionOrder::Position(b) < EvictionOrder::Position(hotter))
+            << "step " << step << ": a list out of order";
+        linked.push_back(b);
+      }
     }
     std::sort(linked.begin(), linked.end(), [](const BlockEntry* a, const BlockEntry* b) {
       return EvictionOrder::Position(a) < EvictionOrder::Position(b);
