@@ -398,6 +398,7 @@ MetricsSnapshot Server::Snapshot() const {
   m.cache = cache_->counters();
   if (disk_) {
     m.disk = disk_->counters();
+    if (io_engine_) m.disk_io = io_engine_->stats();
     m.disk_free_regions = disk_->free_regions();
     m.disk_index_stopped = disk_->index_stopped();
   }

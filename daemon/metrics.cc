@@ -145,6 +145,27 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Histogram("kvtier_disk_write_duration_seconds", "Time to write one block to disk until it is durable.",
               c.disk_write_latency);
   f.Counter("kvtier_disk_io_errors_total", "Disk reads and writes that failed.", static_cast<double>(s.disk.io_errors));
+  if (s.disk_io) {
+    const IoEngineStats& io = *s.disk_io;
+    for (const auto& [op, n] : {std::pair{"read", io.reads}, {"write", io.writes}, {"sync", io.syncs}}) {
+      f.Counter("kvtier_disk_io_operations_total",
+                "Operations the disk tier's I/O threads started (a write cut into chunks counts each).",
+                static_cast<double>(n), L({{"op", op}}));
+    }
+    for (const auto& [op, n] : {std::pair{"read", io.read_bytes}, {"write", io.write_bytes}}) {
+      f.Counter("kvtier_disk_io_bytes_total", "Bytes the disk tier's I/O threads read and wrote.",
+                static_cast<double>(n), L({{"op", op}}));
+    }
+    f.Counter("kvtier_disk_io_depth_sum_total",
+              "Operations in flight on their thread as each started, summed: over "
+              "kvtier_disk_io_operations_total, the mean depth the device saw.",
+              static_cast<double>(io.depth_sum));
+    f.Counter("kvtier_disk_io_idle_seconds_total",
+              "Time the disk tier's I/O threads waited for work or completions, all threads.",
+              static_cast<double>(io.idle_ns) / 1e9);
+    f.Counter("kvtier_disk_io_thread_seconds_total", "The disk tier's I/O threads' lifetime, all threads.",
+              static_cast<double>(io.thread_ns) / 1e9);
+  }
   f.Counter("kvtier_checksum_failures_total", "Disk records that failed their checks on read (never served).",
             static_cast<double>(s.disk.checksum_failures));
   f.Counter("kvtier_disk_write_failures_total", "Blocks that could not be written to disk.",

@@ -27,6 +27,7 @@
 #include "tiers/block_cache.h"
 #include "tiers/remote/remote_tier.h"
 #include "tiers/disk/disk_tier.h"
+#include "tiers/disk/io_engine.h"
 
 namespace prometheus {
 class Exposer;
@@ -56,6 +57,7 @@ struct MetricsSnapshot {
     KvEventSourceCounters source;
   };
   std::optional<Events> events;  // with KV events on
+  std::optional<IoEngineStats> disk_io;  // with a disk tier: its I/O threads
   uint64_t disk_free_regions = 0;
   bool disk_index_stopped = false;   // the last index write failed
   uint64_t disk_writes_pending = 0;

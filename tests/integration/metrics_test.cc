@@ -171,6 +171,18 @@ TEST(MetricsTest, ValuesMoveWithTrafficAndPromtoolAcceptsThePage) {
   EXPECT_EQ(after.at("kvtier_disk_index_stopped"), 0);
   EXPECT_EQ(after.at("kvtier_disk_index_recoveries_total"), 0);
   EXPECT_EQ(after.at("kvtier_disk_writes_given_up_total"), 0);
+  // The I/O threads: the flush's writes and a sync at least, the loads'
+  // reads, each at depth 1 or more, and idle no longer than they lived.
+  EXPECT_GE(after.at("kvtier_disk_io_operations_total{op=\"write\"}"), static_cast<double>(flushed));
+  EXPECT_GE(after.at("kvtier_disk_io_operations_total{op=\"sync\"}"), 1);
+  EXPECT_GE(after.at("kvtier_disk_io_operations_total{op=\"read\"}"), 1);
+  EXPECT_GE(after.at("kvtier_disk_io_bytes_total{op=\"write\"}"), static_cast<double>(flushed) * block);
+  EXPECT_GE(after.at("kvtier_disk_io_depth_sum_total"),
+            after.at("kvtier_disk_io_operations_total{op=\"read\"}") +
+                after.at("kvtier_disk_io_operations_total{op=\"write\"}") +
+                after.at("kvtier_disk_io_operations_total{op=\"sync\"}"));
+  EXPECT_LE(after.at("kvtier_disk_io_idle_seconds_total"), after.at("kvtier_disk_io_thread_seconds_total"));
+  EXPECT_GT(after.at("kvtier_disk_io_thread_seconds_total"), 0);
   EXPECT_GT(after.at("kvtier_tier_blocks{tier=\"host\"}"), 0);
   EXPECT_EQ(after.at("kvtier_lookup_duration_seconds_count"), 1);
   // Every request is a turn of the loop at least.
