@@ -232,7 +232,7 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
          const DiskConfig& config, uint32_t reps, const std::string& json) {
   const uint64_t record_bytes = kvtier::RecordBytes(Llama8BLayout().block_bytes());
   std::printf(
-      "config:   %u records of %.1f MiB (2 MiB block + 4 KiB header; %.0f MB), queue depth %u x %u "
+      "config:   %u records of %.1f MiB (a 2 MiB block each, no header: record version 4; %.0f MB), queue depth %u x %u "
       "I/O threads (fio: %u jobs x iodepth %u, end_fsync=1 on writes), %u reps, in %s\n",
       config.blocks, static_cast<double>(record_bytes) / (1 << 20),
       static_cast<double>(config.blocks) * static_cast<double>(record_bytes) / 1e6,
