@@ -85,22 +85,6 @@ struct DiskRep {
   IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape;
 };
 
-// kvtierd's I/O threads between two Stats (its disk_io_* counters): in
-// `read` direction or else the writes (and their syncs).
-IoShape ShapeBetween(const kvtier::DaemonStats& a, const kvtier::DaemonStats& b, bool read) {
-  auto d = [&](const char* name) { return static_cast<double>(b.Counter(name) - a.Counter(name)); };
-  const double ops = d(read ? "disk_io_reads" : "disk_io_writes");
-  const double bytes = d(read ? "disk_io_read_bytes" : "disk_io_write_bytes");
-  const double all_ops = d("disk_io_reads") + d("disk_io_writes") + d("disk_io_syncs");
-  IoShape s;
-  s.depth = all_ops > 0 ? d("disk_io_depth_sum") / all_ops : 0;
-  s.size_kib = ops > 0 ? bytes / ops / 1024 : 0;
-  s.syncs_per_gb = !read && bytes > 0 ? d("disk_io_syncs") / (bytes / 1e9) : 0;
-  const double thread_us = d("disk_io_thread_us");
-  s.idle_pct = thread_us > 0 ? 100 * d("disk_io_idle_us") / thread_us : 0;
-  return s;
-}
-
 // The same disk state before kvtier's part of a repetition and before
 // fio's: a write of as many bytes as either writes, through fio, made
 // durable, and removed. What the disk did just before moves fio's figure by
@@ -155,7 +139,7 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
     return false;
   out->write = mb / Seconds(Clock::now() - w0);
   const kvtier::DaemonStats written = client.Stats().value();
-  out->write_shape = ShapeBetween(at_start, written, /*read=*/false);
+  out->write_shape = IoShapeBetween(at_start, written, /*read=*/false);
 
   // Every block is now on disk only. Promotion: prefetch them all (disk ->
   // host) and time until every read is done.
@@ -168,7 +152,7 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
     return false;
   out->promote = mb / Seconds(Clock::now() - p0);
   const kvtier::DaemonStats promoted = client.Stats().value();
-  out->promote_shape = ShapeBetween(written, promoted, /*read=*/true);
+  out->promote_shape = IoShapeBetween(written, promoted, /*read=*/true);
   // Back to disk only (the host copies are clean: dropping them costs no
   // write), then load everything into the engine, all requests in flight.
   if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
@@ -192,7 +176,7 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
     }
   }
   out->load = mb / Seconds(Clock::now() - r0);
-  out->load_shape = ShapeBetween(evicted, client.Stats().value(), /*read=*/true);
+  out->load_shape = IoShapeBetween(evicted, client.Stats().value(), /*read=*/true);
   for (uint32_t i = 0; i < blocks; ++i)
     out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
   out->group_commits =

@@ -48,6 +48,20 @@ double FioMbps(std::string_view json, std::string_view rw) {
 }
 
 
+IoShape IoShapeBetween(const DaemonStats& before, const DaemonStats& after, bool read) {
+  auto d = [&](const char* name) { return static_cast<double>(after.Counter(name) - before.Counter(name)); };
+  const double ops = d(read ? "disk_io_reads" : "disk_io_writes");
+  const double bytes = d(read ? "disk_io_read_bytes" : "disk_io_write_bytes");
+  const double all_ops = d("disk_io_reads") + d("disk_io_writes") + d("disk_io_syncs");
+  IoShape s;
+  s.depth = all_ops > 0 ? d("disk_io_depth_sum") / all_ops : 0;
+  s.size_kib = ops > 0 ? bytes / ops / 1024 : 0;
+  s.syncs_per_gb = !read && bytes > 0 ? d("disk_io_syncs") / (bytes / 1e9) : 0;
+  const double thread_us = d("disk_io_thread_us");
+  s.idle_pct = thread_us > 0 ? 100 * d("disk_io_idle_us") / thread_us : 0;
+  return s;
+}
+
 FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
            uint32_t queue_depth, uint32_t jobs) {
   const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;

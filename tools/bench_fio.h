@@ -9,6 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "kvtier/client.h"
+
 namespace kvtier::bench {
 
 // The bandwidth of direction `rw` ("read" or "write") in fio's JSON output,
@@ -25,6 +27,11 @@ struct IoShape {
   double syncs_per_gb = 0;
   double idle_pct = 0;
 };
+
+// kvtierd's I/O threads between two Stats (their disk_io_* counters): the
+// size and syncs of the reads with `read`, else of the writes; the depth
+// and idle share of all their operations.
+IoShape IoShapeBetween(const DaemonStats& before, const DaemonStats& after, bool read);
 
 struct FioRun {
   double mbps = 0;  // all jobs together; 0 if fio failed

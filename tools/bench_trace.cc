@@ -140,17 +140,6 @@ int64_t Delta(const DaemonStats& before, const DaemonStats& after, std::string_v
   return static_cast<int64_t>(after.Counter(name)) - static_cast<int64_t>(before.Counter(name));
 }
 
-// Blocks the victim scans found: moved out of hbm or host (demoted,
-// written back, back to their disk record) or let go of there.
-int64_t Victims(const DaemonStats& b, const DaemonStats& a) {
-  return Delta(b, a, "demotions") + Delta(b, a, "disk_demotions") + Delta(b, a, "disk_returns") +
-         Delta(b, a, "evictions_hbm") + Delta(b, a, "evictions_host");
-}
-
-double ScansPerVictim(const DaemonStats& b, const DaemonStats& a) {
-  return static_cast<double>(Delta(b, a, "victim_scan_blocks")) / static_cast<double>(std::max<int64_t>(1, Victims(b, a)));
-}
-
 void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
                  const DaemonStats& a) {
   const auto requests = static_cast<double>(sum.requests);
@@ -206,14 +195,11 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
       Delta(b, a, "disk_regions_reclaimed"), Delta(b, a, "disk_reinsertions"),
       Delta(b, a, "disk_reinsertions_dropped"), Delta(b, a, "disk_appends_waited"),
       Delta(b, a, "disk_write_failures"), Delta(b, a, "disk_writes_given_up"), Delta(b, a, "disk_writes_missed"));
-  const double io_ops = static_cast<double>(Delta(b, a, "disk_io_reads") + Delta(b, a, "disk_io_writes") +
-                                            Delta(b, a, "disk_io_syncs"));
-  const double io_thread_us = static_cast<double>(Delta(b, a, "disk_io_thread_us"));
+  const IoShape io = IoShapeBetween(b, a, /*read=*/false);
   std::printf("          I/O threads: %" PRId64 " writes, %" PRId64 " reads, %" PRId64
               " syncs; mean depth %.1f as each started; idle %.0f%% of their time\n",
-              Delta(b, a, "disk_io_writes"), Delta(b, a, "disk_io_reads"), Delta(b, a, "disk_io_syncs"),
-              io_ops > 0 ? static_cast<double>(Delta(b, a, "disk_io_depth_sum")) / io_ops : 0,
-              io_thread_us > 0 ? 100 * static_cast<double>(Delta(b, a, "disk_io_idle_us")) / io_thread_us : 0);
+              Delta(b, a, "disk_io_writes"), Delta(b, a, "disk_io_reads"), Delta(b, a, "disk_io_syncs"), io.depth,
+              io.idle_pct);
   std::printf("          reads: %" PRId64 " failed their checks or I/O, %" PRId64 " waited for host room, %" PRId64
               " found none, %" PRId64 " found their record reclaimed meanwhile\n",
               Delta(b, a, "disk_read_failures"), Delta(b, a, "disk_reads_waited_for_room"),
@@ -222,12 +208,18 @@ void PrintReplay(const ReplayCounts& sum, double wall_s, const DaemonStats& b,
               " (kvtier_loop_turn_duration_seconds)\n",
               Delta(b, a, "loop_turns"), Delta(b, a, "loop_turns_over_1ms"), Delta(b, a, "loop_turns_over_5ms"),
               Delta(b, a, "loop_turns_over_10ms"), Delta(b, a, "loop_turns_over_25ms"));
+  // The blocks the scans found: moved out of hbm or host (demoted, written
+  // back, back to their disk record) or let go of there.
+  const int64_t victims = Delta(b, a, "demotions") + Delta(b, a, "disk_demotions") + Delta(b, a, "disk_returns") +
+                          Delta(b, a, "evictions_hbm") + Delta(b, a, "evictions_host");
+  const double per_victim =
+      static_cast<double>(Delta(b, a, "victim_scan_blocks")) / static_cast<double>(std::max<int64_t>(1, victims));
   std::printf("          victim scans looked at %" PRId64 " blocks, %.2f per block moved or let go (%" PRId64
               "); background scans deferred %" PRId64 " times; posted work past its slice %" PRId64 " times\n",
-              Delta(b, a, "victim_scan_blocks"), ScansPerVictim(b, a), Victims(b, a),
-              Delta(b, a, "scan_budget_deferrals"), Delta(b, a, "loop_posted_deferred"));
+              Delta(b, a, "victim_scan_blocks"), per_victim, victims, Delta(b, a, "scan_budget_deferrals"),
+              Delta(b, a, "loop_posted_deferred"));
   std::printf("target (informational): victim scans look at <= %.0f blocks per block moved or let go: %s\n",
-              kScansPerVictimTarget, ScansPerVictim(b, a) <= kScansPerVictimTarget ? "met" : "NOT met");
+              kScansPerVictimTarget, per_victim <= kScansPerVictimTarget ? "met" : "NOT met");
 }
 
 // What the bench watches while the clients replay: the event loop's lag, as
