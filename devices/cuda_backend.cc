@@ -100,7 +100,7 @@ CopyResult CopyOnCpu(const CopyBatch& c, Lane& lane) {
       if (c.checksum_destination) {
         r.checksums.push_back(CopyWithChecksum(sc.dst, sc.src, sc.size_bytes));
       } else {
-        std::memcpy(sc.dst, sc.src, sc.size_bytes);
+        CopyStreaming(sc.dst, sc.src, sc.size_bytes);
       }
     }
     return r;

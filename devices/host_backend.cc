@@ -402,7 +402,7 @@ void HostBackend::CopyTask(const Task& task, Worker& worker) {
         if (checksum != nullptr) {
           *checksum = CopyWithChecksum(sc.dst, sc.src, sc.size_bytes);
         } else {
-          std::memcpy(sc.dst, sc.src, sc.size_bytes);
+          CopyStreaming(sc.dst, sc.src, sc.size_bytes);
         }
         break;
       }

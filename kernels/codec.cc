@@ -267,7 +267,7 @@ Status DecodeAndScatter(BlockCodec& coder, const CodecParams& p, std::span<const
 std::optional<size_t> GatherAndEncode(BlockCodec& coder, const CodecParams& p, const CopyPlan& plan,
                                       uint32_t engine_block, std::span<uint8_t> out, std::vector<uint8_t>& scratch) {
   scratch.resize(plan.block_bytes());
-  GatherBlock(plan, engine_block, scratch.data());
+  GatherBlock(plan, engine_block, scratch.data(), nullptr, CopyStores::kCached);  // encoded right away
   return coder.Encode(p, scratch, out);
 }
 

@@ -11,7 +11,8 @@
 //       the same, events off vs on (tools/bench_events.h)
 //       store then load of 2 MiB blocks through kvtierd into a shared-memory
 //       KV cache, next to a memcpy of the same bytes on one thread and on as
-//       many as kvtierd copies with; stores next to loads
+//       many as kvtierd copies with, and a streaming-store copy on as many
+//       (the copy kvtierd makes); stores next to loads
 //   kvtier-bench redis  [--blocks 64] [--reps 7] [--socket PATH]
 //       the same store then load through kvtierd and through a Redis the
 //       bench starts on a unix socket (pipelined SET/GET; tools/bench_redis.h)
@@ -51,6 +52,7 @@
 
 #include "common/block_pattern.h"
 #include "ipc/seqpacket.h"
+#include "kernels/copy_reference.h"
 #include "kvtier/client.h"
 #include "tiers/disk/record.h"
 #include "tools/bench_abuse.h"
@@ -163,15 +165,16 @@ uint32_t CopyThreadsOf(kvtier::Client& client, uint32_t fallback) {
   return digits == at ? fallback : static_cast<uint32_t>(std::stoul(b.substr(digits, at - digits)));
 }
 
-// memcpy of `bytes` from `src` to `dst` on `threads` threads, each a
+// `copy` of `bytes` from `src` to `dst` on `threads` threads, each a
 // contiguous slice (as kvtierd's copy threads split a batch).
-void ParallelMemcpy(uint8_t* dst, const uint8_t* src, uint64_t bytes, uint32_t threads) {
+void ParallelCopy(uint8_t* dst, const uint8_t* src, uint64_t bytes, uint32_t threads,
+                  void (*copy)(uint8_t*, const uint8_t*, uint64_t)) {
   std::vector<std::thread> workers;
   const uint64_t slice = (bytes + threads - 1) / threads;
   for (uint32_t t = 0; t < threads; ++t) {
     const uint64_t begin = std::min(bytes, uint64_t{t} * slice);
     const uint64_t n = std::min(bytes, begin + slice) - begin;
-    workers.emplace_back([=] { std::memcpy(dst + begin, src + begin, n); });
+    workers.emplace_back([=] { copy(dst + begin, src + begin, n); });
   }
   for (std::thread& w : workers) w.join();
 }
@@ -192,7 +195,7 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
               blocks, static_cast<double>(block_bytes) / (1 << 20), reps, threads);
   std::fflush(stdout);
 
-  std::vector<double> kv_gbps, store_gbps, load_gbps, memcpy_gbps, memcpy_n_gbps;
+  std::vector<double> kv_gbps, store_gbps, load_gbps, memcpy_gbps, memcpy_n_gbps, stream_n_gbps;
   uint64_t mismatches = 0;
   uint8_t* const out = cache->block(0).data();
   uint8_t* const back = cache->block(blocks).data();
@@ -212,14 +215,19 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
     }
     for (uint32_t i = 0; i < blocks; ++i) mismatches += !kvtier::MatchesKey(keys[i], cache->block(blocks + i));
     // Baselines: the same bytes copied out and back by one thread, then by
-    // as many threads as kvtierd copies with (the machine's limit).
+    // as many threads as kvtierd copies with; with memcpy, then with the
+    // streaming stores kvtierd copies with (the machine's limit).
+    constexpr auto kMemcpy = [](uint8_t* d, const uint8_t* s, uint64_t n) { std::memcpy(d, s, n); };
     const auto m0 = Clock::now();
     std::memcpy(back, out, span);
     std::memcpy(out, back, span);
     const auto m1 = Clock::now();
-    ParallelMemcpy(back, out, span, threads);
-    ParallelMemcpy(out, back, span, threads);
+    ParallelCopy(back, out, span, threads, kMemcpy);
+    ParallelCopy(out, back, span, threads, kMemcpy);
     const auto m2 = Clock::now();
+    ParallelCopy(back, out, span, threads, kvtier::CopyStreaming);
+    ParallelCopy(out, back, span, threads, kvtier::CopyStreaming);
+    const auto m3 = Clock::now();
     (void)client.Evict();  // keep the host tier from filling across reps
     if (rep == 0) continue;  // warm-up: first touches of the arenas
     kv_gbps.push_back(bytes / Seconds(t2 - t0) / 1e9);
@@ -227,9 +235,11 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
     load_gbps.push_back(one_way / Seconds(t2 - t1) / 1e9);
     memcpy_gbps.push_back(bytes / Seconds(m1 - m0) / 1e9);
     memcpy_n_gbps.push_back(bytes / Seconds(m2 - m1) / 1e9);
-    std::printf("rep %u/%u: %.2f GB/s (store %.2f, load %.2f; memcpy %.2f, on %u threads %.2f GB/s)\n", rep, reps,
-                kv_gbps.back(), store_gbps.back(), load_gbps.back(), memcpy_gbps.back(), threads,
-                memcpy_n_gbps.back());
+    stream_n_gbps.push_back(bytes / Seconds(m3 - m2) / 1e9);
+    std::printf("rep %u/%u: %.2f GB/s (store %.2f, load %.2f; memcpy %.2f, on %u threads %.2f, streaming on %u "
+                "threads %.2f GB/s)\n",
+                rep, reps, kv_gbps.back(), store_gbps.back(), load_gbps.back(), memcpy_gbps.back(), threads,
+                memcpy_n_gbps.back(), threads, stream_n_gbps.back());
     std::fflush(stdout);
   }
   const std::string on_threads =
@@ -238,6 +248,8 @@ int Host(kvtier::Client& client, uint32_t blocks, uint32_t reps, const std::stri
       {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_gbps), "single-thread memcpy, out and back",
        "GB/s"},
       {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(memcpy_n_gbps), on_threads, "GB/s"},
+      {"store+load 2 MiB blocks via kvtierd", Median(kv_gbps), Median(stream_n_gbps),
+       "streaming-store copy on " + std::to_string(threads) + " thread(s), out and back", "GB/s"},
       {"store 2 MiB blocks via kvtierd", Median(store_gbps), Median(load_gbps), "load of the same blocks, same run",
        "GB/s"}};
   PrintComparisons(cs);
