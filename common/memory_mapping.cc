@@ -29,7 +29,7 @@ void MemoryMapping::Discard(size_t offset, size_t size_bytes) {
   KVTIER_CHECK(::madvise(data() + offset, size_bytes, MADV_DONTNEED) == 0);
 }
 
-Status MemoryMapping::Populate(size_t offset, size_t size_bytes) const {
+Status MemoryMapping::Populate(size_t offset, size_t size_bytes) {
   KVTIER_CHECK(offset <= size_bytes_ && size_bytes <= size_bytes_ - offset);
 #ifndef MADV_POPULATE_WRITE
   constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14

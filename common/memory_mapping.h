@@ -68,7 +68,7 @@ class MemoryMapping {
   // other threads write there. Errors: kUnimplemented where the kernel
   // lacks it (before Linux 5.14), kResourceExhausted for ENOMEM, the errno
   // otherwise. REQUIRES: as Discard.
-  Status Populate(size_t offset, size_t size_bytes) const;
+  Status Populate(size_t offset, size_t size_bytes);
 
  private:
   MemoryMapping(void* data, size_t size_bytes) : data_(data), size_bytes_(size_bytes) {}

@@ -22,73 +22,49 @@ namespace {
 // most (0.1 ms or so of memcpy).
 constexpr uint64_t kTaskBytes = 1ull << 20;
 
-// Faults mappings in on a thread of its own, a window at a time, while
-// copies may already use them (population never changes a byte): the first
-// copies then take no page faults. The destructor stops it between windows;
-// its owner declares it after the mappings, so that it is joined before
-// they are unmapped.
-class BackgroundPopulate {
- public:
-  BackgroundPopulate() = default;
-  BackgroundPopulate(std::vector<const MemoryMapping*> mappings, std::string what)
-      : thread_([mappings = std::move(mappings), what = std::move(what)](std::stop_token stop) {
-          Run(mappings, what, stop);
-        }) {}
-
- private:
-  static void Run(const std::vector<const MemoryMapping*>& mappings, const std::string& what,
-                  const std::stop_token& stop) {
-    constexpr uint64_t kWindowBytes = 64ull << 20;
-    const auto started = std::chrono::steady_clock::now();
-    uint64_t total = 0;
-    for (const MemoryMapping* m : mappings) {
-      for (uint64_t offset = 0; offset < m->size_bytes(); offset += kWindowBytes) {
-        if (stop.stop_requested()) return;
-        if (const Status s = m->Populate(offset, std::min(kWindowBytes, m->size_bytes() - offset)); !s.ok()) {
-          spdlog::warn("{}: faulting its memory in stopped after {} bytes ({}); the rest is faulted on first use",
-                       what, total + offset, s.ToString());
-          return;
-        }
-      }
-      total += m->size_bytes();
-    }
-    spdlog::info("{}: {} bytes faulted in ({:.2f} s)", what, total,
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  }
-
-  std::jthread thread_;
-};
-
 class HostArena final : public Arena {
  public:
   explicit HostArena(MemoryMapping mapping) : mapping_(std::move(mapping)) {}
   uint8_t* data() const override { return mapping_.data(); }
   uint64_t size_bytes() const override { return mapping_.size_bytes(); }
 
-  void PopulateInBackground(std::string what) { populate_ = BackgroundPopulate({&mapping_}, std::move(what)); }
+  // Faults the whole arena in on a thread of its own, a window at a time,
+  // while copies may already use it (population never changes a byte). The
+  // destructor stops it between windows.
+  void PopulateInBackground(std::string what) {
+    populate_ = std::jthread([this, what = std::move(what)](std::stop_token stop) {
+      constexpr uint64_t kWindowBytes = 64ull << 20;
+      const auto started = std::chrono::steady_clock::now();
+      for (uint64_t offset = 0; offset < mapping_.size_bytes(); offset += kWindowBytes) {
+        if (stop.stop_requested()) return;
+        const Status s =
+            mapping_.Populate(offset, std::min(kWindowBytes, mapping_.size_bytes() - offset));
+        if (!s.ok()) {
+          spdlog::warn(
+              "{}: faulting its memory in stopped after {} of {} bytes ({}); the rest is faulted "
+              "on first use",
+              what, offset, mapping_.size_bytes(), s.ToString());
+          return;
+        }
+      }
+      spdlog::info(
+          "{}: {} bytes faulted in ({:.2f} s)", what, mapping_.size_bytes(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    });
+  }
 
  private:
   MemoryMapping mapping_;
-  BackgroundPopulate populate_;  // after mapping_: joined before the unmap
+  std::jthread populate_;  // after mapping_: joined before the unmap
 };
 
-// A client's regions, mapped into kvtierd. Their pages are the engine's
-// (allocated when it made its KV cache), but this process's page tables
-// start empty: they are filled in the background, so that the first loads
-// and stores do not fault on every 4 KiB (a 512 MiB load from disk into a
-// fresh mapping ran at 0.8x one into a mapping faulted in).
 class HostClientMapping final : public ClientMapping {
  public:
   HostClientMapping(std::vector<MemoryMapping> mappings,
                     std::shared_ptr<std::atomic<uint64_t>> live)
       : mappings_(std::move(mappings)), live_(std::move(live)) {
-    std::vector<const MemoryMapping*> all;
-    for (const MemoryMapping& m : mappings_) {
-      bases_.push_back(m.data());
-      all.push_back(&m);
-    }
+    for (const MemoryMapping& m : mappings_) bases_.push_back(m.data());
     live_->fetch_add(1, std::memory_order_relaxed);  // a statistic; no ordering needed
-    populate_ = BackgroundPopulate(std::move(all), "a client's KV cache");
   }
   ~HostClientMapping() override { live_->fetch_sub(1, std::memory_order_relaxed); }
   std::span<uint8_t* const> region_bases() const override { return bases_; }
@@ -97,7 +73,6 @@ class HostClientMapping final : public ClientMapping {
   std::vector<MemoryMapping> mappings_;
   std::vector<uint8_t*> bases_;
   std::shared_ptr<std::atomic<uint64_t>> live_;
-  BackgroundPopulate populate_;  // after mappings_: joined before they are unmapped
 };
 
 Result<std::unique_ptr<HostArena>> AnonymousArena(uint64_t size_bytes, const char* what) {

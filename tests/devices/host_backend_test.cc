@@ -1,15 +1,12 @@
 #include "devices/host_backend.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <latch>
@@ -773,45 +770,6 @@ TEST(HostBackendTest, OneBadRegionRejectsTheWholeRegistration) {
   ASSERT_FALSE(m.has_value());
   EXPECT_NE(m.error().message().find("region 1"), std::string::npos) << m.error();
   EXPECT_EQ(backend->live_mappings(), 0u);
-}
-
-// kvtierd's page tables over a client's regions are filled in the
-// background (a memfd the engine never touched gets its pages then), and
-// what the engine wrote is left as it was.
-TEST(HostBackendTest, AClientMappingIsFaultedInInTheBackground) {
-  auto backend = MakeBackend(1);
-  constexpr uint64_t kBytes = 8 << 20;
-  std::vector<ClientRegionHandle> regions;
-  std::vector<UniqueFd> fds;  // the engine's own descriptors
-  Result<UniqueFd> first = MakeMemfd(kBytes, true, true);
-  ASSERT_TRUE(first.has_value()) << first.error();
-  Result<MemoryMapping> own = MemoryMapping::Map(MemoryMapping::Options{
-      .size_bytes = 4096, .prot = PROT_READ | PROT_WRITE, .flags = MAP_SHARED, .fd = first->get()});
-  ASSERT_TRUE(own.has_value()) << own.error();
-  uint8_t* const written = own->data();
-  std::memset(written, 0x5A, 4096);  // the engine's one written page
-  for (int i = 0; i < 2; ++i) {
-    Result<UniqueFd> fd = i == 0 ? std::move(first) : MakeMemfd(kBytes, true, true);
-    ASSERT_TRUE(fd.has_value()) << fd.error();
-    fds.emplace_back(::dup(fd->get()));
-    regions.push_back(MemfdHandle(std::move(*fd), kBytes));
-  }
-  auto allocated = [](const UniqueFd& fd) {  // the memfd's pages, in bytes
-    struct stat st {};
-    return ::fstat(fd.get(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
-  };
-  EXPECT_EQ(allocated(fds[1]), 0u) << "an untouched memfd holds no pages yet";
-  Result<std::shared_ptr<ClientMapping>> m = backend->MapClientMemory(std::move(regions), {});
-  ASSERT_TRUE(m.has_value()) << m.error();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while ((allocated(fds[0]) < kBytes || allocated(fds[1]) < kBytes) && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  EXPECT_EQ(allocated(fds[0]), kBytes);
-  EXPECT_EQ(allocated(fds[1]), kBytes);
-  EXPECT_TRUE(std::all_of(written, written + 4096, [](uint8_t b) { return b == 0x5A; }));
-  EXPECT_EQ((*m)->region_bases()[0][0], 0x5A);
-  EXPECT_EQ((*m)->region_bases()[1][kBytes - 1], 0);
 }
 
 TEST(HostBackendTest, LiveMappingsCountsMappings) {
