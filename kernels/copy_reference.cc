@@ -28,10 +28,6 @@ namespace {
 // 0.65-0.75x in 16 KiB to 1 MiB.
 constexpr uint64_t kHashChunkBytes = 2 << 10;
 
-// Rows shorter than this are copied with memcpy: a streaming store wants
-// whole cache lines, and a short row is mostly head and tail.
-constexpr uint64_t kStreamMinBytes = 1 << 10;
-
 // Copies with streaming (non-temporal) stores where the CPU has them, SSE2
 // on every x86-64: each destination line is written without being read into
 // the cache first, so a copy moves two bytes of memory per byte, not three:
@@ -39,6 +35,9 @@ constexpr uint64_t kStreamMinBytes = 1 << 10;
 // not ordered for other threads until StreamFence().
 void StreamCopy(uint8_t* dst, const uint8_t* src, uint64_t n) {
 #if defined(__SSE2__)
+  // Rows shorter than this are copied with memcpy: a streaming store wants
+  // whole cache lines, and a short row is mostly head and tail.
+  constexpr uint64_t kStreamMinBytes = 1 << 10;
   if (n >= kStreamMinBytes) {
     // Cached stores up to the first whole line, so that no line takes both
     // kinds of store.
@@ -83,9 +82,10 @@ void Copy(uint8_t* dst, const uint8_t* src, uint64_t n, CopyStores stores) {
   }
 }
 
-// Hashes each piece of `src` and then copies it, so that the checksum is of
-// the bytes the copy read: an engine that writes a block while it is being
-// stored leaves a checksum that fails where it is checked (disk, cluster).
+// Hashes each piece of `src` and then copies it. The checksum is of the
+// engine's bytes as they were read: an engine that writes a block while it
+// is being stored may leave a slot that fails it where it is checked (disk,
+// cluster), where hashing the slot made the torn bytes pass.
 template <typename CopyFn>
 void CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t n, XXH3_state_t& state, CopyFn copy) {
   for (uint64_t done = 0; done < n; done += kHashChunkBytes) {

@@ -18,8 +18,8 @@ namespace kvtier {
 // How a copy writes its destination. Streaming (non-temporal stores, x86-64)
 // suits a destination read much later or by another agent: a slot, the
 // engine's pages. It writes each line without first reading it into the
-// cache: 1.6-1.8x a cached memcpy of 2 MiB on this VM's EPYC, on one and two
-// threads. Cached suits a destination read right away (a codec's scratch).
+// cache (copy_reference.cc has the figures). Cached suits a destination read
+// right away (a codec's scratch).
 // Every copy below streams unless it takes a CopyStores; each returns with
 // its stores ordered before the caller's next write.
 enum class CopyStores { kStreaming, kCached };

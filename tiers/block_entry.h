@@ -28,7 +28,7 @@ enum class RemotePut : uint8_t { kNone, kPutting, kRefused };
 struct BlockEntry {
   StoredKey key;
   uint8_t* slot = nullptr;
-  uint64_t checksum = 0;     // XXH3-64 of the block, once it reached host memory
+  uint64_t checksum = 0;     // XXH3-64 of the block as copied to host memory (of the engine's bytes as read)
   uint32_t block_bytes = 0;
   uint32_t leases = 0;
   uint32_t ns = 0;           // BlockCache namespace id

@@ -321,8 +321,10 @@ TEST(StreamingCopy, CopiesEveryByteAndNothingElseAtAnyAlignment) {
   for (uint64_t size : {0ul, 1ul, 63ul, 64ul, 1023ul, 1024ul, 1025ul, 4095ul, 4096ul, 4097ul, 9000ul, 40000ul}) {
     for (uint64_t dst_offset : {0ul, 1ul, 15ul, 16ul, 33ul, 63ul}) {
       for (uint64_t src_offset : {0ul, 5ul, 64ul}) {
-        std::vector<uint8_t> dst(size + dst_offset + 2 * kGuardBytes + 64, kGuard);
-        uint8_t* const d = dst.data() + kGuardBytes + dst_offset;
+        // dst_offset from a cache line's start (a vector promises only 16).
+        std::vector<uint8_t> dst(size + dst_offset + 2 * kGuardBytes + 128, kGuard);
+        const uintptr_t line = (reinterpret_cast<uintptr_t>(dst.data()) + kGuardBytes + 63) & ~uintptr_t{63};
+        uint8_t* const d = reinterpret_cast<uint8_t*>(line) + dst_offset;
         CopyStreaming(d, src.data() + src_offset, size);
         ASSERT_TRUE(std::equal(d, d + size, src.data() + src_offset))
             << size << " bytes, dst +" << dst_offset << ", src +" << src_offset;

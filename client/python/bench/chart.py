@@ -4,8 +4,8 @@ of returning chat turns per configuration, p50 as a bar and p99 as a tick,
 one panel per run given (one engine; one node's engines sharing kvtierd).
 
   python client/python/bench/serve.py --json docs/bench/serve-1-engine.json
-  python client/python/bench/serve.py --engines 2 --json docs/bench/serve-2-engines.json
-  python client/python/bench/chart.py docs/bench/serve-1-engine.json docs/bench/serve-2-engines.json \\
+  python client/python/bench/serve.py --engines 2 --route random --json docs/bench/serve-2-engines-random.json
+  python client/python/bench/chart.py docs/bench/serve-1-engine.json docs/bench/serve-2-engines-random.json \\
       --out docs/bench/serve.svg
 
 Needs matplotlib: tools/setup-python.sh client/python/bench/requirements-chart.txt
