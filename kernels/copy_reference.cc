@@ -116,6 +116,22 @@ void ForEachRow(const CopyPlan& plan, std::span<const CopyPiece> pieces, uint32_
   }
 }
 
+// Streams `pieces` of engine block `block_id` into `slot`, or out of it,
+// and fences.
+void GatherRows(const CopyPlan& plan, std::span<const CopyPiece> pieces, uint32_t block_id, uint8_t* slot) {
+  ForEachRow(plan, pieces, block_id, [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+    StreamCopy(slot + slot_offset, engine, size_bytes);
+  });
+  StreamFence();
+}
+
+void ScatterRows(const CopyPlan& plan, std::span<const CopyPiece> pieces, uint32_t block_id, const uint8_t* slot) {
+  ForEachRow(plan, pieces, block_id, [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
+    StreamCopy(engine, slot + slot_offset, size_bytes);
+  });
+  StreamFence();
+}
+
 }  // namespace
 
 void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_t* checksum, CopyStores stores) {
@@ -140,28 +156,17 @@ void GatherBlock(const CopyPlan& plan, uint32_t block_id, uint8_t* slot, uint64_
 
 void GatherBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, uint8_t* slot) {
   KVTIER_CHECK(slot != nullptr && layer < plan.num_layers());
-  ForEachRow(plan, plan.layer_pieces(layer), block_id,
-             [slot](const uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
-               StreamCopy(slot + slot_offset, engine, size_bytes);
-             });
-  StreamFence();
+  GatherRows(plan, plan.layer_pieces(layer), block_id, slot);
 }
 
 void ScatterBlock(const CopyPlan& plan, uint32_t block_id, const uint8_t* slot) {
   KVTIER_CHECK(slot != nullptr);
-  ForEachRow(plan, plan.pieces(), block_id, [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
-    StreamCopy(engine, slot + slot_offset, size_bytes);
-  });
-  StreamFence();
+  ScatterRows(plan, plan.pieces(), block_id, slot);
 }
 
 void ScatterBlockLayer(const CopyPlan& plan, uint32_t block_id, uint32_t layer, const uint8_t* slot) {
   KVTIER_CHECK(slot != nullptr && layer < plan.num_layers());
-  ForEachRow(plan, plan.layer_pieces(layer), block_id,
-             [slot](uint8_t* engine, uint64_t slot_offset, uint64_t size_bytes) {
-               StreamCopy(engine, slot + slot_offset, size_bytes);
-             });
-  StreamFence();
+  ScatterRows(plan, plan.layer_pieces(layer), block_id, slot);
 }
 
 void GatherBlock(const KvCacheLayout& layout, const MappedRegions& regions, uint32_t block_id,
