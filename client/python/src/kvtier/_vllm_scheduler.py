@@ -18,6 +18,7 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
+    _exclusive_caching,
     _Group,
     _keys,
     _Refusals,
@@ -286,7 +287,7 @@ class _SchedulerSide:
         self._loads: list[TransferSpec] = []
         self._hints: list[TransferSpec] = []  # of requests over, for the next step
         # One full-attention group: vLLM's own copies, for exclusive caching.
-        self._engine = _EngineCache() if settings.exclusive_caching and self._windows == [None] else None
+        self._engine = _EngineCache() if _exclusive_caching(settings, groups) else None
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at

@@ -17,6 +17,7 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
+    _exclusive_caching,
     _Group,
     _keys,
     _pieces,
@@ -96,6 +97,7 @@ class _WorkerSide:
         bytes, _Shards)."""
         self._settings = settings
         self._groups = groups
+        self._engine_holds = _exclusive_caching(settings, groups)  # stores marked held by vLLM
         self._layouts = layouts
         self._stores_shard = stores
         self._refusals = _Refusals()
@@ -423,7 +425,7 @@ class _WorkerSide:
                         priority=hint.priority,
                         next_use_ms=hint.next_use_ms,
                         by_layer=by_layer,
-                        engine_holds=self._settings.exclusive_caching,
+                        engine_holds=self._engine_holds,
                     )
                     ops.append(op)
                     if by_layer:

@@ -233,7 +233,8 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     the load) has vLLM recompute the request: with several groups vLLM
     takes load failures per request only, for loads it waits for. With the
     hybrid manager off, kvtier stores every layer of every block: twice the
-    bytes here."""
+    bytes here. No store is marked held by vLLM (exclusive caching needs one
+    full-attention group)."""
     phases = [
         {"requests": [request(HYBRID_PROMPT)]},
         {"requests": [request(HYBRID_AT_CHUNK)], "reset_prefix_cache": True},
@@ -255,6 +256,10 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     assert_same_outputs(first.phases[0], reference[0], "storing")
     sliding_stored = 2 * HYBRID_WINDOW_BLOCKS  # the windows before 512 and 640 tokens
     assert stored["bytes_engine_to_cache"] == (blocks + HYBRID_SLIDING_GROUPS * sliding_stored) * HYBRID_BLOCK_BYTES
+    # Exclusive caching follows vLLM's block ids of one full-attention group
+    # only: no store says vLLM holds its blocks where no hint would say when
+    # vLLM let go of them (they would stay first to go in kvtierd).
+    assert stored["engine_held"] == 0, stored
 
     for phase, want_blocks in enumerate([blocks, 16, 0]):
         assert_same_outputs(second.phases[phase], reference[phase], f"phase {phase}")
