@@ -709,6 +709,7 @@ int main(int argc, char** argv) {
     if (socket.empty()) {
       std::filesystem::create_directories(disk_config.dir);
       disk_config.dir = std::filesystem::absolute(disk_config.dir).lexically_normal().string();
+      disk_config.segment_file = disk_config.dir + "/segments/segment-0.kvt";  // server_setup.cc's name
     }
     std::printf("daemon:   %s\n",
                 socket.empty() ? "started by kvtier-bench, one per rep" : socket.c_str());

@@ -80,10 +80,13 @@ bool WaitForCounter(kvtier::Client& client, const char* counter, uint64_t target
 struct DiskRep {
   double write = 0, promote = 0, load = 0;
   double fio_write = 0, fio_read = 0, fpb_write = 0, fpb_read = 0;
+  // fio reading kvtier's own records in its segment, between the promotion
+  // and the load: the same blocks of the device, seconds apart.
+  double fio_read_same = 0;
   uint64_t group_commits = 0;
   uint64_t mismatches = 0;
   // How kvtierd's I/O threads and fio's jobs drove the device in each part.
-  IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape;
+  IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape, fio_read_same_shape;
 };
 
 // The same disk state before kvtier's part of a repetition and before
@@ -93,8 +96,18 @@ struct DiskRep {
 void Precondition(const DiskConfig& config, uint64_t bytes, uint64_t record_bytes) {
   const std::string file = config.dir + "/precondition.dat";
   std::filesystem::remove(file);
-  (void)Fio(file, "write", bytes, record_bytes, config.queue_depth, config.io_threads).mbps;
+  (void)Fio(file, "write", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages).mbps;
   std::filesystem::remove(file);
+}
+
+// fio reading the records kvtier just wrote, at their offsets in kvtierd's
+// segment (a fresh segment fills from offset 0; a read job opens the file
+// read-only), when the bench started the daemon.
+void FioSameRecords(const DiskConfig& config, uint64_t bytes, uint64_t record_bytes, DiskRep* out) {
+  if (config.segment_file.empty() || !std::filesystem::exists(config.segment_file)) return;
+  const FioRun same = Fio(config.segment_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
+  out->fio_read_same = same.mbps;
+  out->fio_read_same_shape = same.shape;
 }
 
 // Demotion (host -> disk) and promotion (disk -> host -> engine) of 2 MiB
@@ -155,8 +168,14 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
   const kvtier::DaemonStats written = client.Stats().value();
   out->write_shape = IoShapeBetween(at_start, written, /*read=*/false);
 
-  // Every block is now on disk only. Promotion: prefetch them all (disk ->
-  // host) and time until every read is done.
+  // Every block is now on disk only. fio reads the same records before
+  // the promotion in even repetitions and after it in odd ones: the second
+  // read of a block may find it in a cache below the guest (a virtual
+  // disk's host), and neither side always gets that.
+  const bool fio_same_first = rep % 2 == 0;
+  if (fio_same_first) FioSameRecords(config, uint64_t{blocks} * record_bytes, record_bytes, out);
+  // Promotion: prefetch them all (disk -> host) and time until every read
+  // is done.
   const auto p0 = Clock::now();
   for (uint32_t i = 0; i < blocks; i += 512) {
     const uint32_t n = std::min(512u, blocks - i);
@@ -167,6 +186,7 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
   out->promote = mb / Seconds(Clock::now() - p0);
   const kvtier::DaemonStats promoted = client.Stats().value();
   out->promote_shape = IoShapeBetween(written, promoted, /*read=*/true);
+  if (!fio_same_first) FioSameRecords(config, uint64_t{blocks} * record_bytes, record_bytes, out);
   // Back to disk only (the host copies are clean: dropping them costs no
   // write), then load everything into the engine, all requests in flight.
   if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
@@ -213,8 +233,8 @@ void BaselinesOnce(const DiskConfig& config, DiskRep* out) {
   const std::string fio_file = config.dir + "/fio-baseline.dat";
   std::filesystem::remove(fio_file);
   const uint64_t bytes = uint64_t{blocks} * record_bytes;
-  const FioRun write = Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads);
-  const FioRun read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads);
+  const FioRun write = Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
+  const FioRun read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
   out->fio_write = write.mbps;
   out->fio_write_shape = write.shape;
   out->fio_read = read.mbps;
@@ -230,8 +250,11 @@ void BaselinesOnce(const DiskConfig& config, DiskRep* out) {
 // (the bench starts a fresh one per repetition unless --socket is given),
 // every repetition's ratios printed, and the medians compared.
 int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& connect,
-         const DiskConfig& config, uint32_t reps, const std::string& json) {
+         const DiskConfig& given, uint32_t reps, const std::string& json) {
   const uint64_t record_bytes = kvtier::RecordBytes(Llama8BLayout().block_bytes());
+  const FioHugePages huge_pages(given.io_threads, given.queue_depth, record_bytes);
+  DiskConfig config = given;
+  config.fio_huge_pages = huge_pages.ok();
   std::printf(
       "config:   %u records of %.1f MiB (a 2 MiB block each, no header: record version 4; %.0f MB), queue depth %u x %u "
       "I/O threads (fio: %u jobs x iodepth %u, end_fsync=1 on writes), %u reps, in %s\n",
@@ -239,6 +262,7 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
       static_cast<double>(config.blocks) * static_cast<double>(record_bytes) / 1e6,
       config.queue_depth, config.io_threads, config.io_threads, config.queue_depth, reps,
       config.dir.c_str());
+  std::printf("fio:      buffers in %s\n", huge_pages.description().c_str());
   std::fflush(stdout);
   std::vector<DiskRep> runs;
   uint64_t mismatches = 0;
@@ -268,6 +292,10 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
         r.promote,
         r.fio_read, r.fio_read > 0 ? r.promote / r.fio_read : 0, r.load,
         r.fio_read > 0 ? r.load / r.fio_read : 0, r.group_commits);
+    if (r.fio_read_same > 0) {
+      std::printf("  fio reading kvtier's records: %.0f MB/s; promotion %.2fx, load %.2fx of it\n", r.fio_read_same,
+                  r.promote / r.fio_read_same, r.load / r.fio_read_same);
+    }
     std::fflush(stdout);
     runs.push_back(r);
   }
@@ -288,6 +316,10 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
        "fio io_uring direct read", "MB/s"},
       {"load from disk (disk -> engine)", median(&DiskRep::load), median(&DiskRep::fio_read),
        "fio io_uring direct read", "MB/s"},
+      {"promotion, same records", median(&DiskRep::promote), median(&DiskRep::fio_read_same),
+       "fio reading kvtier's records in its segment", "MB/s"},
+      {"load from disk, same records", median(&DiskRep::load), median(&DiskRep::fio_read_same),
+       "fio reading kvtier's records in its segment", "MB/s"},
       {"durable write vs file per block", median(&DiskRep::write), median(&DiskRep::fpb_write),
        "file per block, fsync each", "MB/s"},
       {"read vs file per block", median(&DiskRep::promote), median(&DiskRep::fpb_read),
@@ -308,10 +340,16 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
   const auto [kw_lo, kw_hi] = spread(&DiskRep::write);
   std::printf("spread over the reps: fio write %.0f-%.0f MB/s, fio read %.0f-%.0f, demotion %.0f-%.0f\n", fw_lo,
               fw_hi, fr_lo, fr_hi, kw_lo, kw_hi);
-  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx of fio\n",
+  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx of fio on its own file\n",
               median_ratio(&DiskRep::write, &DiskRep::fio_write),
               median_ratio(&DiskRep::promote, &DiskRep::fio_read),
               median_ratio(&DiskRep::load, &DiskRep::fio_read));
+  if (median(&DiskRep::fio_read_same) > 0) {
+    const auto [fs_lo, fs_hi] = spread(&DiskRep::fio_read_same);
+    std::printf("  and of fio reading kvtier's own records (%.0f-%.0f MB/s): promotion %.2fx, load %.2fx\n", fs_lo,
+                fs_hi, median_ratio(&DiskRep::promote, &DiskRep::fio_read_same),
+                median_ratio(&DiskRep::load, &DiskRep::fio_read_same));
+  }
   // How each drove the device, medians over the reps.
   auto shape = [&runs](IoShape DiskRep::*part) {
     IoShape m;
@@ -329,7 +367,8 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
                                    {"fio write", &DiskRep::fio_write_shape},
                                    {"promotion read", &DiskRep::promote_shape},
                                    {"load read", &DiskRep::load_shape},
-                                   {"fio read", &DiskRep::fio_read_shape}}) {
+                                   {"fio read", &DiskRep::fio_read_shape},
+                                   {"fio same records", &DiskRep::fio_read_same_shape}}) {
     const IoShape m = shape(part);
     std::printf("  %-16s depth %5.1f, %7.0f KiB, %5.1f syncs/GB, idle %3.0f%%\n", name, m.depth, m.size_kib,
                 m.syncs_per_gb, m.idle_pct);

@@ -20,6 +20,12 @@ struct DiskConfig {
   uint32_t queue_depth = 32;
   uint32_t io_threads = 2;
   std::string dir;
+  // kvtierd's segment file, when the bench started the daemon (a fresh
+  // segment, which fills from its first region): fio then also reads the
+  // records kvtier just read, at the same offsets of the same file.
+  std::string segment_file = {};
+  // Set by Disk, not the command line: fio's buffers in 2 MiB pages.
+  bool fio_huge_pages = false;
 };
 
 // `reps` repetitions, each against the daemon `connect(rep)` returns, every

@@ -63,7 +63,7 @@ IoShape IoShapeBetween(const DaemonStats& before, const DaemonStats& after, bool
 }
 
 FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
-           uint32_t queue_depth, uint32_t jobs) {
+           uint32_t queue_depth, uint32_t jobs, bool huge_pages) {
   const uint64_t per_job = size_bytes / jobs / block_bytes * block_bytes;
   const std::string cmd =
       "fio --name=kvtier-baseline --filename=" + file + " --rw=" + rw +
@@ -71,7 +71,7 @@ FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, 
       " --numjobs=" + std::to_string(jobs) +
       " --group_reporting --bs=" + std::to_string(block_bytes) +
       " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
-      " --ioengine=io_uring --direct=1 --output-format=json 2>/dev/null";
+      " --ioengine=io_uring --direct=1" + (huge_pages ? " --mem=shmhuge" : "") + " --output-format=json 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return {};
   std::string out;
@@ -85,6 +85,59 @@ FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, 
   run.shape.syncs_per_gb = rw == "write" ? static_cast<double>(jobs) / (static_cast<double>(per_job * jobs) / 1e9) : 0;
   run.shape.idle_pct = 100 - (JsonNumber(out, "usr_cpu") + JsonNumber(out, "sys_cpu"));
   return run;
+}
+
+namespace {
+
+constexpr char kNrHugePages[] = "/proc/sys/vm/nr_hugepages";
+
+// A number from /proc/meminfo ("HugePages_Free:   12"), or -1.
+long MeminfoValue(const std::string& key) {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::strtol(line.c_str() + key.size() + 1, nullptr, 10);
+  }
+  return -1;
+}
+
+bool WriteNrHugePages(long pages) {
+  std::ofstream out(kNrHugePages);
+  out << pages << '\n';
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+}  // namespace
+
+FioHugePages::FioHugePages(uint32_t jobs, uint32_t queue_depth, uint64_t block_bytes) {
+  constexpr uint64_t kHugePage = 2 << 20;
+  if (MeminfoValue("Hugepagesize") != static_cast<long>(kHugePage >> 10)) {
+    why_ = "4 KiB pages: this kernel's huge pages are not 2 MiB";
+    return;
+  }
+  // Each job's buffers (depth x block, rounded up) and fio's alignment page.
+  const auto needed = static_cast<long>(jobs * ((uint64_t{queue_depth} * block_bytes + kHugePage - 1) / kHugePage + 1));
+  const long free = MeminfoValue("HugePages_Free");
+  const long total = MeminfoValue("HugePages_Total");
+  if (free >= needed) {
+    description_ = "2 MiB pages (" + std::to_string(free) + " hugetlb pages were free)";
+    return;
+  }
+  if (free < 0 || total < 0 || !WriteNrHugePages(total + needed - free)) {
+    why_ = "4 KiB pages: no " + std::to_string(needed) + " free hugetlb pages, and " + kNrHugePages +
+           " cannot be raised (not root)";
+    return;
+  }
+  restore_ = total;
+  if (MeminfoValue("HugePages_Free") < needed) {
+    why_ = "4 KiB pages: the kernel found no " + std::to_string(needed) + " free 2 MiB pages";
+    return;
+  }
+  description_ = "2 MiB pages (" + std::to_string(needed - free) + " hugetlb pages reserved for the bench)";
+}
+
+FioHugePages::~FioHugePages() {
+  if (restore_ >= 0) (void)WriteNrHugePages(restore_);
 }
 
 BackgroundFio::BackgroundFio(const std::string& dir) : file_(dir + "/contend.fio"), output_(dir + "/contend.json") {

@@ -44,9 +44,35 @@ struct FioRun {
 // fio's run: `jobs` jobs of `queue_depth` each (one per kvtierd I/O thread,
 // each with its own ring of that depth), over disjoint parts of one file,
 // and for writes an fsync at the end inside the timed run, since a
-// demotion counts only once it is durable.
+// demotion counts only once it is durable. With `huge_pages`, fio's buffers
+// are 2 MiB hugetlb pages (--mem=shmhuge), as kvtierd's host tier asks for:
+// see FioHugePages.
 FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, uint64_t block_bytes,
-           uint32_t queue_depth, uint32_t jobs);
+           uint32_t queue_depth, uint32_t jobs, bool huge_pages = false);
+
+// The hugetlb pages fio's buffers need for `jobs` jobs of `queue_depth`
+// blocks of `block_bytes`, reserved while this lives. kvtierd's host tier is
+// in 2 MiB pages (MADV_HUGEPAGE), so a 2 MiB block is one segment for the
+// disk's DMA; fio's own buffers are 4 KiB pages, which on this project's
+// virtio disk cost fio 35-50% of its read rate: without the same pages fio
+// is no measure of the disk. fio can only have huge pages from hugetlb, so
+// what is missing of vm.nr_hugepages is added (root only) and put back.
+class FioHugePages {
+ public:
+  FioHugePages(uint32_t jobs, uint32_t queue_depth, uint64_t block_bytes);
+  ~FioHugePages();
+  FioHugePages(const FioHugePages&) = delete;
+  FioHugePages& operator=(const FioHugePages&) = delete;
+
+  bool ok() const { return why_.empty(); }
+  // What was reserved, or why there are none.
+  const std::string& description() const { return ok() ? description_ : why_; }
+
+ private:
+  long restore_ = -1;  // vm.nr_hugepages to put back, or -1
+  std::string description_;
+  std::string why_;
+};
 
 // fio writing to a file of its own in `dir`, from construction until Stop
 // (or destruction): sequential 1 MiB O_DIRECT writes at queue depth 8 over

@@ -224,8 +224,21 @@ class UringWorker {
       if (stopping && reads_.empty() && writes_.empty() && in_flight_ == 0) break;
       SubmitAndWait();
       ReapCompletions();
+      // The ring is refilled before what completed is handed back: a done
+      // callback (a read record's checksum, its post to the loop) then runs
+      // while the device works on the next chunks. A virtio disk completes
+      // a whole ring at once, and the checks of 32 records left it idle.
+      StartChunks();
+      if (io_uring_sq_ready(ring_.get()) > 0) (void)io_uring_submit(ring_.get());  // else by SubmitAndWait
+      RunFinished();
     }
     CancelEventRead();
+  }
+
+  // Hands back the ops whose last chunk completed, in completion order.
+  void RunFinished() {
+    for (std::unique_ptr<Op>& op : finished_) FinishOp(std::move(op));
+    finished_.clear();
   }
 
   // Fills the SQ in PickNextChunk's order: reads first, a write or sync
@@ -382,7 +395,7 @@ class UringWorker {
     if (!IsRead(*op)) --writes_in_flight_;
     --op->in_flight;
     if (!error.ok() && op->error.ok()) op->error = std::move(error);
-    if (!op->queued && op->in_flight == 0) FinishOp(std::unique_ptr<Op>(op));
+    if (!op->queued && op->in_flight == 0) finished_.emplace_back(op);  // run by RunFinished
   }
 
   // The eventfd read must not outlive the ring's user memory: cancel it and
@@ -396,6 +409,7 @@ class UringWorker {
     while (event_armed_) {
       SubmitAndWait();
       ReapCompletions();
+      RunFinished();
     }
   }
 
@@ -417,6 +431,7 @@ class UringWorker {
   bool cancelling_ = false;
   std::deque<std::unique_ptr<Op>> reads_;
   std::deque<std::unique_ptr<Op>> writes_;  // and syncs
+  std::vector<std::unique_ptr<Op>> finished_;  // completed by ReapCompletions, for RunFinished
   uint32_t in_flight_ = 0;                  // chunks in the kernel
   uint32_t writes_in_flight_ = 0;
   uint32_t reads_in_a_row_ = 0;     // read chunks started while a write could (PickNextChunk)

@@ -763,6 +763,58 @@ TEST(IoUringEngineTest, ReadCompletesWhileAWriteIsBlocked) {
   EXPECT_EQ(drained, to_pipe);
 }
 
+TEST(IoUringEngineTest, TheRingIsRefilledBeforeDoneCallbacksRun) {
+  // A ring of depth 1, its slot taken by a read of an empty pipe, and a
+  // file read waiting behind it. When the pipe read completes, the file
+  // read starts before the pipe read's done callback runs: a done callback
+  // (a record's checksum) must not hold the device idle.
+  Result<std::unique_ptr<IoEngine>> engine = CreateIoUring({.threads = 1, .queue_depth = 1});
+  if (!engine.has_value()) GTEST_SKIP() << "io_uring unavailable: " << engine.error();
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
+  UniqueFd file(::open(dir.File("f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  ASSERT_TRUE(file.valid());
+  std::vector<uint8_t> block(kBlock, 0x5A);
+  ASSERT_EQ(::pwrite(file.get(), block.data(), kBlock, 0), static_cast<ssize_t>(kBlock));
+
+  uint8_t byte = 0;
+  std::atomic<uint64_t> started_at_callback{0};
+  Completion pipe_done, file_done;
+  IoRequest from_pipe{.op = IoOp::kRead, .fd = pipe_read.get(), .buffer = &byte, .length = 1};
+  from_pipe.done = [&](Result<uint64_t> result) {
+    started_at_callback = (*engine)->stats().reads;
+    pipe_done.Callback()(std::move(result));
+  };
+  (*engine)->Submit(std::move(from_pipe));
+  std::vector<uint8_t> read_buffer(kBlock);
+  (*engine)->Submit(IoRequest{.op = IoOp::kRead,
+                              .fd = file.get(),
+                              .buffer = read_buffer.data(),
+                              .length = kBlock,
+                              .done = file_done.Callback()});
+  // RegisterBuffers runs on the I/O thread between submissions: once it
+  // returns, that thread has taken both reads in (whether the registration
+  // itself is allowed here or not).
+  Result<MemoryMapping> memory = MemoryMapping::Anonymous(1 << 16);
+  ASSERT_TRUE(memory.has_value());
+  const std::span<uint8_t> spans[] = {memory->bytes()};
+  (void)(*engine)->RegisterBuffers(spans);
+  EXPECT_EQ((*engine)->stats().reads, 1u) << "the file read started while the pipe read held the ring";
+
+  const uint8_t one = 7;
+  ASSERT_EQ(::write(pipe_write.get(), &one, 1), 1);
+  Result<uint64_t> piped = pipe_done.Wait();
+  ASSERT_TRUE(piped.has_value()) << piped.error();
+  EXPECT_EQ(byte, 7);
+  Result<uint64_t> read = file_done.Wait();
+  ASSERT_TRUE(read.has_value()) << read.error();
+  EXPECT_EQ(read_buffer, block);
+  EXPECT_EQ(started_at_callback.load(), 2u) << "the pipe read's done callback ran before the ring was refilled";
+}
+
 TEST(IoUringEngineTest, RegisteringTwiceIsRefused) {
   Result<std::unique_ptr<IoEngine>> engine = CreateIoUring({.threads = 2});
   if (!engine.has_value()) GTEST_SKIP() << "io_uring unavailable: " << engine.error();
