@@ -114,6 +114,10 @@ class _Lookups:
         self._queue: queue.SimpleQueue[tuple[str, list[bytes], int] | _Dropped | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
         self._thread.start()
+        # Lookups started, and those not answered within lookup_wait_s (their
+        # requests wait for a later step). Scheduler thread only.
+        self.asked = 0
+        self.late = 0
 
     def result(self, req_id: str, hashes: list[bytes], local: int = 0) -> int | None:
         """Leading blocks of `hashes` cached, or None while the answer is not
@@ -134,6 +138,8 @@ class _Lookups:
                 self._queue.put((req_id, hashes, local))
                 if self._settings.lookup_wait_s > 0:
                     self._answered.wait_for(lambda: entry.hits is not None, self._settings.lookup_wait_s)
+                self.asked += 1
+                self.late += entry.hits is None
                 return entry.hits
             if entry.hits is None and now - entry.started > self._settings.lookup_timeout_s:
                 entry.hits = 0
@@ -152,6 +158,11 @@ class _Lookups:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+        if self.asked:
+            logger.info(
+                "kvtier: %d of %d lookups were answered after the scheduler's wait of %.1f ms (lookup_wait_ms): "
+                "their requests were scheduled a step later",
+                self.late, self.asked, self._settings.lookup_wait_s * 1000)
 
     def _stale(self, req_id: str, hashes: list[bytes]) -> bool:
         """Whether a queued lookup is no longer wanted: its request is gone,
