@@ -707,6 +707,23 @@ Result<std::unique_ptr<IoEngine>> CreateIoUring(IoEngine::Options options) {
   return IoEngine::Create(options);
 }
 
+// A pipe, whose end holds a ring's slot until the test writes to it or
+// drains it, and a file in `dir` holding one block of 0x5A. Check ok().
+struct PipeAndFile {
+  UniqueFd pipe_read, pipe_write, file;
+  std::vector<uint8_t> block = std::vector<uint8_t>(kBlock, 0x5A);
+
+  explicit PipeAndFile(const TempDir& dir) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return;
+    pipe_read = UniqueFd(fds[0]);
+    pipe_write = UniqueFd(fds[1]);
+    file = UniqueFd(::open(dir.File("f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+    if (file.valid() && ::pwrite(file.get(), block.data(), kBlock, 0) != static_cast<ssize_t>(kBlock)) file = UniqueFd();
+  }
+  bool ok() const { return pipe_read.valid() && pipe_write.valid() && file.valid(); }
+};
+
 // A write blocked in the kernel (on a full pipe) holds at most half the ring:
 // a read submitted after it still runs and completes. No timing involved: the
 // write cannot finish until the test drains the pipe.
@@ -716,24 +733,17 @@ TEST(IoUringEngineTest, ReadCompletesWhileAWriteIsBlocked) {
   if (!engine.has_value()) GTEST_SKIP() << "io_uring unavailable: " << engine.error();
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
-  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
+  PipeAndFile io(dir);
+  ASSERT_TRUE(io.ok()) << std::strerror(errno);
   // One page of pipe: the second chunk of the write already waits.
-  ASSERT_GT(::fcntl(pipe_write.get(), F_SETPIPE_SZ, 4096), 0);
-
-  UniqueFd file(::open(dir.File("f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  ASSERT_TRUE(file.valid());
-  std::vector<uint8_t> block(kBlock, 0x5A);
-  ASSERT_EQ(::pwrite(file.get(), block.data(), kBlock, 0), static_cast<ssize_t>(kBlock));
+  ASSERT_GT(::fcntl(io.pipe_write.get(), F_SETPIPE_SZ, 4096), 0);
 
   constexpr uint64_t kWriteBytes = 64 * kBlock;
   std::vector<uint8_t> to_pipe(kWriteBytes, 0x33);
   std::atomic<bool> write_finished{false};
   Completion write_done;
   IoRequest write{
-      .op = IoOp::kWrite, .fd = pipe_write.get(), .buffer = to_pipe.data(), .length = kWriteBytes};
+      .op = IoOp::kWrite, .fd = io.pipe_write.get(), .buffer = to_pipe.data(), .length = kWriteBytes};
   write.done = [&](Result<uint64_t> result) {
     write_finished = true;
     write_done.Callback()(std::move(result));
@@ -744,16 +754,16 @@ TEST(IoUringEngineTest, ReadCompletesWhileAWriteIsBlocked) {
   Result<uint64_t> read = RunSync(
       **engine,
       IoRequest{
-          .op = IoOp::kRead, .fd = file.get(), .buffer = read_buffer.data(), .length = kBlock});
+          .op = IoOp::kRead, .fd = io.file.get(), .buffer = read_buffer.data(), .length = kBlock});
   ASSERT_TRUE(read.has_value()) << read.error();
-  EXPECT_EQ(read_buffer, block);
+  EXPECT_EQ(read_buffer, io.block);
   EXPECT_FALSE(write_finished.load());
 
   // Now let the write through.
   std::vector<uint8_t> drained(kWriteBytes);
   uint64_t got = 0;
   while (got < kWriteBytes) {
-    const ssize_t n = ::read(pipe_read.get(), drained.data() + got, kWriteBytes - got);
+    const ssize_t n = ::read(io.pipe_read.get(), drained.data() + got, kWriteBytes - got);
     ASSERT_GT(n, 0) << std::strerror(errno);
     got += static_cast<uint64_t>(n);
   }
@@ -772,18 +782,13 @@ TEST(IoUringEngineTest, TheRingIsRefilledBeforeDoneCallbacksRun) {
   if (!engine.has_value()) GTEST_SKIP() << "io_uring unavailable: " << engine.error();
   TempDir dir;
   ASSERT_TRUE(dir.ok());
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
-  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
-  UniqueFd file(::open(dir.File("f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  ASSERT_TRUE(file.valid());
-  std::vector<uint8_t> block(kBlock, 0x5A);
-  ASSERT_EQ(::pwrite(file.get(), block.data(), kBlock, 0), static_cast<ssize_t>(kBlock));
+  PipeAndFile io(dir);
+  ASSERT_TRUE(io.ok()) << std::strerror(errno);
 
   uint8_t byte = 0;
   std::atomic<uint64_t> started_at_callback{0};
   Completion pipe_done, file_done;
-  IoRequest from_pipe{.op = IoOp::kRead, .fd = pipe_read.get(), .buffer = &byte, .length = 1};
+  IoRequest from_pipe{.op = IoOp::kRead, .fd = io.pipe_read.get(), .buffer = &byte, .length = 1};
   from_pipe.done = [&](Result<uint64_t> result) {
     started_at_callback = (*engine)->stats().reads;
     pipe_done.Callback()(std::move(result));
@@ -791,7 +796,7 @@ TEST(IoUringEngineTest, TheRingIsRefilledBeforeDoneCallbacksRun) {
   (*engine)->Submit(std::move(from_pipe));
   std::vector<uint8_t> read_buffer(kBlock);
   (*engine)->Submit(IoRequest{.op = IoOp::kRead,
-                              .fd = file.get(),
+                              .fd = io.file.get(),
                               .buffer = read_buffer.data(),
                               .length = kBlock,
                               .done = file_done.Callback()});
@@ -805,13 +810,13 @@ TEST(IoUringEngineTest, TheRingIsRefilledBeforeDoneCallbacksRun) {
   EXPECT_EQ((*engine)->stats().reads, 1u) << "the file read started while the pipe read held the ring";
 
   const uint8_t one = 7;
-  ASSERT_EQ(::write(pipe_write.get(), &one, 1), 1);
+  ASSERT_EQ(::write(io.pipe_write.get(), &one, 1), 1);
   Result<uint64_t> piped = pipe_done.Wait();
   ASSERT_TRUE(piped.has_value()) << piped.error();
   EXPECT_EQ(byte, 7);
   Result<uint64_t> read = file_done.Wait();
   ASSERT_TRUE(read.has_value()) << read.error();
-  EXPECT_EQ(read_buffer, block);
+  EXPECT_EQ(read_buffer, io.block);
   EXPECT_EQ(started_at_callback.load(), 2u) << "the pipe read's done callback ran before the ring was refilled";
 }
 
