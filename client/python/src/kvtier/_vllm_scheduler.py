@@ -63,29 +63,36 @@ class _Lookup:
 
 @dataclass
 class _Dropped:
-    """Hashes of blocks vLLM's own cache let go of (_EngineCache)."""
+    """Blocks vLLM's own cache let go of (_EngineCache): each as its KV
+    cache group and its hash."""
 
-    hashes: list[bytes]
+    blocks: list[tuple[int, bytes]]
 
 
 class _EngineCache:
     """What vLLM's own cache holds, as far as the scheduler's outputs show
-    it (exclusive caching): the hash each block id holds once full. A block
-    id vLLM gives a request for other content than it held (a new block, or
-    one past the blocks the request matched) means vLLM let go of what it
-    held there: dropped, for kvtierd (Hint.engine_dropped). Bounded by vLLM's
-    block count; each step looks only at the blocks it gave or filled."""
+    it (exclusive caching): the KV cache group and hash each block id holds
+    once full. A block id vLLM gives a request for other content than it
+    held (a new block, one past the blocks the request matched, or a block
+    of another group: the groups share one pool of ids) means vLLM let go of
+    what it held there: dropped, for kvtierd (Hint.engine_dropped). A
+    sliding-window group's null blocks (outside its window) hold nothing.
+    Bounded by vLLM's block count; each step looks only at the blocks it
+    gave or filled."""
 
     def __init__(self) -> None:
-        self._held: dict[int, bytes] = {}
-        self.dropped: list[bytes] = []
+        self._held: dict[int, tuple[int, bytes]] = {}
+        self.dropped: list[tuple[int, bytes]] = []
 
-    def seen(self, ids: list[int], start: int, hashes: list[bytes]) -> None:
-        """A request's block ids from `start` on: the first of them hold
-        `hashes` (once this step has run); those after, new content."""
+    def seen(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> None:
+        """A request's block ids in `group` from `start` on: the first of
+        them hold `hashes` (once this step has run); those after, new
+        content."""
         for position in range(start, len(ids)):
             block = ids[position]
-            now = hashes[position - start] if position - start < len(hashes) else None
+            if block == _NULL_BLOCK:
+                continue
+            now = (group, hashes[position - start]) if position - start < len(hashes) else None
             held = self._held.get(block)
             if held is not None and held != now:
                 self.dropped.append(held)
@@ -150,10 +157,11 @@ class _Lookups:
         with self._lock:
             self._entries.pop(req_id, None)
 
-    def engine_dropped(self, hashes: list[bytes]) -> None:
-        """Blocks vLLM's own cache let go of: told to kvtierd on this
-        thread (Hint.engine_dropped), after the lookups queued before."""
-        self._queue.put(_Dropped(hashes))
+    def engine_dropped(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Blocks vLLM's own cache let go of (group, hash): told to kvtierd
+        on this thread (Hint.engine_dropped), after the lookups queued
+        before."""
+        self._queue.put(_Dropped(blocks))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -229,11 +237,15 @@ class _Lookups:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Dropped):
                 client = connection.client() if caches else None
+                by_group: dict[int, list[bytes]] = {}
+                for group, block_hash in item.blocks:
+                    by_group.setdefault(group, []).append(block_hash)
                 try:
-                    for cache in caches[0] if client is not None else []:
-                        client.hint(cache, _keys(client, cache, item.hashes), engine_dropped=True)
+                    for group, hashes in by_group.items() if client is not None else ():
+                        for cache in caches[group]:
+                            client.hint(cache, _keys(client, cache, hashes), engine_dropped=True)
                 except kvtier.Error as error:
-                    refusals.note(error, f"a hint that vLLM let go of {len(item.hashes)} blocks")
+                    refusals.note(error, f"a hint that vLLM let go of {len(item.blocks)} blocks")
                 continue
             req_id, hashes, local = item
             if self._stale(req_id, hashes):
@@ -298,7 +310,7 @@ class _SchedulerSide:
         self._loads: list[TransferSpec] = []
         self._hints: list[TransferSpec] = []  # of requests over, for the next step
         # One full-attention group: vLLM's own copies, for exclusive caching.
-        self._engine = _EngineCache() if _exclusive_caching(settings, groups) else None
+        self._engine = _EngineCache() if _exclusive_caching(settings) else None
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -388,7 +400,8 @@ class _SchedulerSide:
             blocks = min(blocks, publishable)
         if self._engine is not None:
             held = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.recorded : blocks]]
-            self._engine.seen(state.block_ids[0], state.recorded, held)
+            for group, ids in enumerate(state.block_ids):
+                self._engine.seen(group, ids, state.recorded, held)
             state.recorded = max(state.recorded, blocks)
         if blocks <= state.stored:
             return

