@@ -364,7 +364,10 @@ class _SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
+            # Every block id again (also a request resumed after preemption,
+            # which vLLM may send as new): each is looked at again.
             state.block_ids = [list(ids) for ids in new.block_ids]
+            state.recorded = 0
             self._plan_stores(meta, state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
