@@ -130,6 +130,9 @@ TEST(HostBackendTest, ArenasAskForHugePages) {
   // 2 MiB pages: a 2 MiB block is then one segment for the disk's DMA (a
   // virtio disk read 1.4x faster so) and one TLB entry for a copy. Only
   // advice: the kernel may still back it with 4 KiB pages.
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages (MADV_HUGEPAGE is refused)";
+  }
   auto backend = MakeBackend(1);
   for (bool device : {false, true}) {
     Result<std::unique_ptr<Arena>> a =
