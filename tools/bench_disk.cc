@@ -80,14 +80,21 @@ bool WaitForCounter(kvtier::Client& client, const char* counter, uint64_t target
 struct DiskRep {
   double write = 0, promote = 0, load = 0;
   double fio_write = 0, fio_read = 0, fpb_write = 0, fpb_read = 0;
-  // fio reading kvtier's own records in its segment, between the promotion
-  // and the load: the same blocks of the device, seconds apart.
+  // fio reading kvtier's own records in its segment, just before or just
+  // after the promotion: the same blocks of the device, seconds apart.
   double fio_read_same = 0;
   uint64_t group_commits = 0;
   uint64_t mismatches = 0;
   // How kvtierd's I/O threads and fio's jobs drove the device in each part.
   IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape, fio_read_same_shape;
 };
+
+// fio as `config` drives kvtierd: as many jobs as I/O threads, each at its
+// queue depth, with fio's buffers in the pages Disk gave it.
+FioRun FioLike(const DiskConfig& config, const std::string& file, const std::string& rw, uint64_t bytes,
+               uint64_t record_bytes) {
+  return Fio(file, rw, bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
+}
 
 // The same disk state before kvtier's part of a repetition and before
 // fio's: a write of as many bytes as either writes, through fio, made
@@ -96,7 +103,7 @@ struct DiskRep {
 void Precondition(const DiskConfig& config, uint64_t bytes, uint64_t record_bytes) {
   const std::string file = config.dir + "/precondition.dat";
   std::filesystem::remove(file);
-  (void)Fio(file, "write", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages).mbps;
+  (void)FioLike(config, file, "write", bytes, record_bytes);
   std::filesystem::remove(file);
 }
 
@@ -105,7 +112,7 @@ void Precondition(const DiskConfig& config, uint64_t bytes, uint64_t record_byte
 // read-only), when the bench started the daemon.
 void FioSameRecords(const DiskConfig& config, uint64_t bytes, uint64_t record_bytes, DiskRep* out) {
   if (config.segment_file.empty() || !std::filesystem::exists(config.segment_file)) return;
-  const FioRun same = Fio(config.segment_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
+  const FioRun same = FioLike(config, config.segment_file, "read", bytes, record_bytes);
   out->fio_read_same = same.mbps;
   out->fio_read_same_shape = same.shape;
 }
@@ -233,8 +240,8 @@ void BaselinesOnce(const DiskConfig& config, DiskRep* out) {
   const std::string fio_file = config.dir + "/fio-baseline.dat";
   std::filesystem::remove(fio_file);
   const uint64_t bytes = uint64_t{blocks} * record_bytes;
-  const FioRun write = Fio(fio_file, "write", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
-  const FioRun read = Fio(fio_file, "read", bytes, record_bytes, config.queue_depth, config.io_threads, config.fio_huge_pages);
+  const FioRun write = FioLike(config, fio_file, "write", bytes, record_bytes);
+  const FioRun read = FioLike(config, fio_file, "read", bytes, record_bytes);
   out->fio_write = write.mbps;
   out->fio_write_shape = write.shape;
   out->fio_read = read.mbps;
@@ -293,8 +300,8 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
         r.fio_read, r.fio_read > 0 ? r.promote / r.fio_read : 0, r.load,
         r.fio_read > 0 ? r.load / r.fio_read : 0, r.group_commits);
     if (r.fio_read_same > 0) {
-      std::printf("  fio reading kvtier's records: %.0f MB/s; promotion %.2fx, load %.2fx of it\n", r.fio_read_same,
-                  r.promote / r.fio_read_same, r.load / r.fio_read_same);
+      std::printf("  fio reading kvtier's records: %.0f MB/s; promotion %.2fx, load %.2fx of it\n",
+                  r.fio_read_same, r.promote / r.fio_read_same, r.load / r.fio_read_same);
     }
     std::fflush(stdout);
     runs.push_back(r);
@@ -340,14 +347,15 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
   const auto [kw_lo, kw_hi] = spread(&DiskRep::write);
   std::printf("spread over the reps: fio write %.0f-%.0f MB/s, fio read %.0f-%.0f, demotion %.0f-%.0f\n", fw_lo,
               fw_hi, fr_lo, fr_hi, kw_lo, kw_hi);
-  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx of fio on its own file\n",
+  std::printf("median of the per-rep ratios: demotion %.2fx, promotion %.2fx, load %.2fx"
+              " of fio on its own file\n",
               median_ratio(&DiskRep::write, &DiskRep::fio_write),
               median_ratio(&DiskRep::promote, &DiskRep::fio_read),
               median_ratio(&DiskRep::load, &DiskRep::fio_read));
   if (median(&DiskRep::fio_read_same) > 0) {
     const auto [fs_lo, fs_hi] = spread(&DiskRep::fio_read_same);
-    std::printf("  and of fio reading kvtier's own records (%.0f-%.0f MB/s): promotion %.2fx, load %.2fx\n", fs_lo,
-                fs_hi, median_ratio(&DiskRep::promote, &DiskRep::fio_read_same),
+    std::printf("  and of fio reading kvtier's own records (%.0f-%.0f MB/s): promotion %.2fx, load %.2fx\n",
+                fs_lo, fs_hi, median_ratio(&DiskRep::promote, &DiskRep::fio_read_same),
                 median_ratio(&DiskRep::load, &DiskRep::fio_read_same));
   }
   // How each drove the device, medians over the reps.

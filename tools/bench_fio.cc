@@ -71,7 +71,8 @@ FioRun Fio(const std::string& file, const std::string& rw, uint64_t size_bytes, 
       " --numjobs=" + std::to_string(jobs) +
       " --group_reporting --bs=" + std::to_string(block_bytes) +
       " --iodepth=" + std::to_string(queue_depth) + (rw == "write" ? " --end_fsync=1" : "") +
-      " --ioengine=io_uring --direct=1" + (huge_pages ? " --mem=shmhuge" : "") + " --output-format=json 2>/dev/null";
+      " --ioengine=io_uring --direct=1" + (huge_pages ? " --mem=shmhuge" : "") +
+      " --output-format=json 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) return {};
   std::string out;
@@ -116,7 +117,8 @@ FioHugePages::FioHugePages(uint32_t jobs, uint32_t queue_depth, uint64_t block_b
     return;
   }
   // Each job's buffers (depth x block, rounded up) and fio's alignment page.
-  const auto needed = static_cast<long>(jobs * ((uint64_t{queue_depth} * block_bytes + kHugePage - 1) / kHugePage + 1));
+  const uint64_t per_job = (uint64_t{queue_depth} * block_bytes + kHugePage - 1) / kHugePage + 1;
+  const auto needed = static_cast<long>(jobs * per_job);
   const long free = MeminfoValue("HugePages_Free");
   const long total = MeminfoValue("HugePages_Total");
   if (free >= needed) {

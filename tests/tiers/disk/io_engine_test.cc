@@ -719,7 +719,9 @@ struct PipeAndFile {
     pipe_read = UniqueFd(fds[0]);
     pipe_write = UniqueFd(fds[1]);
     file = UniqueFd(::open(dir.File("f").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    if (file.valid() && ::pwrite(file.get(), block.data(), kBlock, 0) != static_cast<ssize_t>(kBlock)) file = UniqueFd();
+    if (file.valid() && ::pwrite(file.get(), block.data(), kBlock, 0) != static_cast<ssize_t>(kBlock)) {
+      file = UniqueFd();
+    }
   }
   bool ok() const { return pipe_read.valid() && pipe_write.valid() && file.valid(); }
 };
