@@ -41,6 +41,10 @@ Status MemoryMapping::Populate(size_t offset, size_t size_bytes) {
   return Status::FromErrno(errno, "madvise(MADV_POPULATE_WRITE)");
 }
 
+void MemoryMapping::AdviseHugePages() {
+  if (data_ != nullptr) (void)::madvise(data_, size_bytes_, MADV_HUGEPAGE);
+}
+
 void MemoryMapping::Reset() {
   if (data_ != nullptr) {
     ::munmap(data_, size_bytes_);  // Fails only for invalid arguments, which we never pass.

@@ -70,6 +70,12 @@ class MemoryMapping {
   // otherwise. REQUIRES: as Discard.
   Status Populate(size_t offset, size_t size_bytes);
 
+  // Asks for transparent huge pages over the whole mapping (MADV_HUGEPAGE):
+  // a 2 MiB block in one page is one segment for a disk's DMA and one TLB
+  // entry for a copy. Only advice, and ignored where the kernel has no
+  // transparent huge pages; call before the pages are touched.
+  void AdviseHugePages();
+
  private:
   MemoryMapping(void* data, size_t size_bytes) : data_(data), size_bytes_(size_bytes) {}
 

@@ -1,7 +1,6 @@
 #include "devices/cuda_backend.h"
 
 #include <spdlog/spdlog.h>
-#include <sys/mman.h>
 
 #include <cstring>
 
@@ -47,9 +46,8 @@ class PinnedArena final : public Arena {
     if (registered_) (void)cudaHostUnregister(mapping_.data());
   }
   Status Register() {
-    // Transparent huge pages where the kernel allows: fewer pages to pin and
-    // map. Only advice; 4 KiB pages work too.
-    (void)::madvise(mapping_.data(), mapping_.size_bytes(), MADV_HUGEPAGE);
+    // Fewer pages to pin and map; 4 KiB pages work too.
+    mapping_.AdviseHugePages();
     KVTIER_RETURN_IF_ERROR(RegisterMapped(mapping_.data(), mapping_.size_bytes(),
                                           "the " + std::to_string(mapping_.size_bytes()) + "-byte host pool"));
     registered_ = true;

@@ -203,14 +203,6 @@ def _keys(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes]) -> 
     return [client.key_from_engine_hash(cache, h) for h in hashes]
 
 
-def _exclusive_caching(settings: _Settings) -> bool:
-    """Whether stores say vLLM holds them and the scheduler tells kvtierd
-    what vLLM let go of (it reads that from every KV cache group's block
-    ids). Both sides ask here, so that no store is marked held that no hint
-    would release."""
-    return settings.exclusive_caching
-
-
 def _pieces(count: int, client: kvtier.Client) -> list[slice]:
     """`count` keys as consecutive slices the daemon takes in one request
     each (its Welcome's max_keys_per_request): loads and stores of a long

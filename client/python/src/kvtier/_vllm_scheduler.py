@@ -18,7 +18,6 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
-    _exclusive_caching,
     _Group,
     _keys,
     _Refusals,
@@ -309,8 +308,10 @@ class _SchedulerSide:
         self._hits: dict[str, int] = {}
         self._loads: list[TransferSpec] = []
         self._hints: list[TransferSpec] = []  # of requests over, for the next step
-        # One full-attention group: vLLM's own copies, for exclusive caching.
-        self._engine = _EngineCache() if _exclusive_caching(settings) else None
+        # vLLM's own copies, for exclusive caching: the workers' stores say
+        # vLLM holds them (engine_holds) on the same setting, and the hints
+        # from here release them.
+        self._engine = _EngineCache() if settings.exclusive_caching else None
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at

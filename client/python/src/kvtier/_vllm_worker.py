@@ -17,7 +17,6 @@ from ._vllm_common import (
     RequestHint,
     TransferSpec,
     _Connection,
-    _exclusive_caching,
     _Group,
     _keys,
     _pieces,
@@ -97,7 +96,6 @@ class _WorkerSide:
         bytes, _Shards)."""
         self._settings = settings
         self._groups = groups
-        self._engine_holds = _exclusive_caching(settings)  # stores marked held by vLLM
         self._layouts = layouts
         self._stores_shard = stores
         self._refusals = _Refusals()
@@ -425,7 +423,7 @@ class _WorkerSide:
                         priority=hint.priority,
                         next_use_ms=hint.next_use_ms,
                         by_layer=by_layer,
-                        engine_holds=self._engine_holds,
+                        engine_holds=self._settings.exclusive_caching,
                     )
                     ops.append(op)
                     if by_layer:
