@@ -802,13 +802,20 @@ TEST(IoUringEngineTest, TheRingIsRefilledBeforeDoneCallbacksRun) {
                               .buffer = read_buffer.data(),
                               .length = kBlock,
                               .done = file_done.Callback()});
-  // RegisterBuffers runs on the I/O thread between submissions: once it
-  // returns, that thread has taken both reads in (whether the registration
-  // itself is allowed here or not).
+  // RegisterBuffers runs on the I/O thread at the top of a pass, after that
+  // pass took in what was submitted before it: once it returns, both reads
+  // wait in the thread's queue (whether the registration itself is allowed
+  // here or not), so the file read is there when the pipe read completes.
   Result<MemoryMapping> memory = MemoryMapping::Anonymous(1 << 16);
   ASSERT_TRUE(memory.has_value());
   const std::span<uint8_t> spans[] = {memory->bytes()};
   (void)(*engine)->RegisterBuffers(spans);
+  // The pass that took them in starts the pipe read soon after; it cannot
+  // complete, so the file read cannot start until the test writes to it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((*engine)->stats().reads == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_EQ((*engine)->stats().reads, 1u) << "the file read started while the pipe read held the ring";
 
   const uint8_t one = 7;
