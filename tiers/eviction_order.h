@@ -44,8 +44,10 @@
 // order:
 //   low     priority -1, and blocks whose session is over (at its cold end;
 //           a hit undoes "over"), and blocks an engine holds a copy of in
-//           its own cache (engine_holds, at the cold end: the engine has
-//           them; a hit, or the engine's word that it let go of its copy,
+//           its own cache (engine_holds; Hint links them at the cold end,
+//           and a store's ArrivedTogether then moves its chain to the hot
+//           end under lru and s3fifo: the engine has them; a hit, or the
+//           engine's word that it let go of its copy,
 //           engine_dropped, puts them back among the policy's blocks at the
 //           hot end, as the only copy: exclusive caching);
 //   the policy's queues (blocks without a hint);
