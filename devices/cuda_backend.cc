@@ -14,6 +14,7 @@ using cuda::ScopedDevice;
 using cuda_internal::ContextHealth;
 using cuda_internal::Lane;
 using cuda_internal::Pending;
+using cuda_internal::PlanPieces;
 using cuda_internal::RegisterMapped;
 using cuda_internal::WaitingStore;
 
@@ -190,6 +191,16 @@ void CompleteLoop(Lane* lane) {
       lane->queue.pop_front();
     }
     Status status = p.status;
+    // A load by layer: each layer in place as its event completes. The
+    // engine's next kernels read it after the client saw the progress.
+    for (size_t l = 0; l < p.layer_events.size(); ++l) {
+      if (const cudaError_t err = cudaEventSynchronize(p.layer_events[l]); err != cudaSuccess && status.ok()) {
+        status = CudaStatus(err, "layer " + std::to_string(l) + " of a load by layer");
+      }
+      (void)cudaEventDestroy(p.layer_events[l]);
+      if (status.ok()) p.batch.fence.Progress(static_cast<uint32_t>(l + 1), /*over=*/false);
+    }
+    p.layer_events.clear();
     if (p.event != nullptr) {
       if (const cudaError_t err = cudaEventSynchronize(p.event); err != cudaSuccess && status.ok()) {
         status = CudaStatus(err, "copy batch");
@@ -262,25 +273,41 @@ bool Enqueue(CudaBackend::State& s, Pending p, int device) {
     // batch's launch error.
     (void)cudaGetLastError();
     if (batch.direction != CopyDirection::kSlotToSlot) {
-      KVTIER_ASSIGN_OR_RETURN(const cuda::DevicePieces plan, mapping->PlanFor(batch.layout, device));
       const bool store = batch.direction == CopyDirection::kEngineToSlot;
       SplitBlocks split;
       KVTIER_RETURN_IF_ERROR(Split(batch, split));
+      // A load by layer copies layer after layer, each reported once in
+      // place; fp8-coded blocks decode whole (their scales span layers), so
+      // a load with any goes whole.
+      const bool by_layer = !store && batch.by_layer && split.coded.empty() &&
+                            batch.layout->layout().spec().num_layers > 1;
+      KVTIER_ASSIGN_OR_RETURN(const PlanPieces plan, mapping->PlanFor(batch.layout, device, by_layer));
       if (!split.coded.empty()) {
         // A store's flag per coded block, a load's one.
         KVTIER_ASSIGN_OR_RETURN(p.codec_flags, s.codec_flags.Take(store ? split.coded.size() : 1));
       }
       queued_work = true;  // a launch that fails part way may have queued some of its kernels
       if (store) {
-        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchGather(plan, split.plain, lane.stream), "launching the gather kernel");
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchGather(plan.all, split.plain, lane.stream),
+                                    "launching the gather kernel");
         KVTIER_CUDA_RETURN_IF_ERROR(
-            cuda::LaunchFp8Encode(plan, split.shape, split.coded, p.codec_flags.get(), lane.stream),
+            cuda::LaunchFp8Encode(plan.all, split.shape, split.coded, p.codec_flags.get(), lane.stream),
             "launching the fp8 encode kernel");
+      } else if (by_layer) {
+        for (uint32_t l = 0; l < plan.num_layers(); ++l) {
+          KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan.layer(l), split.plain, lane.stream),
+                                      "launching the scatter kernel of a layer");
+          cudaEvent_t layer_done = nullptr;
+          KVTIER_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&layer_done, cudaEventDisableTiming),
+                                      "creating a layer's event");
+          p.layer_events.push_back(layer_done);  // destroyed by the completion thread
+          KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(layer_done, lane.stream), "recording a layer's event");
+        }
       } else {
-        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan, split.plain, lane.stream),
+        KVTIER_CUDA_RETURN_IF_ERROR(cuda::LaunchScatter(plan.all, split.plain, lane.stream),
                                     "launching the scatter kernel");
         KVTIER_CUDA_RETURN_IF_ERROR(
-            cuda::LaunchFp8Decode(plan, split.shape, split.coded, p.codec_flags.get(), lane.stream),
+            cuda::LaunchFp8Decode(plan.all, split.shape, split.coded, p.codec_flags.get(), lane.stream),
             "launching the fp8 decode kernel");
       }
     }

@@ -155,6 +155,10 @@ struct Pending {
   std::vector<std::pair<const uint8_t*, uint64_t>> checksum_of;
   // Coded blocks on the GPU: a store's per coded block, a load's one.
   CodecFlags::Lease codec_flags;
+  // A load by layer: recorded after each layer's kernels, in layer order;
+  // the completion thread reports each layer in place (the fence's
+  // progress) as its event completes.
+  std::vector<cudaEvent_t> layer_events;
   // Engine copies: the client's fence, held from before their launch until
   // they are over (Finish).
   OpFence::Entry fenced;
@@ -189,6 +193,20 @@ struct WaitingStore {
 // addressing); unregisters again on failure. `what` prefixes errors.
 Status RegisterMapped(void* p, uint64_t size_bytes, const std::string& what);
 
+// A copy plan's pieces in device memory, and where each layer's begin
+// (a plan built by layer; otherwise one "layer" holds them all).
+struct PlanPieces {
+  cuda::DevicePieces all;
+  std::vector<uint32_t> layer_begin;  // num_layers() + 1 entries, the last all.count
+
+  uint32_t num_layers() const { return static_cast<uint32_t>(layer_begin.size()) - 1; }
+  // REQUIRES: layer < num_layers().
+  cuda::DevicePieces layer(uint32_t layer) const {
+    return cuda::DevicePieces{all.pieces + layer_begin[layer], layer_begin[layer + 1] - layer_begin[layer],
+                              all.max_piece_bytes};
+  }
+};
+
 // A copy plan in the memory of one device, allocated and freed in stream
 // order on that device's setup stream, so that releasing it never waits for
 // the device.
@@ -204,6 +222,10 @@ class StreamOrderedPlan {
     void* d = nullptr;
     KVTIER_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&d, bytes, stream), "cudaMallocAsync of a copy plan");
     p.pieces_ = DevicePieces(static_cast<CopyPiece*>(d), plan);
+    for (uint32_t l = 0; l < plan.num_layers(); ++l) {
+      p.layer_begin_.push_back(static_cast<uint32_t>(plan.layer_pieces(l).data() - plan.pieces().data()));
+    }
+    p.layer_begin_.push_back(static_cast<uint32_t>(plan.pieces().size()));
     KVTIER_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d, plan.pieces().data(), bytes, cudaMemcpyHostToDevice, stream),
                                 "uploading a copy plan");
     // Kernels on other streams use it next: wait for this small copy only.
@@ -212,7 +234,10 @@ class StreamOrderedPlan {
   }
   StreamOrderedPlan() = default;
   StreamOrderedPlan(StreamOrderedPlan&& o) noexcept
-      : pieces_(std::exchange(o.pieces_, {})), stream_(o.stream_), device_(o.device_) {}
+      : pieces_(std::exchange(o.pieces_, {})),
+        layer_begin_(std::move(o.layer_begin_)),
+        stream_(o.stream_),
+        device_(o.device_) {}
   StreamOrderedPlan& operator=(StreamOrderedPlan&&) = delete;
   ~StreamOrderedPlan() {
     if (pieces_.pieces == nullptr) return;
@@ -222,13 +247,14 @@ class StreamOrderedPlan {
     (void)cudaFreeAsync(const_cast<CopyPiece*>(pieces_.pieces), stream_);
     (void)cudaGetLastError();
   }
-  cuda::DevicePieces pieces() const { return pieces_; }
+  PlanPieces pieces() const { return PlanPieces{pieces_, layer_begin_}; }
 
  private:
   static cuda::DevicePieces DevicePieces(const CopyPiece* p, const CopyPlan& plan) {
     return cuda::DevicePieces{p, static_cast<uint32_t>(plan.pieces().size()), plan.max_piece_bytes()};
   }
   cuda::DevicePieces pieces_{};
+  std::vector<uint32_t> layer_begin_;
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
 };
@@ -354,9 +380,11 @@ class CudaClientMapping final : public ClientMapping {
   }
 
   // The copy plan of `layout` over this mapping, in the memory of the device
-  // that launches the copy (uploaded on first use; a registration has one
-  // layout and its kernels run on one or two devices, so this is a tiny list).
-  Result<cuda::DevicePieces> PlanFor(const std::shared_ptr<const KvCacheLayout>& layout, int device);
+  // that launches the copy, built by layer or not (uploaded on first use; a
+  // registration has one layout and its kernels run on one or two devices,
+  // so this is a tiny list).
+  Result<cuda_internal::PlanPieces> PlanFor(const std::shared_ptr<const KvCacheLayout>& layout, int device,
+                                            bool by_layer);
 
  private:
   Status OpenMemfd(const ClientRegionHandle& r, const std::string& what);
@@ -370,8 +398,13 @@ class CudaClientMapping final : public ClientMapping {
   std::vector<IpcEventHandle> event_keys_;
   std::vector<cudaEvent_t> events_;
   Mutex mu_;
-  std::vector<std::tuple<std::shared_ptr<const KvCacheLayout>, int, cuda_internal::StreamOrderedPlan>> plans_
-      KVTIER_GUARDED_BY(mu_);
+  struct UploadedPlan {
+    std::shared_ptr<const KvCacheLayout> layout;
+    int device = 0;
+    bool by_layer = false;
+    cuda_internal::StreamOrderedPlan plan;
+  };
+  std::vector<UploadedPlan> plans_ KVTIER_GUARDED_BY(mu_);
 };
 
 }  // namespace kvtier

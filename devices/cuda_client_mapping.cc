@@ -16,6 +16,7 @@ using cuda::CudaStatus;
 using cuda::ScopedDevice;
 using cuda_internal::IpcMemKey;
 using cuda_internal::RegisterMapped;
+using cuda_internal::PlanPieces;
 using cuda_internal::StreamOrderedPlan;
 
 Status cuda_internal::RegisterMapped(void* p, uint64_t size_bytes, const std::string& what) {
@@ -139,7 +140,7 @@ CudaClientMapping::~CudaClientMapping() {
   // Closing IPC handles and unregistering memory may wait for the device:
   // not on the caller's thread (the daemon's event loop, or a lane).
   struct Held {
-    std::vector<std::tuple<std::shared_ptr<const KvCacheLayout>, int, StreamOrderedPlan>> plans;
+    std::vector<UploadedPlan> plans;
     std::vector<IpcEventHandle> events;
     std::vector<IpcMemKey> memory;
     std::vector<MemoryMapping> memfds;
@@ -212,16 +213,17 @@ Status CudaClientMapping::Open(std::vector<ClientRegionHandle> regions, std::vec
   return Status::Ok();
 }
 
-Result<cuda::DevicePieces> CudaClientMapping::PlanFor(const std::shared_ptr<const KvCacheLayout>& layout, int device) {
+Result<PlanPieces> CudaClientMapping::PlanFor(const std::shared_ptr<const KvCacheLayout>& layout, int device,
+                                              bool by_layer) {
   MutexLock lock(&mu_);
-  for (const auto& [l, d, plan] : plans_) {
-    if (l == layout && d == device) return plan.pieces();
+  for (const UploadedPlan& p : plans_) {
+    if (p.layout == layout && p.device == device && p.by_layer == by_layer) return p.plan.pieces();
   }
   KVTIER_ASSIGN_OR_RETURN(StreamOrderedPlan plan,
-                          StreamOrderedPlan::Upload(CopyPlan::Build(*layout, MappedRegions{bases_}), device,
-                                                    state_->setup_streams[state_->IndexOf(device)]));
-  plans_.emplace_back(layout, device, std::move(plan));
-  return std::get<2>(plans_.back()).pieces();
+                          StreamOrderedPlan::Upload(CopyPlan::Build(*layout, MappedRegions{bases_}, by_layer),
+                                                    device, state_->setup_streams[state_->IndexOf(device)]));
+  plans_.push_back(UploadedPlan{layout, device, by_layer, std::move(plan)});
+  return plans_.back().plan.pieces();
 }
 
 Status CudaClientMapping::OpenMemfd(const ClientRegionHandle& r, const std::string& what) {

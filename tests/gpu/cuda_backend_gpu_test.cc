@@ -9,15 +9,19 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "common/memory_mapping.h"
+#include "common/op_fence.h"
 #include "kernels/codec.h"
 #include "kernels/copy_reference.h"
 #include "tests/gpu/gpu_test_util.h"
@@ -206,6 +210,76 @@ TEST_F(CudaBackendGpuTest, CpuEngineFp8BlocksAreCodedOnTheWayAndBack) {
                                       .blocks = {BlockCopy{6, a, coded}},
                                       .codec = fp8});
   EXPECT_EQ(load.status.code(), StatusCode::kCorruption) << load.status;
+}
+
+// A load by layer from hbm slots (a kernel per layer): each layer is
+// reported through the fence only once it is in place in every block, the
+// count only grows, and every layer arrives (issue 47: the copies go layer
+// by layer on cuda too). A contiguous layout keeps a block's layers in
+// order in the engine, so its first p layers are its first p * layer_bytes.
+TEST_F(CudaBackendGpuTest, ALoadByLayerReportsEachLayerOnceEveryBlockHasIt) {
+  constexpr uint32_t kLayers = 16, kBlocks = 64;
+  Result<std::unique_ptr<EngineMemory>> engine =
+      EngineMemory::Create(*backend_, tiers_test::SmallSpec(kLayers), kBlocks, {});
+  ASSERT_TRUE(engine.has_value()) << engine.error();
+  EngineMemory& e = **engine;
+  e.ZeroAll();
+  const uint64_t bytes = e.block_bytes();
+  const uint64_t layer_bytes = e.layout()->layout().layer_bytes();
+  ASSERT_LE(kBlocks * bytes, uint64_t{16} << 20);
+  std::vector<uint8_t> slots(kBlocks * bytes);
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    StoredKey key;
+    std::memcpy(key.bytes.data(), &b, sizeof(b));
+    tiers_test::PatternFor(key, std::span<uint8_t>(slots.data() + b * bytes, bytes));
+  }
+  ASSERT_EQ(cudaMemcpy(hbm_->data(), slots.data(), slots.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  auto page = std::make_shared<FencePage>(MemoryMapping::Anonymous(FencePage::kBytes).value());
+  page->Open(3, 41);
+  CopyBatch load{.direction = CopyDirection::kSlotToEngine,
+                 .priority = CopyPriority::kLoad,
+                 .layout = e.layout(),
+                 .mapping = e.mapping(),
+                 .fence = OpFence(page, 3, 41),
+                 .by_layer = true};
+  // Reversed: engine block kBlocks - 1 - b gets slot b.
+  for (uint32_t b = 0; b < kBlocks; ++b) load.blocks.push_back(BlockCopy{kBlocks - 1 - b, hbm_->data() + b * bytes});
+  std::vector<uint32_t> seen;
+  std::string wrong;
+  std::atomic<bool> finished{false};
+  std::thread watcher([&] {
+    uint32_t checked = 0;
+    while (checked < kLayers) {
+      const bool last_look = finished.load();
+      const uint64_t v = page->ProgressOf(3, 41).value();
+      const auto layers = static_cast<uint32_t>(v & FencePage::kLayersMask);
+      if (layers == checked) {
+        if (last_look) break;
+        page->SleepOnProgress(3, v, std::chrono::milliseconds(100));
+        continue;
+      }
+      seen.push_back(layers);
+      for (uint32_t b = 0; b < kBlocks && wrong.empty(); ++b) {
+        const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
+        if (std::memcmp(e.block(b).data(), want, layers * layer_bytes) != 0) {
+          wrong = "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
+        }
+      }
+      checked = layers;
+    }
+  });
+  CopyResult result = RunBatch(*backend_, std::move(load));
+  finished = true;
+  watcher.join();
+  ASSERT_TRUE(result.status.ok()) << result.status;
+  EXPECT_EQ(wrong, "");
+  ASSERT_FALSE(seen.empty()) << "no layer was reported";
+  EXPECT_EQ(seen.back(), kLayers);
+  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(page->ProgressOf(3, 41).value() & FencePage::kOver, 0u) << "the daemon, not the backend, says over";
+  for (uint32_t b = 0; b < kBlocks; ++b) {
+    ASSERT_EQ(std::memcmp(e.block(kBlocks - 1 - b).data(), slots.data() + b * bytes, bytes), 0) << b;
+  }
 }
 
 TEST_F(CudaBackendGpuTest, RefusesEventsForHostMemoryAndUnknownDevices) {

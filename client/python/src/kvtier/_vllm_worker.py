@@ -221,9 +221,10 @@ class _WorkerSide:
         if not meta.loads:
             return
         ready = self._ready()
-        # By layer on CPU caches: a GPU cache's loads are copied whole by
-        # kvtierd (its layers reported together), and vLLM's CUDA graphs
-        # would skip the per-layer waits.
+        # By layer on CPU caches. kvtierd's cuda backend reports a GPU
+        # cache's layers one by one too, but no GPU has run vLLM with it yet
+        # (the per-layer waits are host-side, and vLLM's CUDA graphs may skip
+        # them): GPU caches load whole until the GPU check has.
         by_layer = self._layerwise and not self._on_gpu
         # Each request's loads, one op per piece the daemon takes at once.
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
