@@ -115,10 +115,11 @@ uint32_t Server::ChooseLocalHits(const Session& s, const SessionNamespace& ns, f
   return c.load;
 }
 
-bool Server::RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s) {
+bool Server::RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s,
+                               uint32_t tail) {
   const Layout& layout = ns.layout->layout();
   return prefill_tokens_per_s <= 0 ||
-         RatesOf(s, ns).WorthLoading(LoadSource::kRemote, layout.block_bytes(), layout.spec().block_tokens,
+         RatesOf(s, ns).WorthLoading(LoadSource::kRemote, tail, layout.block_bytes(), layout.spec().block_tokens,
                                      prefill_tokens_per_s, std::chrono::steady_clock::now());
 }
 
@@ -150,7 +151,8 @@ std::vector<uint8_t> Server::HandleLookup(Session& s, uint64_t id, const w::Look
   // batch, a round trip per node); the reply follows its answer. A remote
   // tier that is slow or down only makes this a local answer: timeouts and
   // its breaker end the wait.
-  const bool worth = RemoteWorthAsking(s, **ns, m.prefill_tokens_per_s());
+  const bool worth =
+      RemoteWorthAsking(s, **ns, m.prefill_tokens_per_s(), static_cast<uint32_t>(keys->size() - r.hits));
   const uint32_t block_tokens = (*ns)->layout->layout().spec().block_tokens;
   std::vector<StoredKey> tail(keys->begin() + r.hits, keys->end());
   remote_->Exists(std::move(tail), [this, session = s.id, start, reply, worth, block_tokens](Result<uint32_t> remote) {
@@ -184,7 +186,7 @@ std::vector<uint8_t> Server::HandlePrefetch(Session& s, uint64_t id, const w::Pr
   if (resident < found) return reply(resident, found - resident);
   if (remote_ == nullptr || resident == keys->size()) return reply(resident, 0);
   const uint32_t block_tokens = (*ns)->layout->layout().spec().block_tokens;
-  if (!RemoteWorthAsking(s, **ns, prefill)) {
+  if (!RemoteWorthAsking(s, **ns, prefill, static_cast<uint32_t>(keys->size() - resident))) {
     // Not fetched: the remote hits are only counted, as left to compute.
     std::vector<StoredKey> tail(keys->begin() + resident, keys->end());
     remote_->Exists(std::move(tail), [this, session = s.id, reply, resident, block_tokens](Result<uint32_t> remote) {

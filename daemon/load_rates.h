@@ -4,10 +4,17 @@
 // at a given rate.
 //
 // A hit is worth loading while loading it is expected to take less than
-// computing its tokens again, by a margin (kMargin): each hit from a tier
-// costs block_bytes / rate(tier) to load and block_tokens / prefill_rate to
-// compute. The prefix loaded is the one with the largest saving (a hit
-// deep in the chain may be worth it only with the cheap ones before it).
+// computing its tokens again, by a margin (kMargin). A load from a tier is
+// expected to take that tier's latency (paid once a load) plus its time per
+// byte for each block: a small load's timing is mostly latency (a round
+// trip, a copy thread's wake-up, a queue), and taken for a time per byte it
+// would make a large hit look as slow a block as a small one. Both come
+// from the tier's timed loads: a least-squares line through them (seconds
+// against bytes, each timing weighing kWeight), once their sizes differ;
+// until then every second of a timing counts per byte. Each hit costs
+// block_tokens / prefill_rate to compute. The prefix loaded is the one with
+// the largest saving (a hit deep in the chain may be worth it only with the
+// cheap ones before it), the latency of its slowest tier paid once.
 //
 // A tier taken less gives no new timings, so that a tier that recovers would
 // never be taken again: a tier whose hits were cut is explored after a
@@ -40,8 +47,11 @@ class LoadRates {
   // computing it: timings of loads from one tier vary by about that much
   // from one load to the next on a shared machine (docs/policy.md).
   static constexpr double kMargin = 1.25;
-  // Each new timing's weight in a tier's rate.
+  // Each new timing's weight in a tier's line.
   static constexpr double kWeight = 0.3;
+  // Timings' sizes must spread by this much (their standard deviation over
+  // their mean) before a line through them splits latency from time per byte.
+  static constexpr double kMinSizeSpread = 0.1;
   static constexpr std::chrono::milliseconds kFirstExploreAfter{1000};
   static constexpr std::chrono::milliseconds kLongestExploreAfter{60'000};
 
@@ -60,24 +70,32 @@ class LoadRates {
   Choice Choose(std::span<const LoadSource> tiers, uint64_t block_bytes, uint32_t block_tokens,
                 double prefill_tokens_per_s, Clock::time_point now);
 
-  // Whether hits from `source` are worth loading now, as Choose sees a
-  // single hit from it (a remote tier not worth asking is not asked).
-  bool WorthLoading(LoadSource source, uint64_t block_bytes, uint32_t block_tokens, double prefill_tokens_per_s,
-                    Clock::time_point now);
+  // Whether `hits` hits from `source` are worth loading now, as Choose sees
+  // them (a remote tier not worth asking is not asked).
+  bool WorthLoading(LoadSource source, uint32_t hits, uint64_t block_bytes, uint32_t block_tokens,
+                    double prefill_tokens_per_s, Clock::time_point now);
 
-  // Bytes a second from `source` (0: no timing yet).
-  double bytes_per_second(LoadSource source) const;
+  // A tier's expected load time: latency_s + bytes * seconds_per_byte.
+  struct Cost {
+    double latency_s = 0;
+    double seconds_per_byte = 0;  // 0 with latency 0: no timing yet
+    double Of(uint64_t bytes) const { return latency_s + seconds_per_byte * static_cast<double>(bytes); }
+  };
+  Cost cost(LoadSource source) const;
 
  private:
   struct Tier {
-    double seconds_per_byte = 0;  // 0: no timing yet
-    bool exploring = false;       // the next timing replaces the rate
-    bool cut = false;             // the last choice left its hits to compute
+    // Moving averages of the timings' bytes x, seconds y, x * x and x * y.
+    double x = 0, y = 0, xx = 0, xy = 0;
+    bool timed = false;
+    bool exploring = false;  // the next timing replaces the others
+    bool cut = false;        // the last choice left its hits to compute
     Clock::time_point cut_since{};
     std::chrono::milliseconds explore_after = kFirstExploreAfter;
   };
-  // Whether one hit from `tier` costs more to load than to compute.
-  static bool Slower(const Tier& tier, uint64_t block_bytes, double compute_seconds);
+  static Cost CostOf(const Tier& tier);
+  // Whether `hits` hits from `tier` cost more to load than to compute.
+  static bool Slower(const Tier& tier, uint32_t hits, uint64_t block_bytes, double compute_seconds);
   // A tier about to be cut: true (and exploring) when its hits are to be
   // loaded once anyway, to time it again.
   static bool Explore(Tier& tier, Clock::time_point now);

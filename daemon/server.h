@@ -185,9 +185,9 @@ class Server {
                            std::span<const Tier> tiers);
   // Hits left to compute by choice, counted as their tier's tokens.
   void CountRecomputed(LoadSource source, uint32_t blocks, uint32_t block_tokens);
-  // Whether the remote tier is worth asking for the hits after the local
-  // ones (counted as recomputed where a lookup found `found` of them).
-  bool RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s);
+  // Whether the remote tier is worth asking for the `tail` keys after the
+  // local hits, were it to hold them all.
+  bool RemoteWorthAsking(const Session& s, const SessionNamespace& ns, float prefill_tokens_per_s, uint32_t tail);
 
   Options options_;
   // What a failed Setup created is removed when the Server goes: declared

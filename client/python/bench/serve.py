@@ -39,7 +39,9 @@ all requests, mean inter-token latency, throughput (tokens, prompt and
 generated, per second of the whole run), prefill tokens saved (vLLM's
 num_cached_tokens over prompt tokens), the engine's peak RSS, kvtierd's peak
 RSS, and the probe's TTFT cold and again; then ratios to `alone` and to the
-best native connector that ran. Each configuration runs in engine processes
+best native connector that ran. --json also keeps each run's cached tokens
+per request, in the workload's order, to compare configurations request by
+request. Each configuration runs in engine processes
 of its own (vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0), one after
 another; numbers from a shared, noisy machine: run it several times and
 quote medians.
@@ -399,6 +401,10 @@ def run_config(config: Config, args: argparse.Namespace, model: pathlib.Path, wo
         "kvtierd": {k: result.get(k) for k in ("kvtierd_counters", "kvtierd_used_bytes")},
         "wall_s": result["wall_s"],
         "outputs_sha256": result["outputs_sha256"],
+        # Each request's, in the workload's order (the same in every
+        # configuration): where two configurations' prefill saved differs,
+        # compared request by request.
+        "cached_tokens": [r["cached_tokens"] for r in reqs],
     }
 
 
@@ -413,6 +419,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ran:
         return runs[0]
     row = dict(ran[-1], runs=len(ran), outputs_agree=len({r["outputs_sha256"] for r in ran}) == 1)
+    row.pop("cached_tokens", None)  # per run only
     for key in _FIGURES:
         row[key] = statistics.median(r[key] for r in ran)
     return row
