@@ -31,7 +31,7 @@ void CacheDisk::PromoteFromDisk(BlockEntry* e, std::function<void(bool)> then) {
 void CacheDisk::ReadIntoHost(BlockEntry* e) {
   if (uint8_t* dst = SlotForDiskRead(e); dst != nullptr) {
     StartDiskRead(e, dst);
-  } else if (HostRoomIsComing(e)) {
+  } else if (WriteBackForRead(e) || HostRoomIsComing(e)) {
     // Parked until then (never dropped), and counted as a copy in flight.
     e->moving = true;
     cache_.index_.Park(e);
@@ -61,12 +61,22 @@ bool CacheDisk::HostRoomIsComing(const BlockEntry* e) const {
   return e->on_disk && cache_.tier(Tier::kHost)->moving_out_bytes > 0;
 }
 
+bool CacheDisk::WriteBackForRead(const BlockEntry* e) {
+  // Host under its watermark writes nothing back, and the rest of it may be
+  // this load's own reads: the block the load needs is worth the write of
+  // one nobody asked for (a prefetch's read does not wait for it).
+  const auto waiting = disk_waiters_.find(e->key);
+  if (!e->on_disk || waiting == disk_waiters_.end() || waiting->second.empty()) return false;
+  BlockEntry* dirty = cache_.room_->PickVictim(Tier::kHost, ReadSlotBytes(e), std::nullopt);
+  return dirty != nullptr && WriteBack(dirty);
+}
+
 void CacheDisk::RetryReadsWaitingForRoom() {
   while (!reads_waiting_for_room_.empty()) {
     BlockEntry* e = cache_.index_.Find(reads_waiting_for_room_.front());  // moving: never dropped
     KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
     uint8_t* dst = SlotForDiskRead(e);
-    if (dst == nullptr && HostRoomIsComing(e)) return;  // in line still, and the rest behind it
+    if (dst == nullptr && (WriteBackForRead(e) || HostRoomIsComing(e))) return;  // in line still, and the rest behind it
     reads_waiting_for_room_.pop_front();
     --cache_.inflight_copies_;
     if (dst != nullptr) {

@@ -15,9 +15,11 @@
 //   - Two loads of one block share one read; a failed read drops the record
 //     (unless the error says nothing of it) and is never served.
 //   - A read takes host room only through RoomGate::ForRead, within its
-//     owner's host quota; with none, it waits (parked) while host blocks are
-//     leaving, else it misses: it never drops a block that exists nowhere
-//     else.
+//     owner's host quota; with none, a load's read first writes back host's
+//     coldest block not on disk yet (WriteBackForRead: host under its
+//     watermark writes nothing back), and a read waits (parked) while host
+//     blocks are leaving, else it misses: it never drops a block that
+//     exists nowhere else.
 //   - Admission (min hits, the gates) and the write budget decide every
 //     write-back; write-through and flushes skip them.
 //
@@ -117,6 +119,10 @@ class CacheDisk {
   // Whether a read of `e` that found no slot should wait: it has its record
   // and host blocks are leaving (MaybeDemote runs as each has left).
   bool HostRoomIsComing(const BlockEntry* e) const;
+  // For a load's read of `e` that found no slot: starts writing back host's
+  // coldest block not on disk yet (its slot frees once written; never
+  // dropped), as host's watermark may not. Returns whether it started one.
+  bool WriteBackForRead(const BlockEntry* e);
   // Ends a read that cannot start (counted in disk_reads_without_room when
   // the record is there): its waiters miss the block (posted), and an entry
   // nobody holds goes back to the disk-only table.

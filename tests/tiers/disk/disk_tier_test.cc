@@ -458,6 +458,42 @@ TEST_F(DiskTierTest, TheLearnedGateStopsWritingAClassThatIsNeverHit) {
   EXPECT_LE(more_written, 4u + 12u + 1u);
 }
 
+// A load's reads that find host full of blocks not on disk yet, and none of
+// them on its way there (host at or under its watermark, the rest of it the
+// load's own reads), write back the coldest of those blocks for room and
+// wait for it: a disk hit is not lost to the watermark, and nothing is
+// dropped (serve.py's 2k-token probe from disk lost 50 reads this way and
+// was computed again).
+TEST_F(DiskTierTest, ALoadsReadsWriteBackForRoomWhereNoneIsOnItsWay) {
+  Open();  // a host of 8 blocks, written back from above 7.2 down to 4
+  const std::vector<StoredKey> old = NewKeys(12);
+  StoreAll(old);
+  ASSERT_TRUE(Drain([&] { return cache_->inflight_copies() == 0 && disk_->inflight() == 0; }));
+  const std::vector<StoredKey> on_disk = OnDisk(old);
+  ASSERT_GE(on_disk.size(), 6u);
+  const uint64_t in_host = cache_->Usage(Tier::kHost).blocks;
+  ASSERT_GE(in_host, 3u) << "blocks not on disk yet stay in host under the watermark";
+  const uint64_t dropped = cache_->counters().evictions[static_cast<size_t>(Tier::kHost)];
+  const uint64_t written = cache_->counters().disk_demotions;
+  // One load of more disk blocks than host has free slots.
+  const std::vector<StoredKey> keys(on_disk.begin(), on_disk.begin() + 6);
+  const std::vector<uint32_t> blocks = {40, 41, 42, 43, 44, 45};
+  for (uint32_t b : blocks) engine_->Zero(b);
+  OpOutcome out;
+  bool done = false;
+  cache_->Load(kTenant, keys, blocks, Target(), owner_, [&](OpOutcome o) {
+    out = std::move(o);
+    done = true;
+  });
+  ASSERT_TRUE(Drain([&] { return done; }));
+  ASSERT_TRUE(out.status.ok()) << out.status;
+  EXPECT_EQ(out.blocks, 6u);
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_TRUE(engine_->Holds(blocks[i], keys[i])) << i;
+  EXPECT_EQ(cache_->counters().disk_reads_without_room, 0u);
+  EXPECT_EQ(cache_->counters().evictions[static_cast<size_t>(Tier::kHost)], dropped) << "nothing dropped for it";
+  EXPECT_GT(cache_->counters().disk_demotions, written) << "written back for room";
+}
+
 // A read from disk takes free room or a clean block's slot, never the slot
 // of a block that is not on disk yet (that block would be lost to save one
 // that is safe): with host full of unwritten blocks it waits while host's
