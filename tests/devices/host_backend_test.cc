@@ -406,42 +406,26 @@ TEST(HostBackendTest, ALoadByLayerReportsEachLayerOnceEveryBlockHasIt) {
                  .by_layer = true};
   // Reversed, so that engine block e gets slot kBlocks - 1 - e.
   for (uint32_t b = 0; b < kBlocks; ++b) load.blocks.push_back(BlockCopy{kBlocks - 1 - b, slots.data() + b * bytes});
-  std::vector<uint32_t> seen;  // each new count of layers reported
-  std::string wrong;
-  std::atomic<bool> finished{false};
-  std::thread watcher([&] {
-    uint32_t checked = 0;
-    while (checked < kLayers) {
-      const bool last_look = finished.load();
-      const uint64_t v = page->ProgressOf(5, 77).value();
-      const auto layers = static_cast<uint32_t>(v & FencePage::kLayersMask);
-      if (layers == checked) {
-        if (last_look) break;  // the load is over: no layer comes any more
-        page->SleepOnProgress(5, v, std::chrono::milliseconds(100));
-        continue;
+  // Layers below each count reported are in place in every block (only
+  // their bytes are read: later layers are being written meanwhile).
+  tiers_test::LayerProgressWatcher watcher(page, 5, 77, kLayers, [&](uint32_t layers) -> std::string {
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
+      if (std::memcmp(engine.block(b).data(), want, layers * layer_bytes) != 0) {
+        return "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
       }
-      seen.push_back(layers);
-      // Layers below `layers` are in place in every block (only their bytes
-      // are read: later layers are being written meanwhile).
-      for (uint32_t b = 0; b < kBlocks && wrong.empty(); ++b) {
-        const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
-        if (std::memcmp(engine.block(b).data(), want, layers * layer_bytes) != 0) {
-          wrong = "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
-        }
-      }
-      checked = layers;
     }
+    return "";
   });
   Completions c(1);
   backend->Submit(std::move(load), c.Done(0));
   c.Wait();
-  finished = true;
-  watcher.join();
+  watcher.Finish();
   ASSERT_TRUE(c.results()[0].status.ok()) << c.results()[0].status;
-  EXPECT_EQ(wrong, "");
-  ASSERT_FALSE(seen.empty());
-  EXPECT_EQ(seen.back(), kLayers);
-  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(watcher.wrong(), "");
+  ASSERT_FALSE(watcher.seen().empty());
+  EXPECT_EQ(watcher.seen().back(), kLayers);
+  EXPECT_TRUE(std::is_sorted(watcher.seen().begin(), watcher.seen().end()));
   EXPECT_EQ(page->ProgressOf(5, 77).value() & FencePage::kOver, 0u) << "the daemon, not the backend, says over";
   for (uint32_t b = 0; b < kBlocks; ++b) ASSERT_TRUE(engine.Holds(kBlocks - 1 - b, KeyN(b)));
 }

@@ -9,7 +9,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -244,38 +243,22 @@ TEST_F(CudaBackendGpuTest, ALoadByLayerReportsEachLayerOnceEveryBlockHasIt) {
                  .by_layer = true};
   // Reversed: engine block kBlocks - 1 - b gets slot b.
   for (uint32_t b = 0; b < kBlocks; ++b) load.blocks.push_back(BlockCopy{kBlocks - 1 - b, hbm_->data() + b * bytes});
-  std::vector<uint32_t> seen;
-  std::string wrong;
-  std::atomic<bool> finished{false};
-  std::thread watcher([&] {
-    uint32_t checked = 0;
-    while (checked < kLayers) {
-      const bool last_look = finished.load();
-      const uint64_t v = page->ProgressOf(3, 41).value();
-      const auto layers = static_cast<uint32_t>(v & FencePage::kLayersMask);
-      if (layers == checked) {
-        if (last_look) break;
-        page->SleepOnProgress(3, v, std::chrono::milliseconds(100));
-        continue;
+  tiers_test::LayerProgressWatcher watcher(page, 3, 41, kLayers, [&](uint32_t layers) -> std::string {
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
+      if (std::memcmp(e.block(b).data(), want, layers * layer_bytes) != 0) {
+        return "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
       }
-      seen.push_back(layers);
-      for (uint32_t b = 0; b < kBlocks && wrong.empty(); ++b) {
-        const uint8_t* want = slots.data() + (kBlocks - 1 - b) * bytes;
-        if (std::memcmp(e.block(b).data(), want, layers * layer_bytes) != 0) {
-          wrong = "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(layers);
-        }
-      }
-      checked = layers;
     }
+    return "";
   });
   CopyResult result = RunBatch(*backend_, std::move(load));
-  finished = true;
-  watcher.join();
+  watcher.Finish();
   ASSERT_TRUE(result.status.ok()) << result.status;
-  EXPECT_EQ(wrong, "");
-  ASSERT_FALSE(seen.empty()) << "no layer was reported";
-  EXPECT_EQ(seen.back(), kLayers);
-  EXPECT_TRUE(std::is_sorted(seen.begin(), seen.end()));
+  EXPECT_EQ(watcher.wrong(), "");
+  ASSERT_FALSE(watcher.seen().empty()) << "no layer was reported";
+  EXPECT_EQ(watcher.seen().back(), kLayers);
+  EXPECT_TRUE(std::is_sorted(watcher.seen().begin(), watcher.seen().end()));
   EXPECT_EQ(page->ProgressOf(3, 41).value() & FencePage::kOver, 0u) << "the daemon, not the backend, says over";
   for (uint32_t b = 0; b < kBlocks; ++b) {
     ASSERT_EQ(std::memcmp(e.block(kBlocks - 1 - b).data(), slots.data() + b * bytes, bytes), 0) << b;

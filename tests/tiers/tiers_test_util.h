@@ -27,6 +27,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/device_backend.h"
@@ -35,6 +36,7 @@
 #include "common/layout.h"
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
+#include "common/op_fence.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "kernels/codec.h"
@@ -325,6 +327,52 @@ class EngineMemory {
   std::shared_ptr<const KvCacheLayout> layout_;
   std::shared_ptr<ClientMapping> mapping_;
   MemoryMapping own_;
+};
+
+// Watches a load by layer's progress word (FencePage slot `slot`,
+// generation `generation`) on a thread of its own until the load has
+// `layers` layers or Finish() says it is over. Each new count of layers is
+// kept in seen(), and `check(count)` runs as it is seen: it says what is
+// wrong with the engine's blocks at that count ("" for nothing); the first
+// such answer is kept in wrong(). Read seen() and wrong() after Finish().
+class LayerProgressWatcher {
+ public:
+  LayerProgressWatcher(std::shared_ptr<FencePage> page, uint32_t slot, uint64_t generation, uint32_t layers,
+                       std::function<std::string(uint32_t)> check)
+      : thread_([this, page = std::move(page), slot, generation, layers, check = std::move(check)] {
+          uint32_t checked = 0;
+          while (checked < layers) {
+            const bool last_look = finished_.load();
+            const uint64_t v = page->ProgressOf(slot, generation).value();
+            const auto now = static_cast<uint32_t>(v & FencePage::kLayersMask);
+            if (now == checked) {
+              if (last_look) break;  // the load is over: no layer comes any more
+              page->SleepOnProgress(slot, v, std::chrono::milliseconds(100));
+              continue;
+            }
+            seen_.push_back(now);
+            if (wrong_.empty()) wrong_ = check(now);
+            checked = now;
+          }
+        }) {}
+  LayerProgressWatcher(const LayerProgressWatcher&) = delete;
+  LayerProgressWatcher& operator=(const LayerProgressWatcher&) = delete;
+  ~LayerProgressWatcher() { Finish(); }
+
+  // The load is over (its completion ran): the watcher looks once more and
+  // stops.
+  void Finish() {
+    finished_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  const std::vector<uint32_t>& seen() const { return seen_; }
+  const std::string& wrong() const { return wrong_; }
+
+ private:
+  std::atomic<bool> finished_{false};
+  std::vector<uint32_t> seen_;
+  std::string wrong_;
+  std::thread thread_;  // last: started once the rest is there
 };
 
 }  // namespace kvtier::tiers_test
