@@ -76,7 +76,8 @@ void CacheDisk::RetryReadsWaitingForRoom() {
     BlockEntry* e = cache_.index_.Find(reads_waiting_for_room_.front());  // moving: never dropped
     KVTIER_CHECK(e != nullptr && e->moving && e->tier == Tier::kDisk);
     uint8_t* dst = SlotForDiskRead(e);
-    if (dst == nullptr && (WriteBackForRead(e) || HostRoomIsComing(e))) return;  // in line still, and the rest behind it
+    // In line still, and the rest behind it:
+    if (dst == nullptr && (WriteBackForRead(e) || HostRoomIsComing(e))) return;
     reads_waiting_for_room_.pop_front();
     --cache_.inflight_copies_;
     if (dst != nullptr) {
