@@ -330,16 +330,20 @@ class EngineMemory {
 };
 
 // Watches a load by layer's progress word (FencePage slot `slot`,
-// generation `generation`) on a thread of its own until the load has
-// `layers` layers or Finish() says it is over. Each new count of layers is
-// kept in seen(), and `check(count)` runs as it is seen: it says what is
-// wrong with the engine's blocks at that count ("" for nothing); the first
-// such answer is kept in wrong(). Read seen() and wrong() after Finish().
+// generation `generation`) into `engine` on a thread of its own, until every
+// layer is reported or Finish() says the load is over. Each new count of
+// layers is kept in seen(), and checked as it is seen: engine block b holds
+// the first count layers of want[b] (only their bytes are read: later layers
+// are being written meanwhile); the first block that does not is named in
+// wrong() ("" while none). Read seen() and wrong() after Finish().
 class LayerProgressWatcher {
  public:
-  LayerProgressWatcher(std::shared_ptr<FencePage> page, uint32_t slot, uint64_t generation, uint32_t layers,
-                       std::function<std::string(uint32_t)> check)
-      : thread_([this, page = std::move(page), slot, generation, layers, check = std::move(check)] {
+  // REQUIRES: want.size() <= the engine's blocks, each want[b] a block's bytes.
+  LayerProgressWatcher(std::shared_ptr<FencePage> page, uint32_t slot, uint64_t generation, EngineMemory& engine,
+                       std::vector<const uint8_t*> want)
+      : thread_([this, page = std::move(page), slot, generation, &engine, want = std::move(want)] {
+          const Layout& layout = engine.layout()->layout();
+          const uint32_t layers = layout.spec().num_layers;
           uint32_t checked = 0;
           while (checked < layers) {
             const bool last_look = finished_.load();
@@ -351,7 +355,11 @@ class LayerProgressWatcher {
               continue;
             }
             seen_.push_back(now);
-            if (wrong_.empty()) wrong_ = check(now);
+            for (uint32_t b = 0; b < want.size() && wrong_.empty(); ++b) {
+              if (std::memcmp(engine.block(b).data(), want[b], now * layout.layer_bytes()) != 0) {
+                wrong_ = "engine block " + std::to_string(b) + " lacks a layer below " + std::to_string(now);
+              }
+            }
             checked = now;
           }
         }) {}
