@@ -13,14 +13,18 @@ host tier, as gpu_e2e.py does). For fp32 and bf16:
                  tensors) looks up prompt B, which shares all but A's and its
                  own last 22 tokens, loads the hits into its KV tensors,
                  computes the rest of B and decodes 4 tokens greedily; then
-                 times B's first token both ways (TTFT, medians): loaded
-                 through kvtier, and recomputed from scratch.
+                 times B's first token three ways (TTFT, medians): loaded
+                 through kvtier whole, then computed; loaded by layer, each
+                 layer's compute waiting only for that layer (the cuda
+                 backend's per-layer kernels and events); and recomputed
+                 from scratch.
 
 Then, here, the same computation without kvtier (the stored prefix's KV, the
 rest of B, the same decoding) and B in one pass, both on the GPU. Required:
 every full block of the shared prefix hits and loads, the loaded KV is the
 stored bytes, fp32 logits and tokens are bit-exact against the same
-computation (torch.equal on the bits), and bf16 logits are within
+computation (torch.equal on the bits), every load by layer gives the whole
+load's logits bit for bit, and bf16 logits are within
 test_model_e2e.py's tolerance of the bf16 single pass and of the fp32 model
 (8 u * max|logit|, u = 2^-8). One line says the verdict, with the figures:
 "model e2e: PASS (...)" or "model e2e: FAIL (reasons; ...)".
@@ -117,7 +121,8 @@ def ms(seconds: float) -> str:
 
 def load_role(args: argparse.Namespace) -> int:
     """Loads prompt B's prefix through kvtier once "go" comes on stdin, decodes,
-    times TTFT both ways; writes WORK/loaded-DTYPE.pt for the storing process."""
+    times TTFT three ways (recomputed, loaded whole, loaded by layer under the
+    forward pass); writes WORK/loaded-DTYPE.pt for the storing process."""
     import torch
 
     import kvtier
@@ -146,9 +151,12 @@ def load_role(args: argparse.Namespace) -> int:
             got = prefill_with_kvtier(client, engine, model, prompt)
             tokens, logits = decode(model, got.cache, got.logits, STEPS)
             kv = [(k.cpu(), v.cpu()) for k, v in engine.kv(got.loaded_blocks)]
-            # TTFT: B's first token, recomputed and loaded, one after another;
-            # one recompute first to warm the kernels of the whole prompt.
+            # TTFT: B's first token, recomputed, loaded whole and loaded by
+            # layer, one after another; one recompute first to warm the
+            # kernels of the whole prompt. A load by layer must give the
+            # whole load's logits, bit for bit.
             recompute, loaded, kvtier_s, partial = [], [], [], 0
+            layered, layered_waited, layered_wrong = [], [], 0
             forward(model, prompt, new_cache(model.config))
             for _ in range(args.repeats):
                 start = synced()
@@ -162,6 +170,15 @@ def load_role(args: argparse.Namespace) -> int:
                 kvtier_s.append(again.seconds["kvtier"])
                 partial += again.loaded_blocks != got.loaded_blocks
                 del again
+                engine.zero()
+                start = synced()
+                again = prefill_with_kvtier(client, engine, model, prompt, by_layer=True)
+                int(torch.argmax(again.logits))
+                layered.append(time.perf_counter() - start)
+                layered_waited.append(again.seconds.get("waited", 0.0))
+                partial += again.loaded_blocks != got.loaded_blocks or "redone" in again.seconds
+                layered_wrong += not torch.equal(bits(again.logits), bits(got.logits))
+                del again
             result = {
                 "pid": os.getpid(),
                 "kind": engine.cache.kind,
@@ -174,6 +191,9 @@ def load_role(args: argparse.Namespace) -> int:
                 "ttft_recompute": statistics.median(recompute),
                 "ttft_load": statistics.median(loaded),
                 "ttft_load_kvtier": statistics.median(kvtier_s),
+                "ttft_load_by_layer": statistics.median(layered),
+                "by_layer_waited": statistics.median(layered_waited),
+                "by_layer_wrong": layered_wrong,
                 "partial_reloads": partial,
             }
             torch.save(result, os.path.join(args.work, f"loaded-{dtype}.pt"))
@@ -181,7 +201,8 @@ def load_role(args: argparse.Namespace) -> int:
                 f"load: {dtype}: {got.hits} hits ({'+'.join(sorted(set(got.tiers))) or 'none'}), "
                 f"{got.loaded_blocks} blocks loaded, {STEPS} tokens decoded; TTFT of {len(prompt)} tokens "
                 f"(median of {args.repeats}): loaded {ms(result['ttft_load'])} ms "
-                f"(kvtier {ms(result['ttft_load_kvtier'])} ms), recomputed {ms(result['ttft_recompute'])} ms"
+                f"(kvtier {ms(result['ttft_load_kvtier'])} ms), by layer {ms(result['ttft_load_by_layer'])} ms "
+                f"(waited {ms(result['by_layer_waited'])} ms), recomputed {ms(result['ttft_recompute'])} ms"
             )
     return 0
 
@@ -274,7 +295,10 @@ def check(setup: Setup, args: argparse.Namespace, stored: dict[str, Any], work: 
         _, full_logits = decode(model, full, forward(model, prompt, full), STEPS, forced=got["tokens"])
         diff_full = max_diff(got["logits"], full_logits)
         tiers = "+".join(sorted(set(got["tiers"])))
-        ttft = f"TTFT {ms(got['ttft_load'])} ms loaded vs {ms(got['ttft_recompute'])} ms recomputed"
+        if got["by_layer_wrong"]:
+            problems.append(f"{dtype}: {got['by_layer_wrong']} loads by layer gave other logits than the whole load")
+        ttft = (f"TTFT {ms(got['ttft_load'])} ms loaded, {ms(got['ttft_load_by_layer'])} ms by layer, "
+                f"{ms(got['ttft_recompute'])} ms recomputed")
         if dtype == "fp32":
             if not exact:
                 problems.append(f"fp32: logits or tokens differ from the same computation without kvtier "

@@ -223,11 +223,13 @@ class EngineKv:
     def kv(self, num_blocks: int) -> list[LayerKv]:
         """Engine blocks 0 .. num_blocks - 1 gathered into per-layer (K, V),
         each [1, kv_heads, num_blocks * block_tokens, head_dim]."""
-        out = []
-        for tensor in self.tensors:
-            k, v = (tensor[part, :num_blocks].transpose(0, 1).flatten(1, 2).unsqueeze(0) for part in (0, 1))
-            out.append((k, v))
-        return out
+        return [self.layer_kv(layer, num_blocks) for layer in range(self.layout.num_layers)]
+
+    def layer_kv(self, layer: int, num_blocks: int) -> LayerKv:
+        """One layer's (K, V) of engine blocks 0 .. num_blocks - 1, as ``kv``'s."""
+        tensor = self.tensors[layer]
+        k, v = (tensor[part, :num_blocks].transpose(0, 1).flatten(1, 2).unsqueeze(0) for part in (0, 1))
+        return k, v
 
     def zero(self) -> None:
         for t in self.tensors:
@@ -308,11 +310,23 @@ def store_prefix(
 
 
 def prefill_with_kvtier(
-    client: kvtier.Client, engine: EngineKv, model: LlamaForCausalLM, prompt: Sequence[int]
+    client: kvtier.Client,
+    engine: EngineKv,
+    model: LlamaForCausalLM,
+    prompt: Sequence[int],
+    by_layer: bool = False,
 ) -> Prefill:
     """Prefills prompt as an engine with kvtier does: keys, lookup, load of
     the cached leading blocks into engine blocks 0 .. hits - 1, then the rest
     of the prompt on top of them.
+
+    Whole (by_layer False): the load ends, then the forward pass starts. By
+    layer: the load is started by layer and the forward pass at once; each
+    decoder layer first waits until the load has that layer in place in
+    every block, so layer i's compute runs while later layers are still
+    being copied. Where a by-layer load ends short (a block evicted since the
+    lookup), the pass read blocks that are not there: it is thrown away and
+    the prompt is prefilled again on what did arrive ("redone" in seconds).
 
     At least the last token is computed (its logits are needed), so a fully
     cached prompt loads one block less. Blocks the engine cannot hold are not
@@ -330,6 +344,8 @@ def prefill_with_kvtier(
         if hit.hits < MAX_KEYS_PER_REQUEST:
             break
     engine.sync()  # nothing of this process's still reads or writes the blocks the daemon writes
+    if by_layer and hits:
+        return _prefill_by_layer(client, engine, model, prompt, keys[:hits], tiers, start)
     loaded = 0
     while loaded < hits:
         n = min(hits - loaded, MAX_KEYS_PER_REQUEST)
@@ -346,4 +362,63 @@ def prefill_with_kvtier(
         "gather": gathered_at - loaded_at,
         "compute": time.perf_counter() - gathered_at,
     }
+    return Prefill(logits, cache, hits, tiers, loaded, seconds)
+
+
+def _prefill_by_layer(
+    client: kvtier.Client,
+    engine: EngineKv,
+    model: LlamaForCausalLM,
+    prompt: Sequence[int],
+    keys: Sequence[bytes],
+    tiers: list[str],
+    start: float,
+) -> Prefill:
+    """prefill_with_kvtier's by-layer path, for the hits' keys."""
+    bt = engine.layout.block_tokens
+    hits = len(keys)
+    ops = [
+        client.load_async(engine.cache, keys[i : i + MAX_KEYS_PER_REQUEST], list(range(i, min(i + MAX_KEYS_PER_REQUEST, hits))), by_layer=True)
+        for i in range(0, hits, MAX_KEYS_PER_REQUEST)
+    ]
+    started_at = time.perf_counter()
+    # The prefix's room in the DynamicCache, filled layer by layer: the
+    # model reads the cache's length before its first layer runs.
+    dtype, device = TORCH_DTYPES[engine.layout.dtype], model.device
+    shape = (1, engine.layout.num_kv_heads, hits * bt, engine.layout.head_dim)
+    cache = cache_from([(torch.empty(shape, dtype=dtype, device=device),) * 2] * engine.layout.num_layers, model.config)
+    room = kv_of(cache, hits * bt)
+    waited, complete = 0.0, True
+
+    def fill(layer: int):
+        def hook(module: torch.nn.Module, args: object) -> None:
+            nonlocal waited, complete
+            t = time.perf_counter()
+            # False: the op is over without this layer (a block short); the
+            # pass is redone below.
+            complete = all([op.wait_layers(layer + 1) for op in ops]) and complete
+            waited += time.perf_counter() - t
+            for dst, src in zip(room[layer], engine.layer_kv(layer, hits)):
+                dst.copy_(src)
+
+        return hook
+
+    hooks = [block.register_forward_pre_hook(fill(i)) for i, block in enumerate(model.model.layers)]
+    try:
+        logits = forward(model, prompt[hits * bt :], cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    loaded = 0
+    for i, op in enumerate(ops):  # the leading blocks that arrived
+        got = op.wait().blocks
+        if loaded == i * MAX_KEYS_PER_REQUEST:
+            loaded += got
+    computed_at = time.perf_counter()
+    seconds = {"kvtier": started_at - start, "gather": 0.0, "compute": computed_at - started_at, "waited": waited}
+    if complete and loaded == hits:
+        return Prefill(logits, cache, hits, tiers, loaded, seconds)
+    cache = cache_from(engine.kv(loaded), model.config)
+    logits = forward(model, prompt[loaded * bt :], cache)
+    seconds["redone"] = time.perf_counter() - computed_at
     return Prefill(logits, cache, hits, tiers, loaded, seconds)

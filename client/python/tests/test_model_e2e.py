@@ -29,7 +29,18 @@ from transformers import DynamicCache
 
 import kvtier
 from conftest import Daemon
-from llama_kv import EngineKv, LayerKv, TinyLlama, cache_from, decode, forward, kv_of, prefill_with_kvtier, store_prefix
+from llama_kv import (
+    EngineKv,
+    LayerKv,
+    TinyLlama,
+    _prefill_by_layer,
+    cache_from,
+    decode,
+    forward,
+    kv_of,
+    prefill_with_kvtier,
+    store_prefix,
+)
 
 BLOCK_TOKENS = 16
 SHARED_TOKENS = 90  # the shared prefix: 5 full blocks, and 10 tokens of a 6th
@@ -61,17 +72,20 @@ def fields(placements: list[kvtier.Placement]) -> list[tuple[int, ...]]:
     return [tuple(getattr(p, n) for n in names) for p in placements]
 
 
-def load_and_decode(socket: str, spec: TinyLlama, prompt: list[int], steps: int, threads: int) -> dict[str, Any]:
+def load_and_decode(
+    socket: str, spec: TinyLlama, prompt: list[int], steps: int, threads: int, by_layer: bool
+) -> dict[str, Any]:
     """The loading engine, in the other process: its own model (the same
     seed), its own client and KV memory. Prefills prompt with what kvtier
-    has, then decodes greedily."""
+    has (loaded whole, or by layer under the forward pass), then decodes
+    greedily."""
     # The same thread count as the process that compares, so BLAS splits the
     # work the same way.
     torch.set_num_threads(threads)
     model = spec.build()
     with kvtier.Client.connect(socket, name="model-e2e-loader") as client:
         engine = EngineKv(client, spec.layout(BLOCK_TOKENS), CAPACITY_BLOCKS)
-        prefill = prefill_with_kvtier(client, engine, model, prompt)
+        prefill = prefill_with_kvtier(client, engine, model, prompt, by_layer=by_layer)
         out_tokens, logits = decode(model, prefill.cache, prefill.logits, steps)
         loaded = [(k.clone(), v.clone()) for k, v in engine.kv(prefill.loaded_blocks)]
     return {
@@ -79,6 +93,7 @@ def load_and_decode(socket: str, spec: TinyLlama, prompt: list[int], steps: int,
         "hits": prefill.hits,
         "tiers": prefill.tiers,
         "loaded_blocks": prefill.loaded_blocks,
+        "redone": "redone" in prefill.seconds,
         "kv": loaded,
         "tokens": out_tokens,
         "logits": logits,
@@ -109,9 +124,9 @@ _BF16_TOLERANCE_U = 8
 _BF16_U = 2.0**-8
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,by_layer", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)])
 def test_a_prefix_stored_here_is_loaded_in_another_process_and_decodes_as_a_recompute(
-    daemon: Daemon, client: kvtier.Client, other_process: Any, dtype: str
+    daemon: Daemon, client: kvtier.Client, other_process: Any, dtype: str, by_layer: bool
 ) -> None:
     spec = TinyLlama(dtype=dtype)
     model = spec.build()
@@ -144,11 +159,13 @@ def test_a_prefix_stored_here_is_loaded_in_another_process_and_decodes_as_a_reco
     assert client.lookup(other_model.cache, client.compute_keys(other_model.cache, prompt_b)).hits == 0
 
     # The other process loads prompt B's cached blocks and decodes.
+    loads_by_layer = client.stats()["counters"]["loads_by_layer"]
     got = other_process.apply_async(
-        load_and_decode, (daemon.socket, spec, prompt_b, STEPS, torch.get_num_threads())
+        load_and_decode, (daemon.socket, spec, prompt_b, STEPS, torch.get_num_threads(), by_layer)
     ).get(timeout=CHILD_TIMEOUT_S)
     assert got["pid"] != os.getpid()
-    assert (got["hits"], got["loaded_blocks"]) == (SHARED_BLOCKS, SHARED_BLOCKS)
+    assert (got["hits"], got["loaded_blocks"], got["redone"]) == (SHARED_BLOCKS, SHARED_BLOCKS, False)
+    assert client.stats()["counters"]["loads_by_layer"] - loads_by_layer == int(by_layer)
     assert set(got["tiers"]) == {"host"}, got["tiers"]
     assert same_bytes(got["kv"], kv_of(cache_a, prefix)), "the loaded KV differs from the stored bytes"
 
@@ -184,6 +201,32 @@ def test_a_prefix_stored_here_is_loaded_in_another_process_and_decodes_as_a_reco
         f"({diff_fp32 / (_BF16_U * scale):.2f} u * max|logit|); bound {bound:.3g}"
     )
     assert diff_full <= bound and diff_fp32 <= bound
+
+
+def test_a_load_by_layer_that_ends_short_is_prefilled_again_on_the_blocks_that_arrived(client: kvtier.Client) -> None:
+    """A load by layer runs under the forward pass. Where it ends short (here
+    its 4th key is one kvtierd does not hold, as a block evicted between the
+    lookup and the load), the pass has read engine blocks nothing loaded: it
+    is thrown away and the prompt prefilled again on the 3 blocks that
+    arrived, bit-exact with that computation done here."""
+    spec = TinyLlama()
+    model = spec.build()
+    prompt = tokens(5, 5 * BLOCK_TOKENS + 3, spec.vocab_size)
+    cache = DynamicCache(config=model.config)
+    forward(model, prompt, cache)
+    engine = EngineKv(client, spec.layout(BLOCK_TOKENS), CAPACITY_BLOCKS)
+    keys = store_prefix(client, engine, kv_of(cache, len(prompt)), prompt)
+    assert len(keys) == 5
+    other = client.compute_keys(engine.cache, prompt[: 3 * BLOCK_TOKENS] + tokens(6, 2 * BLOCK_TOKENS, spec.vocab_size))
+    assert other[:3] == keys[:3] and client.lookup(engine.cache, other).hits == 3
+    engine.zero()
+
+    prefill = _prefill_by_layer(client, engine, model, prompt, other, ["host"] * 5, time.perf_counter())
+    assert prefill.loaded_blocks == 3 and "redone" in prefill.seconds, prefill
+    reference = cache_from(kv_of(cache, 3 * BLOCK_TOKENS), model.config)
+    want = forward(model, prompt[3 * BLOCK_TOKENS :], reference)
+    assert torch.equal(bits(prefill.logits), bits(want))
+    assert prefill.cache.get_seq_length() == len(prompt)
 
 
 # fp8 (E4M3, one scale per head_dim values of a token) keeps each element
