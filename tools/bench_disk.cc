@@ -85,6 +85,7 @@ struct DiskRep {
   double fio_read_same = 0;
   uint64_t group_commits = 0;
   uint64_t mismatches = 0;
+  bool load_first = false;  // the load read the records back before the promotion
   // How kvtierd's I/O threads and fio's jobs drove the device in each part.
   IoShape write_shape, promote_shape, load_shape, fio_write_shape, fio_read_shape, fio_read_same_shape;
 };
@@ -175,54 +176,65 @@ bool KvtierOnce(kvtier::Client& client, const DiskConfig& config, uint32_t rep, 
   const kvtier::DaemonStats written = client.Stats().value();
   out->write_shape = IoShapeBetween(at_start, written, /*read=*/false);
 
-  // Every block is now on disk only. fio reads the same records before
-  // the promotion in even repetitions and after it in odd ones: the second
-  // read of a block may find it in a cache below the guest (a virtual
-  // disk's host), and neither side always gets that.
+  // Every block is now on disk only. The promotion and the load each read
+  // them all back, from disk only; which goes first alternates every two
+  // repetitions, since a read's speed here moves with what the disk did just
+  // before it. fio reads the same records before the first in even
+  // repetitions and between the two in odd ones: the second read of a block
+  // may find it in a cache below the guest (a virtual disk's host), and
+  // neither side always gets that.
+  out->load_first = rep % 4 >= 2;
   const bool fio_same_first = rep % 2 == 0;
-  if (fio_same_first) FioSameRecords(config, uint64_t{blocks} * record_bytes, record_bytes, out);
   // Promotion: prefetch them all (disk -> host) and time until every read
   // is done.
-  const auto p0 = Clock::now();
-  for (uint32_t i = 0; i < blocks; i += 512) {
-    const uint32_t n = std::min(512u, blocks - i);
-    if (!client.Prefetch(id, std::span(keys).subspan(i, n))) return false;
-  }
-  if (!WaitForCounter(client, "disk_promotions", at_start.Counter("disk_promotions") + blocks))
-    return false;
-  out->promote = mb / Seconds(Clock::now() - p0);
-  const kvtier::DaemonStats promoted = client.Stats().value();
-  out->promote_shape = IoShapeBetween(written, promoted, /*read=*/true);
+  auto promote = [&]() -> bool {
+    if (!client.Evict("", kvtier::BlockTier::kHost)) return false;  // clean copies: no write
+    const kvtier::DaemonStats before = client.Stats().value();
+    const auto p0 = Clock::now();
+    for (uint32_t i = 0; i < blocks; i += 512) {
+      const uint32_t n = std::min(512u, blocks - i);
+      if (!client.Prefetch(id, std::span(keys).subspan(i, n))) return false;
+    }
+    if (!WaitForCounter(client, "disk_promotions", before.Counter("disk_promotions") + blocks)) return false;
+    out->promote = mb / Seconds(Clock::now() - p0);
+    out->promote_shape = IoShapeBetween(before, client.Stats().value(), /*read=*/true);
+    return true;
+  };
+  // Load everything into the engine, all requests in flight.
+  auto load = [&]() -> bool {
+    if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
+    const kvtier::DaemonStats before = client.Stats().value();
+    // Blank, so that the check below sees what this load wrote, not the
+    // warm-up's.
+    std::memset(cache->block(32).data(), 0, uint64_t{blocks} * block_bytes);
+    const auto r0 = Clock::now();
+    std::vector<kvtier::OpHandle> ops;
+    for (uint32_t i = 0; i < blocks; i += 32) {
+      const uint32_t n = std::min(32u, blocks - i);
+      auto op = client.LoadAsync(id, std::span(keys).subspan(i, n), Iota(32 + i, n));
+      if (!op) {
+        std::fprintf(stderr, "kvtier-bench: load: %s\n", op.error().ToString().c_str());
+        return false;
+      }
+      ops.push_back(*op);
+    }
+    for (const kvtier::OpHandle& op : ops) {
+      auto r = client.Wait(op);
+      if (!r || r->blocks == 0) {
+        std::fprintf(stderr, "kvtier-bench: a load returned no blocks\n");
+        return false;
+      }
+    }
+    out->load = mb / Seconds(Clock::now() - r0);
+    out->load_shape = IoShapeBetween(before, client.Stats().value(), /*read=*/true);
+    for (uint32_t i = 0; i < blocks; ++i)
+      out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
+    return true;
+  };
+  if (fio_same_first) FioSameRecords(config, uint64_t{blocks} * record_bytes, record_bytes, out);
+  if (!(out->load_first ? load() : promote())) return false;
   if (!fio_same_first) FioSameRecords(config, uint64_t{blocks} * record_bytes, record_bytes, out);
-  // Back to disk only (the host copies are clean: dropping them costs no
-  // write), then load everything into the engine, all requests in flight.
-  if (!client.Evict("", kvtier::BlockTier::kHost)) return false;
-  const kvtier::DaemonStats evicted = client.Stats().value();
-  // Blank, so that the check below sees what this load wrote, not the
-  // warm-up's.
-  std::memset(cache->block(32).data(), 0, uint64_t{blocks} * block_bytes);
-  const auto r0 = Clock::now();
-  std::vector<kvtier::OpHandle> ops;
-  for (uint32_t i = 0; i < blocks; i += 32) {
-    const uint32_t n = std::min(32u, blocks - i);
-    auto op = client.LoadAsync(id, std::span(keys).subspan(i, n), Iota(32 + i, n));
-    if (!op) {
-      std::fprintf(stderr, "kvtier-bench: load: %s\n", op.error().ToString().c_str());
-      return false;
-    }
-    ops.push_back(*op);
-  }
-  for (const kvtier::OpHandle& op : ops) {
-    auto r = client.Wait(op);
-    if (!r || r->blocks == 0) {
-      std::fprintf(stderr, "kvtier-bench: a load returned no blocks\n");
-      return false;
-    }
-  }
-  out->load = mb / Seconds(Clock::now() - r0);
-  out->load_shape = IoShapeBetween(evicted, client.Stats().value(), /*read=*/true);
-  for (uint32_t i = 0; i < blocks; ++i)
-    out->mismatches += !kvtier::MatchesKey(keys[i], cache->block(32 + i));
+  if (!(out->load_first ? promote() : load())) return false;
   out->group_commits =
       client.Stats().value().Counter("disk_group_commits") - at_start.Counter("disk_group_commits");
   (void)client.Evict("", kvtier::BlockTier::kHost);  // room for the next repetition
@@ -294,11 +306,11 @@ int Disk(const std::function<std::unique_ptr<kvtier::Client>(uint32_t rep)>& con
     std::printf(
         "rep %u/%u (%s first): demotion %.0f MB/s vs fio write %.0f = %.2fx; promotion %.0f vs fio read %.0f "
         "= %.2fx; "
-        "load %.0f = %.2fx; %lu group commits\n",
+        "load %.0f = %.2fx (%s first); %lu group commits\n",
         rep, reps, fio_first ? "fio" : "kvtier", r.write, r.fio_write, r.fio_write > 0 ? r.write / r.fio_write : 0,
         r.promote,
         r.fio_read, r.fio_read > 0 ? r.promote / r.fio_read : 0, r.load,
-        r.fio_read > 0 ? r.load / r.fio_read : 0, r.group_commits);
+        r.fio_read > 0 ? r.load / r.fio_read : 0, r.load_first ? "load" : "promotion", r.group_commits);
     if (r.fio_read_same > 0) {
       std::printf("  fio reading kvtier's records: %.0f MB/s; promotion %.2fx, load %.2fx of it\n",
                   r.fio_read_same, r.promote / r.fio_read_same, r.load / r.fio_read_same);
