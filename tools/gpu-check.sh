@@ -28,7 +28,9 @@
 #      transformers Llama on cuda stores an 8k-token prompt's KV through CUDA
 #      IPC, another process loads the shared prefix and decodes; fp32 logits
 #      bit-exact against the same computation without kvtier, bf16 within
-#      rounding of fp32, and TTFT loaded vs recomputed; needs transformers),
+#      rounding of fp32, a load by layer (each layer's compute waiting for
+#      that layer only) giving the whole load's logits bit for bit, and TTFT
+#      loaded whole, by layer and recomputed; needs transformers),
 #      and the shapes end to end (python/gpu_shapes_e2e.py: MLA's latent
 #      cache, and two KV cache groups of vLLM's hybrid manager over the same
 #      CUDA memory, stored by one process and loaded by another, byte-exact);
