@@ -73,7 +73,7 @@ def fields(placements: list[kvtier.Placement]) -> list[tuple[int, ...]]:
 
 
 def load_and_decode(
-    socket: str, spec: TinyLlama, prompt: list[int], steps: int, threads: int, by_layer: bool
+    socket: str, spec: TinyLlama, prompt: list[int], steps: int, threads: int, by_layer: bool = False
 ) -> dict[str, Any]:
     """The loading engine, in the other process: its own model (the same
     seed), its own client and KV memory. Prefills prompt with what kvtier
