@@ -290,7 +290,9 @@ class Client {
   // As LoadAsync, copied layer by layer: every block's layer l before any
   // block's layer l + 1, so that the engine may compute layer l while later
   // layers are still on their way (WaitLayers says when they are in place).
-  // On a GPU cache the layers are reported together, once the load is done.
+  // On a GPU cache too: kvtierd's copy stream records an event after each
+  // layer and reports the layer once it has completed (WaitLayers waits on
+  // the host; no stream waits on the GPU for a layer).
   // Errors: kUnimplemented from a kvtierd that does not report layers (a
   // release before them): load whole.
   Result<OpHandle> LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
