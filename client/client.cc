@@ -134,6 +134,10 @@ Result<bool> Client::WaitLayers(const OpHandle& op, uint32_t layers, std::chrono
   return impl_->WaitLayers(op, layers, timeout);
 }
 
+Status Client::StreamWaitLayers(const OpHandle& op, uint32_t layers, CudaStream stream) {
+  return impl_->StreamWaitLayers(op, layers, stream);
+}
+
 Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                                     const std::optional<BlockKey>& parent, const BlockEventInfo* events,
                                     const BlockHint* hint) {

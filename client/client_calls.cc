@@ -255,6 +255,13 @@ Client::Impl::~Impl() {
     if (!fd_.valid()) break;
     (void)WaitLocked(OpHandle{op, connection_}, std::chrono::seconds(5));
   }
+  // No GPU stream may wait on the fence page once it is gone: end every
+  // wait, then wait until the streams have passed theirs.
+  MutexLock waits_lock(&layer_waits_mu_);
+  if (layer_waits_ != nullptr) {
+    fences_->EndLayerWaits();
+    layer_waits_.reset();
+  }
 }
 
 Result<OpResult> Client::Impl::Wait(const OpHandle& op, std::chrono::milliseconds timeout) {
@@ -348,6 +355,23 @@ Status Client::Impl::SendStoreLayers(uint64_t op, uint32_t layers) {
     return Unavailable("lost kvtierd: " + st.message());
   }
   return Status::Ok();
+}
+
+Status Client::Impl::StreamWaitLayers(const OpHandle& op, uint32_t layers, CudaStream stream) {
+  if (stream == nullptr) return InvalidArgument("StreamWaitLayers needs a CUDA stream");
+  // No lock of the client's calls: the progress word is in shared memory.
+  const std::optional<OpFences::Fence> fence = fences_->Find({op.connection, op.op});
+  if (!fence) {
+    return InvalidArgument("op " + std::to_string(op.op) +
+                           " is not running (its result was collected, or it was cancelled)");
+  }
+  if (!fence->by_layer) return InvalidArgument("op " + std::to_string(op.op) + " is not a LoadLayersAsync");
+  MutexLock lock(&layer_waits_mu_);
+  if (layer_waits_ == nullptr) {
+    const auto* words = reinterpret_cast<const uint64_t*>(fences_->progress_words());
+    KVTIER_ASSIGN_OR_RETURN(layer_waits_, CudaLayerWaits::Create(words, FencePage::kSlots));
+  }
+  return layer_waits_->Wait(stream, fence->slot, OpFences::ProgressTarget(*fence, layers));
 }
 
 Result<bool> Client::Impl::WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout) {

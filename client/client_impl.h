@@ -132,6 +132,7 @@ class Client::Impl {
   Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout);
 
   Result<bool> WaitLayers(const OpHandle& op, uint32_t layers, std::chrono::milliseconds timeout);
+  Status StreamWaitLayers(const OpHandle& op, uint32_t layers, CudaStream stream);
   Status LayersWritten(const OpHandle& op, uint32_t layers);
   // Sends StoreLayers (no reply awaited).
   Status SendStoreLayers(uint64_t op, uint32_t layers) KVTIER_REQUIRES(mu_);
@@ -230,6 +231,10 @@ class Client::Impl {
   std::map<uint64_t, HeldEvent> op_events_ KVTIER_GUARDED_BY(mu_);
   // Set by Connect, before any other call.
   std::unique_ptr<OpFences> fences_;
+  // GPU streams' waits on fences_'s progress words (StreamWaitLayers),
+  // made at the first; ended and torn down before fences_.
+  Mutex layer_waits_mu_;
+  std::unique_ptr<CudaLayerWaits> layer_waits_ KVTIER_GUARDED_BY(layer_waits_mu_);
 };
 
 }  // namespace kvtier

@@ -131,6 +131,58 @@ CudaExport::~CudaExport() {
   for (CudaEvent ev : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(ev));
 }
 
+CudaLayerWaits::CudaLayerWaits(const uint64_t* words, uint32_t count)
+    : words_(words), count_(count), passed_(count, nullptr), passed_device_(count, -1) {}
+
+Result<std::unique_ptr<CudaLayerWaits>> CudaLayerWaits::Create(const uint64_t* words, uint32_t count) {
+  std::unique_ptr<CudaLayerWaits> w(new CudaLayerWaits(words, count));
+  // Portable: mapped for every device's context, whichever stream waits.
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostRegister(const_cast<uint64_t*>(words), count * sizeof(uint64_t),
+                                               cudaHostRegisterPortable | cudaHostRegisterMapped),
+                              "cudaHostRegister of the fence page's progress words");
+  return w;
+}
+
+Status CudaLayerWaits::Wait(CudaStream stream, uint32_t index, uint64_t value) {
+  if (index >= count_) return InvalidArgument("progress word " + std::to_string(index) + " out of range");
+  auto s = static_cast<cudaStream_t>(stream);
+  int device = -1;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(s, &device), "cudaStreamGetDevice");
+  cuda::ScopedDevice scope(device);
+  KVTIER_RETURN_IF_ERROR(scope.status());
+  void* device_ptr = nullptr;
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_ptr, const_cast<uint64_t*>(words_ + index), 0),
+                              "cudaHostGetDevicePointer");
+  KVTIER_RETURN_IF_ERROR(cuda::StreamWaitValue64(s, device_ptr, value));
+  auto& passed = passed_[index];
+  if (passed != nullptr && passed_device_[index] != device) {
+    (void)cudaEventSynchronize(static_cast<cudaEvent_t>(passed));  // another device's stream's wait, passed first
+    (void)cudaEventDestroy(static_cast<cudaEvent_t>(passed));
+    passed = nullptr;
+  }
+  if (passed == nullptr) {
+    cudaEvent_t event = nullptr;
+    KVTIER_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    passed = event;
+    passed_device_[index] = device;
+  }
+  KVTIER_CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(passed), s),
+                              "cudaEventRecord after a layer wait");
+  return Status::Ok();
+}
+
+CudaLayerWaits::~CudaLayerWaits() {
+  for (uint32_t i = 0; i < count_; ++i) {
+    if (passed_[i] == nullptr) continue;
+    cuda::ScopedDevice scope(passed_device_[i]);
+    // Every wait's word has passed its value (the owner ended the waits):
+    // once the event is reached, no stream reads the words any more.
+    (void)cudaEventSynchronize(static_cast<cudaEvent_t>(passed_[i]));
+    (void)cudaEventDestroy(static_cast<cudaEvent_t>(passed_[i]));
+  }
+  (void)cudaHostUnregister(const_cast<uint64_t*>(words_));
+}
+
 std::optional<int32_t> CudaExport::AcquireEvent() {
   for (size_t i = 0; i < busy_.size(); ++i) {
     if (!busy_[i]) {

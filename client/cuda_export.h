@@ -97,4 +97,38 @@ class CudaExport {
   std::vector<uint32_t> completion_values_;  // last value handed out per slot
 };
 
+// CudaLayerWaits: GPU streams that wait for loads' layers on the GPU
+// (Client::StreamWaitLayers). The client's fence page's progress words are
+// registered with CUDA (portable, mapped) once, and a stream waits for a
+// word to reach a value (cuStreamWaitValue64) with no host thread waiting.
+// After each wait the word's event is recorded on the stream, so that
+// teardown waits until every stream has passed its waits (the caller ends
+// them first: OpFences::EndLayerWaits) before it unregisters the words.
+//
+// Built with CUDA in cuda_export.cc; without, Create reports kUnimplemented.
+// Owned by Client::Impl, used under its mutex; thread-compatible.
+class CudaLayerWaits {
+ public:
+  // `words`: `count` u64 words, page-aligned, that outlive this object.
+  static Result<std::unique_ptr<CudaLayerWaits>> Create(const uint64_t* words, uint32_t count);
+  ~CudaLayerWaits();
+  CudaLayerWaits(const CudaLayerWaits&) = delete;
+  CudaLayerWaits& operator=(const CudaLayerWaits&) = delete;
+
+  // `stream` waits until words[index] reaches `value` (GEQ, wrapping).
+  // Errors: kUnavailable where the device has no 64-bit stream memory
+  // operations (wait on the host: Client::WaitLayers); CUDA's errors.
+  Status Wait(CudaStream stream, uint32_t index, uint64_t value);
+
+ private:
+  CudaLayerWaits(const uint64_t* words, uint32_t count);
+
+  const uint64_t* words_;
+  uint32_t count_;
+  // Per word: the event recorded after its last wait (null before any) and
+  // the device it belongs to.
+  std::vector<CudaEvent> passed_;
+  std::vector<int> passed_device_;
+};
+
 }  // namespace kvtier

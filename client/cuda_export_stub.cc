@@ -22,4 +22,8 @@ uint32_t CudaExport::NextCompletionValue(int32_t) { return 0; }
 Result<CudaEvent> CudaExport::CompletionEvent(int32_t, uint32_t) { return Err(NoCuda()); }
 void CudaExport::Complete(int32_t, uint32_t) {}
 
+Result<std::unique_ptr<CudaLayerWaits>> CudaLayerWaits::Create(const uint64_t*, uint32_t) { return Err(NoCuda()); }
+CudaLayerWaits::~CudaLayerWaits() = default;
+Status CudaLayerWaits::Wait(CudaStream, uint32_t, uint64_t) { return NoCuda(); }
+
 }  // namespace kvtier

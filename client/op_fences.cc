@@ -112,7 +112,18 @@ bool OpFences::Cancel(const Fence& fence, std::chrono::steady_clock::time_point 
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
   }
+  // Only once quiet: a stream released earlier would read blocks a copy
+  // still writes.
+  if (fence.by_layer && page_.has_progress()) page_.Progress(fence.slot, fence.generation, 0, /*over=*/true);
   return true;
+}
+
+void OpFences::EndLayerWaits() {
+  MutexLock lock(&mu_);
+  if (!page_.has_progress()) return;
+  for (uint32_t slot = 0; slot < FencePage::kSlots; ++slot) {
+    if (open_[slot] != 0) page_.Progress(slot, open_[slot], 0, /*over=*/true);
+  }
 }
 
 OpFences::LayerWait OpFences::AwaitLayers(const Fence& fence, uint32_t layers,

@@ -67,7 +67,9 @@ class OpFences {
 
   // Cancels `fence`'s op and waits until no copy of it is in progress (or
   // its daemon process has exited, leaving the count of copies it was in),
-  // at most until `deadline`. True: none touches the op's memory from now on.
+  // at most until `deadline`. True: none touches the op's memory from now on,
+  // and a by_layer load is marked over (a GPU stream waiting for its layers
+  // goes on; what it computes from the blocks is to be thrown away).
   bool Cancel(const Fence& fence, std::chrono::steady_clock::time_point deadline);
 
   // Waits until the first `layers` layers of `fence`'s op (a by_layer load)
@@ -77,6 +79,20 @@ class OpFences {
   // reopened for another op since is over.
   enum class LayerWait : uint8_t { kReached, kOver, kTimedOut };
   LayerWait AwaitLayers(const Fence& fence, uint32_t layers, std::chrono::steady_clock::time_point deadline);
+
+  // For a GPU stream that waits for a by_layer load's layers
+  // (Client::StreamWaitLayers): the fence's progress word, and the value it
+  // reaches once `layers` layers are in place, the op is over or its slot
+  // serves a later op (FencePage::ProgressTarget).
+  const uint64_t* ProgressAddress(const Fence& fence) { return page_.progress_address(fence.slot); }
+  static uint64_t ProgressTarget(const Fence& fence, uint32_t layers) {
+    return FencePage::ProgressTarget(fence.generation, layers);
+  }
+  // The page's progress words: FencePage::kFenceBytes bytes, page-aligned.
+  const uint8_t* progress_words() { return page_.progress_words(); }
+  // Marks every open slot's op over, as the daemon does when it ends one:
+  // whatever waits for their layers ends (the client is going away).
+  void EndLayerWaits();
 
   // A pidfd of the process at the other end of connected socket `fd`, for
   // Open; null when there is none to be had.

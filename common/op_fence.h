@@ -97,7 +97,9 @@ class FencePage {
   // The daemon's side, for an op of a page with progress: its first
   // `layers` layers are in place (release: a client that reads them sees the
   // copies' writes), and with `over`, the op is finished. Raises only; wakes
-  // the client's waiters. REQUIRES: has_progress(), slot < kSlots.
+  // the client's waiters. The client calls it with `over` too, for an op it
+  // gave up on or whose daemon is gone: what waits for its layers ends.
+  // REQUIRES: has_progress(), slot < kSlots.
   void Progress(uint32_t slot, uint64_t generation, uint32_t layers, bool over);
 
   // The client's side. Opens `slot` for a new op (no copies, not cancelled,
@@ -112,6 +114,19 @@ class FencePage {
     const uint64_t v = progress(slot).load(std::memory_order_acquire);
     if ((v & ~(kOver | kLayersMask)) != ProgressTag(generation)) return std::nullopt;
     return v;
+  }
+  // For a GPU stream that waits for an op's layers in shared memory
+  // (cuStreamWaitValue64, GEQ, a wrapping compare of the whole word): the
+  // address of `slot`'s progress word (page-aligned half of the page from
+  // kFenceBytes on) and the value it reaches once `layers` layers of the op
+  // of `generation` are in place. The word passes it too once the op is
+  // over (kOver is above any layer count) or the slot serves a later op (a
+  // larger tag, wrapping included), so such a wait ends whenever the op
+  // does. REQUIRES: has_progress().
+  const uint64_t* progress_address(uint32_t slot) { return progress_word(slot); }
+  const uint8_t* progress_words() { return reinterpret_cast<const uint8_t*>(progress_word(0)); }
+  static uint64_t ProgressTarget(uint64_t generation, uint32_t layers) {
+    return ProgressTag(generation) | std::min<uint64_t>(layers, kLayersMask);
   }
   // Sleeps until the progress word of `slot` may no longer be `seen`, at
   // most `timeout` (spurious wakeups allowed).

@@ -187,6 +187,22 @@ Status StreamWaitValue32(cudaStream_t stream, const void* device_addr, uint32_t 
   return Status::Ok();
 }
 
+Status StreamWaitValue64(cudaStream_t stream, const void* device_addr, uint64_t value) {
+  using WaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  static const auto wait = reinterpret_cast<WaitValue64>(DriverEntryPoint("cuStreamWaitValue64"));
+  if (wait == nullptr) return Status(StatusCode::kUnavailable, "the CUDA driver has no cuStreamWaitValue64");
+  if (const CUresult r = wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(device_addr), value,
+                              CU_STREAM_WAIT_VALUE_GEQ);
+      r != CUDA_SUCCESS) {
+    // CUDA_ERROR_NOT_SUPPORTED: a device without 64-bit stream memory
+    // operations (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS).
+    return Status(r == CUDA_ERROR_NOT_SUPPORTED ? StatusCode::kUnavailable : StatusCode::kInternal,
+                  "cuStreamWaitValue64 (CUresult " + std::to_string(static_cast<int>(r)) + ")", ErrorSource::kCuda,
+                  static_cast<int>(r));
+  }
+  return Status::Ok();
+}
+
 Result<std::string> DescribeDevice(int device) {
   cudaDeviceProp prop{};
   KVTIER_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device),

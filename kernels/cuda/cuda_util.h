@@ -109,6 +109,9 @@ Result<AllocationRange> AllocationOf(const void* ptr);
 // through the runtime's driver entry point: `stream` waits until the u32 at
 // `device_addr` (mapped host memory) reaches `value` (wrapping compare).
 Status StreamWaitValue32(cudaStream_t stream, const void* device_addr, uint32_t value);
+// The same for a u64 (cuStreamWaitValue64); kUnavailable where the device
+// has no 64-bit stream memory operations.
+Status StreamWaitValue64(cudaStream_t stream, const void* device_addr, uint64_t value);
 
 // "NVIDIA H200 (sm_90, 139.8 GiB)" for a device, and the driver's version.
 Result<std::string> DescribeDevice(int device);

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -102,6 +103,94 @@ TEST_F(OpFencesTest, WithoutAPidfdOnlyTheFenceWordCounts) {
   child_ = -1;
   // Nothing says that the process is gone: Cancel waits out its deadline.
   EXPECT_FALSE(fences_->Cancel(fence_, steady_clock::now() + milliseconds(200)));
+}
+
+// What a GPU stream's wait on a progress word (cuStreamWaitValue64 with
+// CU_STREAM_WAIT_VALUE_GEQ) lets through: a cyclic compare of the words.
+bool StreamWaitPasses(const OpFences& fences, const OpFences::Fence& fence, uint32_t layers) {
+  (void)fences;
+  const uint64_t word = std::atomic_ref<const uint64_t>(*const_cast<OpFences&>(fences).ProgressAddress(fence))
+                            .load(std::memory_order_acquire);
+  return static_cast<int64_t>(word - OpFences::ProgressTarget(fence, layers)) >= 0;
+}
+
+// A GPU stream waiting for a load's layers (Client::StreamWaitLayers) goes
+// on once they are in place, or once the op is over, cancelled or its slot
+// serves a later op, and never before: no stream of the engine waits
+// forever on a word nobody will raise, or reads a layer not yet there.
+TEST(OpFencesLayerWaitTest, AStreamsWaitPassesOnceTheLayersAreInPlaceOrTheOpIsOver) {
+  std::unique_ptr<OpFences> fences = OpFences::Create().value();
+  MemoryMapping m = MemoryMapping::Map(MemoryMapping::Options{.size_bytes = FencePage::kBytes,
+                                                              .prot = PROT_READ | PROT_WRITE,
+                                                              .flags = MAP_SHARED,
+                                                              .fd = fences->fd()})
+                        .value();
+  FencePage daemon(std::move(m));  // the daemon's view of the page
+
+  const OpFences::Fence load = fences->Open(nullptr, /*by_layer=*/true);
+  EXPECT_FALSE(StreamWaitPasses(*fences, load, 1));
+  daemon.Progress(load.slot, load.generation, 2, /*over=*/false);
+  EXPECT_TRUE(StreamWaitPasses(*fences, load, 1));
+  EXPECT_TRUE(StreamWaitPasses(*fences, load, 2));
+  EXPECT_FALSE(StreamWaitPasses(*fences, load, 3));
+  // Over with 2 layers (a failed load): every later layer's wait goes on,
+  // and the engine learns from Wait that the blocks did not all arrive.
+  daemon.Progress(load.slot, load.generation, 2, /*over=*/true);
+  EXPECT_TRUE(StreamWaitPasses(*fences, load, 3));
+  EXPECT_TRUE(StreamWaitPasses(*fences, load, 1u << 30));
+
+  // Cancelled by the client with no copy in progress: over.
+  const OpFences::Fence cancelled = fences->Open(nullptr, /*by_layer=*/true);
+  daemon.Progress(cancelled.slot, cancelled.generation, 1, /*over=*/false);
+  EXPECT_FALSE(StreamWaitPasses(*fences, cancelled, 2));
+  EXPECT_TRUE(fences->Cancel(cancelled, steady_clock::now() + milliseconds(1000)));
+  EXPECT_TRUE(StreamWaitPasses(*fences, cancelled, 2));
+
+  // A copy still in progress keeps the stream waiting past a Cancel that
+  // gave up: its blocks are not safe to read.
+  const OpFences::Fence hung = fences->Open(nullptr, /*by_layer=*/true);
+  ASSERT_TRUE(daemon.Enter(hung.slot, hung.generation));
+  EXPECT_FALSE(fences->Cancel(hung, steady_clock::now() + milliseconds(50)));
+  EXPECT_FALSE(StreamWaitPasses(*fences, hung, 1));
+  daemon.Leave(hung.slot, hung.generation);
+  EXPECT_TRUE(fences->Cancel(hung, steady_clock::now() + milliseconds(1000)));
+  EXPECT_TRUE(StreamWaitPasses(*fences, hung, 1));
+
+  // The client going away ends every open op's waits.
+  const OpFences::Fence open = fences->Open(nullptr, /*by_layer=*/true);
+  EXPECT_FALSE(StreamWaitPasses(*fences, open, 1));
+  fences->EndLayerWaits();
+  EXPECT_TRUE(StreamWaitPasses(*fences, open, 1));
+
+  // Every slot opened again for later ops: a wait for the first op's slot
+  // that the GPU has not looked at yet goes on too.
+  const OpFences::Fence first = fences->Open(nullptr, /*by_layer=*/true);
+  fences->Close(first);
+  OpFences::Fence later = fences->Open(nullptr, /*by_layer=*/true);
+  for (uint32_t i = 0; i < FencePage::kSlots && later.slot != first.slot; ++i) {
+    fences->Close(later);
+    later = fences->Open(nullptr, /*by_layer=*/true);
+  }
+  ASSERT_EQ(later.slot, first.slot);
+  EXPECT_TRUE(StreamWaitPasses(*fences, first, 1));
+  EXPECT_FALSE(StreamWaitPasses(*fences, later, 1));
+}
+
+// The progress word keeps the low 32 bits of a generation: across their
+// wrap, a later op's word still passes an earlier op's wait (the compare
+// is cyclic), and an earlier op's word never passes a later op's.
+TEST(OpFencesLayerWaitTest, TheCompareHoldsAcrossTheGenerationsWrap) {
+  const uint64_t before_wrap = (uint64_t{1} << 32) - 1;
+  for (const uint64_t g : {uint64_t{1}, before_wrap, before_wrap + 1, uint64_t{7} << 40}) {
+    const uint64_t later_word = FencePage::ProgressTarget(g + 1, 0);
+    EXPECT_GE(static_cast<int64_t>(later_word - FencePage::ProgressTarget(g, 1u << 30)), 0) << g;
+    EXPECT_LT(static_cast<int64_t>(FencePage::ProgressTarget(g, 5) - FencePage::ProgressTarget(g + 1, 1)), 0) << g;
+    // Over (bit 31) passes any layer count of the same op.
+    EXPECT_GE(static_cast<int64_t>((FencePage::ProgressTarget(g, 0) | FencePage::kOver) -
+                                   FencePage::ProgressTarget(g, FencePage::kLayersMask)),
+              0)
+        << g;
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // CUDA IPC between real processes: a real kvtierd on the cuda backend and
 // gpu_client engine processes (tests/gpu/gpu_client.cc) that register KV
 // caches in GPU memory. Blocks stored by one process load, byte-exact, into
-// another, ordered on the engine's stream through IPC events; a client killed
+// another, ordered on the engine's stream through IPC events (or, for a load
+// by layer, layer by layer through its progress words); a client killed
 // while it holds IPC mappings leaves none behind; fp8 blocks coded in the
 // host tier are decoded by the load's kernel.
 #include <signal.h>
@@ -76,6 +77,17 @@ TEST_P(CudaIpcGpuTest, BlocksStoredByOneProcessLoadIntoAnother) {
   EXPECT_EQ(after.mappings, 0u) << "the clients exited; their IPC mappings must be closed";
   EXPECT_EQ(after.leases, 0u);
   EXPECT_EQ(after.Counter("stores"), kBlocks);
+  EXPECT_EQ(after.Counter("loads"), kBlocks);
+}
+
+// A load by layer waited for on the engine's stream, on the GPU, layer by
+// layer (Client::StreamWaitLayers): each layer read back right after its
+// wait holds every block's bytes.
+TEST_P(CudaIpcGpuTest, ALoadByLayerIsWaitedForOnTheEnginesStreamLayerByLayer) {
+  ASSERT_EQ(RunClient("store", daemon_->socket_path(), 3), 0) << daemon_->Log();
+  ASSERT_EQ(RunClient("load-layers", daemon_->socket_path(), 3), 0) << daemon_->Log();
+  const DaemonStats after = testing::StatsWhen(*admin_, [](const DaemonStats& s) { return s.mappings == 0; });
+  EXPECT_EQ(after.Counter("loads_by_layer"), 1u);
   EXPECT_EQ(after.Counter("loads"), kBlocks);
 }
 

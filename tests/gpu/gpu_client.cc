@@ -11,6 +11,10 @@
 //   gpu_client load  SOCKET SEED BLOCKS   load them into other engine blocks; the
 //                                         check is queued on the stream right after
 //                                         LoadAsync, before any Wait
+//   gpu_client load-layers SOCKET SEED BLOCKS
+//                                         load them by layer, the engine's stream
+//                                         waiting on the GPU for each layer
+//                                         (StreamWaitLayers) and reading it back
 //   gpu_client hold  SOCKET SEED BLOCKS   store, then load and store again (the same
 //                                         events, recorded by both sides) until killed
 //   gpu_client store-fp8 / load-fp8 ...   the same with a cache registered with the
@@ -203,8 +207,42 @@ int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blo
     return 0;
   };
 
+  // A load by layer, waited for on the engine's stream layer by layer
+  // (StreamWaitLayers): each layer's tensor (region l: vLLM's layout) is
+  // read back on the stream right after its wait, before the later layers'
+  // waits and before any Wait, so a wait that did not hold the stream until
+  // its layer was in place reads a layer not yet (or not wholly) loaded.
+  auto load_layers = [&](const std::vector<BlockKey>& ks) -> int {
+    std::vector<uint32_t> ids;
+    for (uint32_t i = 0; i < blocks; ++i) ids.push_back(e.num_blocks - 1 - i);
+    Result<OpHandle> op = (*client)->LoadLayersAsync(*cache, ks, ids);
+    if (!op) return Fail(18, "LoadLayersAsync: " + op.error().ToString());
+    const uint32_t layers = e.layout.spec().num_layers;
+    for (uint32_t l = 0; l < layers; ++l) {
+      if (Status st = (*client)->StreamWaitLayers(*op, l + 1, stream); !st.ok()) {
+        return Fail(26, "StreamWaitLayers(" + std::to_string(l + 1) + "): " + st.ToString());
+      }
+      CUDA_OR_FAIL(cudaMemcpyAsync(e.host_bases[l], e.device_bases[l], e.sizes[l], cudaMemcpyDeviceToHost, stream));
+    }
+    CUDA_OR_FAIL(cudaStreamSynchronize(stream));
+    Result<OpResult> r = (*client)->Wait(*op);
+    if (!r || r->blocks != blocks) return Fail(22, "load Wait");
+    for (uint32_t i = 0; i < blocks; ++i) {
+      GatherBlock(host_plan, ids[i], slot.data());
+      if (!MatchesKey(ks[i], slot)) {
+        return Fail(21, "block " + std::to_string(i) + " read back after each layer's wait differs from its key");
+      }
+    }
+    // Over: its progress word has no op any more.
+    if (Status st = (*client)->StreamWaitLayers(*op, 1, stream); st.code() != StatusCode::kInvalidArgument) {
+      return Fail(27, "StreamWaitLayers of an op whose result was collected: " + st.ToString());
+    }
+    return 0;
+  };
+
   if (mode == "store") return store(*keys);
   if (mode == "load") return load(*keys);
+  if (mode == "load-layers") return load_layers(*keys);
   if (fp8) return Fail(2, "no fp8 variant of " + mode);
   if (mode == "steal") {
     // Another tenant (`token`) presents the same allocation's IPC handle
@@ -243,7 +281,8 @@ int Run(std::string mode, const std::string& socket, uint64_t seed, uint32_t blo
 int main(int argc, char** argv) {
   if (argc != 5 && argc != 6) {
     std::fprintf(stderr,
-                 "usage: gpu_client store|load|hold|store-fp8|load-fp8|steal SOCKET SEED BLOCKS [OTHER_TENANT_TOKEN]\n");
+                 "usage: gpu_client store|load|load-layers|hold|store-fp8|load-fp8|steal SOCKET SEED BLOCKS "
+                 "[OTHER_TENANT_TOKEN]\n");
     return 2;
   }
   return kvtier::Run(argv[1], argv[2], std::strtoull(argv[3], nullptr, 10),

@@ -179,13 +179,22 @@ TEST(HostPathTest, ALoadByLayerIsInPlaceLayerByLayer) {
   ASSERT_TRUE(none_result.has_value());
   EXPECT_EQ(none_result->blocks, 0u);
 
-  // WaitLayers is for loads by layer only.
+  // WaitLayers and StreamWaitLayers are for loads by layer only, and a
+  // stream waits only for an op still running, with a stream.
+  int stream_tag = 0;  // never dereferenced: each call is refused before any CUDA call
+  const CudaStream stream = &stream_tag;
   Result<OpHandle> whole = c->LoadAsync(*id, *keys, Range(kBlocks, kBlocks));
   ASSERT_TRUE(whole.has_value());
   Result<bool> refused = c->WaitLayers(*whole, 1);
   ASSERT_FALSE(refused.has_value());
   EXPECT_EQ(refused.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->StreamWaitLayers(*whole, 1, stream).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(c->Wait(*whole).has_value());
+  EXPECT_EQ(c->StreamWaitLayers(*op, 1, stream).code(), StatusCode::kInvalidArgument) << "its result was collected";
+  Result<OpHandle> running = c->LoadLayersAsync(*id, *keys, Range(kBlocks, kBlocks));
+  ASSERT_TRUE(running.has_value()) << running.error();
+  EXPECT_EQ(c->StreamWaitLayers(*running, 1, nullptr).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->Wait(*running).has_value());
   EXPECT_FALSE(c->WaitLayers(*op, 1, std::chrono::milliseconds(-1)).has_value());
 }
 

@@ -292,7 +292,7 @@ class Client {
   // layers are still on their way (WaitLayers says when they are in place).
   // On a GPU cache too: kvtierd's copy stream records an event after each
   // layer and reports the layer once it has completed (WaitLayers waits on
-  // the host; no stream waits on the GPU for a layer).
+  // the host, StreamWaitLayers on the GPU).
   // Errors: kUnimplemented from a kvtierd that does not report layers (a
   // release before them): load whole.
   Result<OpHandle> LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
@@ -306,6 +306,19 @@ class Client {
   // kInvalidArgument for an op that is not a LoadLayersAsync.
   Result<bool> WaitLayers(const OpHandle& op, uint32_t layers,
                           std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // GPU engines: `stream` waits, on the GPU, until the first `layers`
+  // layers of every block a LoadLayersAsync op loads are in place, or the
+  // op is over (done, failed or cancelled: what the stream runs after the
+  // wait may then read blocks the load did not fill, and Wait says how many
+  // it loaded). No host thread waits and no round trip: the stream polls the
+  // op's progress word in shared memory. Should kvtierd die, the stream
+  // goes on once this client has seen it (the op's Wait or Cancel returns)
+  // or is destroyed. Any CUDA stream of this process, on any device.
+  // Errors: kInvalidArgument for a null stream, or an op that is not a
+  // running LoadLayersAsync (its result collected, or cancelled);
+  // kUnavailable where the device has no 64-bit stream memory operations
+  // (wait with WaitLayers); kUnimplemented without CUDA.
+  Status StreamWaitLayers(const OpHandle& op, uint32_t layers, CudaStream stream);
   // `events`: what KV events publish of these blocks (BlockEventInfo), or
   // null. Errors: kInvalidArgument when its sizes do not match the keys.
   // `hint`: the engine's retention hint for the new blocks (BlockHint), or

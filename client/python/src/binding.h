@@ -189,6 +189,14 @@ class PyOp {
     const std::chrono::milliseconds timeout = TimeoutArg(timeout_s, "timeout", /*zero_ok=*/true);
     return Must(Unlocked([&] { return client->WaitLayers(handle_, layers, timeout); }));
   }
+  void StreamWaitLayers(uint32_t layers, uintptr_t stream) {
+    std::shared_ptr<Client> client = client_;
+    if (!client) Raise(InvalidArgument("this " + what_ + " was waited for already: its layers are all it has"));
+    const auto cuda_stream = reinterpret_cast<CudaStream>(stream);
+    if (Status st = Unlocked([&] { return client->StreamWaitLayers(handle_, layers, cuda_stream); }); !st.ok()) {
+      Raise(st);
+    }
+  }
   void LayersWritten(uint32_t layers) {
     std::shared_ptr<Client> client = client_;
     if (!client) return;

@@ -142,6 +142,13 @@ void BindTypes(py::module_& m) {
            "loads are in place (True), with no round trip to kvtierd. False once the op is over "
            "without them (wait() gives its result: an error, or fewer blocks). Raises "
            "DeadlineExceededError after the timeout (seconds; None = no limit).")
+      .def("stream_wait_layers", &PyOp::StreamWaitLayers, py::arg("layers"), py::arg("stream"),
+           "A load_async(by_layer=True) into a GPU engine: the CUDA stream `stream` (its handle, "
+           "e.g. torch.cuda.current_stream().cuda_stream) waits on the GPU until the first `layers` "
+           "layers of every block it loads are in place, or the op is over (wait() then says how many "
+           "blocks it loaded: what the stream computed from the others is to be thrown away). Returns "
+           "at once; no thread waits. Raises UnavailableError where the GPU cannot (no 64-bit stream "
+           "memory operations: use wait_layers).")
       .def("layers_written", &PyOp::LayersWritten, py::arg("layers"),
            "A store_async(by_layer=True): the first `layers` layers of its blocks are written "
            "(more than the model has: all). One message to kvtierd, no reply awaited; nothing for an "

@@ -16,8 +16,9 @@ host tier, as gpu_e2e.py does). For fp32 and bf16:
                  times B's first token three ways (TTFT, medians): loaded
                  through kvtier whole, then computed; loaded by layer, each
                  layer's compute waiting only for that layer (the cuda
-                 backend's per-layer kernels and events); and recomputed
-                 from scratch.
+                 backend's per-layer kernels and events), on the GPU (the
+                 model's stream waits: Op.stream_wait_layers) and on the
+                 host (Op.wait_layers); and recomputed from scratch.
 
 Then, here, the same computation without kvtier (the stored prefix's KV, the
 rest of B, the same decoding) and B in one pass, both on the GPU. Required:
@@ -156,7 +157,9 @@ def load_role(args: argparse.Namespace) -> int:
             # kernels of the whole prompt. A load by layer must give the
             # whole load's logits, bit for bit.
             recompute, loaded, kvtier_s, partial = [], [], [], 0
-            layered, layered_waited, layered_wrong = [], [], 0
+            # By layer: each layer waited for on the model's stream (on cuda)
+            # and, again, by this thread.
+            layered, layered_host, layered_waited, layered_wrong, stream_waits = [], [], [], 0, 1.0
             forward(model, prompt, new_cache(model.config))
             for _ in range(args.repeats):
                 start = synced()
@@ -170,15 +173,18 @@ def load_role(args: argparse.Namespace) -> int:
                 kvtier_s.append(again.seconds["kvtier"])
                 partial += again.loaded_blocks != got.loaded_blocks
                 del again
-                engine.zero()
-                start = synced()
-                again = prefill_with_kvtier(client, engine, model, prompt, by_layer=True)
-                int(torch.argmax(again.logits))
-                layered.append(time.perf_counter() - start)
-                layered_waited.append(again.seconds.get("waited", 0.0))
-                partial += again.loaded_blocks != got.loaded_blocks or "redone" in again.seconds
-                layered_wrong += not torch.equal(bits(again.logits), bits(got.logits))
-                del again
+                for on_stream, times in ((True, layered), (False, layered_host)):
+                    engine.zero()
+                    start = synced()
+                    again = prefill_with_kvtier(client, engine, model, prompt, by_layer=True, stream_waits=on_stream)
+                    int(torch.argmax(again.logits))
+                    times.append(time.perf_counter() - start)
+                    if on_stream:
+                        layered_waited.append(again.seconds.get("waited", 0.0))
+                        stream_waits = min(stream_waits, again.seconds.get("stream_waits", 0.0))
+                    partial += again.loaded_blocks != got.loaded_blocks or "redone" in again.seconds
+                    layered_wrong += not torch.equal(bits(again.logits), bits(got.logits))
+                    del again
             result = {
                 "pid": os.getpid(),
                 "kind": engine.cache.kind,
@@ -192,7 +198,9 @@ def load_role(args: argparse.Namespace) -> int:
                 "ttft_load": statistics.median(loaded),
                 "ttft_load_kvtier": statistics.median(kvtier_s),
                 "ttft_load_by_layer": statistics.median(layered),
+                "ttft_load_by_layer_host": statistics.median(layered_host),
                 "by_layer_waited": statistics.median(layered_waited),
+                "by_layer_stream_waits": bool(stream_waits) and args.device == "cuda",
                 "by_layer_wrong": layered_wrong,
                 "partial_reloads": partial,
             }
@@ -202,7 +210,9 @@ def load_role(args: argparse.Namespace) -> int:
                 f"{got.loaded_blocks} blocks loaded, {STEPS} tokens decoded; TTFT of {len(prompt)} tokens "
                 f"(median of {args.repeats}): loaded {ms(result['ttft_load'])} ms "
                 f"(kvtier {ms(result['ttft_load_kvtier'])} ms), by layer {ms(result['ttft_load_by_layer'])} ms "
-                f"(waited {ms(result['by_layer_waited'])} ms), recomputed {ms(result['ttft_recompute'])} ms"
+                f"({'the stream waiting on the GPU' if result['by_layer_stream_waits'] else 'this thread waiting'}: "
+                f"{ms(result['by_layer_waited'])} ms), by layer waited here {ms(result['ttft_load_by_layer_host'])} ms, "
+                f"recomputed {ms(result['ttft_recompute'])} ms"
             )
     return 0
 
@@ -297,8 +307,10 @@ def check(setup: Setup, args: argparse.Namespace, stored: dict[str, Any], work: 
         tiers = "+".join(sorted(set(got["tiers"])))
         if got["by_layer_wrong"]:
             problems.append(f"{dtype}: {got['by_layer_wrong']} loads by layer gave other logits than the whole load")
-        ttft = (f"TTFT {ms(got['ttft_load'])} ms loaded, {ms(got['ttft_load_by_layer'])} ms by layer, "
-                f"{ms(got['ttft_recompute'])} ms recomputed")
+        if args.device == "cuda" and not got["by_layer_stream_waits"]:
+            problems.append(f"{dtype}: no stream waited for a layer on the GPU (no 64-bit stream memory operations)")
+        ttft = (f"TTFT {ms(got['ttft_load'])} ms loaded, {ms(got['ttft_load_by_layer'])} ms by layer "
+                f"({ms(got['ttft_load_by_layer_host'])} ms waited on the host), {ms(got['ttft_recompute'])} ms recomputed")
         if dtype == "fp32":
             if not exact:
                 problems.append(f"fp32: logits or tokens differ from the same computation without kvtier "

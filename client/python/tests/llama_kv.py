@@ -315,6 +315,7 @@ def prefill_with_kvtier(
     model: LlamaForCausalLM,
     prompt: Sequence[int],
     by_layer: bool = False,
+    stream_waits: bool = True,
 ) -> Prefill:
     """Prefills prompt as an engine with kvtier does: keys, lookup, load of
     the cached leading blocks into engine blocks 0 .. hits - 1, then the rest
@@ -324,7 +325,11 @@ def prefill_with_kvtier(
     layer: the load is started by layer and the forward pass at once; each
     decoder layer first waits until the load has that layer in place in
     every block, so layer i's compute runs while later layers are still
-    being copied. Where a by-layer load ends short (a block evicted since the
+    being copied. On cuda, with stream_waits, the wait is the model's
+    stream's, on the GPU (``Op.stream_wait_layers``: no host thread waits,
+    the pass is queued whole at once); otherwise, or where the GPU cannot,
+    this thread waits (``Op.wait_layers``; seconds["stream_waits"] says
+    which). Where a by-layer load ends short (a block evicted since the
     lookup), the pass read blocks that are not there: it is thrown away and
     the prompt is prefilled again on what did arrive ("redone" in seconds).
 
@@ -345,7 +350,7 @@ def prefill_with_kvtier(
             break
     engine.sync()  # nothing of this process's still reads or writes the blocks the daemon writes
     if by_layer and hits:
-        return _prefill_by_layer(client, engine, model, prompt, keys[:hits], tiers, start)
+        return _prefill_by_layer(client, engine, model, prompt, keys[:hits], tiers, start, stream_waits)
     loaded = 0
     while loaded < hits:
         n = min(hits - loaded, MAX_KEYS_PER_REQUEST)
@@ -373,6 +378,7 @@ def _prefill_by_layer(
     keys: Sequence[bytes],
     tiers: list[str],
     start: float,
+    stream_waits: bool = True,
 ) -> Prefill:
     """prefill_with_kvtier's by-layer path, for the hits' keys."""
     bt = engine.layout.block_tokens
@@ -389,14 +395,23 @@ def _prefill_by_layer(
     cache = cache_from([(torch.empty(shape, dtype=dtype, device=device),) * 2] * engine.layout.num_layers, model.config)
     room = kv_of(cache, hits * bt)
     waited, complete = 0.0, True
+    on_gpu = stream_waits and device.type == "cuda"
 
     def fill(layer: int):
         def hook(module: torch.nn.Module, args: object) -> None:
-            nonlocal waited, complete
+            nonlocal waited, complete, on_gpu
             t = time.perf_counter()
-            # False: the op is over without this layer (a block short); the
-            # pass is redone below.
-            complete = all([op.wait_layers(layer + 1) for op in ops]) and complete
+            if on_gpu:
+                stream = torch.cuda.current_stream(device).cuda_stream
+                try:
+                    for op in ops:  # the copy below, and the layer, wait on the GPU
+                        op.stream_wait_layers(layer + 1, stream)
+                except kvtier.UnavailableError:
+                    on_gpu = False  # no 64-bit stream waits on this GPU: wait here
+            if not on_gpu:
+                # False: the op is over without this layer (a block short);
+                # the pass is redone below.
+                complete = all([op.wait_layers(layer + 1) for op in ops]) and complete
             waited += time.perf_counter() - t
             for dst, src in zip(room[layer], engine.layer_kv(layer, hits)):
                 dst.copy_(src)
@@ -415,7 +430,13 @@ def _prefill_by_layer(
         if loaded == i * MAX_KEYS_PER_REQUEST:
             loaded += got
     computed_at = time.perf_counter()
-    seconds = {"kvtier": started_at - start, "gather": 0.0, "compute": computed_at - started_at, "waited": waited}
+    seconds = {
+        "kvtier": started_at - start,
+        "gather": 0.0,
+        "compute": computed_at - started_at,
+        "waited": waited,
+        "stream_waits": float(on_gpu),
+    }
     if complete and loaded == hits:
         return Prefill(logits, cache, hits, tiers, loaded, seconds)
     cache = cache_from(engine.kv(loaded), model.config)
