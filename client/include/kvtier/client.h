@@ -313,7 +313,9 @@ class Client {
   // it loaded). No host thread waits and no round trip: the stream polls the
   // op's progress word in shared memory. Should kvtierd die, the stream
   // goes on once this client has seen it (the op's Wait or Cancel returns)
-  // or is destroyed. Any CUDA stream of this process, on any device.
+  // or is destroyed. Any CUDA stream of this process, on any device; one
+  // stream per op (the client's teardown waits for the last stream that
+  // waited for an op's slot before it lets go of the page streams read).
   // Errors: kInvalidArgument for a null stream, or an op that is not a
   // running LoadLayersAsync (its result collected, or cancelled);
   // kUnavailable where the device has no 64-bit stream memory operations
