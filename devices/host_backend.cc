@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "common/memory_mapping.h"
+#include "devices/reaper.h"
 #include "kernels/copy_reference.h"
 
 namespace kvtier {
@@ -21,6 +22,11 @@ namespace {
 // A batch's copies go to the workers in tasks of about this many bytes at
 // most (0.1 ms or so of memcpy).
 constexpr uint64_t kTaskBytes = 1ull << 20;
+
+// Engines' mappings waiting to be unmapped off the event loop, at most (a
+// tenant's sessions opened and closed faster than they unmap are then
+// unmapped where they close, and the node's map count stays bounded).
+constexpr size_t kMaxMappingsToUnmap = 64;
 
 class HostArena final : public Arena {
  public:
@@ -60,19 +66,27 @@ class HostArena final : public Arena {
 
 class HostClientMapping final : public ClientMapping {
  public:
-  HostClientMapping(std::vector<MemoryMapping> mappings,
-                    std::shared_ptr<std::atomic<uint64_t>> live)
-      : mappings_(std::move(mappings)), live_(std::move(live)) {
+  HostClientMapping(std::vector<MemoryMapping> mappings, std::shared_ptr<std::atomic<uint64_t>> live,
+                    std::shared_ptr<Reaper> reaper)
+      : mappings_(std::move(mappings)), live_(std::move(live)), reaper_(std::move(reaper)) {
     for (const MemoryMapping& m : mappings_) bases_.push_back(m.data());
     live_->fetch_add(1, std::memory_order_relaxed);  // a statistic; no ordering needed
   }
-  ~HostClientMapping() override { live_->fetch_sub(1, std::memory_order_relaxed); }
+  ~HostClientMapping() override {
+    live_->fetch_sub(1, std::memory_order_relaxed);
+    // Unmapped on the reaper's thread: the last reference often goes on the
+    // event loop (its session closed), and unmapping a populated engine
+    // cache takes tens of ms per 256 MiB.
+    auto mappings = std::make_shared<std::vector<MemoryMapping>>(std::move(mappings_));
+    reaper_->Run([mappings] { mappings->clear(); });
+  }
   std::span<uint8_t* const> region_bases() const override { return bases_; }
 
  private:
   std::vector<MemoryMapping> mappings_;
   std::vector<uint8_t*> bases_;
   std::shared_ptr<std::atomic<uint64_t>> live_;
+  std::shared_ptr<Reaper> reaper_;
 };
 
 Result<std::unique_ptr<HostArena>> AnonymousArena(uint64_t size_bytes, const char* what) {
@@ -118,14 +132,18 @@ Result<std::unique_ptr<HostBackend>> HostBackend::Create(const Options& options)
     if (!codec) return Err(codec.error().WithContext("host backend: a copy thread's codec"));
     workers.push_back(std::make_unique<Worker>(Worker{.codec = std::move(*codec), .scratch = {}}));
   }
-  return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers), options.populate_host));
+  std::shared_ptr<Reaper> reaper =
+      options.reaper != nullptr ? options.reaper : std::make_shared<Reaper>(kMaxMappingsToUnmap);
+  return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers), options.populate_host, std::move(reaper)));
 }
 
-HostBackend::HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host)
+HostBackend::HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host,
+                         std::shared_ptr<Reaper> reaper)
     : num_threads_(static_cast<uint32_t>(workers.size())),
       populate_host_(populate_host),
       workers_(std::move(workers)),
-      live_mappings_(std::make_shared<std::atomic<uint64_t>>(0)) {
+      live_mappings_(std::make_shared<std::atomic<uint64_t>>(0)),
+      reaper_(std::move(reaper)) {
   threads_.reserve(num_threads_);
   for (uint32_t i = 0; i < num_threads_; ++i) threads_.emplace_back([this, i] { WorkerLoop(*workers_[i]); });
 }
@@ -192,7 +210,7 @@ Result<std::shared_ptr<ClientMapping>> HostBackend::MapClientMemory(std::vector<
     KVTIER_ASSIGN_OR_RETURN(MemoryMapping m, MapSealedMemfd(regions[i], what));
     mappings.push_back(std::move(m));
   }
-  return std::shared_ptr<ClientMapping>(new HostClientMapping(std::move(mappings), live_mappings_));
+  return std::shared_ptr<ClientMapping>(new HostClientMapping(std::move(mappings), live_mappings_, reaper_));
 }
 
 uint64_t HostBackend::live_mappings() const { return live_mappings_->load(std::memory_order_relaxed); }

@@ -36,6 +36,7 @@
 #include "common/fair_share_queue.h"
 #include "common/memory_mapping.h"
 #include "common/mutex.h"
+#include "devices/reaper.h"
 #include "kernels/codec.h"
 
 namespace kvtier {
@@ -49,6 +50,9 @@ class HostBackend final : public DeviceBackend {
     // start, as pinned memory is on the cuda backend, and the first stores
     // into it run at memory speed rather than at page-fault speed.
     bool populate_host = false;
+    // Where released engine mappings are unmapped; null: a reaper of the
+    // backend's own (tests pass one to hold it).
+    std::shared_ptr<Reaper> reaper = nullptr;
   };
 
   static Result<std::unique_ptr<HostBackend>> Create(const Options& options);
@@ -86,7 +90,7 @@ class HostBackend final : public DeviceBackend {
   // A worker's own: its codec (zstd contexts) and a block of scratch.
   struct Worker;
 
-  HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host);
+  HostBackend(std::vector<std::unique_ptr<Worker>> workers, bool populate_host, std::shared_ptr<Reaper> reaper);
   // The tasks of a batch of `n` copies, in order: about two per worker so
   // both cores work on one large request, and at most about kTaskBytes each,
   // so that a worker turns to another tenant's copies within one task's time
@@ -116,6 +120,8 @@ class HostBackend final : public DeviceBackend {
   std::vector<std::thread> threads_;
   // Shared with mappings so they can count down after the backend is gone.
   std::shared_ptr<std::atomic<uint64_t>> live_mappings_;
+  // Unmaps engines' memory once their mappings are released (devices/reaper.h).
+  std::shared_ptr<Reaper> reaper_;
 };
 
 }  // namespace kvtier
