@@ -23,10 +23,11 @@ namespace {
 // most (0.1 ms or so of memcpy).
 constexpr uint64_t kTaskBytes = 1ull << 20;
 
-// Engines' mappings waiting to be unmapped off the event loop, at most (a
-// tenant's sessions opened and closed faster than they unmap are then
-// unmapped where they close, and the node's map count stays bounded).
-constexpr size_t kMaxMappingsToUnmap = 64;
+// Engines' regions (a map each) waiting to be unmapped off the event loop,
+// at most: half the headroom of maps the node budget keeps for kvtierd
+// (NodeBudgets::kMapsHeadroom), which a closed session's maps still use
+// until they are unmapped. Past it, they are unmapped where they are let go.
+constexpr size_t kMaxMapsToUnmap = 512;
 
 class HostArena final : public Arena {
  public:
@@ -78,7 +79,7 @@ class HostClientMapping final : public ClientMapping {
     // event loop (its session closed), and unmapping a populated engine
     // cache takes tens of ms per 256 MiB.
     auto mappings = std::make_shared<std::vector<MemoryMapping>>(std::move(mappings_));
-    reaper_->Run([mappings] { mappings->clear(); });
+    reaper_->Run([mappings] { mappings->clear(); }, mappings->size());
   }
   std::span<uint8_t* const> region_bases() const override { return bases_; }
 
@@ -133,7 +134,7 @@ Result<std::unique_ptr<HostBackend>> HostBackend::Create(const Options& options)
     workers.push_back(std::make_unique<Worker>(Worker{.codec = std::move(*codec), .scratch = {}}));
   }
   std::shared_ptr<Reaper> reaper =
-      options.reaper != nullptr ? options.reaper : std::make_shared<Reaper>(kMaxMappingsToUnmap);
+      options.reaper != nullptr ? options.reaper : std::make_shared<Reaper>(kMaxMapsToUnmap);
   return std::unique_ptr<HostBackend>(new HostBackend(std::move(workers), options.populate_host, std::move(reaper)));
 }
 

@@ -16,11 +16,12 @@ Reaper::~Reaper() {
   // Nothing is queued after the thread left: Loop drains before it returns.
 }
 
-void Reaper::Run(std::function<void()> work) {
+void Reaper::Run(std::function<void()> work, size_t weight) {
   {
     MutexLock lock(&mu_);
-    if (!stopping_ && queue_.size() < max_backlog_) {
-      queue_.push_back(std::move(work));
+    if (!stopping_ && waiting_ + weight <= max_backlog_) {
+      queue_.emplace_back(std::move(work), weight);
+      waiting_ += weight;
       cv_.SignalAll();
       return;
     }
@@ -40,7 +41,8 @@ void Reaper::Loop() {
       MutexLock lock(&mu_);
       while (queue_.empty() && !stopping_) cv_.Wait(&mu_);
       if (queue_.empty()) return;  // stopping, and drained
-      work = std::move(queue_.front());
+      work = std::move(queue_.front().first);
+      waiting_ -= queue_.front().second;
       queue_.pop_front();
       ++running_;
     }

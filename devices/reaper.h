@@ -4,10 +4,12 @@
 // a populated 256 MiB engine cache took 65 ms there, and an engine's cache
 // is often tens of GiB.
 //
-// At most `max_backlog` pieces of work wait; past that, Run runs the work on
-// the caller, so that a tenant closing sessions faster than they unmap
-// cannot pile up the node's address space and map count. Work still queued
-// when the reaper is destroyed runs then, on the destroying thread.
+// Each piece of work has a weight (the maps it unmaps), and at most
+// `max_backlog` of weight waits; past that, Run runs the work on the caller,
+// so that a tenant closing sessions faster than they unmap cannot pile up
+// the node's map count past kvtierd's headroom (its budget is given back as
+// the session closes). Work still queued when the reaper is destroyed runs
+// then, on the destroying thread.
 //
 // Thread-safe; owned through shared_ptr by the backend and by what it hands
 // out (whatever outlives the backend still reaps through it).
@@ -17,6 +19,7 @@
 #include <deque>
 #include <functional>
 #include <thread>
+#include <utility>
 
 #include "common/mutex.h"
 
@@ -29,9 +32,9 @@ class Reaper {
   Reaper(const Reaper&) = delete;
   Reaper& operator=(const Reaper&) = delete;
 
-  // Runs `work` on the reaper's thread, or here when max_backlog pieces
-  // wait already.
-  void Run(std::function<void()> work);
+  // Runs `work` on the reaper's thread, or here when its weight would take
+  // what waits past max_backlog.
+  void Run(std::function<void()> work, size_t weight = 1);
   // Returns once everything queued before the call has run (tests).
   void Drain();
 
@@ -41,7 +44,8 @@ class Reaper {
   const size_t max_backlog_;
   Mutex mu_;
   CondVar cv_;
-  std::deque<std::function<void()>> queue_ KVTIER_GUARDED_BY(mu_);
+  std::deque<std::pair<std::function<void()>, size_t>> queue_ KVTIER_GUARDED_BY(mu_);
+  size_t waiting_ KVTIER_GUARDED_BY(mu_) = 0;  // the weight in queue_
   size_t running_ KVTIER_GUARDED_BY(mu_) = 0;  // pieces taken off the queue, not done
   bool stopping_ KVTIER_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the rest is built

@@ -754,8 +754,8 @@ TEST(HostBackendTest, AReleasedClientMappingIsUnmappedByTheReaperNotTheCaller) {
   EXPECT_FALSE(Mapped(base)) << "the reaper did not unmap it";
 }
 
-// The reaper runs work on its thread, in order; past its backlog, on the
-// caller; and what is still queued when it goes, then.
+// The reaper runs work on its thread, in order; past its backlog (by
+// weight), on the caller; and what is still queued when it goes, then.
 TEST(ReaperTest, WorkRunsOnItsThreadInOrderAndPastTheBacklogOnTheCaller) {
   std::latch release(1);
   Mutex mu;
@@ -767,7 +767,7 @@ TEST(ReaperTest, WorkRunsOnItsThreadInOrderAndPastTheBacklogOnTheCaller) {
     threads.push_back(std::this_thread::get_id());
   };
   {
-    Reaper reaper(2);
+    Reaper reaper(3);
     std::latch started(1);
     reaper.Run([&] {
       started.count_down();
@@ -776,8 +776,8 @@ TEST(ReaperTest, WorkRunsOnItsThreadInOrderAndPastTheBacklogOnTheCaller) {
     });
     started.wait();
     reaper.Run([&] { note(1); });
-    reaper.Run([&] { note(2); });
-    reaper.Run([&] { note(3); });  // the backlog (2) is full: runs here, now
+    reaper.Run([&] { note(2); }, 2);
+    reaper.Run([&] { note(3); });  // 1 + 2 of 3 wait: runs here, now
     {
       MutexLock lock(&mu);
       ASSERT_EQ(order, std::vector<int>({3}));
