@@ -368,8 +368,7 @@ Status Client::Impl::StreamWaitLayers(const OpHandle& op, uint32_t layers, CudaS
   if (!fence->by_layer) return InvalidArgument("op " + std::to_string(op.op) + " is not a LoadLayersAsync");
   MutexLock lock(&layer_waits_mu_);
   if (layer_waits_ == nullptr) {
-    const auto* words = reinterpret_cast<const uint64_t*>(fences_->progress_words());
-    KVTIER_ASSIGN_OR_RETURN(layer_waits_, CudaLayerWaits::Create(words, FencePage::kSlots));
+    KVTIER_ASSIGN_OR_RETURN(layer_waits_, CudaLayerWaits::Create(fences_->progress_words(), FencePage::kSlots));
   }
   return layer_waits_->Wait(stream, fence->slot, OpFences::ProgressTarget(*fence, layers));
 }

@@ -81,15 +81,14 @@ class OpFences {
   LayerWait AwaitLayers(const Fence& fence, uint32_t layers, std::chrono::steady_clock::time_point deadline);
 
   // For a GPU stream that waits for a by_layer load's layers
-  // (Client::StreamWaitLayers): the fence's progress word, and the value it
-  // reaches once `layers` layers are in place, the op is over or its slot
-  // serves a later op (FencePage::ProgressTarget).
-  const uint64_t* ProgressAddress(const Fence& fence) { return page_.progress_address(fence.slot); }
+  // (Client::StreamWaitLayers): the page's progress words (one per slot,
+  // FencePage::kFenceBytes bytes, page-aligned), and the value a fence's
+  // word reaches once `layers` layers are in place, the op is over or its
+  // slot serves a later op (FencePage::ProgressTarget).
+  const uint64_t* progress_words() { return page_.progress_words(); }
   static uint64_t ProgressTarget(const Fence& fence, uint32_t layers) {
     return FencePage::ProgressTarget(fence.generation, layers);
   }
-  // The page's progress words: FencePage::kFenceBytes bytes, page-aligned.
-  const uint8_t* progress_words() { return page_.progress_words(); }
   // Marks every open slot's op over, as the daemon does when it ends one:
   // whatever waits for their layers ends (the client is going away).
   void EndLayerWaits();

@@ -117,14 +117,13 @@ class FencePage {
   }
   // For a GPU stream that waits for an op's layers in shared memory
   // (cuStreamWaitValue64, GEQ, a wrapping compare of the whole word): the
-  // address of `slot`'s progress word (page-aligned half of the page from
-  // kFenceBytes on) and the value it reaches once `layers` layers of the op
-  // of `generation` are in place. The word passes it too once the op is
-  // over (kOver is above any layer count) or the slot serves a later op (a
-  // larger tag, wrapping included), so such a wait ends whenever the op
-  // does. REQUIRES: has_progress().
-  const uint64_t* progress_address(uint32_t slot) { return progress_word(slot); }
-  const uint8_t* progress_words() { return reinterpret_cast<const uint8_t*>(progress_word(0)); }
+  // progress words, one per slot (the page-aligned half of the page from
+  // kFenceBytes on), and the value slot's word reaches once `layers` layers
+  // of the op of `generation` are in place. The word passes it too once the
+  // op is over (kOver is above any layer count) or the slot serves a later
+  // op (a larger tag, wrapping included), so such a wait ends whenever the
+  // op does. REQUIRES: has_progress().
+  const uint64_t* progress_words() { return progress_word(0); }
   static uint64_t ProgressTarget(uint64_t generation, uint32_t layers) {
     return ProgressTag(generation) | std::min<uint64_t>(layers, kLayersMask);
   }

@@ -9,7 +9,7 @@
 // so that a tenant closing sessions faster than they unmap cannot pile up
 // the node's map count past kvtierd's headroom (its budget is given back as
 // the session closes). Work still queued when the reaper is destroyed runs
-// then, on the destroying thread.
+// before its destructor returns.
 //
 // Thread-safe; owned through shared_ptr by the backend and by what it hands
 // out (whatever outlives the backend still reaps through it).

@@ -107,10 +107,9 @@ TEST_F(OpFencesTest, WithoutAPidfdOnlyTheFenceWordCounts) {
 
 // What a GPU stream's wait on a progress word (cuStreamWaitValue64 with
 // CU_STREAM_WAIT_VALUE_GEQ) lets through: a cyclic compare of the words.
-bool StreamWaitPasses(const OpFences& fences, const OpFences::Fence& fence, uint32_t layers) {
-  (void)fences;
-  const uint64_t word = std::atomic_ref<const uint64_t>(*const_cast<OpFences&>(fences).ProgressAddress(fence))
-                            .load(std::memory_order_acquire);
+bool StreamWaitPasses(OpFences& fences, const OpFences::Fence& fence, uint32_t layers) {
+  const uint64_t word =
+      std::atomic_ref<const uint64_t>(fences.progress_words()[fence.slot]).load(std::memory_order_acquire);
   return static_cast<int64_t>(word - OpFences::ProgressTarget(fence, layers)) >= 0;
 }
 
