@@ -185,9 +185,11 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self, between: object = None) -> object:
-        """One engine step; `between` runs after scheduling, before the worker."""
-        out = self.scheduler.schedule()
+    def step(self, between: object = None, scheduled: object = None) -> object:
+        """One engine step; `between` runs after scheduling, before the
+        worker; `scheduled`: the step's scheduler output, when the caller
+        already scheduled it."""
+        out = scheduled if scheduled is not None else self.scheduler.schedule()
         if between is not None:
             between()  # type: ignore[operator]
         meta = out.kv_connector_metadata
@@ -432,6 +434,103 @@ def test_a_failed_load_becomes_invalid_blocks_that_vllm_recomputes(
     second.run_until_idle()
     for index in range(6):
         assert second.holds(second.block_ids["b"][index], prompt, index)
+    admin.close()
+
+
+def schedule_answered(engine: Engine, req_id: str) -> object:
+    """Schedules until the step that takes `req_id` (its lookup answered),
+    and returns that step's output, not yet run."""
+    for _ in range(200):
+        out = engine.scheduler.schedule()
+        if any(new.req_id == req_id for new in out.scheduled_new_reqs):  # type: ignore[attr-defined]
+            return out
+        engine.scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+        time.sleep(0.005)
+    raise AssertionError(f"{req_id} was never scheduled")
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["by-layer", "whole"])
+def test_what_a_step_computes_after_a_load_that_fell_short_is_never_stored(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], layerwise: bool
+) -> None:
+    # b's step loads 6 blocks and computes 2 more from them. The load finds
+    # nothing (evicted after the lookup): on a real model those 2 blocks
+    # are computed from blocks that never arrived, and vLLM computes them
+    # again. The step's stores of them must not land in kvtierd, where they
+    # would be served under their prompt's keys.
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    first.add("a", PREFIX + [1])
+    first.run_until_idle()
+    settings = {"layerwise_load": layerwise, "layerwise_store": layerwise}
+    second = Engine(model_dir, daemon.socket, **settings)
+    engines.append(second)
+    prompt = PREFIX + [(7 * i + 3) % 1000 for i in range(2 * BLOCK + 1)]
+    second.add("b", prompt)
+    out = schedule_answered(second, "b")
+    meta = out.kv_connector_metadata  # type: ignore[attr-defined]
+    assert [len(load.block_ids) for load in meta.loads] == [6]
+    assert [len(store.block_ids) for store in meta.stores] == [2]
+    admin = kvtier.Client.connect(daemon.socket)
+    assert admin.evict() > 0
+    before = daemon_counters(daemon)["stores"]
+    second.step(scheduled=out)
+    assert second.invalid_reported == set(meta.loads[0].block_ids)
+    assert not set(meta.loads[0].block_ids + meta.stores[0].block_ids) & set(second.worker._worker._content), (
+        "blocks the step did not write from what it read are never copied to kvtierd as vLLM lets go of them"
+    )
+    second.run_until_idle()
+    assert daemon_counters(daemon)["stores"] == before, "nothing of b's failed step was stored"
+    for index in range(8):
+        assert second.holds(second.block_ids["b"][index], prompt, index)
+    admin.close()
+
+
+def test_blocks_vllm_lets_go_of_are_copied_to_kvtierd_where_it_lacks_them(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    # p0's 6 blocks are stored, then kvtierd is emptied: vLLM's own cache is
+    # their only place. Prompts after it make vLLM reuse p0's blocks, and
+    # each is copied to kvtierd in the step that reuses it, before the step
+    # writes it. A second engine then loads p0 whole, bytes as computed.
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    prompts = [[3 + (31 * p + t) % 450 for t in range(6 * BLOCK + 1)] for p in range(12)]
+    first.add("p0", prompts[0])
+    first.run_until_idle()
+    admin = kvtier.Client.connect(daemon.socket)
+    assert admin.evict() > 0
+    for p in range(1, 12):
+        first.add(f"p{p}", prompts[p])
+        first.run_until_idle()
+    assert first.worker._worker.kept_blocks >= 6
+    second = Engine(model_dir, daemon.socket)
+    engines.append(second)
+    held = daemon_counters(daemon)["engine_held"]
+    second.add("again", prompts[0])
+    new = schedule_when_answered(second, "again")
+    assert new.num_computed_tokens == 6 * BLOCK  # type: ignore[attr-defined]
+    second.run_until_idle()
+    assert second.invalid_reported == set()
+    for index in range(6):
+        assert second.holds(new.block_ids[0][index], prompts[0], index), f"block {index} differs"  # type: ignore[attr-defined]
+    # The engine keeps what it loaded: kvtierd's copies are evicted first.
+    assert daemon_counters(daemon)["engine_held"] - held >= 6
+    # Without keep_dropped, nothing brings them back.
+    admin.evict()
+    third = Engine(model_dir, daemon.socket, keep_dropped=False)
+    engines.append(third)
+    third.add("q0", prompts[0])
+    third.run_until_idle()
+    admin.evict()
+    for p in range(1, 12):
+        third.add(f"q{p}", prompts[p])
+        third.run_until_idle()
+    assert third.worker._worker.kept_blocks == 0
+    fourth = Engine(model_dir, daemon.socket)
+    engines.append(fourth)
+    fourth.add("again", prompts[0])
+    assert schedule_when_answered(fourth, "again").num_computed_tokens == 0  # type: ignore[attr-defined]
     admin.close()
 
 

@@ -133,8 +133,20 @@ class _WorkerSide:
         # This step's stores by layer, started at its first layer's
         # save_kv_layer and told of each layer written after (CPU caches,
         # one group): the daemon copies a layer while later ones compute.
-        self._layer_stores: list[kvtier.Op] = []
+        self._layer_stores: list[tuple[str, kvtier.Op]] = []  # with their request
         self._stores_started = False  # this step's stores (by layer or whole)
+        # Requests loading this step (one group), and those of them whose
+        # loads fell short: what the step computes for them attends to
+        # blocks that did not arrive, so their stores of the step are held
+        # back from their last layer until the loads end, then cancelled.
+        self._loading: set[str] = set()
+        self._short: set[str] = set()
+        # keep_dropped: what each block id holds, as far as this worker saw
+        # it written (computed by a forward pass that loaded all it read, or
+        # loaded whole): (group, hash). Only such blocks are copied to
+        # kvtierd as vLLM lets go of them. Bounded by vLLM's block count.
+        self._content: dict[int, tuple[int, bytes]] = {}
+        self.kept_blocks = 0  # blocks copied to kvtierd as vLLM let go of them
         self._layerwise_store = settings.layerwise_store and not self._by_request
         # This step's forward pass, timed for the scheduler's prefill rate
         # (load or recompute): from its metadata's binding to wait_for_save,
@@ -218,9 +230,11 @@ class _WorkerSide:
                 self._hints.setdefault(spec.req_id, []).append(spec)  # get_finished sends it
             else:
                 self._send_hint(spec)
+        self._loading, self._short = set(), set()
         if not meta.loads:
             return
         ready = self._ready()
+        keeping = self._keeping()
         # By layer on CPU caches. kvtierd's cuda backend reports a GPU
         # cache's layers one by one too, but no GPU has run vLLM with it yet
         # (the per-layer waits are host-side, and vLLM's CUDA graphs may skip
@@ -230,12 +244,16 @@ class _WorkerSide:
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
             ops: list[tuple[kvtier.Op, int]] = []
+            for block in spec.block_ids:
+                self._content.pop(block, None)  # written by this load, if at all
+            if not self._by_request:
+                self._loading.add(spec.req_id)
             if ready is not None:
                 client, cache = ready[0], ready[1][spec.group]
                 try:
                     keys = _keys(client, cache, spec.block_hashes)
                     for piece in _pieces(len(keys), client):
-                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer)
+                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer, engine_holds=keeping)
                         ops.append((op, len(keys[piece])))
                 except kvtier.UnimplementedError as error:
                     # A kvtierd from before loads by layer: whole loads from
@@ -321,11 +339,16 @@ class _WorkerSide:
                     whole = got == size
             if skipped:
                 loaded = 0
+            short = loaded < len(spec.block_ids)
+            if not (self._by_request and short):
+                self._saw_written(spec.group, spec.block_ids[:loaded], spec.block_hashes[:loaded])
             if not self._by_request:
                 self._invalid.update(spec.block_ids[loaded:])
+                if short:
+                    self._short.add(spec.req_id)
                 continue
             self._received.add(spec.req_id)
-            if loaded < len(spec.block_ids):
+            if short:
                 self._failed_receives.add(spec.req_id)
         self._step_waited += time.monotonic() - started
 
@@ -369,8 +392,10 @@ class _WorkerSide:
             return
         if not self._stores_started:
             self._start_stores(meta, by_layer=True)
-        for op in self._layer_stores:
-            self._layers_written(op, where[1] + 1)
+        last = len(self._groups[where[0]].layer_names)
+        for req_id, op in self._layer_stores:
+            # A request loading this step: its last layer once its loads are whole.
+            self._layers_written(op, where[1] + 1 if req_id not in self._loading else min(where[1] + 1, last - 1))
 
     def _layers_written(self, op: kvtier.Op, layers: int) -> None:
         try:
@@ -386,12 +411,20 @@ class _WorkerSide:
         self._time_step()
         if not meta.stores:
             return
+        for spec in meta.stores:
+            if spec.req_id not in self._short:
+                self._saw_written(spec.group, spec.block_ids, spec.block_hashes)
         if self._stores_started:
             # By layer: every layer is written now, including any whose
-            # hook the forward pass skipped.
+            # hook the forward pass skipped. A request whose loads fell
+            # short computed from blocks that did not arrive: its stores of
+            # the step, short of their last layer, are cancelled unstored.
             ops, self._layer_stores = self._layer_stores, []
-            for op in ops:
-                self._layers_written(op, _ALL_LAYERS)
+            for req_id, op in ops:
+                if req_id in self._short:
+                    self._cancel(op)
+                else:
+                    self._layers_written(op, _ALL_LAYERS)
             return
         if self._on_gpu:
             # The daemon copies from the GPU on its own stream: the forward
@@ -406,9 +439,10 @@ class _WorkerSide:
         ready = self._ready()
         for spec in meta.stores:
             # Every rank reports the request's stores done (vLLM waits for
-            # all of them); one that does not store its shard has none.
+            # all of them); one that does not store its shard has none, nor
+            # does a request whose loads fell short (wait_for_save).
             ops = self._stores.setdefault(spec.req_id, [])
-            if ready is None or not self._stores_shard:
+            if ready is None or not self._stores_shard or spec.req_id in self._short:
                 continue
             client, cache = ready[0], ready[1][spec.group]
             if self._groups[spec.group].window_blocks is not None:
@@ -428,7 +462,7 @@ class _WorkerSide:
                     )
                     ops.append(op)
                     if by_layer:
-                        self._layer_stores.append(op)
+                        self._layer_stores.append((spec.req_id, op))
             except kvtier.UnimplementedError as error:
                 # A kvtierd whose backend copies stores whole: whole stores
                 # from the next step on (this one's are not stored).
@@ -450,12 +484,61 @@ class _WorkerSide:
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its
-        stores must have read them first, or be cancelled."""
+        stores must have read them first, or be cancelled. And, before this
+        step writes any block (vLLM calls this first), the blocks vLLM lets
+        go of are copied to kvtierd (keep_dropped)."""
         self._end_window_stores()
         for req_id in meta.preempted:
             self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
+        self._keep_dropped(meta.dropped)
+
+    def _keeping(self) -> bool:
+        """Whether blocks vLLM lets go of are copied to kvtierd (and loads
+        say vLLM keeps what it loads): keep_dropped with exclusive caching,
+        on CPU caches. A GPU's copy would have to wait for the engine's
+        stream; not run on a GPU yet."""
+        return self._settings.exclusive_caching and self._settings.keep_dropped and not self._on_gpu
+
+    def _saw_written(self, group: int, block_ids: list[int], hashes: list[bytes]) -> None:
+        if not self._keeping():
+            return
+        for block, block_hash in zip(block_ids, hashes):
+            self._content[block] = (group, block_hash)
+
+    def _keep_dropped(self, dropped: list[TransferSpec]) -> None:
+        """Copies to kvtierd the blocks vLLM gives to other content this
+        step, where this worker saw them written with the content they are
+        said to hold (kvtierd skips those it has), and waits for the copies
+        (cancelled at op_timeout_s): the step writes these blocks next."""
+        if not dropped:
+            return
+        copies: list[tuple[TransferSpec, list[int]]] = []
+        for spec in dropped:
+            wanted = [i for i, block in enumerate(spec.block_ids) if self._content.get(block) == (spec.group, spec.block_hashes[i])]
+            for block in spec.block_ids:
+                self._content.pop(block, None)
+            if wanted:
+                copies.append((spec, wanted))
+        ready = self._ready() if copies and self._keeping() and self._stores_shard else None
+        if ready is None:
+            return
+        client, caches = ready
+        ops: list[kvtier.Op] = []
+        try:
+            for spec, wanted in copies:
+                keys = _keys(client, caches[spec.group], [spec.block_hashes[i] for i in wanted])
+                ids = [spec.block_ids[i] for i in wanted]
+                for piece in _pieces(len(keys), client):
+                    ops.append(client.store_async(caches[spec.group], keys[piece], ids[piece]))
+        except kvtier.Error as error:
+            self._connection.note(error)
+            logger.info("kvtier: copies of blocks vLLM lets go of failed to start (%s)", error)
+        deadline = time.monotonic() + self._settings.op_timeout_s
+        for op in ops:
+            result = self._finish(op, deadline - time.monotonic(), "a copy of blocks vLLM lets go of")
+            self.kept_blocks += result.blocks if result is not None else 0
 
     def _end_window_stores(self) -> None:
         """Ends the last step's stores of sliding-window blocks: vLLM may
@@ -546,6 +629,8 @@ class _WorkerSide:
         return invalid
 
     def shutdown(self) -> None:
+        if self.kept_blocks:
+            logger.info("kvtier: %d blocks vLLM let go of were copied to kvtierd (keep_dropped)", self.kept_blocks)
         self._end_loads()
         self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()
