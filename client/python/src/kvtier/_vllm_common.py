@@ -61,12 +61,6 @@ class _Settings:
     # first), and the scheduler tells kvtierd which blocks vLLM's own cache
     # let go of since (kvtier's copy the only one then).
     exclusive_caching: bool = True
-    # With exclusive caching, on CPU caches: kvtier takes a copy of each
-    # block vLLM lets go of that it lacks, in the step that reuses the block
-    # and before anything writes it (handle_preemptions), and loads say vLLM
-    # keeps what it loaded (evicted first in kvtier, as its stores). The two
-    # caches then hold what one LRU of both their sizes would.
-    keep_dropped: bool = True
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -82,7 +76,6 @@ class _Settings:
             layerwise_store=_flag(extra.get("layerwise_store", True)),
             load_or_recompute=_flag(extra.get("load_or_recompute", True)),
             exclusive_caching=_flag(extra.get("exclusive_caching", True)),
-            keep_dropped=_flag(extra.get("keep_dropped", True)),
         )
 
 
@@ -364,9 +357,6 @@ class KvtierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     hints: list[TransferSpec] = field(default_factory=list)
     scheduled_tokens: int = 0  # tokens this step computes, all requests together
-    # Blocks vLLM gives to other content this step, by group, with the hash
-    # each held (keep_dropped): copied to kvtierd before anything writes them.
-    dropped: list[TransferSpec] = field(default_factory=list)
 
 
 @dataclass

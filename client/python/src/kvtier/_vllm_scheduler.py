@@ -63,9 +63,9 @@ class _Lookup:
 @dataclass
 class _Dropped:
     """Blocks vLLM's own cache let go of (_EngineCache): each as its KV
-    cache group, its hash and the block id that held it."""
+    cache group and its hash."""
 
-    blocks: list[tuple[int, bytes, int]]
+    blocks: list[tuple[int, bytes]]
 
 
 class _EngineCache:
@@ -81,7 +81,7 @@ class _EngineCache:
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, bytes]] = {}
-        self.dropped: list[tuple[int, bytes, int]] = []  # group, hash, block id
+        self.dropped: list[tuple[int, bytes]] = []
 
     def seen(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> None:
         """A request's block ids in `group` from `start` on: the first of
@@ -94,7 +94,7 @@ class _EngineCache:
             now = (group, hashes[position - start]) if position - start < len(hashes) else None
             held = self._held.get(block)
             if held is not None and held != now:
-                self.dropped.append((*held, block))
+                self.dropped.append(held)
             if now is None:
                 self._held.pop(block, None)
             else:
@@ -156,7 +156,7 @@ class _Lookups:
         with self._lock:
             self._entries.pop(req_id, None)
 
-    def engine_dropped(self, blocks: list[tuple[int, bytes, int]]) -> None:
+    def engine_dropped(self, blocks: list[tuple[int, bytes]]) -> None:
         """Blocks vLLM's own cache let go of (group, hash): told to kvtierd
         on this thread (Hint.engine_dropped), after the lookups queued
         before."""
@@ -237,7 +237,7 @@ class _Lookups:
             if isinstance(item, _Dropped):
                 client = connection.client() if caches else None
                 by_group: dict[int, list[bytes]] = {}
-                for group, block_hash, _ in item.blocks:
+                for group, block_hash in item.blocks:
                     by_group.setdefault(group, []).append(block_hash)
                 try:
                     for group, hashes in by_group.items() if client is not None else ():
@@ -312,7 +312,6 @@ class _SchedulerSide:
         # vLLM holds them (engine_holds) on the same setting, and the hints
         # from here release them.
         self._engine = _EngineCache() if settings.exclusive_caching else None
-        self._keep_dropped = settings.exclusive_caching and settings.keep_dropped
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -386,13 +385,6 @@ class _SchedulerSide:
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_stores(meta, state, computed)
         if self._engine is not None and self._engine.dropped:
-            if self._keep_dropped:
-                by_group: dict[int, TransferSpec] = {}
-                for group, block_hash, block in self._engine.dropped:
-                    spec = by_group.setdefault(group, TransferSpec("", [], [], group=group))
-                    spec.block_hashes.append(block_hash)
-                    spec.block_ids.append(block)
-                meta.dropped = list(by_group.values())
             self._lookups.engine_dropped(self._engine.dropped)
             self._engine.dropped = []
         return meta

@@ -135,18 +135,15 @@ class _WorkerSide:
         # one group): the daemon copies a layer while later ones compute.
         self._layer_stores: list[tuple[str, kvtier.Op]] = []  # with their request
         self._stores_started = False  # this step's stores (by layer or whole)
-        # Requests loading this step (one group), and those of them whose
-        # loads fell short: what the step computes for them attends to
-        # blocks that did not arrive, so their stores of the step are held
-        # back from their last layer until the loads end, then cancelled.
+        # Requests loading this step (one group), and those whose loads fell
+        # short, until they finish: what vLLM computes for them from then on
+        # (this step, and the next one where vLLM scheduled it before it
+        # learnt of the failure) attends to blocks that did not arrive. So
+        # a loading request's stores of the step are held back from their
+        # last layer until its loads end, and a short one stores nothing
+        # more: its stores of the step are cancelled, later ones not made.
         self._loading: set[str] = set()
         self._short: set[str] = set()
-        # keep_dropped: what each block id holds, as far as this worker saw
-        # it written (computed by a forward pass that loaded all it read, or
-        # loaded whole): (group, hash). Only such blocks are copied to
-        # kvtierd as vLLM lets go of them. Bounded by vLLM's block count.
-        self._content: dict[int, tuple[int, bytes]] = {}
-        self.kept_blocks = 0  # blocks copied to kvtierd as vLLM let go of them
         self._layerwise_store = settings.layerwise_store and not self._by_request
         # This step's forward pass, timed for the scheduler's prefill rate
         # (load or recompute): from its metadata's binding to wait_for_save,
@@ -230,11 +227,10 @@ class _WorkerSide:
                 self._hints.setdefault(spec.req_id, []).append(spec)  # get_finished sends it
             else:
                 self._send_hint(spec)
-        self._loading, self._short = set(), set()
+        self._loading = set()
         if not meta.loads:
             return
         ready = self._ready()
-        keeping = self._keeping()
         # By layer on CPU caches. kvtierd's cuda backend reports a GPU
         # cache's layers one by one too, but no GPU has run vLLM with it yet
         # (the per-layer waits are host-side, and vLLM's CUDA graphs may skip
@@ -244,8 +240,6 @@ class _WorkerSide:
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
             ops: list[tuple[kvtier.Op, int]] = []
-            for block in spec.block_ids:
-                self._content.pop(block, None)  # written by this load, if at all
             if not self._by_request:
                 self._loading.add(spec.req_id)
             if ready is not None:
@@ -253,7 +247,7 @@ class _WorkerSide:
                 try:
                     keys = _keys(client, cache, spec.block_hashes)
                     for piece in _pieces(len(keys), client):
-                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer, engine_holds=keeping)
+                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer)
                         ops.append((op, len(keys[piece])))
                 except kvtier.UnimplementedError as error:
                     # A kvtierd from before loads by layer: whole loads from
@@ -340,8 +334,6 @@ class _WorkerSide:
             if skipped:
                 loaded = 0
             short = loaded < len(spec.block_ids)
-            if not (self._by_request and short):
-                self._saw_written(spec.group, spec.block_ids[:loaded], spec.block_hashes[:loaded])
             if not self._by_request:
                 self._invalid.update(spec.block_ids[loaded:])
                 if short:
@@ -411,9 +403,6 @@ class _WorkerSide:
         self._time_step()
         if not meta.stores:
             return
-        for spec in meta.stores:
-            if spec.req_id not in self._short:
-                self._saw_written(spec.group, spec.block_ids, spec.block_hashes)
         if self._stores_started:
             # By layer: every layer is written now, including any whose
             # hook the forward pass skipped. A request whose loads fell
@@ -484,61 +473,12 @@ class _WorkerSide:
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its
-        stores must have read them first, or be cancelled. And, before this
-        step writes any block (vLLM calls this first), the blocks vLLM lets
-        go of are copied to kvtierd (keep_dropped)."""
+        stores must have read them first, or be cancelled."""
         self._end_window_stores()
         for req_id in meta.preempted:
             self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
-        self._keep_dropped(meta.dropped)
-
-    def _keeping(self) -> bool:
-        """Whether blocks vLLM lets go of are copied to kvtierd (and loads
-        say vLLM keeps what it loads): keep_dropped with exclusive caching,
-        on CPU caches. A GPU's copy would have to wait for the engine's
-        stream; not run on a GPU yet."""
-        return self._settings.exclusive_caching and self._settings.keep_dropped and not self._on_gpu
-
-    def _saw_written(self, group: int, block_ids: list[int], hashes: list[bytes]) -> None:
-        if not self._keeping():
-            return
-        for block, block_hash in zip(block_ids, hashes):
-            self._content[block] = (group, block_hash)
-
-    def _keep_dropped(self, dropped: list[TransferSpec]) -> None:
-        """Copies to kvtierd the blocks vLLM gives to other content this
-        step, where this worker saw them written with the content they are
-        said to hold (kvtierd skips those it has), and waits for the copies
-        (cancelled at op_timeout_s): the step writes these blocks next."""
-        if not dropped:
-            return
-        copies: list[tuple[TransferSpec, list[int]]] = []
-        for spec in dropped:
-            wanted = [i for i, block in enumerate(spec.block_ids) if self._content.get(block) == (spec.group, spec.block_hashes[i])]
-            for block in spec.block_ids:
-                self._content.pop(block, None)
-            if wanted:
-                copies.append((spec, wanted))
-        ready = self._ready() if copies and self._keeping() and self._stores_shard else None
-        if ready is None:
-            return
-        client, caches = ready
-        ops: list[kvtier.Op] = []
-        try:
-            for spec, wanted in copies:
-                keys = _keys(client, caches[spec.group], [spec.block_hashes[i] for i in wanted])
-                ids = [spec.block_ids[i] for i in wanted]
-                for piece in _pieces(len(keys), client):
-                    ops.append(client.store_async(caches[spec.group], keys[piece], ids[piece]))
-        except kvtier.Error as error:
-            self._connection.note(error)
-            logger.info("kvtier: copies of blocks vLLM lets go of failed to start (%s)", error)
-        deadline = time.monotonic() + self._settings.op_timeout_s
-        for op in ops:
-            result = self._finish(op, deadline - time.monotonic(), "a copy of blocks vLLM lets go of")
-            self.kept_blocks += result.blocks if result is not None else 0
 
     def _end_window_stores(self) -> None:
         """Ends the last step's stores of sliding-window blocks: vLLM may
@@ -589,6 +529,7 @@ class _WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._end_loads()
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
+        self._short.difference_update(finished_req_ids)
         done: set[str] = set()
         for req_id in self._finishing:
             ops = self._stores[req_id]
@@ -629,8 +570,6 @@ class _WorkerSide:
         return invalid
 
     def shutdown(self) -> None:
-        if self.kept_blocks:
-            logger.info("kvtier: %d blocks vLLM let go of were copied to kvtierd (keep_dropped)", self.kept_blocks)
         self._end_loads()
         self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()
