@@ -43,6 +43,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import kvtier
 from kvtier.vllm import KvtierConnector, KvtierMetadata, TransferSpec
+from kvtier._vllm_common import StepReport
 
 BLOCK = 16
 LAYERS = 2
@@ -499,6 +500,49 @@ def test_nothing_computed_after_a_load_that_fell_short_is_stored(
     if not ahead:  # (vLLM's plain scheduler, stepped ahead by hand, is not told which step failed)
         for index in range(len(prompt) // BLOCK):
             assert second.holds(second.block_ids["b"][index], prompt, index)
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["by-layer", "whole"])
+@pytest.mark.parametrize("other_rank", ["whole", "short"])
+def test_with_several_ranks_a_loading_requests_stores_land_on_every_ranks_word(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], other_rank: str, layerwise: bool
+) -> None:
+    # A rank knows only its own loads; another rank's may fall short, and
+    # then what this rank computed attends to blocks that never arrived
+    # there (the ranks' hidden states are one). So this rank holds b's
+    # stores back until the scheduler, having aggregated every rank's
+    # StepReport, says: all whole (they land), or some short (cancelled,
+    # and b stores nothing more). The other rank is its report, as vLLM
+    # aggregates it.
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    first.add("a", PREFIX + [1])
+    first.run_until_idle()
+    second = Engine(model_dir, daemon.socket, layerwise_load=layerwise, layerwise_store=layerwise)
+    engines.append(second)
+    second.worker._worker._ranks = 2
+    prompt = PREFIX + [(5 * i + 9) % 1000 for i in range(2 * BLOCK + 1)]
+    second.add("b", prompt)
+    out = schedule_answered(second, "b")
+    meta = out.kv_connector_metadata  # type: ignore[attr-defined]
+    assert [len(load.block_ids) for load in meta.loads] == [6]
+    assert [len(store.block_ids) for store in meta.stores] == [2]
+    before = daemon_counters(daemon)["stores"]
+    runner = second.execute(out)
+    report = runner.kv_connector_output.kv_connector_worker_meta
+    assert isinstance(report, StepReport) and report.loads_whole == {"b"}
+    other = StepReport(loads_whole=frozenset({"b"})) if other_rank == "whole" else StepReport(loads_short=frozenset({"b"}))
+    runner.kv_connector_output.kv_connector_worker_meta = report.aggregate(other)
+    time.sleep(0.2)
+    assert daemon_counters(daemon)["stores"] == before, "held back until every rank's word"
+    second.scheduler.update_from_output(out, runner)
+    nxt = second.step()
+    assert nxt.kv_connector_metadata.confirmed == ({"b"} if other_rank == "whole" else set())  # type: ignore[attr-defined]
+    assert nxt.kv_connector_metadata.voided == ({"b"} if other_rank == "short" else set())  # type: ignore[attr-defined]
+    second.run_until_idle()
+    assert daemon_counters(daemon)["stores"] == before + (2 if other_rank == "whole" else 0)
+    worker = second.worker._worker
+    assert not worker._awaiting and not worker._unconfirmed and not worker._deferred
 
 
 @pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])

@@ -357,19 +357,33 @@ class KvtierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     hints: list[TransferSpec] = field(default_factory=list)
     scheduled_tokens: int = 0  # tokens this step computes, all requests together
+    # With several ranks: requests whose loads every rank has reported whole
+    # since their last word (their stores held back since then may land),
+    # and those whose loads fell short on some rank (theirs are cancelled).
+    confirmed: set[str] = field(default_factory=set)
+    voided: set[str] = field(default_factory=set)
 
 
 @dataclass
-class PrefillTiming(KVConnectorWorkerMetadata):
-    """A worker's forward pass, as it timed it: `tokens` computed in
-    `seconds`, its waits for loads left out. For the scheduler's prefill
-    rate (load or recompute); the ranks of a step take as long as the
-    slowest."""
+class StepReport(KVConnectorWorkerMetadata):
+    """What a worker reports of a step. Its forward pass as it timed it:
+    `tokens` computed in `seconds`, its waits for loads left out, for the
+    scheduler's prefill rate (load or recompute); the ranks of a step take
+    as long as the slowest. With several ranks, the requests whose loads of
+    the step ended whole and short on this rank: whole on every rank, or
+    short on any, once vLLM has aggregated the ranks' reports."""
 
-    tokens: int
-    seconds: float
+    tokens: int = 0
+    seconds: float = 0.0
+    loads_whole: frozenset[str] = frozenset()
+    loads_short: frozenset[str] = frozenset()
 
-    def aggregate(self, other: Any) -> PrefillTiming:
-        if not isinstance(other, PrefillTiming):
+    def aggregate(self, other: Any) -> StepReport:
+        if not isinstance(other, StepReport):
             return self
-        return PrefillTiming(max(self.tokens, other.tokens), max(self.seconds, other.seconds))
+        return StepReport(
+            max(self.tokens, other.tokens),
+            max(self.seconds, other.seconds),
+            self.loads_whole & other.loads_whole,
+            self.loads_short | other.loads_short,
+        )

@@ -14,8 +14,8 @@ import kvtier
 
 from ._vllm_common import (
     KvtierMetadata,
-    PrefillTiming,
     RequestHint,
+    StepReport,
     TransferSpec,
     _Connection,
     _Group,
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 class _PrefillRate:
     """How fast the engine computes prefill, from its workers' timings of
-    forward passes of at least _MIN_TOKENS tokens (PrefillTiming): a moving
+    forward passes of at least _MIN_TOKENS tokens (StepReport): a moving
     average, each timing weighing _WEIGHT. 0 until the first. Written by the
     scheduler thread, read by the lookups' (a float: no lock)."""
 
@@ -46,7 +46,7 @@ class _PrefillRate:
     def __init__(self) -> None:
         self.tokens_per_s = 0.0
 
-    def observe(self, timing: PrefillTiming) -> None:
+    def observe(self, timing: StepReport) -> None:
         if timing.tokens < self._MIN_TOKENS or timing.seconds <= 0:
             return
         rate = timing.tokens / timing.seconds
@@ -312,6 +312,9 @@ class _SchedulerSide:
         # vLLM holds them (engine_holds) on the same setting, and the hints
         # from here release them.
         self._engine = _EngineCache() if settings.exclusive_caching else None
+        # The ranks' word on loads, for the next step's workers (StepReport).
+        self._confirmed: set[str] = set()
+        self._voided: set[str] = set()
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -359,8 +362,11 @@ class _SchedulerSide:
             preempted=set(scheduler_output.preempted_req_ids or ()),
             hints=self._hints,
             scheduled_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+            confirmed=self._confirmed,
+            voided=self._voided,
         )
         self._loads, self._hints = [], []
+        self._confirmed, self._voided = set(), set()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -426,10 +432,15 @@ class _SchedulerSide:
         state.stored = blocks
         state.has_stores = True
 
-    def prefill_timed(self, timing: Any) -> None:
-        """The workers' timing of a step's forward pass (or None)."""
-        if isinstance(timing, PrefillTiming):
-            self._prefill.observe(timing)
+    def step_reported(self, report: Any) -> None:
+        """The workers' report of a step (StepReport, aggregated over the
+        ranks), or None: its timing, and with several ranks whose loads
+        were whole on all of them, or short on one."""
+        if isinstance(report, StepReport):
+            if report.tokens > 0:
+                self._prefill.observe(report)
+            self._voided |= report.loads_short
+            self._confirmed |= report.loads_whole - report.loads_short
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """Requests whose loads fell short (vLLM recomputes them whole):

@@ -13,8 +13,8 @@ import kvtier
 
 from ._vllm_common import (
     KvtierMetadata,
-    PrefillTiming,
     RequestHint,
+    StepReport,
     TransferSpec,
     _Connection,
     _Group,
@@ -90,10 +90,13 @@ def _placements(layer_tensors: list[torch.Tensor], layout: kvtier.Layout, region
 
 
 class _WorkerSide:
-    def __init__(self, settings: _Settings, groups: list[_Group], layouts: list[kvtier.Layout], tp_rank: int, stores: bool) -> None:
+    def __init__(
+        self, settings: _Settings, groups: list[_Group], layouts: list[kvtier.Layout], tp_rank: int, stores: bool, ranks: int = 1
+    ) -> None:
         """`layouts`: this rank's shard of each KV cache group; `stores`:
         whether this rank stores it (the first of the ranks holding the same
-        bytes, _Shards)."""
+        bytes, _Shards); `ranks`: the tensor-parallel ranks."""
+        self._ranks = ranks
         self._settings = settings
         self._groups = groups
         self._layouts = layouts
@@ -138,12 +141,22 @@ class _WorkerSide:
         # Requests loading this step (one group), and those whose loads fell
         # short, until they finish: what vLLM computes for them from then on
         # (this step, and the next one where vLLM scheduled it before it
-        # learnt of the failure) attends to blocks that did not arrive. So
-        # a loading request's stores of the step are held back from their
-        # last layer until its loads end, and a short one stores nothing
-        # more: its stores of the step are cancelled, later ones not made.
+        # learnt of the failure) attends to blocks that did not arrive, on
+        # every rank. So a loading request's stores of the step are held
+        # back until its loads end, and a short one stores nothing more: its
+        # stores of the step are cancelled, later ones not made. With
+        # several ranks, a rank knows only its own loads: a loading request
+        # is `awaiting` the scheduler's word on every rank's (StepReport,
+        # KvtierMetadata.confirmed and voided), its stores held back until
+        # then, by layer short of their last layer (`unconfirmed`), whole
+        # ones not started (`deferred`).
         self._loading: set[str] = set()
         self._short: set[str] = set()
+        self._awaiting: set[str] = set()
+        self._unconfirmed: dict[str, list[kvtier.Op]] = {}
+        self._deferred: dict[str, list[TransferSpec]] = {}
+        self._loads_whole: set[str] = set()  # this step's, on this rank, to report
+        self._loads_short: set[str] = set()
         self._layerwise_store = settings.layerwise_store and not self._by_request
         # This step's forward pass, timed for the scheduler's prefill rate
         # (load or recompute): from its metadata's binding to wait_for_save,
@@ -151,7 +164,7 @@ class _WorkerSide:
         self._step_started = 0.0
         self._step_tokens = 0
         self._step_waited = 0.0
-        self._timing: PrefillTiming | None = None
+        self._timing: StepReport | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = kv_caches
@@ -213,10 +226,16 @@ class _WorkerSide:
         self._step_tokens = meta.scheduled_tokens
         self._step_waited = 0.0
 
-    def prefill_timing(self) -> PrefillTiming | None:
-        """The last step's timing, once (build_connector_worker_meta)."""
+    def step_report(self) -> StepReport | None:
+        """The last step's report, once (build_connector_worker_meta): its
+        timing, and with several ranks the ends of its loads."""
         timing, self._timing = self._timing, None
-        return timing
+        whole, short = frozenset(self._loads_whole), frozenset(self._loads_short)
+        self._loads_whole.clear()
+        self._loads_short.clear()
+        if timing is None and not whole and not short:
+            return None
+        return StepReport(timing.tokens if timing else 0, timing.seconds if timing else 0.0, whole, short)
 
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         # vLLM calls this every step, with or without a forward pass.
@@ -338,6 +357,8 @@ class _WorkerSide:
                 self._invalid.update(spec.block_ids[loaded:])
                 if short:
                     self._short.add(spec.req_id)
+                if self._ranks > 1:
+                    (self._loads_short if short else self._loads_whole).add(spec.req_id)
                 continue
             self._received.add(spec.req_id)
             if short:
@@ -383,11 +404,13 @@ class _WorkerSide:
         if where is None:
             return
         if not self._stores_started:
-            self._start_stores(meta, by_layer=True)
+            self._stores_started = True
+            self._start_stores(meta.stores, by_layer=True)
         last = len(self._groups[where[0]].layer_names)
         for req_id, op in self._layer_stores:
             # A request loading this step: its last layer once its loads are whole.
-            self._layers_written(op, where[1] + 1 if req_id not in self._loading else min(where[1] + 1, last - 1))
+            held = req_id in self._loading or req_id in self._awaiting
+            self._layers_written(op, min(where[1] + 1, last - 1) if held else where[1] + 1)
 
     def _layers_written(self, op: kvtier.Op, layers: int) -> None:
         try:
@@ -401,6 +424,8 @@ class _WorkerSide:
     def wait_for_save(self, meta: KvtierMetadata) -> None:
         self._end_loads()  # the forward pass is over
         self._time_step()
+        if self._ranks > 1:
+            self._awaiting |= self._loading - self._short
         if not meta.stores:
             return
         if self._stores_started:
@@ -412,26 +437,31 @@ class _WorkerSide:
             for req_id, op in ops:
                 if req_id in self._short:
                     self._cancel(op)
+                elif req_id in self._awaiting:
+                    self._unconfirmed.setdefault(req_id, []).append(op)
                 else:
                     self._layers_written(op, _ALL_LAYERS)
             return
-        if self._on_gpu:
+        self._start_stores(meta.stores, by_layer=False)
+
+    def _start_stores(self, stores: list[TransferSpec], by_layer: bool) -> None:
+        """Starts this step's stores, whole (the forward pass is over) or by
+        layer (it is at its first layer: _layer_stores); or whole ones a
+        request awaiting the ranks' word held back (_settle)."""
+        ready = self._ready()
+        if not by_layer and self._on_gpu and stores:
             # The daemon copies from the GPU on its own stream: the forward
             # pass that wrote these blocks must be over first.
             torch.cuda.current_stream().synchronize()
-        self._start_stores(meta, by_layer=False)
-
-    def _start_stores(self, meta: KvtierMetadata, by_layer: bool) -> None:
-        """Starts this step's stores, whole (the forward pass is over) or by
-        layer (it is at its first layer: _layer_stores)."""
-        self._stores_started = True
-        ready = self._ready()
-        for spec in meta.stores:
+        for spec in stores:
             # Every rank reports the request's stores done (vLLM waits for
             # all of them); one that does not store its shard has none, nor
             # does a request whose loads fell short (wait_for_save).
             ops = self._stores.setdefault(spec.req_id, [])
             if ready is None or not self._stores_shard or spec.req_id in self._short:
+                continue
+            if not by_layer and spec.req_id in self._awaiting:
+                self._deferred.setdefault(spec.req_id, []).append(spec)
                 continue
             client, cache = ready[0], ready[1][spec.group]
             if self._groups[spec.group].window_blocks is not None:
@@ -468,17 +498,39 @@ class _WorkerSide:
             return
         seconds = time.monotonic() - self._step_started - self._step_waited
         if self._step_tokens > 0 and seconds > 0:
-            self._timing = PrefillTiming(self._step_tokens, seconds)
+            self._timing = StepReport(self._step_tokens, seconds)
         self._step_started = 0.0
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         """A preempted request's blocks are reused after this step: its
-        stores must have read them first, or be cancelled."""
+        stores must have read them first, or be cancelled (those still
+        awaiting the ranks' word are). vLLM calls this first in a step: the
+        ranks' word on earlier loads is taken here."""
+        self._settle(meta.confirmed, meta.voided | (meta.preempted & self._awaiting))
         self._end_window_stores()
         for req_id in meta.preempted:
             self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
+
+    def _settle(self, confirmed: set[str], voided: set[str]) -> None:
+        """The scheduler's word on the loads of requests awaiting it: every
+        rank's were whole (their held-back stores land), or some rank's fell
+        short (they are cancelled, and the request stores nothing more)."""
+        for req_id in confirmed | voided:
+            if req_id not in self._awaiting:
+                continue
+            self._awaiting.discard(req_id)
+            ops = self._unconfirmed.pop(req_id, [])
+            deferred = self._deferred.pop(req_id, [])
+            if req_id in voided:
+                self._short.add(req_id)
+                for op in ops:
+                    self._cancel(op)
+                continue
+            for op in ops:
+                self._layers_written(op, _ALL_LAYERS)
+            self._start_stores(deferred, by_layer=False)
 
     def _end_window_stores(self) -> None:
         """Ends the last step's stores of sliding-window blocks: vLLM may
@@ -536,10 +588,12 @@ class _WorkerSide:
             # Polled in order, at most one still running per request.
             while ops and self._poll_store(ops[0]):
                 ops.pop(0)
-            if not ops:
+            if not ops and req_id not in self._deferred:
                 done.add(req_id)
         for req_id in done:
             self._finishing.discard(req_id)
+            self._awaiting.discard(req_id)
+            self._unconfirmed.pop(req_id, None)
             del self._stores[req_id]
             for spec in self._hints.pop(req_id, []):
                 self._send_hint(spec)
@@ -570,6 +624,7 @@ class _WorkerSide:
         return invalid
 
     def shutdown(self) -> None:
+        self._settle(set(), set(self._awaiting))  # cancelled: no word will come
         self._end_loads()
         self._end_stores([op for ops in self._stores.values() for op in ops])
         self._stores.clear()

@@ -140,7 +140,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             tp_rank = _tp_rank(vllm_config)
             layouts = [_layout(settings, group, len(groups), shards.of_rank(tp_rank), shards.count) for group in groups]
-            self._worker = _WorkerSide(settings, groups, layouts, tp_rank, stores=shards.stores(tp_rank))
+            ranks = vllm_config.parallel_config.tensor_parallel_size
+            self._worker = _WorkerSide(settings, groups, layouts, tp_rank, stores=shards.stores(tp_rank), ranks=ranks)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -182,7 +183,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.step_started(connector_metadata)
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.prefill_timing() if self._worker is not None else None
+        return self._worker.step_report() if self._worker is not None else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -217,7 +218,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.loads_failed(connector_output.failed_recving)
-        self._scheduler.prefill_timed(getattr(connector_output, "kv_connector_worker_meta", None))
+        self._scheduler.step_reported(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
