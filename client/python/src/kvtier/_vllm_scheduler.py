@@ -312,9 +312,11 @@ class _SchedulerSide:
         # vLLM holds them (engine_holds) on the same setting, and the hints
         # from here release them.
         self._engine = _EngineCache() if settings.exclusive_caching else None
-        # The ranks' word on loads, for the next step's workers (StepReport).
+        # The ranks' word on loads, for the next step's workers (StepReport),
+        # and how many requests had each word, logged at shutdown.
         self._confirmed: set[str] = set()
         self._voided: set[str] = set()
+        self._words = [0, 0]
 
     def _full_blocks(self, request: Request) -> int:
         """Full blocks of the prompt so far that may come from kvtier: at
@@ -441,6 +443,8 @@ class _SchedulerSide:
                 self._prefill.observe(report)
             self._voided |= report.loads_short
             self._confirmed |= report.loads_whole - report.loads_short
+            self._words[0] += len(report.loads_whole - report.loads_short)
+            self._words[1] += len(report.loads_short)
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """Requests whose loads fell short (vLLM recomputes them whole):
@@ -467,3 +471,7 @@ class _SchedulerSide:
 
     def close(self) -> None:
         self._lookups.close()
+        if any(self._words):
+            logger.info(
+                "kvtier: the ranks' loads of %d requests were whole on every rank, of %d short on one "
+                "(their stores of those steps landed, or were cancelled)", *self._words)

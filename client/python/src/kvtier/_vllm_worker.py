@@ -524,7 +524,8 @@ class _WorkerSide:
             ops = self._unconfirmed.pop(req_id, [])
             deferred = self._deferred.pop(req_id, [])
             if req_id in voided:
-                self._short.add(req_id)
+                if req_id not in self._finishing:
+                    self._short.add(req_id)  # (until it finishes: get_finished)
                 for op in ops:
                     self._cancel(op)
                 continue

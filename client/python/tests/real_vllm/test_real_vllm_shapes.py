@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import tempfile
 from typing import Any, Iterator
@@ -197,6 +198,10 @@ def test_tp2_llama_hits_only_as_far_as_every_ranks_shard_is_cached(llama: pathli
         assert run.counter(dropped, "external_prefix_cache_hits") == 0, "rank 1 holds nothing: no block is a hit"
         assert after["loads"] == seen[loaded]["loads"]
         assert loads_short(after) == loads_short(stored), after
+        # Each rank held back its stores of the loading steps until the
+        # scheduler had every rank's word that the loads were whole.
+        word = re.search(r"the ranks' loads of (\d+) requests were whole on every rank, of (\d+) short", run.log)
+        assert word is not None and int(word[1]) > 0 and int(word[2]) == 0, run.log[-3000:]
 
 
 # A Gemma 3-shaped model: five sliding-window layers (window 128 tokens, 4
