@@ -119,14 +119,17 @@ Result<uint32_t> Client::Prefetch(CacheId cache, std::span<const BlockKey> keys,
       });
 }
 
-Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt));
+Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                                   const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt,
+                                                 false, nullptr, nullptr, hint));
   return std::get<OpHandle>(v);
 }
 
 Result<OpHandle> Client::LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
-                                        std::span<const uint32_t> block_ids) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoadByLayer, false, cache, keys, block_ids, std::nullopt));
+                                        std::span<const uint32_t> block_ids, const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoadByLayer, false, cache, keys, block_ids,
+                                                 std::nullopt, false, nullptr, nullptr, hint));
   return std::get<OpHandle>(v);
 }
 
@@ -157,8 +160,9 @@ Result<OpHandle> Client::StoreLayersAsync(CacheId cache, std::span<const BlockKe
 Status Client::LayersWritten(const OpHandle& op, uint32_t layers) { return impl_->LayersWritten(op, layers); }
 
 Result<OpHandle> Client::LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                                   CudaStream stream) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt, true, stream));
+                                   CudaStream stream, const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, false, cache, keys, block_ids, std::nullopt,
+                                                 true, stream, nullptr, hint));
   return std::get<OpHandle>(v);
 }
 
@@ -173,8 +177,10 @@ Result<OpHandle> Client::StoreAsync(CacheId cache, std::span<const BlockKey> key
 Result<OpResult> Client::Wait(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Wait(op, timeout); }
 Status Client::Cancel(const OpHandle& op, std::chrono::milliseconds timeout) { return impl_->Cancel(op, timeout); }
 
-Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids) {
-  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, true, cache, keys, block_ids, std::nullopt));
+Result<OpResult> Client::Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                              const BlockHint* hint) {
+  KVTIER_ASSIGN_OR_RETURN(auto v, impl_->StartOp(Impl::OpKind::kLoad, true, cache, keys, block_ids, std::nullopt,
+                                                 false, nullptr, nullptr, hint));
   return std::get<OpResult>(v);
 }
 

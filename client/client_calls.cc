@@ -130,6 +130,9 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   const BlockHint h = hint != nullptr ? *hint : BlockHint{};
   if (h.session_over) return Err(InvalidArgument("session_over is a hint for cached blocks (Hint), not a store's"));
   if (h.engine_dropped) return Err(InvalidArgument("engine_dropped is a hint for cached blocks (Hint), not a store's"));
+  if (load && (h.priority != 0 || h.next_use_ms != 0 || h.last_partial)) {
+    return Err(InvalidArgument("a load takes engine_holds only (priority, next_use_ms and last_partial are a store's)"));
+  }
   KVTIER_RETURN_IF_ERROR(ipc::CheckRetentionHint(h.priority, h.next_use_ms));
   if (keys.size() != block_ids.size()) {
     return Err(InvalidArgument(std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) +
@@ -190,7 +193,7 @@ Result<std::variant<OpHandle, OpResult>> Client::Impl::StartOp(
   if (load) {
     bytes = ipc::FinishMessage(b, rid,
                                w::CreateLoadDirect(b, c->namespace_id, &wk, &ids, wait, event,
-                                                   static_cast<int32_t>(fence.slot), fence.generation, by_layer));
+                                                   static_cast<int32_t>(fence.slot), fence.generation, by_layer, h.engine_holds));
   } else {
     const w::Key p = parent ? ipc::ToWire(*parent) : w::Key();
     std::vector<uint8_t> hashes, parent_hash;

@@ -385,14 +385,14 @@ std::vector<uint8_t> Server::HandleLoadOrStore(Session& s, uint64_t id, bool loa
       local = cache_->FetchFromRemote(
           s.tenant->id, (*ns)->layout->layout(), (*ns)->codec, *keys,
           [this, tenant = s.tenant->id, keys = *keys, ids, target, alive = s.alive, done, rates, block_bytes,
-           start = std::chrono::steady_clock::now(), fetched](uint32_t, uint32_t brought) {
+           start = std::chrono::steady_clock::now(), fetched, held = l->engine_holds()](uint32_t, uint32_t brought) {
             if (brought > 0) ObserveLoad(rates, LoadSource::kRemote, brought * block_bytes, start);
             *fetched = brought > 0;
-            cache_->Load(tenant, keys, ids, target, alive, done);
+            cache_->Load(tenant, keys, ids, target, alive, done, held);
           });
     }
     if (remote_ == nullptr || local.has_value()) {
-      queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done));
+      queued = cache_->Load(s.tenant->id, *keys, ids, std::move(target), s.alive, std::move(done), l->engine_holds());
     }
   } else {
     std::optional<StoredKey> parent;

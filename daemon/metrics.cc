@@ -232,7 +232,8 @@ std::vector<MetricFamily> ToFamilies(const MetricsSnapshot& s) {
   f.Counter("kvtier_hinted_blocks_total", "Blocks given an engine's retention hint (by a store or a hint request).",
             static_cast<double>(c.hinted));
   f.Counter("kvtier_engine_held_blocks_total",
-            "Blocks stored while their engine keeps a copy in its own cache (Store.engine_holds): evicted first.",
+            "Blocks stored or loaded while their engine keeps a copy in its own cache (Store and Load engine_holds): "
+            "evicted first.",
             static_cast<double>(c.engine_held));
   f.Counter("kvtier_engine_dropped_blocks_total",
             "Blocks whose engine let go of its own copy (Hint.engine_dropped): kvtier's is the only one since.",

@@ -149,7 +149,7 @@ CacheLookup BlockCache::Lookup(TenantId tenant, std::span<const StoredKey> keys)
 
 uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
                           std::span<const uint32_t> block_ids, EngineTarget target,
-                          std::weak_ptr<void> /*owner*/, OpDone done) {
+                          std::weak_ptr<void> /*owner*/, OpDone done, bool engine_holds) {
   KVTIER_CHECK(keys.size() == block_ids.size());
   std::vector<BlockEntry*> leased;
   std::vector<BlockEntry*> on_disk;
@@ -165,7 +165,13 @@ uint32_t BlockCache::Load(TenantId tenant, std::span<const StoredKey> keys,
     leased.push_back(e);
     if (e->tier == Tier::kDisk) on_disk.push_back(e);
   }
-  for (auto it = leased.rbegin(); it != leased.rend(); ++it) Touch(*it);
+  for (auto it = leased.rbegin(); it != leased.rend(); ++it) {
+    if (!engine_holds) {
+      Touch(*it);
+    } else if (index_.TouchHeld(*it)) {
+      ++counters_.engine_held;
+    }
+  }
   std::vector<uint32_t> ids(block_ids.begin(), block_ids.begin() + static_cast<ptrdiff_t>(leased.size()));
   if (on_disk.empty()) {
     const auto n = static_cast<uint32_t>(leased.size());

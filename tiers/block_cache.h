@@ -214,9 +214,11 @@ class BlockCache {
   // error). Blocks read from host are then promoted to hbm when there is room.
   // Returns how many blocks' copies were queued, with target.event recorded
   // after them, before returning: all the hits when none had to be read from
-  // disk first, else 0.
+  // disk first, else 0. `engine_holds`: the engine keeps the blocks in its
+  // own cache (Load.engine_holds): after this use they go among the blocks
+  // engines hold (EvictionOrder::TouchHeld).
   uint32_t Load(TenantId tenant, std::span<const StoredKey> keys, std::span<const uint32_t> block_ids,
-            EngineTarget target, std::weak_ptr<void> owner, OpDone done);
+            EngineTarget target, std::weak_ptr<void> owner, OpDone done, bool engine_holds = false);
 
   // Stores engine blocks under `keys`; `parent` is the key before keys[0]
   // (for prefix-aware eviction). Keys already present or in flight are

@@ -47,6 +47,8 @@ class BlockIndex {
 
   // A hit on `e`, for its tier's order (a parked entry stays out).
   void Touch(BlockEntry* e);
+  // A load into an engine that keeps `e` (EvictionOrder::TouchHeld).
+  bool TouchHeld(BlockEntry* e) { return order(e->tier).TouchHeld(e, !e->parked); }
   // The engine's retention hint for `e`, in its tier's order
   // (EvictionOrder::Hint; a parked entry takes it when it comes back).
   bool Hint(BlockEntry* e, const RetentionHint& hint, uint32_t now_ms, EvictionOrder::KeepLimits limits = {}) {

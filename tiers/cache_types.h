@@ -180,8 +180,8 @@ struct CacheCounters : RequestCounters {
   uint64_t hinted = 0;
   uint64_t hints_refused = 0;
   uint64_t partial_not_admitted = 0;
-  // Exclusive caching (issue 47): blocks stored while their engine keeps a
-  // copy (evicted first), and blocks whose engine let go of its copy since
+  // Exclusive caching (issue 47): blocks stored or loaded while their engine
+  // keeps a copy (evicted first), and blocks whose engine let go of its copy since
   // (back among the policy's, the only copy).
   uint64_t engine_held = 0;
   uint64_t engine_dropped = 0;

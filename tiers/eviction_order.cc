@@ -190,6 +190,17 @@ void EvictionOrder::Touch(BlockEntry* e) {
   if (hits < kMaxHits) Set(e, LevelQueueOf(e), static_cast<uint8_t>(hits + 1));
 }
 
+bool EvictionOrder::TouchHeld(BlockEntry* e, bool linked) {
+  if (linked) Touch(e);
+  // An application's hint wins (Touch ended a wait for the next use, and a
+  // finished session's low place, already).
+  if (!EngineHeld(e) && (linked ? LevelOf(e) != kLevelNone : Hinted(e))) return false;
+  if (linked) Unlink(e);
+  e->hint_bits = kLevelOver | kEngineHeldBit;
+  if (linked) Link(e, /*hot=*/true);
+  return true;
+}
+
 void EvictionOrder::Remove(BlockEntry* e, bool gone) {
   Unlink(e);
   if (gone && kind_ == PolicyKind::kClasses) {

@@ -137,6 +137,13 @@ class EvictionOrder {
   void ArrivedTogether(std::span<BlockEntry* const> chain, const Arrival& arrival);
   // `e` was hit.
   void Touch(BlockEntry* e);
+  // `e` was loaded into an engine that keeps it in its own cache
+  // (Load.engine_holds): a hit, after which it goes among the blocks
+  // engines hold, at the hot end of their queue (as a store's arrive),
+  // unless the hit left it hinted (kept over unhinted blocks, or evicted
+  // before them): true when it went there. Not `linked` (parked): only
+  // marked, for when it comes back.
+  bool TouchHeld(BlockEntry* e, bool linked);
   // `e` leaves the order: for a while (a move in flight, Return brings it
   // back) or, `gone`, for good (the tier let go of it: remembered as a
   // ghost).

@@ -161,6 +161,36 @@ TEST_F(HintsTest, BlocksTheEngineHoldsGoFirstAndThoseItLetGoOfStay) {
   EXPECT_EQ(store.error().code(), StatusCode::kInvalidArgument);
 }
 
+// A load into an engine that keeps what it loads (Load.engine_holds): the
+// loaded blocks go before older ones, as a store's held blocks do; a load
+// without it is a use that keeps them. A load takes no other hint.
+TEST_F(HintsTest, BlocksLoadedIntoAnEngineThatKeepsThemGoFirst) {
+  const auto loaded_held = Keys(1), loaded = Keys(2), older = Keys(3);
+  EXPECT_EQ(Store(loaded_held), kPrompt);
+  EXPECT_EQ(Store(loaded), kPrompt);
+  EXPECT_EQ(Store(older), kPrompt);
+  const BlockHint holds{.engine_holds = true};
+  auto held = client_->Load(id_, loaded_held, Range(0, kPrompt), &holds);
+  ASSERT_TRUE(held.has_value()) << held.error();
+  EXPECT_EQ(held->blocks, kPrompt);
+  for (uint32_t i = 0; i < kPrompt; ++i) EXPECT_TRUE(MatchesKey(loaded_held[i], cache_->block(i))) << "block " << i;
+  auto used = client_->Load(id_, loaded, Range(0, kPrompt));
+  ASSERT_TRUE(used.has_value()) << used.error();
+  EXPECT_EQ(used->blocks, kPrompt);
+  EXPECT_EQ(client_->Stats().value().Counter("engine_held"), kPrompt);
+  // Fill the tier, then a prompt more: the blocks the engine keeps go, not
+  // the older ones nor those loaded by one that does not keep them.
+  Flood(100, kHostBlocks - 3 * kPrompt + kPrompt);
+  EXPECT_EQ(Hits(loaded_held), 0u) << daemon_->Log();
+  EXPECT_EQ(Hits(loaded), kPrompt);
+  EXPECT_EQ(Hits(older), kPrompt);
+  const BlockHint priority{.priority = 1, .engine_holds = true};
+  auto refused = client_->Load(id_, older, Range(0, kPrompt), &priority);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.error().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.error().message().find("engine_holds only"), std::string::npos) << refused.error();
+}
+
 TEST_F(HintsTest, KeepHintsHoldAtMostTheirShareOfTheTier) {
   // max_share 0.5 of 128 blocks: the fifth prompt hinted high is refused,
   // and kept as unhinted.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <set>
 #include <vector>
 
 #include "tiers/block_index.h"
@@ -222,6 +223,45 @@ TEST_P(HintTest, BlocksAnEngineHoldsGoFirstUntilItLetsGoOfThem) {
   if (GetParam() == PolicyKind::kLru) {
     // 3 let go of last among the unhinted: hottest of them but 4, hit after.
     EXPECT_EQ(got, (std::vector<int64_t>{1, 0, 2, 3, 4, 5}));
+  }
+}
+
+// A load into an engine that keeps the blocks (Load.engine_holds): a use,
+// after which they go among the blocks engines hold, in the order they
+// were loaded, before older unhinted blocks. An application's hint to keep
+// one, or to let it go first, wins; a parked block is marked for when it
+// comes back.
+TEST_P(HintTest, ABlockLoadedIntoAnEngineThatKeepsItGoesAmongTheHeld) {
+  BlockIndex index(GetParam());
+  for (uint32_t i = 0; i < 8; ++i) index.Insert(K(i), Tier::kHost, nullptr);
+  EvictionOrder& order = index.order(Tier::kHost);
+  const uint32_t now = 50;
+  EXPECT_TRUE(index.Hint(index.Find(K(1)), {.engine_holds = true}, now));  // stored held
+  EXPECT_TRUE(index.Hint(index.Find(K(6)), {.priority = 1}, now));
+  EXPECT_TRUE(index.Hint(index.Find(K(7)), {.priority = -1}, now));
+  EXPECT_TRUE(index.TouchHeld(index.Find(K(5))));
+  EXPECT_TRUE(index.TouchHeld(index.Find(K(2))));
+  EXPECT_TRUE(index.TouchHeld(index.Find(K(1)))) << "held already: held again, as loaded";
+  EXPECT_FALSE(index.TouchHeld(index.Find(K(6)))) << "kept by priority";
+  EXPECT_FALSE(index.TouchHeld(index.Find(K(7)))) << "its application let it go first";
+  for (uint32_t i : {1u, 2u, 5u}) EXPECT_TRUE(EvictionOrder::EngineHeld(index.Find(K(i))));
+  EXPECT_FALSE(EvictionOrder::EngineHeld(index.Find(K(6))));
+  EXPECT_EQ(order.protected_size(), 1u);
+  // Parked (moving): marked, and held once it is back.
+  index.Park(index.Find(K(3)));
+  EXPECT_TRUE(index.TouchHeld(index.Find(K(3))));
+  EXPECT_TRUE(EvictionOrder::EngineHeld(index.Find(K(3))));
+  index.Unpark(index.Find(K(3)), /*hot=*/true);
+  EXPECT_EQ(order.low_size(), 5u) << "1, 2, 5, 3 held; 7 low";
+  const std::vector<int64_t> got = Drain(index);
+  ASSERT_EQ(got.size(), 8u);
+  const std::vector<int64_t> low(got.begin(), got.begin() + 5);
+  EXPECT_EQ(std::set<int64_t>(low.begin(), low.end()), (std::set<int64_t>{1, 2, 3, 5, 7})) << "before any unhinted";
+  EXPECT_EQ(got.back(), 6);
+  if (GetParam() == PolicyKind::kLru) {
+    // The low queue in the order its blocks were loaded (7's load a use:
+    // after 1), 3 back from its move last.
+    EXPECT_EQ(got, (std::vector<int64_t>{5, 2, 1, 7, 3, 0, 4, 6}));
   }
 }
 

@@ -140,10 +140,12 @@ struct BlockHint {
   // Store only: the last key's block covers part of a block's tokens. It is
   // not stored (partial blocks are almost never reused).
   bool last_partial = false;
-  // Store only: the engine keeps a copy of these blocks in its own cache;
+  // Store: the engine keeps a copy of these blocks in its own cache;
   // kvtier evicts them first (unless priority or next_use_ms say
   // otherwise) until a hit, or a Hint with engine_dropped (docs/policy.md,
-  // "Exclusive caching").
+  // "Exclusive caching"). Load (the only field a load takes): the engine
+  // keeps the blocks it loads; the load is a use, after which they are
+  // evicted first as a store's are (blocks hinted to be kept stay kept).
   bool engine_holds = false;
   // Hint only: the engine let go of its own copies: those stored with
   // engine_holds are kvtier's only copies now (the other fields are not
@@ -285,8 +287,10 @@ class Client {
   // does not decode) may have written some of its blocks and not others:
   // the engine recomputes every block of a failed load, as it would have
   // without kvtier, and never takes what is in them for its old contents.
+  // `hint`: null, or engine_holds (BlockHint); any other field is
+  // kInvalidArgument.
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys,
-                             std::span<const uint32_t> block_ids);
+                             std::span<const uint32_t> block_ids, const BlockHint* hint = nullptr);
   // As LoadAsync, copied layer by layer: every block's layer l before any
   // block's layer l + 1, so that the engine may compute layer l while later
   // layers are still on their way (WaitLayers says when they are in place).
@@ -296,7 +300,7 @@ class Client {
   // Errors: kUnimplemented from a kvtierd that does not report layers (a
   // release before them): load whole.
   Result<OpHandle> LoadLayersAsync(CacheId cache, std::span<const BlockKey> keys,
-                                   std::span<const uint32_t> block_ids);
+                                   std::span<const uint32_t> block_ids, const BlockHint* hint = nullptr);
   // Waits until the first `layers` layers (of the cache's layout) of every
   // block a LoadLayersAsync op loads are in place: true. False once the op
   // is over without them (its Wait gives its result: an error, or fewer
@@ -353,7 +357,7 @@ class Client {
   // `stream` may be 0 (the legacy default stream). Wait for every op anyway:
   // that collects its result and frees its event.
   Result<OpHandle> LoadAsync(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
-                             CudaStream stream);
+                             CudaStream stream, const BlockHint* hint = nullptr);
   // GPU caches: as StoreAsync, and the copies read what was queued on
   // `stream` before this call (the engine's writes of these blocks): the
   // daemon starts them once an event recorded here completes (or, with every
@@ -387,7 +391,8 @@ class Client {
   // yet; cancel again.
   Status Cancel(const OpHandle& op, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Blocking forms: one round trip.
-  Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids);
+  Result<OpResult> Load(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
+                        const BlockHint* hint = nullptr);
   Result<OpResult> Store(CacheId cache, std::span<const BlockKey> keys, std::span<const uint32_t> block_ids,
                          const std::optional<BlockKey>& parent = std::nullopt,
                          const BlockEventInfo* events = nullptr, const BlockHint* hint = nullptr);

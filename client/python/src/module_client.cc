@@ -205,13 +205,14 @@ void BindClient(py::module_& m) {
       .def(
           "load",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
-             const py::object& block_ids) {
+             const py::object& block_ids, bool engine_holds) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::shared_ptr<Client> c = self.Get();
-            return WithoutGil([&] { return c->Load(cache.id, k, ids); });
+            const BlockHint hint = MakeHint(0, 0, false, false, engine_holds);
+            return WithoutGil([&] { return c->Load(cache.id, k, ids, &hint); });
           },
-          py::arg("cache"), py::arg("keys"), py::arg("block_ids"),
+          py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::kw_only(), py::arg("engine_holds") = false,
           "Copies the cached prefix of keys into the engine blocks block_ids; OpResult.blocks says "
           "how many.")
       .def(
@@ -266,19 +267,23 @@ void BindClient(py::module_& m) {
       .def(
           "load_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
-             const py::object& block_ids, bool by_layer) {
+             const py::object& block_ids, bool by_layer, bool engine_holds) {
             self.Check(cache);
             auto [k, ids] = KeysAndIds(cache, keys, block_ids);
             std::shared_ptr<Client> c = self.Get();
+            const BlockHint hint = MakeHint(0, 0, false, false, engine_holds);
             OpHandle h = WithoutGil([&] {
-              return by_layer ? c->LoadLayersAsync(cache.id, k, ids) : c->LoadAsync(cache.id, k, ids);
+              return by_layer ? c->LoadLayersAsync(cache.id, k, ids, &hint) : c->LoadAsync(cache.id, k, ids, &hint);
             });
             return PyOp(c, h, "load");
           },
           py::arg("cache"), py::arg("keys"), py::arg("block_ids"), py::kw_only(), py::arg("by_layer") = false,
+          py::arg("engine_holds") = false,
           "As load, returning an Op to wait() for. by_layer: copied layer by layer (every block's "
           "layer l before any block's layer l + 1); Op.wait_layers(n) returns once the first n "
-          "layers are in place, so the engine computes them while the rest is copied.")
+          "layers are in place, so the engine computes them while the rest is copied. engine_holds "
+          "(also load's): the engine keeps the blocks it loads in its own cache; after this use "
+          "they are evicted first, as a store's engine_holds blocks.")
       .def(
           "store_async",
           [](const PyClient& self, const KvCache& cache, const py::object& keys,
