@@ -37,6 +37,7 @@ Prints the fraction of prompt tokens served from a cache (serve.py's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import random
 
@@ -131,7 +132,18 @@ class KvtierCache:
             self.store(block_hash, engine_holds=False)
 
 
-def run(engine_blocks: int, offload_blocks: int, mode: str, turns: int) -> float:
+@dataclasses.dataclass
+class Workload:
+    """serve.py's workload arguments."""
+
+    systems: int = 4
+    system_tokens: int = 1024
+    conversations: int = 16
+    user_tokens: int = 96
+
+
+def run(engine_blocks: int, offload_blocks: int, mode: str, turns: int, workload: Workload | None = None) -> float:
+    w = workload or Workload()
     if mode == "vllm-same-memory":
         engine_blocks, offload_blocks = engine_blocks + offload_blocks, 0
     vllm = VllmCache(engine_blocks)
@@ -142,47 +154,54 @@ def run(engine_blocks: int, offload_blocks: int, mode: str, turns: int) -> float
         vllm.on_drop = lambda h: kv.let_go(h, copy=True)
     else:
         vllm.on_drop = step_drops.append
-    systems = [_tokens(1000 + s, 1024) for s in range(4)]
-    chats = [list(systems[c % 4]) for c in range(16)]
+    systems = [_tokens(1000 + s, w.system_tokens) for s in range(w.systems)]
+    chats = [list(systems[c % w.systems]) for c in range(w.conversations)]
     prompt_tokens = cached_tokens = 0
     for turn in range(turns):
-        for c in range(16):
-            chats[c] += _tokens(2000 + 100 * c + turn, 96)
-        for first in range(0, 16, 2):
-            step = []  # (hashes, own hit, kvtier's answer, blocks) of each request
-            for c in (first, first + 1):
-                prompt = chats[c]
-                hashes = [hash(tuple(prompt[: (i + 1) * BLOCK])) for i in range(len(prompt) // BLOCK)]
-                local = vllm.hit(hashes, len(prompt))
-                pending = set(step_drops) if mode == "keep-pending" else set()
-                answer = 0
-                for h in hashes[len(local) : (len(prompt) - 1) // BLOCK] if offload_blocks else ():
-                    if h not in kv and h not in pending:
+        for c in range(w.conversations):
+            chats[c] += _tokens(2000 + 100 * c + turn, w.user_tokens)
+        for first in range(0, w.conversations, 2):
+            pair = [c for c in (first, first + 1) if c < w.conversations]
+            waiting = list(pair)
+            while waiting:  # steps: a request vLLM has no room for waits for the next
+                step = []  # (hashes, own hit, kvtier's answer, blocks) of each request
+                while waiting:
+                    prompt = chats[waiting[0]]
+                    hashes = [hash(tuple(prompt[: (i + 1) * BLOCK])) for i in range(len(prompt) // BLOCK)]
+                    own = [vllm.block_of[h] for h in hashes[: (len(prompt) - 1) // BLOCK] if h in vllm.block_of]
+                    if step and -(-(len(prompt) + 16) // BLOCK) - len(own) > len(vllm.free):
                         break
-                    kv.use(h)  # a lookup's hit is a use
-                    answer += 1
-                blocks = local + vllm.allocate(-(-(len(prompt) + 16) // BLOCK) - len(local))
-                for i in range(len(local), len(hashes)):
-                    vllm.cache(blocks[i], hashes[i])
-                step.append((hashes, len(local), answer, blocks))
-                prompt_tokens += len(prompt)
-            for h in step_drops:  # the step's copies (handle_preemptions), or hints
-                kv.let_go(h, copy=keep)
-            step_drops.clear()
-            for hashes, local, answer, _ in step:
-                loaded = 0
-                for h in hashes[local : local + answer]:
-                    if h not in kv:
-                        break  # a load that falls short: vLLM computes the rest
-                    kv.use(h, engine_holds=keep)
-                    loaded += 1
-                for h in hashes[local + loaded :] if offload_blocks else ():
-                    kv.store(h, engine_holds=mode != "duplicates")
-                cached_tokens += (local + loaded) * BLOCK
-            for c in (first, first + 1):
+                    waiting.pop(0)
+                    local = vllm.hit(hashes, len(prompt))
+                    pending = set(step_drops) if mode == "keep-pending" else set()
+                    answer = 0
+                    for h in hashes[len(local) : (len(prompt) - 1) // BLOCK] if offload_blocks else ():
+                        if h not in kv and h not in pending:
+                            break
+                        kv.use(h)  # a lookup's hit is a use
+                        answer += 1
+                    blocks = local + vllm.allocate(-(-(len(prompt) + 16) // BLOCK) - len(local))
+                    for i in range(len(local), len(hashes)):
+                        vllm.cache(blocks[i], hashes[i])
+                    step.append((hashes, len(local), answer, blocks))
+                    prompt_tokens += len(prompt)
+                for h in step_drops:  # the step's copies (handle_preemptions), or hints
+                    kv.let_go(h, copy=keep)
+                step_drops.clear()
+                for hashes, local, answer, _ in step:
+                    loaded = 0
+                    for h in hashes[local : local + answer]:
+                        if h not in kv:
+                            break  # a load that falls short: vLLM computes the rest
+                        kv.use(h, engine_holds=keep)
+                        loaded += 1
+                    for h in hashes[local + loaded :] if offload_blocks else ():
+                        kv.store(h, engine_holds=mode != "duplicates")
+                    cached_tokens += (local + loaded) * BLOCK
+                for _, _, _, blocks in step:
+                    vllm.release(blocks)
+            for c in pair:
                 chats[c] += _tokens(5000 + 100 * c + turn, 16)
-            for _, _, _, blocks in step:
-                vllm.release(blocks)
     return cached_tokens / prompt_tokens
 
 
@@ -191,10 +210,15 @@ def main() -> None:
     parser.add_argument("--engine-blocks", type=int, default=96, help="vLLM's own cache (serve.py's default)")
     parser.add_argument("--offload-blocks", type=int, nargs="+", default=[96, 163, 192, 288])
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--systems", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--user-tokens", type=int, default=96)
     args = parser.parse_args()
+    workload = Workload(args.systems, args.system_tokens, args.conversations, args.user_tokens)
     print(f"{'offload blocks':>14} " + " ".join(f"{m:>16}" for m in MODES))
     for offload in args.offload_blocks:
-        row = [run(args.engine_blocks, offload, mode, args.turns) for mode in MODES]
+        row = [run(args.engine_blocks, offload, mode, args.turns, workload) for mode in MODES]
         print(f"{offload:>14} " + " ".join(f"{r:>16.1%}" for r in row))
 
 

@@ -31,6 +31,9 @@ Configurations:
               the same without exclusive caching (the connector's
               exclusive_caching off): kvtier's copies of what vLLM still
               holds are kept as any block, the memory spent twice;
+  kvtier-no-keep
+              the connector's keep_dropped off: no copy as vLLM lets go
+              of a block, and loads count as uses;
   kvtier-disk the same host tier and a disk tier under it (--disk-bytes),
               which holds what memory cannot.
 
@@ -478,6 +481,10 @@ def configs(args: argparse.Namespace) -> list[Config]:
         # The same without exclusive caching: kvtier's copies of what vLLM
         # still holds age as any block (the memory spent twice).
         Config("kvtier-duplicates", kvtier, host, connector={"exclusive_caching": False}),
+        # Exclusive caching without copies of what vLLM lets go of (nor
+        # loads marked held): kvtier's copies of what vLLM holds go first,
+        # and may be gone by the time vLLM lets go of them.
+        Config("kvtier-no-keep", kvtier, host, connector={"keep_dropped": False}),
         Config("kvtier-disk", kvtier, disk),
     ]
 

@@ -17,6 +17,7 @@ def _module():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("cache_sim", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up)
     spec.loader.exec_module(module)
     return module
 

@@ -545,6 +545,106 @@ def test_with_several_ranks_a_loading_requests_stores_land_on_every_ranks_word(
     assert not worker._awaiting and not worker._unconfirmed and not worker._deferred
 
 
+def test_blocks_vllm_lets_go_of_are_copied_to_kvtierd_where_it_lacks_them(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    # p0's 6 blocks are stored, then kvtierd is emptied: vLLM's own cache is
+    # their only place. Prompts after it make vLLM reuse p0's blocks, and
+    # each is copied to kvtierd in the step that reuses it, before the step
+    # writes it. A second engine then loads p0 whole, bytes as computed.
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    prompts = [[3 + (31 * p + t) % 450 for t in range(6 * BLOCK + 1)] for p in range(12)]
+    first.add("p0", prompts[0])
+    first.run_until_idle()
+    admin = kvtier.Client.connect(daemon.socket)
+    assert admin.evict() > 0
+    for p in range(1, 12):
+        first.add(f"p{p}", prompts[p])
+        first.run_until_idle()
+    assert first.worker._worker.kept_blocks >= 6
+    second = Engine(model_dir, daemon.socket)
+    engines.append(second)
+    held = daemon_counters(daemon)["engine_held"]
+    second.add("again", prompts[0])
+    new = schedule_when_answered(second, "again")
+    assert new.num_computed_tokens == 6 * BLOCK  # type: ignore[attr-defined]
+    second.run_until_idle()
+    assert second.invalid_reported == set()
+    for index in range(6):
+        assert second.holds(new.block_ids[0][index], prompts[0], index), f"block {index} differs"  # type: ignore[attr-defined]
+    # The engine keeps what it loaded: kvtierd's copies are evicted first.
+    assert daemon_counters(daemon)["engine_held"] - held >= 6
+    # Without keep_dropped, nothing brings them back.
+    admin.evict()
+    third = Engine(model_dir, daemon.socket, keep_dropped=False)
+    engines.append(third)
+    third.add("q0", prompts[0])
+    third.run_until_idle()
+    admin.evict()
+    for p in range(1, 12):
+        third.add(f"q{p}", prompts[p])
+        third.run_until_idle()
+    assert third.worker._worker.kept_blocks == 0
+    fourth = Engine(model_dir, daemon.socket)
+    engines.append(fourth)
+    fourth.add("again", prompts[0])
+    assert schedule_when_answered(fourth, "again").num_computed_tokens == 0  # type: ignore[attr-defined]
+    admin.close()
+
+
+def test_a_prefix_vllm_lets_go_of_in_the_step_that_wants_it_is_loaded_from_the_copy(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine]
+) -> None:
+    # vLLM schedules a step's requests in turn. Here a's new blocks are the
+    # blocks that held p's prefix (the oldest in vLLM's free queue), and b,
+    # scheduled after a in the same step, wants that prefix: vLLM's own
+    # cache has let go of it, kvtierd never had it. The connector copies
+    # the blocks in that step before anything writes them, and b's lookup,
+    # answered after a took them, counts them: b loads them, bytes as p
+    # computed them.
+    engine = Engine(model_dir, daemon.socket, lookup_wait_ms=5000)
+    engines.append(engine)
+    p = [(11 * t + 7) % 1000 for t in range(6 * BLOCK + 1)]
+    engine.add("p", p)
+    engine.run_until_idle()
+    for f in range(9):  # every block vLLM never used goes, after p's
+        engine.add(f"f{f}", [(13 * t + 101 * f + 5) % 1000 for t in range(6 * BLOCK + 1)])
+        engine.run_until_idle()
+    admin = kvtier.Client.connect(daemon.socket)
+    admin.evict()
+    admin.close()
+    engine.add("a", [(17 * t + 3) % 1000 for t in range(6 * BLOCK + 1)])
+    b = p[: 6 * BLOCK] + [(19 * t + 1) % 1000 for t in range(2 * BLOCK + 1)]
+    engine.add("b", b)
+    out = engine.scheduler.schedule()
+    new = {n.req_id: n for n in out.scheduled_new_reqs}  # type: ignore[attr-defined]
+    assert set(new) == {"a", "b"}
+    meta = out.kv_connector_metadata  # type: ignore[attr-defined]
+    assert sum(len(spec.block_ids) for spec in meta.dropped) >= 6
+    assert new["b"].num_computed_tokens == 6 * BLOCK, "b's prefix counted: its copies land before its loads"
+    engine.step(scheduled=out)
+    assert engine.invalid_reported == set()
+    for index in range(6):
+        assert engine.holds(new["b"].block_ids[0][index], b, index), f"block {index} differs"
+    engine.run_until_idle()
+
+
+def test_blocks_let_go_of_in_a_step_are_copied_as_chains_each_after_its_parent() -> None:
+    from kvtier._vllm_scheduler import _chains
+
+    dropped = [(0, b"s3", 13, b"s2"), (0, b"s2", 12, b"s1"), (0, b"x", 20, None), (0, b"s1", 11, b"s0"),
+               (0, b"t", 30, b"s1"), (0, b"s4", 14, b"s3"), (1, b"s2", 40, b"s1"), (0, b"u", 31, b"q")]
+    got = [(c.group, c.parent, c.block_hashes, c.block_ids) for c in _chains(dropped)]
+    assert sorted(got, key=repr) == sorted([
+        (0, None, [b"x"], [20]),
+        (0, b"s0", [b"s1", b"s2", b"s3", b"s4"], [11, 12, 13, 14]),
+        (0, b"s1", [b"t"], [30]),  # a branch off s1: its own chain
+        (1, b"s1", [b"s2"], [40]),  # another group's s1 was not let go of
+        (0, b"q", [b"u"], [31]),
+    ], key=repr)
+
+
 @pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
 def test_the_worker_moves_bytes_exactly_for_every_vllm_layout(
     model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], layout: str

@@ -61,6 +61,13 @@ class _Settings:
     # first), and the scheduler tells kvtierd which blocks vLLM's own cache
     # let go of since (kvtier's copy the only one then).
     exclusive_caching: bool = True
+    # With exclusive caching, on CPU caches: kvtier takes a copy of each
+    # block vLLM lets go of that it lacks, in the step that reuses the block
+    # and before anything writes it (handle_preemptions); loads say vLLM
+    # keeps what it loaded (kvtier's copy then goes first, as a store's);
+    # and a lookup counts the blocks vLLM let go of earlier in the same
+    # scheduling pass (their copies land before the step's loads).
+    keep_dropped: bool = True
 
     @staticmethod
     def of(vllm_config: VllmConfig) -> _Settings:
@@ -76,6 +83,7 @@ class _Settings:
             layerwise_store=_flag(extra.get("layerwise_store", True)),
             load_or_recompute=_flag(extra.get("load_or_recompute", True)),
             exclusive_caching=_flag(extra.get("exclusive_caching", True)),
+            keep_dropped=_flag(extra.get("keep_dropped", True)),
         )
 
 
@@ -343,6 +351,7 @@ class TransferSpec:
     block_ids: list[int]
     hint: RequestHint | None = None
     group: int = 0
+    parent: bytes | None = None  # the hash of the block before the first, where known (a chain's)
 
 
 @dataclass
@@ -362,6 +371,9 @@ class KvtierMetadata(KVConnectorMetadata):
     # and those whose loads fell short on some rank (theirs are cancelled).
     confirmed: set[str] = field(default_factory=set)
     voided: set[str] = field(default_factory=set)
+    # Blocks vLLM gives to other content this step, by group, with the hash
+    # each held (keep_dropped): copied to kvtierd before anything writes them.
+    dropped: list[TransferSpec] = field(default_factory=list)
 
 
 @dataclass

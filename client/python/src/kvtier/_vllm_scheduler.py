@@ -63,9 +63,9 @@ class _Lookup:
 @dataclass
 class _Dropped:
     """Blocks vLLM's own cache let go of (_EngineCache): each as its KV
-    cache group and its hash."""
+    cache group, its hash and the block id that held it."""
 
-    blocks: list[tuple[int, bytes]]
+    blocks: list[tuple[int, bytes, int, bytes | None]]
 
 
 class _EngineCache:
@@ -81,12 +81,24 @@ class _EngineCache:
 
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, bytes]] = {}
-        self.dropped: list[tuple[int, bytes]] = []
+        self._parents: dict[int, bytes | None] = {}  # the hash before each held one's, where known
+        self.dropped: list[tuple[int, bytes, int, bytes | None]] = []  # group, hash, block id, parent
 
-    def seen(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> None:
+    def dropping(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> list[bytes]:
+        """The hashes `seen` will find let go of for these ids, without
+        recording anything: what a request's allocation just took."""
+        out = []
+        for position in range(start, len(ids)):
+            held = self._held.get(ids[position])
+            now = (group, hashes[position]) if position < len(hashes) else None
+            if held is not None and held != now:
+                out.append(held[1])
+        return out
+
+    def seen(self, group: int, ids: list[int], start: int, hashes: list[bytes], before: bytes | None = None) -> None:
         """A request's block ids in `group` from `start` on: the first of
-        them hold `hashes` (once this step has run); those after, new
-        content."""
+        them hold `hashes` (once this step has run), after the block of hash
+        `before` (None: none, or not known); those after, new content."""
         for position in range(start, len(ids)):
             block = ids[position]
             if block == _NULL_BLOCK:
@@ -94,11 +106,13 @@ class _EngineCache:
             now = (group, hashes[position - start]) if position - start < len(hashes) else None
             held = self._held.get(block)
             if held is not None and held != now:
-                self.dropped.append(held)
+                self.dropped.append((*held, block, self._parents.get(block)))
             if now is None:
                 self._held.pop(block, None)
+                self._parents.pop(block, None)
             else:
                 self._held[block] = now
+                self._parents[block] = hashes[position - start - 1] if position > start else before
 
 
 class _Lookups:
@@ -117,7 +131,7 @@ class _Lookups:
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._entries: dict[str, _Lookup] = {}
-        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int] | _Dropped | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int, frozenset[bytes]] | _Dropped | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
         self._thread.start()
         # Lookups started, and those not answered within lookup_wait_s (their
@@ -125,7 +139,7 @@ class _Lookups:
         self.asked = 0
         self.late = 0
 
-    def result(self, req_id: str, hashes: list[bytes], local: int = 0) -> int | None:
+    def result(self, req_id: str, hashes: list[bytes], local: int = 0, pending: frozenset[bytes] = frozenset()) -> int | None:
         """Leading blocks of `hashes` cached, or None while the answer is not
         there. With full attention only, the first `local` blocks (vLLM's
         own hit) are not asked about: taken as cached, and not touched in
@@ -135,13 +149,15 @@ class _Lookups:
         at most lookup_wait_s (a round trip takes a fraction of that), so
         that a request is scheduled in the step it arrives in, not a step
         later, behind whatever that step computes. A lookup unanswered after
-        lookup_timeout_s is a miss."""
+        lookup_timeout_s is a miss. `pending`: blocks vLLM let go of earlier
+        in this scheduling pass, which the workers copy to kvtierd before
+        the step's loads (keep_dropped): counted as cached."""
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(req_id)
             if entry is None or entry.num_blocks != len(hashes):
                 entry = self._entries[req_id] = _Lookup(len(hashes), now)
-                self._queue.put((req_id, hashes, local))
+                self._queue.put((req_id, hashes, local, pending))
                 if self._settings.lookup_wait_s > 0:
                     self._answered.wait_for(lambda: entry.hits is not None, self._settings.lookup_wait_s)
                 self.asked += 1
@@ -156,7 +172,7 @@ class _Lookups:
         with self._lock:
             self._entries.pop(req_id, None)
 
-    def engine_dropped(self, blocks: list[tuple[int, bytes]]) -> None:
+    def engine_dropped(self, blocks: list[tuple[int, bytes, int, bytes | None]]) -> None:
         """Blocks vLLM's own cache let go of (group, hash): told to kvtierd
         on this thread (Hint.engine_dropped), after the lookups queued
         before."""
@@ -183,7 +199,9 @@ class _Lookups:
     # windows are all cached, before it settles for none.
     _WINDOW_TRIES = 16
 
-    def _hits(self, client: kvtier.Client, caches: list[list[kvtier.KvCache]], hashes: list[bytes]) -> int:
+    def _hits(
+        self, client: kvtier.Client, caches: list[list[kvtier.KvCache]], hashes: list[bytes], pending: frozenset[bytes] = frozenset()
+    ) -> int:
         """Leading blocks of `hashes` a load can bring back: every
         full-attention group's every shard holds them all, and every
         sliding-window group's every shard holds the window before the
@@ -197,8 +215,7 @@ class _Lookups:
         for window, shards in zip(self._windows, caches):
             if window is None:
                 for cache in shards:
-                    keys = _keys(client, cache, hashes[:hits])
-                    hits = client.prefetch(cache, keys, prefill_tokens_per_s=rate) if hits else 0
+                    hits = self._leading(client, cache, hashes[:hits], pending, rate) if hits else 0
         tries = 0
         settled = False
         while hits and not settled:
@@ -216,6 +233,21 @@ class _Lookups:
                             return 0
                     if not hits:
                         return 0
+        return hits
+
+    @staticmethod
+    def _leading(client: kvtier.Client, cache: kvtier.KvCache, hashes: list[bytes], pending: frozenset[bytes], rate: float) -> int:
+        """Leading blocks of `hashes` cached in kvtierd, or about to be
+        (`pending`): kvtierd is asked again past each run of pending ones."""
+        hits = 0
+        while hits < len(hashes):
+            hits += client.prefetch(cache, _keys(client, cache, hashes[hits:]), prefill_tokens_per_s=rate)
+            copied = hits
+            while copied < len(hashes) and hashes[copied] in pending:
+                copied += 1
+            if copied == hits:
+                break
+            hits = copied
         return hits
 
     def _run(self) -> None:
@@ -237,7 +269,7 @@ class _Lookups:
             if isinstance(item, _Dropped):
                 client = connection.client() if caches else None
                 by_group: dict[int, list[bytes]] = {}
-                for group, block_hash in item.blocks:
+                for group, block_hash, _, _ in item.blocks:
                     by_group.setdefault(group, []).append(block_hash)
                 try:
                     for group, hashes in by_group.items() if client is not None else ():
@@ -246,7 +278,7 @@ class _Lookups:
                 except kvtier.Error as error:
                     refusals.note(error, f"a hint that vLLM let go of {len(item.blocks)} blocks")
                 continue
-            req_id, hashes, local = item
+            req_id, hashes, local, pending = item
             if self._stale(req_id, hashes):
                 continue
             if any(window is not None for window in self._windows):
@@ -261,7 +293,7 @@ class _Lookups:
                     if not caches:
                         rest = iter(registered)
                         caches = [[next(rest) for _ in shards] for shards in self._layouts]
-                    hits = local + self._hits(client, caches, hashes[local:])
+                    hits = local + self._hits(client, caches, hashes[local:], pending)
             except kvtier.Error as error:
                 hits = 0
                 registered_all = len(registered) == len(layouts)
@@ -284,6 +316,31 @@ class _Request:
     stored: int = 0  # leading blocks known cached or already sent to be stored
     has_stores: bool = False
     recorded: int = 0  # leading blocks whose hash _EngineCache knows vLLM holds
+
+
+def _chains(dropped: list[tuple[int, bytes, int, bytes | None]]) -> list[TransferSpec]:
+    """Blocks vLLM let go of (group, hash, block id, parent hash) as
+    chains, each block after its parent and a chain's first after
+    TransferSpec.parent: kvtierd links each copy under the block before it
+    in its store, so no block may follow one that is not its parent."""
+    present = {(group, block_hash) for group, block_hash, _, _ in dropped}
+    children: dict[tuple[int, bytes | None], list[tuple[int, bytes, int, bytes | None]]] = {}
+    for item in dropped:
+        children.setdefault((item[0], item[3]), []).append(item)
+    stack = [item for item in reversed(dropped) if item[3] is None or (item[0], item[3]) not in present]
+    chains = []
+    while stack:
+        item: tuple[int, bytes, int, bytes | None] | None = stack.pop()
+        assert item is not None
+        spec = TransferSpec("", [], [], group=item[0], parent=item[3])
+        while item is not None:
+            spec.block_hashes.append(item[1])
+            spec.block_ids.append(item[2])
+            kids = children.pop((item[0], item[1]), [])
+            stack.extend(reversed(kids[1:]))  # a branch: a chain of its own
+            item = kids[0] if kids else None
+        chains.append(spec)
+    return chains
 
 
 # vLLM's null block: where a sliding-window group holds no block (outside
@@ -312,6 +369,10 @@ class _SchedulerSide:
         # vLLM holds them (engine_holds) on the same setting, and the hints
         # from here release them.
         self._engine = _EngineCache() if settings.exclusive_caching else None
+        # keep_dropped (full attention, one group): the hashes vLLM let go of
+        # in this scheduling pass so far, which its lookups count as cached.
+        self._keep_dropped = settings.exclusive_caching and settings.keep_dropped
+        self._pending: set[bytes] = set()
         # The ranks' word on loads, for the next step's workers (StepReport),
         # and how many requests had each word, logged at shutdown.
         self._confirmed: set[str] = set()
@@ -332,7 +393,7 @@ class _SchedulerSide:
         if blocks * self._block_tokens <= num_computed_tokens or request.request_id in self._failed_loads:
             return 0, False
         hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[:blocks]]
-        hits = self._lookups.result(request.request_id, hashes, num_computed_tokens // self._block_tokens)
+        hits = self._lookups.result(request.request_id, hashes, num_computed_tokens // self._block_tokens, frozenset(self._pending))
         if hits is None:
             return None, False
         self._local_tokens[request.request_id] = num_computed_tokens
@@ -346,6 +407,10 @@ class _SchedulerSide:
         if state is None:
             state = self._requests[req_id] = _Request(request, RequestHint.of(request))
         state.stored = max(state.stored, self._hits.get(req_id, 0))
+        if self._keep_dropped and self._engine is not None and len(self._windows) == 1 and self._windows[0] is None:
+            (ids,) = blocks.get_block_ids()
+            hashes_now = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[: len(ids)]]
+            self._pending.update(self._engine.dropping(0, list(ids), self._local_tokens.get(req_id, 0) // self._block_tokens, hashes_now))
         if num_external_tokens <= 0:
             return
         first = self._local_tokens.get(req_id, 0) // self._block_tokens
@@ -369,6 +434,7 @@ class _SchedulerSide:
         )
         self._loads, self._hints = [], []
         self._confirmed, self._voided = set(), set()
+        self._pending = set()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -393,6 +459,8 @@ class _SchedulerSide:
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_stores(meta, state, computed)
         if self._engine is not None and self._engine.dropped:
+            if self._keep_dropped:
+                meta.dropped = _chains(self._engine.dropped)
             self._lookups.engine_dropped(self._engine.dropped)
             self._engine.dropped = []
         return meta
@@ -412,8 +480,9 @@ class _SchedulerSide:
             blocks = min(blocks, publishable)
         if self._engine is not None:
             held = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[state.recorded : blocks]]
+            before = kvtier.engine_hash_bytes(request.block_hashes[state.recorded - 1]) if state.recorded > 0 else None
             for group, ids in enumerate(state.block_ids):
-                self._engine.seen(group, ids, state.recorded, held)
+                self._engine.seen(group, ids, state.recorded, held, before)
             state.recorded = max(state.recorded, blocks)
         if blocks <= state.stored:
             return

@@ -157,6 +157,12 @@ class _WorkerSide:
         self._deferred: dict[str, list[TransferSpec]] = {}
         self._loads_whole: set[str] = set()  # this step's, on this rank, to report
         self._loads_short: set[str] = set()
+        # keep_dropped: what each block id holds, as far as this worker saw
+        # it written (computed by a forward pass whose loads all arrived on
+        # every rank, or loaded): (group, hash). Only such blocks are copied
+        # to kvtierd as vLLM lets go of them. Bounded by vLLM's block count.
+        self._content: dict[int, tuple[int, bytes]] = {}
+        self.kept_blocks = 0  # blocks copied to kvtierd as vLLM let go of them
         self._layerwise_store = settings.layerwise_store and not self._by_request
         # This step's forward pass, timed for the scheduler's prefill rate
         # (load or recompute): from its metadata's binding to wait_for_save,
@@ -250,6 +256,7 @@ class _WorkerSide:
         if not meta.loads:
             return
         ready = self._ready()
+        keeping = self._keeping()
         # By layer on CPU caches. kvtierd's cuda backend reports a GPU
         # cache's layers one by one too, but no GPU has run vLLM with it yet
         # (the per-layer waits are host-side, and vLLM's CUDA graphs may skip
@@ -259,6 +266,8 @@ class _WorkerSide:
         pending: list[tuple[TransferSpec, list[tuple[kvtier.Op, int]]]] = []
         for spec in meta.loads:
             ops: list[tuple[kvtier.Op, int]] = []
+            for block in spec.block_ids:
+                self._content.pop(block, None)  # written by this load, if at all
             if not self._by_request:
                 self._loading.add(spec.req_id)
             if ready is not None:
@@ -266,7 +275,7 @@ class _WorkerSide:
                 try:
                     keys = _keys(client, cache, spec.block_hashes)
                     for piece in _pieces(len(keys), client):
-                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer)
+                        op = client.load_async(cache, keys[piece], spec.block_ids[piece], by_layer=by_layer, engine_holds=keeping)
                         ops.append((op, len(keys[piece])))
                 except kvtier.UnimplementedError as error:
                     # A kvtierd from before loads by layer: whole loads from
@@ -353,6 +362,8 @@ class _WorkerSide:
             if skipped:
                 loaded = 0
             short = loaded < len(spec.block_ids)
+            if not (self._by_request and short):
+                self._saw_written(spec.group, spec.block_ids[:loaded], spec.block_hashes[:loaded])
             if not self._by_request:
                 self._invalid.update(spec.block_ids[loaded:])
                 if short:
@@ -426,6 +437,9 @@ class _WorkerSide:
         self._time_step()
         if self._ranks > 1:
             self._awaiting |= self._loading - self._short
+        for spec in meta.stores:
+            if spec.req_id not in self._short and spec.req_id not in self._awaiting:
+                self._saw_written(spec.group, spec.block_ids, spec.block_hashes)
         if not meta.stores:
             return
         if self._stores_started:
@@ -512,6 +526,57 @@ class _WorkerSide:
             self._end_stores(self._stores.get(req_id, []))
             if req_id in self._stores:
                 self._stores[req_id] = []
+        self._keep_dropped(meta.dropped)
+
+    def _keeping(self) -> bool:
+        """Whether blocks vLLM lets go of are copied to kvtierd, and loads
+        say vLLM keeps what it loads: keep_dropped with exclusive caching, on
+        CPU caches (a GPU's copy would wait for the engine's stream; not run
+        on a GPU yet)."""
+        return self._settings.exclusive_caching and self._settings.keep_dropped and not self._on_gpu
+
+    def _saw_written(self, group: int, block_ids: list[int], hashes: list[bytes]) -> None:
+        if not self._keeping():
+            return
+        for block, block_hash in zip(block_ids, hashes):
+            self._content[block] = (group, block_hash)
+
+    def _keep_dropped(self, dropped: list[TransferSpec]) -> None:
+        """Copies to kvtierd the blocks vLLM gives to other content this
+        step (chains, each after its parent), where this worker saw them
+        written with the content they are said to hold (kvtierd skips those
+        it has), and waits for the copies (cancelled at op_timeout_s): the
+        step writes these blocks next, and its loads may read what they
+        bring. A block not seen so splits its chain."""
+        runs: list[tuple[int, list[bytes], list[int], bytes | None]] = []  # group, hashes, ids, parent
+        for spec in dropped:
+            for i, block in enumerate(spec.block_ids):
+                if self._content.pop(block, None) != (spec.group, spec.block_hashes[i]):
+                    continue
+                if runs and runs[-1][0] == spec.group and runs[-1][1][-1:] == spec.block_hashes[i - 1 : i] and i > 0:
+                    runs[-1][1].append(spec.block_hashes[i])
+                    runs[-1][2].append(block)
+                else:
+                    runs.append((spec.group, [spec.block_hashes[i]], [block], spec.block_hashes[i - 1] if i > 0 else spec.parent))
+        ready = self._ready() if runs and self._keeping() and self._stores_shard else None
+        if ready is None:
+            return
+        client, caches = ready
+        ops: list[kvtier.Op] = []
+        try:
+            for group, hashes, ids, parent in runs:
+                cache = caches[group]
+                keys = _keys(client, cache, hashes if parent is None else [parent, *hashes])
+                before = None if parent is None else keys.pop(0)
+                for piece in _pieces(len(keys), client):
+                    ops.append(client.store_async(cache, keys[piece], ids[piece], before if piece.start == 0 else keys[piece.start - 1]))
+        except kvtier.Error as error:
+            self._connection.note(error)
+            logger.info("kvtier: copies of blocks vLLM lets go of failed to start (%s)", error)
+        deadline = time.monotonic() + self._settings.op_timeout_s
+        for op in ops:
+            result = self._finish(op, deadline - time.monotonic(), "a copy of blocks vLLM lets go of")
+            self.kept_blocks += result.blocks if result is not None else 0
 
     def _settle(self, confirmed: set[str], voided: set[str]) -> None:
         """The scheduler's word on the loads of requests awaiting it: every
@@ -625,6 +690,8 @@ class _WorkerSide:
         return invalid
 
     def shutdown(self) -> None:
+        if self.kept_blocks:
+            logger.info("kvtier: %d blocks vLLM let go of were copied to kvtierd (keep_dropped)", self.kept_blocks)
         self._settle(set(), set(self._awaiting))  # cancelled: no word will come
         self._end_loads()
         self._end_stores([op for ops in self._stores.values() for op in ops])
