@@ -28,6 +28,11 @@ def test_the_table_docs_engines_md_quotes_comes_back() -> None:
     # vllm-same-memory, duplicates, exclusive, keep-ideal, keep, keep-pending
     assert rows["163"] == ["80.8%", "65.8%", "79.8%", "77.1%", "56.1%", "77.1%"]
     assert rows["192"] == ["83.2%", "77.3%", "82.2%", "79.0%", "65.6%", "79.0%"]
+    issue = ["--conversations", "20", "--turns", "4", "--system-tokens", "1536", "--user-tokens", "128"]
+    out = subprocess.run([sys.executable, str(SCRIPT), *issue, "--offload-blocks", "163", "192"], capture_output=True, text=True, check=True)
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]}
+    assert rows["163"] == ["77.6%", "0.0%", "39.6%", "65.4%", "65.4%", "65.4%"]
+    assert rows["192"] == ["77.6%", "0.0%", "39.6%", "76.9%", "76.9%", "76.9%"]
 
 
 def test_vllms_block_pool_reuses_a_prefix_and_evicts_a_requests_last_block_first() -> None:
