@@ -455,6 +455,26 @@ def schedule_answered(engine: Engine, req_id: str) -> object:
     raise AssertionError(f"{req_id} was never scheduled")
 
 
+def loading_the_prefix(
+    model_dir: pathlib.Path, daemon: Daemon, engines: list[Engine], prompt: list[int], layerwise: bool, ranks: int = 1
+) -> tuple[Engine, Any, KvtierMetadata]:
+    """A first engine stores PREFIX; a second (as rank 0 of `ranks`)
+    schedules `prompt`, request b, whose step loads PREFIX's 6 blocks.
+    Returns the second engine, and b's step scheduled, not yet run."""
+    first = Engine(model_dir, daemon.socket)
+    engines.append(first)
+    first.add("a", PREFIX + [1])
+    first.run_until_idle()
+    second = Engine(model_dir, daemon.socket, layerwise_load=layerwise, layerwise_store=layerwise)
+    engines.append(second)
+    second.worker._worker._ranks = ranks
+    second.add("b", prompt)
+    out = schedule_answered(second, "b")
+    meta = out.kv_connector_metadata
+    assert [len(load.block_ids) for load in meta.loads] == [6]
+    return second, out, meta
+
+
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "scheduled-ahead"])
 @pytest.mark.parametrize("layerwise", [True, False], ids=["by-layer", "whole"])
 def test_nothing_computed_after_a_load_that_fell_short_is_stored(
@@ -468,17 +488,8 @@ def test_nothing_computed_after_a_load_that_fell_short_is_stored(
     # scheduling (ahead) that next step is scheduled before vLLM is told.
     # None of those stores may land in kvtierd, where they would be served
     # under their prompt's keys.
-    first = Engine(model_dir, daemon.socket)
-    engines.append(first)
-    first.add("a", PREFIX + [1])
-    first.run_until_idle()
-    second = Engine(model_dir, daemon.socket, layerwise_load=layerwise, layerwise_store=layerwise)
-    engines.append(second)
     prompt = PREFIX + [(7 * i + 3) % 1000 for i in range(30 * BLOCK + 1)]
-    second.add("b", prompt)
-    out = schedule_answered(second, "b")
-    meta = out.kv_connector_metadata  # type: ignore[attr-defined]
-    assert [len(load.block_ids) for load in meta.loads] == [6]
+    second, out, meta = loading_the_prefix(model_dir, daemon, engines, prompt, layerwise)
     assert [len(store.block_ids) for store in meta.stores] == [16]  # 256 tokens: its budget
     admin = kvtier.Client.connect(daemon.socket)
     assert admin.evict() > 0
@@ -514,18 +525,8 @@ def test_with_several_ranks_a_loading_requests_stores_land_on_every_ranks_word(
     # StepReport, says: all whole (they land), or some short (cancelled,
     # and b stores nothing more). The other rank is its report, as vLLM
     # aggregates it.
-    first = Engine(model_dir, daemon.socket)
-    engines.append(first)
-    first.add("a", PREFIX + [1])
-    first.run_until_idle()
-    second = Engine(model_dir, daemon.socket, layerwise_load=layerwise, layerwise_store=layerwise)
-    engines.append(second)
-    second.worker._worker._ranks = 2
     prompt = PREFIX + [(5 * i + 9) % 1000 for i in range(2 * BLOCK + 1)]
-    second.add("b", prompt)
-    out = schedule_answered(second, "b")
-    meta = out.kv_connector_metadata  # type: ignore[attr-defined]
-    assert [len(load.block_ids) for load in meta.loads] == [6]
+    second, out, meta = loading_the_prefix(model_dir, daemon, engines, prompt, layerwise, ranks=2)
     assert [len(store.block_ids) for store in meta.stores] == [2]
     before = daemon_counters(daemon)["stores"]
     runner = second.execute(out)

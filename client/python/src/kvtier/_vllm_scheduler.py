@@ -63,7 +63,8 @@ class _Lookup:
 @dataclass
 class _Dropped:
     """Blocks vLLM's own cache let go of (_EngineCache): each as its KV
-    cache group, its hash and the block id that held it."""
+    cache group, its hash, the block id that held it and its parent's
+    hash (None where not known)."""
 
     blocks: list[tuple[int, bytes, int, bytes | None]]
 
@@ -173,7 +174,7 @@ class _Lookups:
             self._entries.pop(req_id, None)
 
     def engine_dropped(self, blocks: list[tuple[int, bytes, int, bytes | None]]) -> None:
-        """Blocks vLLM's own cache let go of (group, hash): told to kvtierd
+        """Blocks vLLM's own cache let go of (_Dropped's): told to kvtierd
         on this thread (Hint.engine_dropped), after the lookups queued
         before."""
         self._queue.put(_Dropped(blocks))
