@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import kvtier
 
@@ -85,27 +85,31 @@ class _EngineCache:
         self._parents: dict[int, bytes | None] = {}  # the hash before each held one's, where known
         self.dropped: list[tuple[int, bytes, int, bytes | None]] = []  # group, hash, block id, parent
 
-    def dropping(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> list[bytes]:
-        """The hashes `seen` will find let go of for these ids, without
-        recording anything: what a request's allocation just took."""
-        out = []
+    def _contents(
+        self, group: int, ids: list[int], start: int, hashes: list[bytes]
+    ) -> Iterator[tuple[int, int, tuple[int, bytes] | None, tuple[int, bytes] | None]]:
+        """For a request's block ids in `group` from `start` on, whose first
+        ones hold `hashes`: each (offset from start, block id, what it held,
+        what it holds now: None for new content). Null blocks are skipped."""
         for position in range(start, len(ids)):
-            held = self._held.get(ids[position])
-            now = (group, hashes[position]) if position < len(hashes) else None
-            if held is not None and held != now:
-                out.append(held[1])
-        return out
+            block = ids[position]
+            if block == _NULL_BLOCK:
+                continue
+            offset = position - start
+            now = (group, hashes[offset]) if offset < len(hashes) else None
+            yield offset, block, self._held.get(block), now
+
+    def dropping(self, group: int, ids: list[int], start: int, hashes: list[bytes]) -> list[bytes]:
+        """The hashes `seen` will find let go of for these ids (as its
+        arguments), without recording anything: what a request's allocation
+        just took."""
+        return [held[1] for _, _, held, now in self._contents(group, ids, start, hashes) if held is not None and held != now]
 
     def seen(self, group: int, ids: list[int], start: int, hashes: list[bytes], before: bytes | None = None) -> None:
         """A request's block ids in `group` from `start` on: the first of
         them hold `hashes` (once this step has run), after the block of hash
         `before` (None: none, or not known); those after, new content."""
-        for position in range(start, len(ids)):
-            block = ids[position]
-            if block == _NULL_BLOCK:
-                continue
-            now = (group, hashes[position - start]) if position - start < len(hashes) else None
-            held = self._held.get(block)
+        for offset, block, held, now in self._contents(group, ids, start, hashes):
             if held is not None and held != now:
                 self.dropped.append((*held, block, self._parents.get(block)))
             if now is None:
@@ -113,7 +117,7 @@ class _EngineCache:
                 self._parents.pop(block, None)
             else:
                 self._held[block] = now
-                self._parents[block] = hashes[position - start - 1] if position > start else before
+                self._parents[block] = hashes[offset - 1] if offset > 0 else before
 
 
 class _Lookups:
@@ -410,8 +414,9 @@ class _SchedulerSide:
         state.stored = max(state.stored, self._hits.get(req_id, 0))
         if self._keep_dropped and self._engine is not None and len(self._windows) == 1 and self._windows[0] is None:
             (ids,) = blocks.get_block_ids()
-            hashes_now = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[: len(ids)]]
-            self._pending.update(self._engine.dropping(0, list(ids), self._local_tokens.get(req_id, 0) // self._block_tokens, hashes_now))
+            local = self._local_tokens.get(req_id, 0) // self._block_tokens
+            hashes = [kvtier.engine_hash_bytes(h) for h in request.block_hashes[local : len(ids)]]
+            self._pending.update(self._engine.dropping(0, list(ids), local, hashes))
         if num_external_tokens <= 0:
             return
         first = self._local_tokens.get(req_id, 0) // self._block_tokens

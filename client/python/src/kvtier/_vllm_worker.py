@@ -572,7 +572,7 @@ class _WorkerSide:
                     ops.append(client.store_async(cache, keys[piece], ids[piece], before if piece.start == 0 else keys[piece.start - 1]))
         except kvtier.Error as error:
             self._connection.note(error)
-            logger.info("kvtier: copies of blocks vLLM lets go of failed to start (%s)", error)
+            self._refusals.note(error, "copies of blocks vLLM lets go of")  # WARNING once for a refusal
         deadline = time.monotonic() + self._settings.op_timeout_s
         for op in ops:
             result = self._finish(op, deadline - time.monotonic(), "a copy of blocks vLLM lets go of")
